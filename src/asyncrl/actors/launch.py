@@ -1,0 +1,56 @@
+"""Entry point of one actor process: ``python -m asyncrl.actors.launch ROLE --run-dir DIR``.
+
+``asyncrl up`` spawns this for every actor; ``asyncrl attach`` runs the same code in the
+foreground. The recipe comes from ``<run>/recipe.json`` and NATS from ``<run>/nats.json``,
+so an attached actor joins exactly the run it names."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from asyncrl.config import Recipe
+from asyncrl.runtime.actor import ActorContext
+from asyncrl.runtime.log import configure_logging
+from asyncrl.runtime.loop import run_async
+
+
+def build_context(run_dir: Path, actor_id: str = "") -> ActorContext:
+    from asyncrl.runtime.nats_server import nats_info_for_run
+
+    recipe_path = run_dir / "recipe.json"
+    if not recipe_path.is_file():
+        raise SystemExit(f"{run_dir} is not a run folder (no recipe.json)")
+    recipe = Recipe.model_validate(json.loads(recipe_path.read_text()))
+    return ActorContext(
+        run_name=recipe.run.name,
+        run_dir=run_dir,
+        nats=nats_info_for_run(run_dir),
+        recipe=recipe,
+        actor_id=actor_id,
+    )
+
+
+def run_actor(role: str, run_dir: Path, actor_id: str = "") -> int:
+    from asyncrl.actors import actor_class
+
+    configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"))
+    ctx = build_context(run_dir, actor_id)
+    actor = actor_class(role)(ctx)
+    return run_async(actor.main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncrl-actor")
+    parser.add_argument("role")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--actor-id", default="")
+    args = parser.parse_args(argv)
+    return run_actor(args.role, args.run_dir, args.actor_id)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""``asyncrl``: the command line.
+
+Only argparse and the config schema load at start; torch, transformers and NATS are
+imported by the command that needs them, so ``asyncrl --help`` and ``asyncrl check`` are
+instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from asyncrl import __version__
+from asyncrl.config import RecipeError, dump_recipe, load_recipe
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", nargs="?", help="TOML recipe (defaults when omitted)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set trainer.optim.lr=1e-6 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncrl",
+        description="Asynchronous RL for language models: rollout, reward, buffer and "
+        "trainer actors over NATS.",
+    )
+    parser.add_argument("--version", action="version", version=f"asyncrl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run a recipe: embedded NATS, every actor, progress")
+    _add_recipe_args(up)
+    up.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    up.add_argument(
+        "--overwrite", action="store_true", help="replace an existing run folder of that name"
+    )
+    up.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    check = sub.add_parser("check", help="validate a recipe and print the resolved config")
+    _add_recipe_args(check)
+
+    attach = sub.add_parser("attach", help="join a live run with one more actor process")
+    attach.add_argument("role", help="rollout, reward, buffer or trainer")
+    attach.add_argument("--run", type=Path, required=True, help="the run folder")
+    attach.add_argument("--actor-id", default="", help="defaults to <role>-<random>")
+
+    metrics = sub.add_parser("metrics", help="stream a run's metrics from NATS")
+    metrics.add_argument("--run", type=Path, required=True, help="the run folder")
+    metrics.add_argument("--json", action="store_true", help="one JSON object per line")
+    metrics.add_argument("--role", default="*", help="only this role's metrics")
+    metrics.add_argument("--count", type=int, default=0, help="stop after N records")
+
+    status = sub.add_parser("status", help="list a run's live actors from their heartbeats")
+    status.add_argument("--run", type=Path, required=True, help="the run folder")
+    status.add_argument("--wait", type=float, default=2.5, help="seconds to listen")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "check":
+            recipe = load_recipe(args.recipe, args.overrides)
+            print(dump_recipe(recipe), end="")
+            return 0
+        if args.command == "up":
+            recipe = load_recipe(args.recipe, args.overrides)
+            from asyncrl.up import up
+
+            return up(recipe, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet)
+        if args.command == "attach":
+            from asyncrl.actors.launch import run_actor
+
+            return run_actor(args.role, args.run, args.actor_id)
+        if args.command == "metrics":
+            from asyncrl.watch import stream_metrics
+
+            return stream_metrics(args.run, as_json=args.json, role=args.role, count=args.count)
+        if args.command == "status":
+            from asyncrl.watch import show_status
+
+            return show_status(args.run, wait=args.wait)
+    except RecipeError as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

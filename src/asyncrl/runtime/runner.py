@@ -1,0 +1,199 @@
+"""AsyncTaskRunner: drives many concurrent episodes under admission control.
+
+The runner is an async context manager that owns one ``asyncio.TaskGroup``::
+
+    async with AsyncTaskRunner(max_concurrent=32, capacity=staleness.capacity) as runner:
+        await runner.submit(workflow.arun_episode, engine, item)
+        results = await runner.wait(count=4, timeout=60)
+
+Contract:
+
+- ``submit`` puts a task into a bounded queue (it waits while the queue is full).
+- A queued task starts only when the runner is not paused, fewer than ``max_concurrent``
+  tasks run, and the capacity hook (if any) returns > 0. Tasks start in submission order.
+  Call :meth:`notify` when something the hook reads has changed (a new policy version).
+- ``pause()`` stops new starts; running tasks go on. ``resume()`` lets starts continue.
+- Every task ends as a :class:`TaskResult`: its value, or the exception it raised. An
+  exception is never raised out of the runner and never stops other tasks.
+- ``wait(count, timeout)`` returns ``count`` results in completion order, or raises
+  ``TimeoutError`` leaving whatever had completed for the next call.
+- Leaving the context cancels queued and running tasks; it does not wait for them to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass
+class TaskResult(Generic[T]):
+    """How one task ended. Exactly one of ``value`` (maybe None) and ``error`` is meaningful."""
+
+    task_id: int
+    value: T | None = None
+    error: BaseException | None = None
+    tag: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class _Pending:
+    task_id: int
+    fn: Callable[..., Awaitable[Any]]
+    args: tuple[Any, ...]
+    tag: Any
+
+
+class AsyncTaskRunner(Generic[T]):
+    """Bounded, pausable, capacity-gated execution of coroutine functions."""
+
+    def __init__(
+        self,
+        max_concurrent: int,
+        *,
+        max_queue: int | None = None,
+        capacity: Callable[[], int] | None = None,
+    ) -> None:
+        """``max_queue`` defaults to ``max_concurrent``: a submitter may run ahead by at most
+        one full wave of tasks, so a producer never piles up work that admission will refuse.
+        The result queue holds at most ``max_queue + max_concurrent`` results; a task whose
+        result finds it full waits there, keeping its slot, which is the backpressure on a
+        consumer that stopped calling ``wait``."""
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be >= 1")
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue or max_concurrent
+        self._capacity = capacity
+        self._pending: asyncio.Queue[_Pending] = asyncio.Queue(self.max_queue)
+        self._results: deque[TaskResult[T]] = deque()
+        self._result_slots = asyncio.Semaphore(self.max_queue + max_concurrent)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._cond = asyncio.Condition()
+        self._paused = False
+        self._running = 0
+        self._ids = itertools.count()
+        self._tg: asyncio.TaskGroup | None = None
+        self._dispatcher: asyncio.Task[None] | None = None
+        self.started_total = 0
+        self.failed_total = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncTaskRunner[T]:
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        self._dispatcher = self._tg.create_task(self._dispatch(), name="runner-dispatch")
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        assert self._tg is not None
+        # Cancelling every child makes the TaskGroup exit promptly; the tasks' own
+        # exceptions were already turned into results, so none escapes here.
+        assert self._dispatcher is not None
+        self._dispatcher.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        try:
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            self._tg = None
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        """Tasks started and not yet finished."""
+        return self._running
+
+    @property
+    def queued(self) -> int:
+        return self._pending.qsize()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def pause(self) -> None:
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._paused = False
+        await self.notify()
+
+    async def notify(self) -> None:
+        """Re-evaluates the start conditions (call after the capacity hook's inputs change)."""
+        async with self._cond:
+            self._cond.notify_all()
+
+    # -- work ----------------------------------------------------------------------------------
+
+    async def submit(self, fn: Callable[..., Awaitable[T]], *args: Any, tag: Any = None) -> int:
+        """Queues ``fn(*args)``; waits while the queue is full. Returns the task id."""
+        if self._tg is None:
+            raise RuntimeError("submit() outside 'async with AsyncTaskRunner(...)'")
+        task_id = next(self._ids)
+        await self._pending.put(_Pending(task_id, fn, args, tag))
+        return task_id
+
+    async def wait(self, count: int = 1, timeout: float | None = None) -> list[TaskResult[T]]:
+        """The next ``count`` results in completion order.
+
+        On timeout raises ``TimeoutError`` and takes nothing: the results that did arrive
+        stay for the next call, so none is lost."""
+        async with self._cond:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._cond.wait_for(lambda: len(self._results) >= count)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"{len(self._results)} of {count} results within {timeout}s"
+                ) from None
+            got = [self._results.popleft() for _ in range(count)]
+        for _ in got:
+            self._result_slots.release()
+        return got
+
+    def _may_start(self) -> bool:
+        if self._paused or self._running >= self.max_concurrent:
+            return False
+        return self._capacity is None or self._capacity() > 0
+
+    async def _dispatch(self) -> None:
+        assert self._tg is not None
+        while True:
+            item = await self._pending.get()
+            async with self._cond:
+                await self._cond.wait_for(self._may_start)
+                self._running += 1
+                self.started_total += 1
+            task = self._tg.create_task(self._run_one(item), name=f"runner-task-{item.task_id}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run_one(self, item: _Pending) -> None:
+        result: TaskResult[T] = TaskResult(item.task_id, tag=item.tag)
+        try:
+            result.value = await item.fn(*item.args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a failing episode is a result, never the runner's death
+            result.error = exc
+            self.failed_total += 1
+        try:
+            await self._result_slots.acquire()
+            async with self._cond:
+                self._results.append(result)
+        finally:
+            async with self._cond:
+                self._running -= 1
+                self._cond.notify_all()

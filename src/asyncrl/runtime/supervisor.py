@@ -1,0 +1,239 @@
+"""The supervisor: the bones of ``asyncrl up``.
+
+It spawns one OS process per actor, waits until every actor has said ``started``
+(a handshake on NATS, never a sleep), and then watches them:
+
+- the run ends well when every *primary* actor (the trainer) has exited with code 0;
+  the others are then asked to stop and given ``grace`` seconds before SIGKILL;
+- an actor that dies unexpectedly (non-zero exit, or any exit before ``started``) ends
+  the run: the others are stopped and :meth:`Supervisor.run` returns 1, with the reason
+  naming the actor and its log file;
+- Ctrl-C / SIGTERM to the supervisor becomes a graceful stop of every actor (children run
+  in their own session, so the terminal's SIGINT reaches only the supervisor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.messages import ActorExit, ActorInfo, Control
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.log import get_logger
+from asyncrl.subjects import Subjects
+
+
+@dataclass
+class ActorSpec:
+    """One process to start. ``actor_id`` must be the id the process reports."""
+
+    role: str
+    actor_id: str
+    argv: list[str]
+    primary: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Proc:
+    spec: ActorSpec
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    started: bool = False
+    exit_code: int | None = None
+
+
+class ActorFailed(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        run_dir: Path,
+        specs: list[ActorSpec],
+        *,
+        startup_timeout: float = 600.0,
+        grace: float = 30.0,
+        on_started: Callable[[], Any] | None = None,
+    ) -> None:
+        self.bus = bus
+        self.subjects = subjects
+        self.run_dir = run_dir
+        self.specs = specs
+        self.startup_timeout = startup_timeout
+        self.grace = grace
+        self.on_started = on_started
+        self.log = get_logger(role="supervisor", run=subjects.run)
+        self.procs: dict[str, _Proc] = {}
+        self.reason = ""
+        self._all_started = asyncio.Event()
+        self._stopping = False
+        self._stop_request = asyncio.Event()
+        self._event = asyncio.Event()  # anything changed: a start, an exit
+
+    async def run(self) -> int:
+        """Runs the actors to the end; 0 when every primary actor finished cleanly."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
+            except (NotImplementedError, RuntimeError):
+                pass
+        await self.bus.subscribe(self.subjects.started, ActorInfo, self._on_started)
+        await self.bus.subscribe(self.subjects.exited, ActorExit, self._on_exit_msg)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for spec in self.specs:
+                    p = await self._spawn(spec)
+                    tg.create_task(self._reap(p), name=f"reap-{spec.actor_id}")
+                code = await self._watch()
+                await self._stop_all()
+            return code
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.remove_signal_handler(sig)
+                except (NotImplementedError, RuntimeError):
+                    pass
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        if not self._stop_request.is_set():
+            self.reason = reason
+            self._stop_request.set()
+            self._event.set()
+
+    async def _spawn(self, spec: ActorSpec) -> _Proc:
+        log_path = self.run_dir / "logs" / f"{spec.actor_id}.log"
+        env = {**os.environ, **spec.env}
+        with open(log_path, "ab") as log_file:
+            proc = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        p = _Proc(spec, proc, log_path)
+        self.procs[spec.actor_id] = p
+        self.log.info("spawned", actor=spec.actor_id, pid=proc.pid, log=str(log_path))
+        return p
+
+    async def _reap(self, p: _Proc) -> None:
+        p.exit_code = await p.proc.wait()
+        self.log.info("exited", actor=p.spec.actor_id, code=p.exit_code)
+        self._event.set()
+
+    async def _on_started(self, info: ActorInfo) -> None:
+        p = self.procs.get(info.actor_id)
+        if p is not None and not p.started:
+            p.started = True
+            self._event.set()
+
+    async def _on_exit_msg(self, msg: ActorExit) -> None:
+        if not msg.ok and msg.actor_id in self.procs and not self.reason:
+            self.reason = f"actor {msg.actor_id} ({msg.role}) failed: {msg.reason}"
+
+    def _failure(self) -> str | None:
+        for p in self.procs.values():
+            if p.exit_code is None:
+                continue
+            crashed = p.exit_code != 0 or (not p.started and not self._stopping)
+            if crashed and not self._stopping:
+                detail = self.reason if p.spec.actor_id in self.reason else ""
+                return (
+                    f"actor {p.spec.actor_id} ({p.spec.role}) exited with code {p.exit_code}"
+                    f"{' before it started' if not p.started else ''}"
+                    f"{': ' + detail if detail else ''}; see {p.log_path}"
+                )
+        return None
+
+    async def _watch(self) -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.startup_timeout
+        while True:
+            self._event.clear()
+            failure = self._failure()
+            if failure:
+                self.reason = failure
+                self.log.error("run failed", reason=failure)
+                return 1
+            if self._stop_request.is_set():
+                self.log.info("stopping", reason=self.reason)
+                return 130 if "SIGINT" in self.reason else 0
+            if not self._all_started.is_set():
+                if all(p.started for p in self.procs.values()):
+                    self._all_started.set()
+                    self.log.info("all actors started", count=len(self.procs))
+                    if self.on_started is not None:
+                        self.on_started()
+                elif loop.time() > deadline:
+                    missing = [a for a, p in self.procs.items() if not p.started]
+                    self.reason = f"actors did not start within {self.startup_timeout}s: {missing}"
+                    return 1
+            primaries = [p for p in self.procs.values() if p.spec.primary]
+            if primaries and all(p.exit_code == 0 for p in primaries):
+                self.reason = "finished"
+                return 0
+            timeout = None if self._all_started.is_set() else max(0.0, deadline - loop.time())
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
+            except TimeoutError:
+                pass
+
+    async def _stop_all(self) -> None:
+        """Control ``stop`` to everyone, SIGTERM, then SIGKILL whoever outlives the grace."""
+        self._stopping = True
+        alive = [p for p in self.procs.values() if p.exit_code is None]
+        if not alive:
+            return
+        try:
+            await self.bus.publish(self.subjects.control, Control(command="stop", reason=self.reason))
+        except Exception as exc:  # the bus may be the thing that broke
+            self.log.warning("could not publish stop", error=str(exc))
+        for p in alive:
+            _signal(p.proc, signal.SIGTERM)
+        try:
+            async with asyncio.timeout(self.grace):
+                for p in alive:
+                    await p.proc.wait()
+        except TimeoutError:
+            for p in alive:
+                if p.proc.returncode is None:
+                    self.log.warning("killing", actor=p.spec.actor_id)
+                    _signal(p.proc, signal.SIGKILL)
+
+
+def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+    if proc.returncode is not None:
+        return
+    try:
+        # children run in their own session: signal the whole group (torchrun's ranks too)
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def actor_argv(role: str, run_dir: Path, actor_id: str) -> list[str]:
+    """The command line of one actor process."""
+    return [
+        sys.executable,
+        "-m",
+        "asyncrl.actors.launch",
+        role,
+        "--run-dir",
+        str(run_dir),
+        "--actor-id",
+        actor_id,
+    ]

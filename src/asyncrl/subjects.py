@@ -1,0 +1,89 @@
+"""Every NATS subject, stream and bucket name of a run, in one place.
+
+All names are scoped by the run: ``asyncrl.<run>.<...>``. A run name is reduced to the
+characters NATS allows in a subject token (and in a stream name), so any folder name works.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN_SAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def run_token(run: str) -> str:
+    """The run name as one subject token: no dots, spaces, wildcards or '>'."""
+    token = _TOKEN_SAFE.sub("_", run.strip()) or "run"
+    return token[:64]
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """The names of one run. Build it once with ``Subjects(run)``."""
+
+    run: str
+
+    @property
+    def prefix(self) -> str:
+        return f"asyncrl.{run_token(self.run)}"
+
+    # control plane (plain subjects)
+    @property
+    def started(self) -> str:
+        return f"{self.prefix}.actor.started"
+
+    def heartbeat(self, role: str = "*") -> str:
+        return f"{self.prefix}.actor.heartbeat.{role}"
+
+    @property
+    def exited(self) -> str:
+        return f"{self.prefix}.actor.exit"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}.control"
+
+    def metrics(self, role: str = "*") -> str:
+        """Metrics of one role (``metrics.trainer``) or, with the default, a wildcard."""
+        return f"{self.prefix}.metrics.{role}"
+
+    # data plane
+    @property
+    def lease(self) -> str:
+        """Request/reply: LeaseRequest -> Lease."""
+        return f"{self.prefix}.buffer.lease"
+
+    @property
+    def episode_aborted(self) -> str:
+        return f"{self.prefix}.buffer.aborted"
+
+    @property
+    def batch(self) -> str:
+        """Request/reply: BatchRequest -> TrainBatchRef."""
+        return f"{self.prefix}.buffer.batch"
+
+    @property
+    def weights(self) -> str:
+        """WeightsUpdated broadcasts."""
+        return f"{self.prefix}.weights"
+
+    @property
+    def trajectories(self) -> str:
+        """Unscored trajectories (JetStream)."""
+        return f"{self.prefix}.traj.raw"
+
+    @property
+    def scored(self) -> str:
+        """Scored trajectories (JetStream)."""
+        return f"{self.prefix}.traj.scored"
+
+    @property
+    def stream(self) -> str:
+        """The JetStream stream holding both trajectory subjects."""
+        return f"ASYNCRL_{run_token(self.run)}_TRAJ"
+
+    @property
+    def weights_bucket(self) -> str:
+        """Object-store bucket for weights shipped over NATS."""
+        return f"asyncrl_{run_token(self.run)}_weights"
