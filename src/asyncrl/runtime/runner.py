@@ -78,7 +78,8 @@ class AsyncTaskRunner(Generic[T]):
         self._results: deque[TaskResult[T]] = deque()
         self._result_slots = asyncio.Semaphore(self.max_queue + max_concurrent)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._cond = asyncio.Condition()
+        self._changed = asyncio.Event()  # set on anything that may let a task start
+        self._arrived = asyncio.Event()  # set when a result is appended
         self._paused = False
         self._running = 0
         self._ids = itertools.count()
@@ -132,8 +133,7 @@ class AsyncTaskRunner(Generic[T]):
 
     async def notify(self) -> None:
         """Re-evaluates the start conditions (call after the capacity hook's inputs change)."""
-        async with self._cond:
-            self._cond.notify_all()
+        self._changed.set()
 
     # -- work ----------------------------------------------------------------------------------
 
@@ -150,15 +150,14 @@ class AsyncTaskRunner(Generic[T]):
 
         On timeout raises ``TimeoutError`` and takes nothing: the results that did arrive
         stay for the next call, so none is lost."""
-        async with self._cond:
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._cond.wait_for(lambda: len(self._results) >= count)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"{len(self._results)} of {count} results within {timeout}s"
-                ) from None
-            got = [self._results.popleft() for _ in range(count)]
+        try:
+            async with asyncio.timeout(timeout):
+                while len(self._results) < count:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+        except TimeoutError:
+            raise TimeoutError(f"{len(self._results)} of {count} results within {timeout}s") from None
+        got = [self._results.popleft() for _ in range(count)]
         for _ in got:
             self._result_slots.release()
         return got
@@ -172,10 +171,11 @@ class AsyncTaskRunner(Generic[T]):
         assert self._tg is not None
         while True:
             item = await self._pending.get()
-            async with self._cond:
-                await self._cond.wait_for(self._may_start)
-                self._running += 1
-                self.started_total += 1
+            while not self._may_start():
+                self._changed.clear()
+                await self._changed.wait()
+            self._running += 1
+            self.started_total += 1
             task = self._tg.create_task(self._run_one(item), name=f"runner-task-{item.task_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -183,17 +183,14 @@ class AsyncTaskRunner(Generic[T]):
     async def _run_one(self, item: _Pending) -> None:
         result: TaskResult[T] = TaskResult(item.task_id, tag=item.tag)
         try:
-            result.value = await item.fn(*item.args)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a failing episode is a result, never the runner's death
-            result.error = exc
-            self.failed_total += 1
-        try:
+            try:
+                result.value = await item.fn(*item.args)
+            except Exception as exc:  # a failing episode is a result, never the runner's death
+                result.error = exc
+                self.failed_total += 1
             await self._result_slots.acquire()
-            async with self._cond:
-                self._results.append(result)
+            self._results.append(result)
+            self._arrived.set()
         finally:
-            async with self._cond:
-                self._running -= 1
-                self._cond.notify_all()
+            self._running -= 1
+            self._changed.set()

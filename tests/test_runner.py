@@ -1,0 +1,130 @@
+"""AsyncTaskRunner semantics: ordering, pause/resume, capacity, exceptions, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.runtime.runner import AsyncTaskRunner
+
+
+async def _value(x: int) -> int:
+    await asyncio.sleep(0)
+    return x
+
+
+async def _gate(ev: asyncio.Event, x: int) -> int:
+    await ev.wait()
+    return x
+
+
+async def test_results_come_back_in_completion_order() -> None:
+    gates = [asyncio.Event() for _ in range(3)]
+    async with AsyncTaskRunner[int](max_concurrent=3) as runner:
+        for i, g in enumerate(gates):
+            await runner.submit(_gate, g, i)
+        gates[2].set()
+        assert [r.value for r in await runner.wait(1, timeout=5)] == [2]
+        gates[0].set()
+        gates[1].set()
+        assert sorted(r.value for r in await runner.wait(2, timeout=5)) == [0, 1]
+
+
+async def test_max_concurrent_bounds_running_tasks() -> None:
+    gate = asyncio.Event()
+    async with AsyncTaskRunner[int](max_concurrent=2, max_queue=8) as runner:
+        for i in range(5):
+            await runner.submit(_gate, gate, i)
+        await asyncio.sleep(0.01)
+        assert runner.running == 2
+        assert runner.queued == 2  # one more is held by the dispatcher, waiting for a slot
+        gate.set()
+        results = await runner.wait(5, timeout=5)
+        assert sorted(r.value for r in results) == [0, 1, 2, 3, 4]
+        assert runner.started_total == 5
+
+
+async def test_pause_stops_new_starts_but_running_tasks_finish() -> None:
+    gate = asyncio.Event()
+    async with AsyncTaskRunner[int](max_concurrent=4) as runner:
+        await runner.submit(_gate, gate, 0)
+        await asyncio.sleep(0.01)
+        assert runner.running == 1
+        await runner.pause()
+        await runner.submit(_value, 1)
+        await asyncio.sleep(0.01)
+        assert runner.running == 1 and runner.started_total == 1
+        gate.set()
+        assert [r.value for r in await runner.wait(1, timeout=5)] == [0]
+        with pytest.raises(TimeoutError):
+            await runner.wait(1, timeout=0.05)
+        await runner.resume()
+        assert [r.value for r in await runner.wait(1, timeout=5)] == [1]
+
+
+async def test_capacity_hook_gates_starts_until_notified() -> None:
+    budget = {"episodes": 1}
+    runner = AsyncTaskRunner[int](
+        max_concurrent=8, capacity=lambda: budget["episodes"] - runner.started_total
+    )
+    async with runner:
+        for i in range(3):
+            await runner.submit(_value, i)
+        assert [r.value for r in await runner.wait(1, timeout=5)] == [0]
+        with pytest.raises(TimeoutError):
+            await runner.wait(1, timeout=0.05)
+        assert runner.started_total == 1
+        budget["episodes"] = 3
+        await runner.notify()
+        assert [r.value for r in await runner.wait(2, timeout=5)] == [1, 2]
+
+
+async def test_exceptions_are_results_and_the_runner_goes_on() -> None:
+    async def boom(x: int) -> int:
+        raise ValueError(f"bad {x}")
+
+    async with AsyncTaskRunner[int](max_concurrent=2) as runner:
+        await runner.submit(boom, 1, tag="episode-1")
+        await runner.submit(_value, 2)
+        results = await runner.wait(2, timeout=5)
+        failed = [r for r in results if not r.ok]
+        assert len(failed) == 1
+        assert isinstance(failed[0].error, ValueError) and "bad 1" in str(failed[0].error)
+        assert failed[0].tag == "episode-1"
+        assert [r.value for r in results if r.ok] == [2]
+        assert runner.failed_total == 1
+
+
+async def test_timeout_loses_no_result() -> None:
+    async with AsyncTaskRunner[int](max_concurrent=2) as runner:
+        await runner.submit(_value, 7)
+        with pytest.raises(TimeoutError):
+            await runner.wait(2, timeout=0.05)
+        assert [r.value for r in await runner.wait(1, timeout=5)] == [7]
+
+
+async def test_leaving_the_context_cancels_in_flight_tasks() -> None:
+    cancelled = asyncio.Event()
+
+    async def forever() -> int:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return 0
+
+    async with AsyncTaskRunner[int](max_concurrent=1) as runner:
+        await runner.submit(forever)
+        await runner.submit(forever)  # queued, never started
+        await asyncio.sleep(0.01)
+        assert runner.running == 1
+    assert cancelled.is_set()
+    assert runner.running == 0
+
+
+async def test_submit_outside_context_is_an_error() -> None:
+    runner = AsyncTaskRunner[int](max_concurrent=1)
+    with pytest.raises(RuntimeError):
+        await runner.submit(_value, 1)
