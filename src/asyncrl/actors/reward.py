@@ -1,0 +1,76 @@
+"""RewardActor: scores raw trajectories and republishes them as scored.
+
+Every reward actor of a run pulls from one durable JetStream consumer, so the actors
+share the work like a queue group: add more for more throughput. The reward function runs
+in worker processes with a hard timeout; a reward that raises or hangs scores 0 and the
+reason is counted, never the actor's death. A trajectory is acknowledged only after its
+scored copy is stored on the stream (published with an idempotent id), so a reward actor
+killed mid-way loses nothing: the unacknowledged trajectory is redelivered to another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from asyncrl.messages import Trajectory
+from asyncrl.runtime.actor import Actor, ActorContext
+
+METRICS_EVERY = 5.0
+"""Seconds between metrics records: often enough to watch, rare enough to be free."""
+
+
+class RewardActor(Actor):
+    role = "reward"
+
+    def __init__(self, ctx: ActorContext) -> None:
+        super().__init__(ctx)
+        self.counters: Counter[str] = Counter()
+        self.pool = None
+
+    async def setup(self, tg: asyncio.TaskGroup) -> None:
+        from asyncrl.rewards import RewardPool
+
+        cfg = self.recipe.reward
+        self.pool = RewardPool(cfg.fn, workers=cfg.workers, timeout=cfg.timeout)
+        s = self.subjects
+        consumer = await self.bus.js_consume(
+            s.stream,
+            s.trajectories,
+            "reward",
+            Trajectory,
+            self.on_trajectory,
+            ack_wait=max(30.0, 3 * cfg.timeout),
+        )
+        tg.create_task(consumer.run(), name="trajectory-consumer")
+        tg.create_task(self._report(), name="metrics")
+
+    async def teardown(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    async def on_trajectory(self, traj: Trajectory) -> None:
+        assert self.pool is not None
+        if traj.reward is None:
+            t0 = time.monotonic()
+            result = await self.pool.score(traj.completion, traj.data)
+            self.counters["score_seconds_x1000"] += int(1000 * (time.monotonic() - t0))
+            traj = traj.model_copy(
+                update={
+                    "reward": float(result.reward),
+                    "reward_info": {**traj.reward_info, "ok": result.ok, "reason": result.reason},
+                }
+            )
+            if not result.ok:
+                self.counters[f"failed:{result.reason.split(':')[0]}"] += 1
+                self.log.warning("reward failed", sample=traj.uid, reason=result.reason)
+        else:
+            self.counters["prescored"] += 1
+        self.counters["scored"] += 1
+        await self.bus.js_publish(self.subjects.scored, traj, msg_id=f"scored:{traj.uid}")
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_EVERY)
+            await self.emit_metrics({k: float(v) for k, v in self.counters.items()})

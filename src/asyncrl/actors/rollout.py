@@ -1,0 +1,190 @@
+"""RolloutActor: leases prompts, runs episodes concurrently, publishes trajectories.
+
+Three loops share one TaskGroup:
+
+- **leases**: while the runner has free slots, ask the buffer for that many episodes;
+  an empty lease means the staleness budget is spent, so wait for new weights (or the
+  buffer's retry hint) before asking again;
+- **results**: every finished episode's trajectories go onto the JetStream stream with
+  idempotent ids; an episode that failed or produced nothing is reported to the buffer
+  so its prompt returns to the pool;
+- **weights**: on ``WeightsUpdated`` the engine pauses (in-flight sequences stop between
+  decode steps), loads the new weights, takes the new version and resumes; tokens carry
+  the version that produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from asyncrl.messages import (
+    EpisodeAborted,
+    Lease,
+    LeaseRequest,
+    Prompt,
+    Trajectory,
+    WeightsQuery,
+    WeightsUpdated,
+)
+from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.bus import BusTimeout, RemoteError
+from asyncrl.runtime.runner import AsyncTaskRunner, TaskResult
+
+LEASE_TIMEOUT = 5.0
+"""Seconds to wait for the buffer's answer to a lease request before asking again."""
+
+
+class EpisodeProducedNothing(RuntimeError):
+    pass
+
+
+class RolloutActor(Actor):
+    role = "rollout"
+
+    def __init__(self, ctx: ActorContext) -> None:
+        super().__init__(ctx)
+        self.engine: Any = None
+        self.workflow: Any = None
+        self.counters: Counter[str] = Counter()
+        self._pending_weights: WeightsUpdated | None = None
+        self._weights_arrived = asyncio.Event()
+        self._version_changed = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._t0 = time.monotonic()
+
+    async def setup(self, tg: asyncio.TaskGroup) -> None:
+        from asyncrl.actors.common import build_engine, build_workflow
+
+        self.engine = await asyncio.to_thread(build_engine, self.recipe)
+        await self.engine.start()
+        self.workflow = build_workflow(self.recipe, self.engine)
+        self.version = self.engine.version
+        await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
+        try:
+            latest = await self.bus.request(
+                self.subjects.lease + ".weights",
+                WeightsQuery(actor_id=self.actor_id),
+                WeightsUpdated,
+                timeout=LEASE_TIMEOUT,
+            )
+            await self.on_weights(latest)
+        except (BusTimeout, RemoteError):
+            pass  # no weights published yet (or no buffer yet): start from the base model
+        tg.create_task(self._weights_loop(), name="weights")
+
+    async def teardown(self) -> None:
+        if self.engine is not None:
+            await self.engine.stop()
+
+    async def run(self) -> None:
+        runner: AsyncTaskRunner[list[Trajectory]] = AsyncTaskRunner(
+            max_concurrent=self.recipe.rollout.max_concurrent
+        )
+        async with runner, asyncio.TaskGroup() as tg:
+            tg.create_task(self._lease_loop(runner), name="leases")
+            tg.create_task(self._result_loop(runner), name="results")
+
+    # -- leases and episodes -----------------------------------------------------------------
+
+    async def _lease_loop(self, runner: AsyncTaskRunner[list[Trajectory]]) -> None:
+        while True:
+            free = runner.max_concurrent - runner.running - runner.queued
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            req = LeaseRequest(actor_id=self.actor_id, max_episodes=free)
+            try:
+                lease = await self.bus.request(self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT)
+            except BusTimeout:
+                self.counters["lease_timeouts"] += 1
+                await asyncio.sleep(0.5)
+                continue
+            for prompt in lease.prompts:
+                await runner.submit(self._episode, prompt, tag=prompt)
+            self.counters["leased"] += len(lease.prompts)
+            if not lease.prompts:
+                self._version_changed.clear()
+                try:
+                    async with asyncio.timeout(max(lease.retry_after, 0.05)):
+                        await self._version_changed.wait()
+                except TimeoutError:
+                    pass
+
+    async def _episode(self, prompt: Prompt) -> list[Trajectory]:
+        trajectories = await self.workflow.arun_episode(self.engine, {**prompt.data, "uid": prompt.uid})
+        if not trajectories:
+            raise EpisodeProducedNothing("the workflow returned no trajectory")
+        stamped = [
+            t.model_copy(update={"actor_id": self.actor_id, "prompt_uid": prompt.uid, "data": prompt.data})
+            for t in trajectories
+        ]
+        for t in stamped:
+            await self.bus.js_publish(self.subjects.trajectories, t, msg_id=t.uid)
+        return stamped
+
+    async def _result_loop(self, runner: AsyncTaskRunner[list[Trajectory]]) -> None:
+        while True:
+            (result,) = await runner.wait(1)
+            self._slot_freed.set()
+            await self._account(result)
+
+    async def _account(self, result: TaskResult[list[Trajectory]]) -> None:
+        prompt: Prompt = result.tag
+        if result.ok and result.value:
+            self.counters["episodes"] += 1
+            self.counters["samples"] += len(result.value)
+            self.counters["tokens"] += sum(int(t.loss_mask.numpy().sum()) for t in result.value)
+            return
+        self.counters["failed_episodes"] += 1
+        reason = f"{type(result.error).__name__}: {result.error}"
+        self.log.warning("episode failed", prompt=prompt.uid, error=reason)
+        await self.bus.publish(
+            self.subjects.episode_aborted,
+            EpisodeAborted(actor_id=self.actor_id, prompt_uid=prompt.uid, reason=reason),
+        )
+
+    # -- weights --------------------------------------------------------------------------------
+
+    async def on_weights(self, msg: WeightsUpdated) -> None:
+        if self._pending_weights is None or msg.version > self._pending_weights.version:
+            self._pending_weights = msg
+            self._weights_arrived.set()
+
+    async def _weights_loop(self) -> None:
+        while True:
+            await self._weights_arrived.wait()
+            self._weights_arrived.clear()
+            msg = self._pending_weights
+            if msg is None or msg.version <= self.engine.version:
+                continue
+            t0 = time.monotonic()
+            await self.engine.pause()
+            try:
+                if msg.kind == "dir":
+                    await self.engine.update_weights(Path(msg.location), msg.version)
+                else:
+                    with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
+                        dest = Path(tmp) / "model.safetensors"
+                        await self.bus.get_blob(self.subjects.weights_bucket, msg.location, dest)
+                        await self.engine.update_weights(Path(tmp), msg.version)
+            finally:
+                await self.engine.resume()
+            self.version = msg.version
+            self._version_changed.set()
+            dt = time.monotonic() - t0
+            self.log.info("weights updated", version=msg.version, seconds=round(dt, 3))
+            await self.emit_metrics(
+                {
+                    "version": msg.version,
+                    "weight_update_s": dt,
+                    **{k: float(v) for k, v in self.counters.items()},
+                    "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
+                },
+                step=msg.version,
+            )

@@ -1,0 +1,285 @@
+"""TrainerActor: one GRPO / decoupled-PPO step per batch, then new weights for everyone.
+
+Under torchrun every rank builds the FSDP engine, but only rank 0 is an actor (on NATS):
+it fetches each batch from the buffer and broadcasts it to the other ranks, which follow
+along in :func:`follower_loop`. Torch work runs in a worker thread so that rank 0 keeps
+heartbeating while it trains.
+
+Per step: advantages per group → proximal logprobs (recomputed, or the behaviour
+logprobs, by ``trainer.loss.proximal``) → ``train_step`` → version + 1 → every
+``update_every`` steps the weights go out (a shared directory or the NATS object store)
+with ``WeightsUpdated`` → a line in ``metrics.jsonl`` and, for every trained sample, a
+record of its staleness in ``trained_samples.jsonl`` → a checkpoint every
+``checkpoint_every`` steps and at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.actors.common import (
+    build_train_engine,
+    dist_rank,
+    latest_checkpoint_meta,
+    write_checkpoint_meta,
+)
+from asyncrl.messages import (
+    BatchRequest,
+    TrainBatchRef,
+    Trajectory,
+    WeightsUpdated,
+    decode,
+)
+from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.bus import BusTimeout, RemoteError
+
+BATCH_REQUEST_TIMEOUT = 15.0
+"""Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
+
+KEEP_WEIGHT_VERSIONS = 3
+"""Weight directories kept on disk: a rollout actor may still be reading the previous one."""
+
+
+def build_samples(trajectories: list[Trajectory], recipe: Any) -> tuple[list[Any], dict[str, float]]:
+    """Train samples with GRPO advantages from whole groups laid end to end."""
+    import torch
+
+    from asyncrl.algo import group_advantages
+    from asyncrl.train import Sample
+
+    loss_cfg = recipe.trainer.loss
+    rewards = torch.tensor([float(t.reward or 0.0) for t in trajectories], dtype=torch.float32)
+    adv = group_advantages(
+        rewards,
+        recipe.rollout.group_size,
+        std_level=None if loss_cfg.adv_std_level == "none" else loss_cfg.adv_std_level,
+        leave_one_out=loss_cfg.leave_one_out,
+    )
+    samples = []
+    for t, a in zip(trajectories, adv.tolist(), strict=True):
+        mask = t.loss_mask.numpy().astype(bool)
+        samples.append(
+            Sample(
+                input_ids=t.input_ids.numpy().astype("int64"),
+                loss_mask=mask,
+                behav_logprobs=t.logprobs.numpy().astype("float32"),
+                advantages=float(a),
+            )
+        )
+    stats = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "adv_abs_mean": float(adv.abs().mean()),
+    }
+    return samples, stats
+
+
+class TrainerActor(Actor):
+    role = "trainer"
+
+    def __init__(self, ctx: ActorContext) -> None:
+        super().__init__(ctx)
+        self.engine: Any = None
+        self.step = 0
+        self.version = 0
+        self.data_state: dict[str, Any] = {}
+        self.metrics_file = ctx.run_dir / "metrics.jsonl"
+        self.samples_file = ctx.run_dir / "trained_samples.jsonl"
+        self.weights_dir = ctx.run_dir / "weights"
+        self.ckpt_dir = ctx.run_dir / "checkpoints"
+        self._t_start = time.monotonic()
+        self._samples_total = 0
+        self._tokens_total = 0
+
+    async def setup(self, tg: asyncio.TaskGroup) -> None:
+        self.engine = await asyncio.to_thread(build_train_engine, self.recipe)
+        meta = latest_checkpoint_meta(self.ctx.run_dir)
+        if meta is not None:
+            await asyncio.to_thread(self._broadcast, ("load", meta["path"]))
+            self.step, self.version = int(meta["step"]), int(meta["version"])
+            self.data_state = meta.get("data_state", {})
+            self.log.info("resumed", step=self.step, version=self.version)
+            await self._publish_weights()
+
+    async def teardown(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self._broadcast, ("stop", None))
+
+    # -- the step loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        cfg = self.recipe.trainer
+        while self.step < cfg.max_steps:
+            t0 = time.monotonic()
+            batch = await self._fetch_batch(self.step)
+            t_batch = time.monotonic() - t0
+            samples, stats = build_samples(batch.trajectories, self.recipe)
+            t1 = time.monotonic()
+            train_stats = await asyncio.to_thread(self._broadcast, ("train", samples))
+            t_train = time.monotonic() - t1
+            self.step += 1
+            self.version += 1
+            self.data_state = batch.data_state
+            t2 = time.monotonic()
+            last = self.step == cfg.max_steps
+            if self.step % cfg.update_every == 0 or last:
+                await self._publish_weights()
+            t_weights = time.monotonic() - t2
+            values = self._record(batch, stats, train_stats, t_batch, t_train, t_weights)
+            await self.emit_metrics(values, step=self.step)
+            if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
+                await self._checkpoint()
+
+    async def _fetch_batch(self, step: int) -> TrainBatchRef:
+        req = BatchRequest(step=step, version=self.version)
+        while True:
+            try:
+                reply = await self.bus.request(
+                    self.subjects.batch, req, TrainBatchRef, timeout=BATCH_REQUEST_TIMEOUT
+                )
+            except (BusTimeout, RemoteError):
+                continue  # no buffer yet, or not enough groups yet: ask again
+            if reply.blob_key:
+                import io
+
+                buf = io.BytesIO()
+                await self.bus.get_blob(self.subjects.weights_bucket, reply.blob_key, buf)
+                reply = decode(buf.getvalue(), TrainBatchRef)
+            return reply
+
+    def _record(
+        self,
+        batch: TrainBatchRef,
+        stats: dict[str, float],
+        train_stats: dict[str, float],
+        t_batch: float,
+        t_train: float,
+        t_weights: float,
+    ) -> dict[str, float]:
+        """Appends the step's line to metrics.jsonl and its samples to
+        trained_samples.jsonl; returns the numeric metrics."""
+        trained_at = self.version - 1  # the weights these samples updated
+        staleness = []
+        with open(self.samples_file, "a") as f:
+            for t in batch.trajectories:
+                s = trained_at - t.head_version
+                staleness.append(s)
+                f.write(
+                    json.dumps(
+                        {
+                            "step": self.step,
+                            "uid": t.uid,
+                            "prompt_uid": t.prompt_uid,
+                            "actor_id": t.actor_id,
+                            "head_version": t.head_version,
+                            "trained_version": trained_at,
+                            "staleness": s,
+                            "reward": t.reward,
+                        }
+                    )
+                    + "\n"
+                )
+        n_tokens = sum(int(t.loss_mask.numpy().sum()) for t in batch.trajectories)
+        self._samples_total += len(batch.trajectories)
+        self._tokens_total += n_tokens
+        elapsed = time.monotonic() - self._t_start
+        record: dict[str, Any] = {
+            "step": self.step,
+            "version": self.version,
+            **stats,
+            "accepted": batch.counters.get("accepted", 0),
+            "rejected": batch.counters.get("rejected", 0),
+            "staleness_mean": sum(staleness) / max(1, len(staleness)),
+            "staleness_max": max(staleness, default=0),
+            "samples": len(batch.trajectories),
+            "samples_per_s": self._samples_total / elapsed,
+            "tokens_per_s": self._tokens_total / elapsed,
+            "loss": train_stats.get("loss"),
+            "grad_norm": train_stats.get("grad_norm"),
+            "lr": train_stats.get("lr"),
+            "time_wait_batch_s": t_batch,
+            "time_train_s": t_train,
+            "time_weights_s": t_weights,
+            **{f"train/{k}": v for k, v in train_stats.items() if k not in ("loss", "grad_norm", "lr")},
+            "time": time.time(),
+        }
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
+
+    # -- weights and checkpoints -----------------------------------------------------------------
+
+    async def _publish_weights(self) -> None:
+        kind = self.recipe.trainer.weights_transport
+        target = self.weights_dir / f"v{self.version:06d}"
+        await asyncio.to_thread(self._broadcast, ("export", str(target)))
+        if kind == "dir":
+            location = str(target.resolve())
+        else:
+            key = f"weights-v{self.version}"
+            await self.bus.put_blob(
+                self.subjects.weights_bucket, key, target / "model.safetensors"
+            )
+            location = key
+        await self.bus.publish(
+            self.subjects.weights,
+            WeightsUpdated(version=self.version, kind=kind, location=location, step=self.step),
+        )
+        old = sorted(self.weights_dir.glob("v*"))[:-KEEP_WEIGHT_VERSIONS]
+        for d in old:
+            shutil.rmtree(d, ignore_errors=True)
+
+    async def _checkpoint(self) -> None:
+        path = self.ckpt_dir / f"step_{self.step:06d}"
+        extra = {"step": self.step, "version": self.version, "data_state": self.data_state}
+        await asyncio.to_thread(self._broadcast, ("save", (str(path), extra)))
+        write_checkpoint_meta(self.ctx.run_dir, path, extra)
+        self.log.info("checkpoint", step=self.step, path=str(path))
+
+    # -- collective work (rank 0 leads, the other ranks follow) -----------------------------------
+
+    def _broadcast(self, command: tuple[str, Any]) -> Any:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list([command], src=0)
+        return execute(self.engine, command)
+
+
+def execute(engine: Any, command: tuple[str, Any]) -> Any:
+    """What every rank does for one command (collectives inside happen on all ranks)."""
+    name, arg = command
+    if name == "train":
+        return engine.train_step(arg)
+    if name == "export":
+        return engine.export_hf(Path(arg))
+    if name == "save":
+        path, extra = arg
+        return engine.save_checkpoint(Path(path), extra)
+    if name == "load":
+        return engine.load_checkpoint(Path(arg))
+    if name == "stop":
+        return None
+    raise ValueError(f"unknown trainer command {name!r}")
+
+
+def follower_loop(recipe: Any) -> int:
+    """Ranks > 0: build the engine, then execute rank 0's commands until ``stop``."""
+    import torch.distributed as dist
+
+    engine = build_train_engine(recipe)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        command = box[0]
+        execute(engine, command)
+        if command[0] == "stop":
+            return 0
+
+
+__all__ = ["TrainerActor", "dist_rank", "follower_loop"]
