@@ -66,8 +66,9 @@ class Array(BaseModel):
         """Wraps anything numpy can turn into an array (a list, a numpy array, a CPU tensor)."""
         if hasattr(values, "detach"):  # a torch tensor, without importing torch here
             values = values.detach().cpu().numpy()
-        arr = np.ascontiguousarray(np.asarray(values, dtype=dtype))
-        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        arr = np.asarray(values, dtype=dtype)
+        # astype(order="C") keeps a 0-d array 0-d (ascontiguousarray would make it 1-d)
+        arr = arr.astype(arr.dtype.newbyteorder("<"), order="C", copy=False)
         return cls(dtype=arr.dtype.name, shape=tuple(arr.shape), data=arr.tobytes())
 
     def numpy(self) -> np.ndarray:
@@ -100,7 +101,7 @@ class ActorInfo(Message):
     actor_id: str
     pid: int
     host: str
-    version: int = Field(-1, description="policy version the actor holds, -1 if none")
+    version: int = Field(default=-1, description="policy version the actor holds, -1 if none")
     asyncrl_version: str = ""
     status: str = "running"
     time: float = 0.0
@@ -111,7 +112,7 @@ class Control(Message):
 
     KIND: ClassVar[str] = "control"
     command: Literal["stop"]
-    target: str = Field("*", description="an actor id, a role, or * for all")
+    target: str = Field(default="*", description="an actor id, a role, or * for all")
     reason: str = ""
 
 
@@ -173,7 +174,7 @@ class Lease(Message):
     version: int
     prompts: list[Prompt] = Field(default_factory=list)
     retry_after: float = 0.0
-    done: bool = Field(False, description="the run has ended; the actor should stop asking")
+    done: bool = Field(default=False, description="the run has ended; the actor should stop asking")
 
 
 class EpisodeAborted(Message):
@@ -206,7 +207,7 @@ class Trajectory(Message):
     reward: float | None = None
     reward_info: dict[str, Any] = Field(default_factory=dict)
     data: dict[str, Any] = Field(default_factory=dict, description="the prompt record, for scoring")
-    completion: str = Field("", description="the generated text, decoded by the rollout actor")
+    completion: str = Field(default="", description="the generated text, decoded by the rollout actor")
     finish_reason: str = ""
 
     @model_validator(mode="after")
@@ -292,20 +293,28 @@ M = TypeVar("M", bound=Message)
 
 def encode(msg: Message) -> bytes:
     """msgpack bytes of ``{"k": kind, "v": schema version, "d": fields}``."""
-    body = msg.model_dump(mode="python")
+    body = msg.__pydantic_serializer__.to_python(msg)
     return msgpack.packb({"k": msg.KIND, "v": SCHEMA_VERSION, "d": body}, use_bin_type=True)
 
 
 def decode(payload: bytes, expected: type[M]) -> M:
     """Decodes and validates ``payload`` as an ``expected``; raises :class:`DecodeError`."""
-    msg = decode_any(payload)
-    if not isinstance(msg, expected):
-        raise DecodeError("kind", f"expected {expected.KIND!r}, got {msg.KIND!r}")
-    return msg
+    kind, body = _open_envelope(payload)
+    if kind != expected.KIND:
+        raise DecodeError("kind", f"expected {expected.KIND!r}, got {kind!r}")
+    return _validate(expected, body)
 
 
 def decode_any(payload: bytes) -> Message:
     """Decodes a message of any registered kind; raises :class:`DecodeError`."""
+    kind, body = _open_envelope(payload)
+    cls = MESSAGE_TYPES.get(kind)
+    if cls is None:
+        raise DecodeError("kind", f"unknown message kind {kind!r}")
+    return _validate(cls, body)
+
+
+def _open_envelope(payload: bytes) -> tuple[str, Any]:
     try:
         envelope = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
@@ -317,10 +326,13 @@ def decode_any(payload: bytes) -> Message:
             "schema_version",
             f"schema version {envelope['v']!r}, this asyncrl speaks {SCHEMA_VERSION}",
         )
-    cls = MESSAGE_TYPES.get(envelope["k"]) if isinstance(envelope["k"], str) else None
-    if cls is None:
-        raise DecodeError("kind", f"unknown message kind {envelope['k']!r}")
+    if not isinstance(envelope["k"], str):
+        raise DecodeError("kind", f"message kind {envelope['k']!r} is not a string")
+    return envelope["k"], envelope["d"]
+
+
+def _validate(cls: type[M], body: Any) -> M:
     try:
-        return cls.model_validate(envelope["d"])
+        return cls.model_validate(body)
     except ValidationError as exc:
         raise DecodeError("invalid", f"{cls.KIND}: {exc}") from None

@@ -156,7 +156,9 @@ class AsyncTaskRunner(Generic[T]):
                     self._arrived.clear()
                     await self._arrived.wait()
         except TimeoutError:
-            raise TimeoutError(f"{len(self._results)} of {count} results within {timeout}s") from None
+            raise TimeoutError(
+                f"{len(self._results)} of {count} results within {timeout}s"
+            ) from None
         got = [self._results.popleft() for _ in range(count)]
         for _ in got:
             self._result_slots.release()

@@ -199,7 +199,9 @@ class Supervisor:
         if not alive:
             return
         try:
-            await self.bus.publish(self.subjects.control, Control(command="stop", reason=self.reason))
+            await self.bus.publish(
+                self.subjects.control, Control(command="stop", reason=self.reason)
+            )
         except Exception as exc:  # the bus may be the thing that broke
             self.log.warning("could not publish stop", error=str(exc))
         for p in alive:
