@@ -191,8 +191,6 @@ class LossConfig(_Section):
     proximal: Literal["recompute", "behaviour"] = "recompute"
     """Decoupled PPO's proximal policy: recomputed by a forward pass before the update, or
     approximated by the behaviour logprobs (standard PPO on the sampled tokens)."""
-    kl_coef: float = Field(0.0, ge=0)
-    """KL penalty to the initial policy (0 disables it; >0 keeps a reference copy)."""
 
 
 class TrainerConfig(_Section):

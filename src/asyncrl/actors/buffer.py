@@ -133,7 +133,7 @@ class BufferActor(Actor):
         self.served: dict[int, TrainBatchRef] = {}
         self.weights: WeightsUpdated | None = None
         self.counters: Counter[str] = Counter()
-        self.events = open(ctx.run_dir / "buffer_events.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.events = open(ctx.run_dir / "buffer_events.jsonl", "a", buffering=1)
         meta = latest_checkpoint_meta(ctx.run_dir)
         if meta is not None:
             self.sm.restore(int(meta["version"]))

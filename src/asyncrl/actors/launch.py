@@ -39,6 +39,11 @@ def run_actor(role: str, run_dir: Path, actor_id: str = "") -> int:
 
     configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"))
     ctx = build_context(run_dir, actor_id)
+    if role == "trainer" and int(os.environ.get("RANK", "0")) > 0:
+        # torchrun ranks > 0 are not actors: they follow rank 0's collective commands
+        from asyncrl.actors.trainer import follower_loop
+
+        return follower_loop(ctx.recipe)
     actor = actor_class(role)(ctx)
     return run_async(actor.main())
 

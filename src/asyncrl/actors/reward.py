@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from typing import Any
 
 from asyncrl.messages import Trajectory
 from asyncrl.runtime.actor import Actor, ActorContext
@@ -27,13 +28,14 @@ class RewardActor(Actor):
     def __init__(self, ctx: ActorContext) -> None:
         super().__init__(ctx)
         self.counters: Counter[str] = Counter()
-        self.pool = None
+        self.pool: Any = None
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.rewards import RewardPool
+        from asyncrl.actors.common import build_reward_pool
 
         cfg = self.recipe.reward
-        self.pool = RewardPool(cfg.fn, workers=cfg.workers, timeout=cfg.timeout)
+        self.pool = build_reward_pool(self.recipe)
+        await self.pool.start()
         s = self.subjects
         consumer = await self.bus.js_consume(
             s.stream,
@@ -48,10 +50,9 @@ class RewardActor(Actor):
 
     async def teardown(self) -> None:
         if self.pool is not None:
-            self.pool.close()
+            await self.pool.aclose()
 
     async def on_trajectory(self, traj: Trajectory) -> None:
-        assert self.pool is not None
         if traj.reward is None:
             t0 = time.monotonic()
             result = await self.pool.score(traj.completion, traj.data)

@@ -50,6 +50,7 @@ class RolloutActor(Actor):
         super().__init__(ctx)
         self.engine: Any = None
         self.workflow: Any = None
+        self.reward_pool: Any = None
         self.counters: Counter[str] = Counter()
         self._pending_weights: WeightsUpdated | None = None
         self._weights_arrived = asyncio.Event()
@@ -58,11 +59,19 @@ class RolloutActor(Actor):
         self._t0 = time.monotonic()
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.actors.common import build_engine, build_workflow
+        from asyncrl.actors.common import (
+            build_engine,
+            build_reward_pool,
+            build_workflow,
+            workflow_scores_inline,
+        )
 
-        self.engine = await asyncio.to_thread(build_engine, self.recipe)
+        self.engine = build_engine(self.recipe)
         await self.engine.start()
-        self.workflow = build_workflow(self.recipe, self.engine)
+        if workflow_scores_inline(self.recipe):
+            self.reward_pool = build_reward_pool(self.recipe)
+            await self.reward_pool.start()
+        self.workflow = build_workflow(self.recipe, self.engine, self.reward_pool)
         self.version = self.engine.version
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
         try:
@@ -80,6 +89,8 @@ class RolloutActor(Actor):
     async def teardown(self) -> None:
         if self.engine is not None:
             await self.engine.stop()
+        if self.reward_pool is not None:
+            await self.reward_pool.aclose()
 
     async def run(self) -> None:
         runner: AsyncTaskRunner[list[Trajectory]] = AsyncTaskRunner(

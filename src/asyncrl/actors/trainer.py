@@ -62,12 +62,11 @@ def build_samples(trajectories: list[Trajectory], recipe: Any) -> tuple[list[Any
     )
     samples = []
     for t, a in zip(trajectories, adv.tolist(), strict=True):
-        mask = t.loss_mask.numpy().astype(bool)
         samples.append(
             Sample(
-                input_ids=t.input_ids.numpy().astype("int64"),
-                loss_mask=mask,
-                behav_logprobs=t.logprobs.numpy().astype("float32"),
+                input_ids=torch.from_numpy(t.input_ids.numpy().astype("int64")),
+                loss_mask=torch.from_numpy(t.loss_mask.numpy().astype(bool)),
+                behav_logprobs=torch.from_numpy(t.logprobs.numpy().astype("float32")),
                 advantages=float(a),
             )
         )

@@ -1,0 +1,137 @@
+"""What the actors build from a recipe: engines, workflows, records, checkpoint pointers.
+
+Heavy imports (torch, transformers) happen inside the functions, so an actor module
+loads quickly and only the roles that need a model pay for one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.config import Recipe
+
+CHECKPOINT_POINTER = "latest.json"
+
+
+def load_prompt_records(recipe: Recipe) -> list[dict[str, Any]]:
+    from asyncrl.data import load_records
+
+    return load_records(recipe.data, seed=recipe.run.seed)
+
+
+def latest_checkpoint_meta(run_dir: Path) -> dict[str, Any] | None:
+    """``{"path", "step", "version", "data_state"}`` of the newest complete checkpoint."""
+    pointer = run_dir / "checkpoints" / CHECKPOINT_POINTER
+    if not pointer.is_file():
+        return None
+    meta: dict[str, Any] = json.loads(pointer.read_text())
+    return meta
+
+
+def write_checkpoint_meta(run_dir: Path, path: Path, extra: dict[str, Any]) -> None:
+    """Points ``latest.json`` at a finished checkpoint (atomically: a crash mid-save
+    leaves the previous pointer in place)."""
+    pointer = run_dir / "checkpoints" / CHECKPOINT_POINTER
+    tmp = pointer.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"path": str(path.resolve()), **extra}))
+    os.replace(tmp, pointer)
+
+
+def dist_rank() -> int:
+    """This process's rank under torchrun (0 when not under torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def sampling_params(recipe: Recipe) -> Any:
+    from asyncrl.engines.base import SamplingParams
+
+    s = recipe.rollout.sampling
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens
+    )
+
+
+def build_engine(recipe: Recipe) -> Any:
+    """The rollout engine (not started)."""
+    from asyncrl.engines.hf import HFEngine
+
+    return HFEngine(
+        recipe.model.path,
+        dtype=recipe.model.dtype,
+        max_batch_size=recipe.rollout.engine.max_batch_size,
+    )
+
+
+def build_reward_pool(recipe: Recipe) -> Any:
+    """The reward function of the recipe in worker processes (not started)."""
+    from asyncrl.rewards import RewardPool
+
+    cfg = recipe.reward
+    return RewardPool(cfg.fn, workers=cfg.workers, timeout=cfg.timeout)
+
+
+def build_workflow(recipe: Recipe, engine: Any, reward: Any = None) -> Any:
+    """The recipe's workflow. ``reward`` (a started reward pool) is offered to workflows
+    that score inline; the built-in ``rlvr`` never gets it, because in a run its samples
+    are scored by the reward actors."""
+    from asyncrl.workflows import make_workflow
+
+    r = recipe.rollout
+    options: dict[str, Any] = {
+        "tokenizer": engine.tokenizer,
+        "sampling": sampling_params(recipe),
+        "group_size": r.group_size,
+        "max_turns": r.max_turns,
+        "turn_discount": r.turn_discount,
+    }
+    if r.workflow != "rlvr" and reward is not None:
+        options["reward"] = reward
+    return make_workflow(r.workflow, **options)
+
+
+def workflow_scores_inline(recipe: Recipe) -> bool:
+    """Whether the rollout actor needs its own reward pool for the workflow."""
+    return recipe.rollout.workflow != "rlvr"
+
+
+def build_train_engine(recipe: Recipe) -> Any:
+    """The FSDP train engine; joins the torchrun process group first when there is one."""
+    import torch.distributed as dist
+
+    from asyncrl.models import resolve_model_path
+    from asyncrl.train import LossConfig, TrainConfig, TrainEngine
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if recipe.trainer.device == "cuda" else "gloo"
+        dist.init_process_group(backend)
+    t, loss = recipe.trainer, recipe.trainer.loss
+    config = TrainConfig(
+        model=resolve_model_path(recipe.model.path),
+        seed=recipe.run.seed,
+        device=t.device,
+        param_dtype=recipe.model.dtype,
+        gradient_checkpointing=t.gradient_checkpointing,
+        max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+        temperature=recipe.rollout.sampling.temperature,
+        lr=t.optim.lr,
+        weight_decay=t.optim.weight_decay,
+        warmup_steps=t.optim.warmup_steps,
+        lr_schedule=t.optim.schedule,
+        total_steps=t.max_steps if t.optim.schedule == "cosine" else None,
+        max_grad_norm=t.optim.grad_clip,
+        loss=LossConfig(
+            eps_clip=loss.eps_clip,
+            eps_clip_high=loss.eps_clip_high,
+            c_clip=loss.c_clip,
+            behav_imp_weight_cap=loss.behav_imp_weight_cap,
+            importance_sampling_level=loss.importance_sampling_level,
+            loss_agg=loss.loss_agg,
+            recompute_proximal=loss.proximal == "recompute",
+        ),
+    )
+    return TrainEngine(config)
