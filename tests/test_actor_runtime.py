@@ -45,6 +45,12 @@ async def test_started_after_subscriptions_then_heartbeats_then_stop(
     beats: list[ActorInfo] = []
     exits: list[ActorExit] = []
     got_started = asyncio.Event()
+    two_beats = asyncio.Event()
+
+    async def on_beat(info: ActorInfo) -> None:
+        beats.append(info)
+        if len(beats) >= 2:
+            two_beats.set()
 
     async def on_started(info: ActorInfo) -> None:
         started.append(info)
@@ -54,14 +60,13 @@ async def test_started_after_subscriptions_then_heartbeats_then_stop(
         got_started.set()
 
     await bus.subscribe(SUBJECTS.started, ActorInfo, on_started)
-    await _collect(bus, SUBJECTS.heartbeat("echo"), ActorInfo, beats)
+    await bus.subscribe(SUBJECTS.heartbeat("echo"), ActorInfo, on_beat)
     await _collect(bus, SUBJECTS.exited, ActorExit, exits)
     actor = EchoActor(_ctx(embedded_nats, "a1"))
     async with asyncio.TaskGroup() as tg:
         main = tg.create_task(actor.main())
         await asyncio.wait_for(got_started.wait(), 10)
-        while len(beats) < 2:
-            await asyncio.sleep(0.02)
+        await asyncio.wait_for(two_beats.wait(), 10)
         await bus.publish(SUBJECTS.control, Control(command="stop", target="echo", reason="test"))
     assert main.result() == 0
     assert started[0].actor_id == "a1" and started[0].role == "echo"
@@ -114,8 +119,9 @@ async def test_supervisor_finishes_when_the_primary_actor_returns(
     run_dir = embedded_nats.run_dir
     specs = [_spec(run_dir, "p", "finish", primary=True), _spec(run_dir, "s", "serve")]
     started = asyncio.Event()
-    sup = Supervisor(bus, SUBJECTS, run_dir, specs, startup_timeout=60, grace=10,
-                     on_started=started.set)
+    sup = Supervisor(
+        bus, SUBJECTS, run_dir, specs, startup_timeout=60, grace=10, on_started=started.set
+    )
     async with asyncio.TaskGroup() as tg:
         result = tg.create_task(sup.run())
         await asyncio.wait_for(started.wait(), 60)

@@ -79,7 +79,7 @@ def test_missing_local_paths_fail_early(tmp_path: Path) -> None:
 
 
 def test_bad_override_syntax() -> None:
-    with pytest.raises(RecipeError, match="key.path=value"):
+    with pytest.raises(RecipeError, match=r"key\.path=value"):
         apply_overrides({}, ["trainer.lr"])
 
 

@@ -47,7 +47,9 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _path_given(self) -> ModelConfig:
         if not self.path.strip():
-            raise ValueError("model.path is empty: give a local directory, a hub id or a known name")
+            raise ValueError(
+                "model.path is empty: give a local directory, a hub id or a known name"
+            )
         return self
 
 
@@ -131,6 +133,9 @@ class RolloutConfig(_Section):
     """Sampling parameters."""
     lease_ttl: float = Field(30.0, gt=0)
     """Seconds without a heartbeat after which an actor's leased prompts return to the pool."""
+    threads: int = Field(0, ge=0)
+    """CPU threads for torch in each rollout process; 0 leaves torch's default. On a small
+    CPU, give generation and training their own cores: oversubscribed threads spin."""
 
 
 class RewardConfig(_Section):
@@ -184,9 +189,7 @@ class LossConfig(_Section):
     """Decoupled PPO: tokens whose exp(proximal − behaviour) exceeds this are masked."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """Token ratios (PPO) or sequence-level ratios (GSPO)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How token losses become one number."""
     proximal: Literal["recompute", "behaviour"] = "recompute"
     """Decoupled PPO's proximal policy: recomputed by a forward pass before the update, or
@@ -196,6 +199,8 @@ class LossConfig(_Section):
 class TrainerConfig(_Section):
     max_steps: int = Field(20, ge=1)
     """Trainer steps; the run ends after the last one."""
+    threads: int = Field(0, ge=0)
+    """CPU threads for torch in each trainer process; 0 leaves torch's default."""
     nproc: int = Field(1, ge=1)
     """Trainer processes (torchrun ranks, FSDP)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -329,7 +334,10 @@ def _check_paths(recipe: Recipe) -> None:
         problems.append(f"  model.path: directory {model_path!r} does not exist")
     if isinstance(recipe.data, JsonlData) and not Path(recipe.data.path).expanduser().is_file():
         problems.append(f"  data.path: file {recipe.data.path!r} does not exist")
-    for key, spec in (("rollout.workflow", recipe.rollout.workflow), ("reward.fn", recipe.reward.fn)):
+    for key, spec in (
+        ("rollout.workflow", recipe.rollout.workflow),
+        ("reward.fn", recipe.reward.fn),
+    ):
         file_part = spec.split(":", 1)[0]
         if ":" in spec and file_part.endswith(".py") and not Path(file_part).is_file():
             problems.append(f"  {key}: file {file_part!r} does not exist")

@@ -207,7 +207,9 @@ class Trajectory(Message):
     reward: float | None = None
     reward_info: dict[str, Any] = Field(default_factory=dict)
     data: dict[str, Any] = Field(default_factory=dict, description="the prompt record, for scoring")
-    completion: str = Field(default="", description="the generated text, decoded by the rollout actor")
+    completion: str = Field(
+        default="", description="the generated text, decoded by the rollout actor"
+    )
     finish_reason: str = ""
 
     @model_validator(mode="after")

@@ -69,6 +69,11 @@ class Subjects:
         return f"{self.prefix}.weights"
 
     @property
+    def weights_query(self) -> str:
+        """Request/reply: WeightsQuery -> the latest WeightsUpdated."""
+        return f"{self.prefix}.buffer.weights"
+
+    @property
     def trajectories(self) -> str:
         """Unscored trajectories (JetStream)."""
         return f"{self.prefix}.traj.raw"

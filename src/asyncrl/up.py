@@ -24,6 +24,10 @@ TRAJECTORY_STREAM_MAX_BYTES = 2 * 1024**3
 rule limits it to (η + 1)·B episodes), small enough never to fill a disk."""
 
 
+RESTARTS = 3
+"""Replacements per stateless actor before its deaths end the run."""
+
+
 def prepare_run_dir(recipe: Recipe, *, resume: bool, overwrite: bool) -> Path:
     run_dir = recipe.run.path
     if run_dir.exists() and any(run_dir.iterdir()) and not resume:
@@ -45,12 +49,18 @@ def actor_specs(recipe: Recipe, run_dir: Path) -> list:
     from asyncrl.runtime.supervisor import ActorSpec, actor_argv
 
     specs = [ActorSpec("buffer", "buffer-0", actor_argv("buffer", run_dir, "buffer-0"))]
+    # reward and rollout actors hold nothing that is not also on the stream or in the
+    # buffer's leases, so one that dies is simply replaced
     for i in range(recipe.reward.actors):
         aid = f"reward-{i}"
-        specs.append(ActorSpec("reward", aid, actor_argv("reward", run_dir, aid)))
+        specs.append(
+            ActorSpec("reward", aid, actor_argv("reward", run_dir, aid), restarts=RESTARTS)
+        )
     for i in range(recipe.rollout.actors):
         aid = f"rollout-{i}"
-        specs.append(ActorSpec("rollout", aid, actor_argv("rollout", run_dir, aid)))
+        specs.append(
+            ActorSpec("rollout", aid, actor_argv("rollout", run_dir, aid), restarts=RESTARTS)
+        )
     trainer_argv = actor_argv("trainer", run_dir, "trainer-0")
     if recipe.trainer.nproc > 1:
         trainer_argv = [
@@ -134,7 +144,9 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool) -> int:
             await server.stop()
 
 
-def up(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, quiet: bool = False) -> int:
+def up(
+    recipe: Recipe, *, resume: bool = False, overwrite: bool = False, quiet: bool = False
+) -> int:
     run_dir = prepare_run_dir(recipe, resume=resume, overwrite=overwrite)
     (run_dir / "resume.json").write_text(json.dumps({"resume": resume}))
     with open(run_dir / "logs" / "up.log", "a") as up_log:

@@ -34,8 +34,13 @@ async def _stream(run_dir: Path, as_json: bool, role: str, count: int) -> int:
 
     async def show(m: Metrics) -> None:
         nonlocal seen
-        line = json.dumps({"role": m.role, "actor_id": m.actor_id, "step": m.step,
-                           "time": m.time, **m.values}) if as_json else format_metrics(m)
+        line = (
+            json.dumps(
+                {"role": m.role, "actor_id": m.actor_id, "step": m.step, "time": m.time, **m.values}
+            )
+            if as_json
+            else format_metrics(m)
+        )
         print(line, flush=True)
         seen += 1
         if count and seen >= count:

@@ -55,8 +55,12 @@ def main() -> int:
     if behaviour == "die":
         return 3
     ctx = ActorContext(
-        run_name="t", run_dir=run_dir, nats=nats_info_for_run(run_dir), recipe=Recipe(),
-        actor_id=actor_id, heartbeat_interval=0.2,
+        run_name="t",
+        run_dir=run_dir,
+        nats=nats_info_for_run(run_dir),
+        recipe=Recipe(),
+        actor_id=actor_id,
+        heartbeat_interval=0.2,
     )
     return run_async(EchoActor(ctx, behaviour).main())
 

@@ -22,6 +22,7 @@ import json
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.common import latest_checkpoint_meta, load_prompt_records
@@ -139,6 +140,11 @@ class BufferActor(Actor):
             self.sm.restore(int(meta["version"]))
             self.source.restore(meta.get("data_state", {}))
             self.version = self.sm.version
+            hf_dir = Path(meta["path"]) / "hf"
+            if hf_dir.is_dir():
+                self.weights = WeightsUpdated(
+                    version=self.version, kind="dir", location=str(hf_dir), step=int(meta["step"])
+                )
             self.log.info("resumed", version=self.sm.version, data=self.source.state())
         else:
             self.version = 0
@@ -150,7 +156,7 @@ class BufferActor(Actor):
         s = self.subjects
         await self.bus.serve(s.lease, LeaseRequest, self.on_lease)
         await self.bus.serve(s.batch, BatchRequest, self.on_batch_request)
-        await self.bus.serve(s.lease + ".weights", WeightsQuery, self.on_weights_query)
+        await self.bus.serve(s.weights_query, WeightsQuery, self.on_weights_query)
         await self.bus.subscribe(s.weights, WeightsUpdated, self.on_weights)
         await self.bus.subscribe(s.heartbeat("rollout"), ActorInfo, self.on_heartbeat)
         await self.bus.subscribe(s.exited, ActorExit, self.on_exit)
@@ -288,7 +294,9 @@ class BufferActor(Actor):
                 self.sm.drop_accepted(1)
                 self.sm.rejected += 1
                 self.counters["rejected_samples"] += len(group)
-                self._event("reject", prompt=group[0].prompt_uid, head=head, version=self.sm.version)
+                self._event(
+                    "reject", prompt=group[0].prompt_uid, head=head, version=self.sm.version
+                )
         self.ready = fresh
 
     async def on_batch_request(self, req: BatchRequest) -> Message:

@@ -39,6 +39,10 @@ def run_actor(role: str, run_dir: Path, actor_id: str = "") -> int:
 
     configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"))
     ctx = build_context(run_dir, actor_id)
+    threads = {"rollout": ctx.recipe.rollout.threads, "trainer": ctx.recipe.trainer.threads}
+    if threads.get(role):
+        # before torch is imported, so its thread pools start at this size
+        os.environ["OMP_NUM_THREADS"] = str(threads[role])
     if role == "trainer" and int(os.environ.get("RANK", "0")) > 0:
         # torchrun ranks > 0 are not actors: they follow rank 0's collective commands
         from asyncrl.actors.trainer import follower_loop

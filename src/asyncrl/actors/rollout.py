@@ -74,17 +74,26 @@ class RolloutActor(Actor):
         self.workflow = build_workflow(self.recipe, self.engine, self.reward_pool)
         self.version = self.engine.version
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
+        await self._query_weights()
+        tg.create_task(self._weights_loop(), name="weights")
+
+    def _known_version(self) -> int:
+        pending = self._pending_weights.version if self._pending_weights is not None else -1
+        return max(int(self.engine.version), pending)
+
+    async def _query_weights(self) -> None:
+        """Asks the buffer for the latest weights (an actor that joins a live run, or one
+        that missed a broadcast)."""
         try:
             latest = await self.bus.request(
-                self.subjects.lease + ".weights",
+                self.subjects.weights_query,
                 WeightsQuery(actor_id=self.actor_id),
                 WeightsUpdated,
                 timeout=LEASE_TIMEOUT,
             )
-            await self.on_weights(latest)
         except (BusTimeout, RemoteError):
-            pass  # no weights published yet (or no buffer yet): start from the base model
-        tg.create_task(self._weights_loop(), name="weights")
+            return  # no weights published yet (or no buffer yet): keep the current ones
+        await self.on_weights(latest)
 
     async def teardown(self) -> None:
         if self.engine is not None:
@@ -111,11 +120,16 @@ class RolloutActor(Actor):
                 continue
             req = LeaseRequest(actor_id=self.actor_id, max_episodes=free)
             try:
-                lease = await self.bus.request(self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT)
+                lease = await self.bus.request(
+                    self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT
+                )
             except BusTimeout:
                 self.counters["lease_timeouts"] += 1
                 await asyncio.sleep(0.5)
                 continue
+            if lease.version > self._known_version() + self.recipe.buffer.max_head_offpolicyness:
+                # the run is ahead of our weights (a missed broadcast, a resume): ask for them
+                await self._query_weights()
             for prompt in lease.prompts:
                 await runner.submit(self._episode, prompt, tag=prompt)
             self.counters["leased"] += len(lease.prompts)
@@ -128,11 +142,15 @@ class RolloutActor(Actor):
                     pass
 
     async def _episode(self, prompt: Prompt) -> list[Trajectory]:
-        trajectories = await self.workflow.arun_episode(self.engine, {**prompt.data, "uid": prompt.uid})
+        trajectories = await self.workflow.arun_episode(
+            self.engine, {**prompt.data, "uid": prompt.uid}
+        )
         if not trajectories:
             raise EpisodeProducedNothing("the workflow returned no trajectory")
         stamped = [
-            t.model_copy(update={"actor_id": self.actor_id, "prompt_uid": prompt.uid, "data": prompt.data})
+            t.model_copy(
+                update={"actor_id": self.actor_id, "prompt_uid": prompt.uid, "data": prompt.data}
+            )
             for t in trajectories
         ]
         for t in stamped:

@@ -45,7 +45,9 @@ KEEP_WEIGHT_VERSIONS = 3
 """Weight directories kept on disk: a rollout actor may still be reading the previous one."""
 
 
-def build_samples(trajectories: list[Trajectory], recipe: Any) -> tuple[list[Any], dict[str, float]]:
+def build_samples(
+    trajectories: list[Trajectory], recipe: Any
+) -> tuple[list[Any], dict[str, float]]:
     """Train samples with GRPO advantages from whole groups laid end to end."""
     import torch
 
@@ -204,7 +206,11 @@ class TrainerActor(Actor):
             "time_wait_batch_s": t_batch,
             "time_train_s": t_train,
             "time_weights_s": t_weights,
-            **{f"train/{k}": v for k, v in train_stats.items() if k not in ("loss", "grad_norm", "lr")},
+            **{
+                f"train/{k}": v
+                for k, v in train_stats.items()
+                if k not in ("loss", "grad_norm", "lr")
+            },
             "time": time.time(),
         }
         with open(self.metrics_file, "a") as f:
@@ -221,9 +227,7 @@ class TrainerActor(Actor):
             location = str(target.resolve())
         else:
             key = f"weights-v{self.version}"
-            await self.bus.put_blob(
-                self.subjects.weights_bucket, key, target / "model.safetensors"
-            )
+            await self.bus.put_blob(self.subjects.weights_bucket, key, target / "model.safetensors")
             location = key
         await self.bus.publish(
             self.subjects.weights,
@@ -237,6 +241,9 @@ class TrainerActor(Actor):
         path = self.ckpt_dir / f"step_{self.step:06d}"
         extra = {"step": self.step, "version": self.version, "data_state": self.data_state}
         await asyncio.to_thread(self._broadcast, ("save", (str(path), extra)))
+        # the policy of this checkpoint as plain HF weights: what rollout actors load on
+        # --resume, before the trainer has published anything
+        await asyncio.to_thread(self._broadcast, ("export", str(path / "hf")))
         write_checkpoint_meta(self.ctx.run_dir, path, extra)
         self.log.info("checkpoint", step=self.step, path=str(path))
 

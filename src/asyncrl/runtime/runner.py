@@ -145,7 +145,11 @@ class AsyncTaskRunner(Generic[T]):
         await self._pending.put(_Pending(task_id, fn, args, tag))
         return task_id
 
-    async def wait(self, count: int = 1, timeout: float | None = None) -> list[TaskResult[T]]:
+    async def wait(
+        self,
+        count: int = 1,
+        timeout: float | None = None,  # noqa: ASYNC109 - the runner's contract: wait(count, timeout)
+    ) -> list[TaskResult[T]]:
         """The next ``count`` results in completion order.
 
         On timeout raises ``TimeoutError`` and takes nothing: the results that did arrive

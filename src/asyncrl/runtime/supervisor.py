@@ -7,7 +7,10 @@ It spawns one OS process per actor, waits until every actor has said ``started``
   the others are then asked to stop and given ``grace`` seconds before SIGKILL;
 - an actor that dies unexpectedly (non-zero exit, or any exit before ``started``) ends
   the run: the others are stopped and :meth:`Supervisor.run` returns 1, with the reason
-  naming the actor and its log file;
+  naming the actor and its log file; except that an actor with ``restarts`` left (the
+  stateless roles: rollout, reward) that dies after the run is up is started again under
+  a new id (``<id>-r<n>``), so the buffer sees a new actor and returns the dead one's
+  leases;
 - Ctrl-C / SIGTERM to the supervisor becomes a graceful stop of every actor (children run
   in their own session, so the terminal's SIGINT reaches only the supervisor).
 """
@@ -16,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,13 @@ class ActorSpec:
     argv: list[str]
     primary: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
+    """How many times this actor is started again if it dies once the run is up."""
+
+    def restarted(self, n: int) -> ActorSpec:
+        new_id = f"{re.sub(r'-r[0-9]+$', '', self.actor_id)}-r{n}"
+        argv = [new_id if a == self.actor_id else a for a in self.argv]
+        return replace(self, actor_id=new_id, argv=argv, restarts=self.restarts - 1)
 
 
 @dataclass
@@ -47,6 +58,7 @@ class _Proc:
     log_path: Path
     started: bool = False
     exit_code: int | None = None
+    replaced: bool = False
 
 
 class ActorFailed(RuntimeError):
@@ -79,6 +91,8 @@ class Supervisor:
         self._stopping = False
         self._stop_request = asyncio.Event()
         self._event = asyncio.Event()  # anything changed: a start, an exit
+        self._tg: asyncio.TaskGroup | None = None
+        self.restarts = 0
 
     async def run(self) -> int:
         """Runs the actors to the end; 0 when every primary actor finished cleanly."""
@@ -93,9 +107,9 @@ class Supervisor:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         try:
             async with asyncio.TaskGroup() as tg:
+                self._tg = tg
                 for spec in self.specs:
-                    p = await self._spawn(spec)
-                    tg.create_task(self._reap(p), name=f"reap-{spec.actor_id}")
+                    await self._spawn(spec)
                 code = await self._watch()
                 await self._stop_all()
             return code
@@ -115,7 +129,7 @@ class Supervisor:
     async def _spawn(self, spec: ActorSpec) -> _Proc:
         log_path = self.run_dir / "logs" / f"{spec.actor_id}.log"
         env = {**os.environ, **spec.env}
-        with open(log_path, "ab") as log_file:
+        with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log file, opened once
             proc = await asyncio.create_subprocess_exec(
                 *spec.argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -126,6 +140,8 @@ class Supervisor:
             )
         p = _Proc(spec, proc, log_path)
         self.procs[spec.actor_id] = p
+        assert self._tg is not None
+        self._tg.create_task(self._reap(p), name=f"reap-{spec.actor_id}")
         self.log.info("spawned", actor=spec.actor_id, pid=proc.pid, log=str(log_path))
         return p
 
@@ -144,9 +160,31 @@ class Supervisor:
         if not msg.ok and msg.actor_id in self.procs and not self.reason:
             self.reason = f"actor {msg.actor_id} ({msg.role}) failed: {msg.reason}"
 
+    def _crashed(self, p: _Proc) -> bool:
+        if p.exit_code is None or p.replaced or self._stopping:
+            return False
+        return p.exit_code != 0 or not p.started
+
+    async def _restart_crashed(self) -> None:
+        """Starts a fresh copy of each restartable actor that died after the run was up."""
+        if not self._all_started.is_set():
+            return  # a death during start-up is a broken set-up, not bad luck
+        for p in list(self.procs.values()):
+            if self._crashed(p) and p.spec.restarts > 0:
+                p.replaced = True
+                self.restarts += 1
+                spec = p.spec.restarted(self.restarts)
+                self.log.warning(
+                    "actor died, starting a replacement",
+                    actor=p.spec.actor_id,
+                    code=p.exit_code,
+                    replacement=spec.actor_id,
+                )
+                await self._spawn(spec)
+
     def _failure(self) -> str | None:
         for p in self.procs.values():
-            if p.exit_code is None:
+            if p.exit_code is None or p.replaced:
                 continue
             crashed = p.exit_code != 0 or (not p.started and not self._stopping)
             if crashed and not self._stopping:
@@ -163,6 +201,7 @@ class Supervisor:
         deadline = loop.time() + self.startup_timeout
         while True:
             self._event.clear()
+            await self._restart_crashed()
             failure = self._failure()
             if failure:
                 self.reason = failure
@@ -172,7 +211,7 @@ class Supervisor:
                 self.log.info("stopping", reason=self.reason)
                 return 130 if "SIGINT" in self.reason else 0
             if not self._all_started.is_set():
-                if all(p.started for p in self.procs.values()):
+                if all(p.started for p in self.procs.values() if not p.replaced):
                     self._all_started.set()
                     self.log.info("all actors started", count=len(self.procs))
                     if self.on_started is not None:

@@ -1,0 +1,154 @@
+"""Generation throughput of the hf engine at several concurrency levels.
+
+    python bench/rollout.py                       # SmolLM2, fp32, concurrency 1 8 32
+    python bench/rollout.py --device cuda --dtype bfloat16 --concurrency 1 8 32 128
+    python bench/rollout.py --baseline            # also HF generate() at the same batch sizes
+
+Each level runs ``concurrency`` clients; each client sends ``--rounds`` requests one after
+another (a GSM8K test question in the chat template, sampled at T = 1). Generation ignores
+end-of-sequence so every request makes exactly ``--max-new-tokens`` tokens and the levels
+compare like for like. tokens/s = generated tokens / wall seconds of the level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    lines = DATA.read_text().splitlines() if DATA.is_file() else []
+    questions = [json.loads(line)["question"] for line in lines[:n]] or [
+        f"What is {i} times {i + 3}? Explain step by step." for i in range(n)
+    ]
+    while len(questions) < n:
+        questions += questions
+    out = []
+    for q in questions[:n]:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+async def run_level(engine: Any, prompts: list[list[int]], concurrency: int, rounds: int, new: int):
+    from asyncrl.engines import GenerateRequest, SamplingParams
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=())
+    engine.stats.decode_batch_sizes.clear()
+    tokens = 0
+
+    async def client(i: int) -> None:
+        nonlocal tokens
+        for r in range(rounds):
+            p = prompts[(i * rounds + r) % len(prompts)]
+            resp = await engine.agenerate(GenerateRequest(input_ids=p, sampling=sp))
+            tokens += len(resp.output_ids)
+
+    t0 = time.perf_counter()
+    async with asyncio.TaskGroup() as tg:
+        for i in range(concurrency):
+            tg.create_task(client(i))
+    dt = time.perf_counter() - t0
+    sizes = engine.stats.decode_batch_sizes
+    mean_batch = sum(k * v for k, v in sizes.items()) / max(1, sizes.total())
+    return tokens, dt, mean_batch
+
+
+def run_baseline(engine: Any, prompts: list[list[int]], batch: int, new: int) -> tuple[int, float]:
+    """HF ``generate`` on one left-padded batch of the same prompts, for reference."""
+    import torch
+
+    model, tok = engine.model, engine.tokenizer
+    rows = prompts[:batch]
+    width = max(len(p) for p in rows)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=model.device)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=pad,
+        )
+        dt = time.perf_counter() - t0
+    return (out.shape[1] - width) * len(rows), dt
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when present)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1, help="requests per client, in sequence")
+    ap.add_argument("--baseline", action="store_true", help="also time HF generate()")
+    args = ap.parse_args()
+
+    import torch
+
+    from asyncrl.engines.hf import HFEngine
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    hardware = (
+        torch.cuda.get_device_name() if device == "cuda" else f"cpu x{torch.get_num_threads()}"
+    )
+    engine = HFEngine(
+        args.model, dtype=args.dtype, device=device, max_batch_size=max(args.concurrency)
+    )
+    t0 = time.perf_counter()
+    async with engine:
+        print(
+            f"# {args.model} {args.dtype} on {hardware}; loaded in {time.perf_counter() - t0:.1f}s"
+        )
+        prompts = chat_prompts(engine.tokenizer, max(args.concurrency) * args.rounds)
+        plen = sum(len(p) for p in prompts) / len(prompts)
+        print(
+            f"# prompts: {len(prompts)} GSM8K questions, mean {plen:.0f} tokens; "
+            f"{args.max_new_tokens} new tokens each, T=1.0"
+        )
+        await run_level(engine, prompts, 1, 1, 4)  # warm-up: first-call allocations
+        print(
+            f"{'concurrency':>11} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>8} "
+            f"{'mean batch':>10}"
+        )
+        for c in args.concurrency:
+            tokens, dt, mean_batch = await run_level(
+                engine, prompts, c, args.rounds, args.max_new_tokens
+            )
+            print(
+                f"{c:>11} {c * args.rounds:>8} {tokens:>7} {dt:>8.2f} {tokens / dt:>8.1f} "
+                f"{mean_batch:>10.1f}",
+                flush=True,
+            )
+        if args.baseline:
+            for c in args.concurrency:
+                tokens, dt = await asyncio.to_thread(
+                    run_baseline, engine, prompts, c, args.max_new_tokens
+                )
+                print(
+                    f"# HF generate() batch {c:>3}: {tokens} tokens in {dt:.2f}s = "
+                    f"{tokens / dt:.1f} tok/s",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

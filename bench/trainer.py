@@ -1,0 +1,228 @@
+"""Train-engine throughput: tokens/s of packed vs padded micro-batches, and MFU on CUDA.
+
+    python bench/trainer.py                                  # tiny shape on the CPU, ~1 min
+    python bench/trainer.py --shape qwen2.5-1.5b --seqs 256 --grad-ckpt   # on a GPU
+
+The model is randomly initialised at the chosen shape (no download). Every step trains on
+a GRPO-like batch with GSM8K-like lengths: prompt lengths from the GSM8K questions
+(characters / 4 plus a chat-template overhead), response lengths lognormal (median
+``--resp-median``, σ ``--resp-sigma``, clipped to ``--max-new``). Both modes see the same
+batches. The loss is plain PPO (no proximal recompute), so a step is one forward and one
+backward.
+
+tokens/s counts real tokens (prompt + response), never padding. MFU = model FLOPs / (step
+time · peak), with model FLOPs = 3 × forward, forward = 2·N_body·tokens + 2·H·V·loss tokens
+(the LM head runs at loss positions only) + Σ_seq 2·L²·d_attn·layers (causal attention).
+Padding is not counted as useful work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.train import LossConfig, Sample, TrainConfig, TrainEngine
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+TEMPLATE_TOKENS = 40  # a chat template and a one-line instruction around the question
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        arch="llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True,
+    ),
+    "smollm2-135m": dict(
+        arch="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+    ),
+    "qwen2.5-0.5b": dict(
+        arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        arch="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}
+"""Dense bf16 tensor-core peaks from the vendors' data sheets."""
+
+
+def model_config(shape: str, max_len: int) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    fields = dict(SHAPES[shape])
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[fields.pop("arch")]
+    return cls(max_position_embeddings=max(4096, max_len), **fields)
+
+
+def prompt_lengths(n: int, g: torch.Generator) -> list[int]:
+    if GSM8K.is_file():
+        lines = GSM8K.read_text().splitlines()
+        pool = [len(json.loads(line)["question"]) // 4 + TEMPLATE_TOKENS for line in lines]
+    else:
+        print(f"note: {GSM8K} not found; lognormal prompt lengths instead", file=sys.stderr)
+        pool = (torch.randn(4096, generator=g) * 0.35 + math.log(90)).exp().long().tolist()
+    picks = torch.randint(len(pool), (n,), generator=g).tolist()
+    return [pool[i] for i in picks]
+
+
+def make_batch(args: argparse.Namespace, vocab: int, g: torch.Generator) -> list[Sample]:
+    prompts = prompt_lengths(args.seqs, g)
+    resp = (
+        torch.randn(args.seqs, generator=g) * args.resp_sigma + math.log(args.resp_median)
+    ).exp()
+    responses = resp.clamp(8, args.max_new).long().tolist()
+    batch = []
+    for p, r in zip(prompts, responses, strict=True):
+        n = p + r
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[p:] = True
+        behav = torch.where(mask, -1.0, 0.0)
+        adv = 1.0 if torch.rand((), generator=g) < 0.5 else -1.0
+        batch.append(Sample(torch.randint(vocab, (n,), generator=g), mask, behav, adv))
+    return batch
+
+
+def model_flops(engine: TrainEngine, batch: list[Sample]) -> float:
+    """Training FLOPs of one step on ``batch`` (see the module docstring)."""
+    cfg: Any = engine.lm.config
+    total = engine.num_params()
+    embed = engine.num_params() - engine.num_params(exclude_embeddings=True)
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    body = total - embed - head
+    tokens = sum(len(s) for s in batch)
+    loss_tokens = sum(s.num_loss_tokens for s in batch)
+    d_attn = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    attn = sum(2 * len(s) ** 2 * d_attn * cfg.num_hidden_layers for s in batch)
+    forward = 2 * body * tokens + 2 * cfg.hidden_size * cfg.vocab_size * loss_tokens + attn
+    return 3.0 * forward
+
+
+def peak_flops(args: argparse.Namespace) -> float | None:
+    if args.peak_tflops:
+        return float(args.peak_tflops) * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def run_mode(
+    args: argparse.Namespace, packing: bool, batches: list[list[Sample]]
+) -> dict[str, float]:
+    max_len = max(len(s) for b in batches for s in b)
+    engine = TrainEngine(
+        TrainConfig(
+            model=model_config(args.shape, max_len),
+            device=args.device,
+            param_dtype=args.dtype,
+            attn_implementation=args.attn,
+            gradient_checkpointing=args.grad_ckpt,
+            max_tokens_per_microbatch=args.max_tokens,
+            packing=packing,
+            lr=1e-6,
+            loss=LossConfig(recompute_proximal=False),
+        )
+    )
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, stats = [], {}
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        stats = engine.train_step(batch)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)  # train_step synchronises on CUDA
+    step_s = statistics.median(times)
+    measured = batches[args.warmup :]
+    tokens = statistics.mean(sum(len(s) for s in b) for b in measured)
+    flops = statistics.mean(model_flops(engine, b) for b in measured)
+    peak = peak_flops(args)
+    out = {
+        "tokens_per_s": tokens / step_s,
+        "step_s": step_s,
+        "micro_batches": stats["micro_batches"],
+        "padding": 1.0 - stats["tokens"] / stats["input_tokens"],
+        "tflops": flops / step_s / 1e12,
+        "mfu": flops / step_s / peak if peak else math.nan,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30
+        if engine.device.type == "cuda"
+        else math.nan,
+        "params": float(engine.num_params()),
+    }
+    del engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--seqs", type=int, default=32, help="sequences per step (prompts × group)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--modes", default="packed,padded", help="comma list of packed, padded")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
+    parser.add_argument("--resp-median", type=float, default=200.0, help="median response tokens")
+    parser.add_argument("--resp-sigma", type=float, default=0.7, help="lognormal σ of responses")
+    parser.add_argument("--max-new", type=int, default=1024, help="response length cap")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    parser.add_argument("--attn", default="asyncrl_varlen", help="attention implementation")
+    parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the MFU peak")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda else "float32"
+
+    g = torch.Generator().manual_seed(args.seed)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    batches = [make_batch(args, vocab, g) for _ in range(args.warmup + args.steps)]
+    lengths = sorted(len(s) for s in batches[0])
+    device = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"shape {args.shape}  device {device}  dtype {args.dtype}  attn {args.attn}")
+    print(
+        f"batch: {args.seqs} seqs, {sum(lengths)} tokens; length p50 {lengths[len(lengths) // 2]}"
+        f" p90 {lengths[int(len(lengths) * 0.9)]} max {lengths[-1]};"
+        f" micro-batch budget {args.max_tokens} tokens"
+    )
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = run_mode(args, mode == "packed", batches)
+    print(f"params {results[next(iter(results))]['params'] / 1e6:.1f}M")
+    print(
+        f"{'mode':8} {'tokens/s':>10} {'step_s':>8} {'micro':>6} {'padding':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
+    )
+    for mode, r in results.items():
+        mfu = "n/a" if math.isnan(r["mfu"]) else f"{r['mfu']:.1%}"
+        mem = "n/a" if math.isnan(r["peak_mem_gib"]) else f"{r['peak_mem_gib']:.2f}"
+        print(
+            f"{mode:8} {r['tokens_per_s']:10.0f} {r['step_s']:8.3f} {r['micro_batches']:6.0f}"
+            f" {r['padding']:8.1%} {r['tflops']:8.3f} {mfu:>6} {mem:>8}"
+        )
+    if {"packed", "padded"} <= results.keys():
+        ratio = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
+        print(f"packed / padded tokens/s: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The clipped policy-gradient loss (PPO / GRPO / DAPO / GSPO / decoupled PPO) and the KL
+penalty to a reference policy.
+
+Every tensor is ``[B, T]``: ``B`` sequences, right-padded to ``T`` tokens, with
+``loss_mask`` True on the tokens that carry a loss (the generated ones). Values at
+masked-out positions are ignored, whatever they are (even inf or NaN).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+ImportanceLevel = Literal["token", "sequence"]
+KLType = Literal["k1", "k2", "k3"]
+
+LOSS_AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")
+KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: KLType = "k3"
+) -> torch.Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) from samples of π, with ``d = log π_ref − log π``::
+
+    k1 = −d                 (unbiased, high variance, can be negative)
+    k2 = d² / 2             (biased, low variance)
+    k3 = exp(d) − 1 − d     (unbiased, ≥ 0, low variance)
+    """
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type {kl_type!r}: allowed {list(KL_TYPES)}")
+    d = ref_logprobs - logprobs
+    if kl_type == "k1":
+        return -d
+    if kl_type == "k2":
+        return 0.5 * d.square()
+    return torch.expm1(d) - d
+
+
+def agg_count(loss_mask: torch.Tensor, loss_agg: LossAgg) -> int:
+    """How many units ``loss_agg`` averages over: loss tokens for ``token-mean``, sequences
+    with at least one loss token otherwise.
+
+    A loss computed on part of a batch, multiplied by ``agg_count(part) / agg_count(batch)``,
+    sums over the parts to the loss of the whole batch (for ``seq-mean-token-sum-norm``
+    when every part uses the batch's ``norm_len``); the train engine splits its micro-batches
+    this way.
+    """
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg {loss_agg!r}: allowed {list(LOSS_AGGS)}")
+    mask = loss_mask.bool()
+    if loss_agg == "token-mean":
+        return int(mask.sum())
+    return int(mask.any(dim=-1).sum())
+
+
+def aggregate(
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg: LossAgg,
+    *,
+    norm_len: float | None = None,
+) -> torch.Tensor:
+    """Reduces per-token ``values [B, T]`` to a scalar. With ``m`` the mask, ``n_b = Σ_t m_bt``
+    and ``S`` the sequences with ``n_b > 0``::
+
+        token-mean               Σ_bt m·v / Σ_bt m
+        seq-mean-token-mean      (1/|S|) Σ_{b∈S} (Σ_t m·v / n_b)
+        seq-mean-token-sum-norm  (1/|S|) Σ_{b∈S} (Σ_t m·v / norm_len)    (Dr.GRPO)
+
+    ``norm_len`` defaults to ``max_b n_b``; pass a constant (the generation budget) to make
+    the loss independent of the batch. An empty mask gives 0, still attached to the graph so
+    that a backward pass runs (distributed ranks must all run one).
+    """
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg {loss_agg!r}: allowed {list(LOSS_AGGS)}")
+    mask = loss_mask.bool()
+    # where(), not a product: masked positions may hold inf/NaN, and 0·inf is NaN.
+    masked = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    n_B = mask.sum(dim=-1)
+    if loss_agg == "token-mean":
+        return masked.sum() / n_B.sum().clamp(min=1)
+    n_seqs = (n_B > 0).sum().clamp(min=1)
+    if loss_agg == "seq-mean-token-mean":
+        return (masked.sum(dim=-1) / n_B.clamp(min=1)).sum() / n_seqs
+    if norm_len is None:
+        norm_len = float(n_B.max().clamp(min=1))
+    if norm_len <= 0:
+        raise ValueError(f"norm_len must be positive, got {norm_len}")
+    return masked.sum() / norm_len / n_seqs
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    return torch.where(mask, values, zero).sum() / mask.sum().clamp(min=1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    c_clip: float | None = None,
+    behav_logprobs: torch.Tensor | None = None,
+    behav_imp_weight_cap: float | None = None,
+    importance_sampling_level: ImportanceLevel = "token",
+    loss_agg: LossAgg = "token-mean",
+    norm_len: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_type: KLType = "k3",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss, to be minimised. Per token, with ``A`` the advantage::
+
+        r      = exp(log π − log π_old)                             (token level)
+        r      = exp(mean_{t∈seq} (log π − log π_old))              (sequence level, GSPO)
+        ℓ      = max(−A·r, −A·clip(r, 1 − eps_clip, 1 + eps_clip_high))   (PPO; DAPO clip-higher)
+        ℓ      = min(ℓ, −c_clip·A)                 where A < 0      (dual clip, c_clip > 1)
+        w      = exp(log π_old − log π_behav)                       (decoupled PPO)
+        ℓ      = w·ℓ,   and ℓ = 0 where w > behav_imp_weight_cap
+        ℓ     += kl_coef · KL_k(π ‖ π_ref)                          (if ref_logprobs given)
+        loss   = aggregate(ℓ, loss_mask, loss_agg)
+
+    In the decoupled objective (AReaL) ``old_logprobs`` are the *proximal* policy's,
+    recomputed by the trainer, and ``behav_logprobs`` those of the policy that sampled the
+    tokens; ``w`` corrects for the gap and carries no gradient. Tokens over the cap drop out
+    of the numerator but still count in the denominator, so that the denominator never
+    depends on the policy. At sequence level every token of a sequence shares one ratio
+    (and one clip decision); ``w`` stays per token.
+
+    Args:
+        logprobs: ``[B, T]`` current-policy logprobs, with gradient.
+        old_logprobs: ``[B, T]`` proximal (or, without ``behav_logprobs``, behaviour) logprobs.
+        advantages: ``[B, T]`` per token or ``[B]`` per sequence.
+        loss_mask: ``[B, T]`` bool, True on tokens that carry a loss.
+        eps_clip_high: upper clip ε; defaults to ``eps_clip`` (symmetric PPO).
+        norm_len: the constant of ``seq-mean-token-sum-norm`` (see :func:`aggregate`).
+
+    Returns:
+        ``(loss, stats)``; stats are detached scalars over the masked tokens:
+        ``clip_frac_low``/``clip_frac_high``/``clip_frac_dual`` (share of tokens where that
+        clip is active), ``approx_kl`` (k3 estimate of KL(π_old ‖ π)), ``ratio_mean``,
+        ``behav_imp_weight_mean``/``behav_imp_weight_max`` (before the cap),
+        ``behav_masked_frac`` (share dropped by the cap), ``pg_loss``, ``kl_ref``.
+    """
+    if importance_sampling_level not in IMPORTANCE_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level {importance_sampling_level!r}: "
+            f"allowed {list(IMPORTANCE_LEVELS)}"
+        )
+    if c_clip is not None and c_clip <= 1.0:
+        raise ValueError(f"c_clip must be > 1, got {c_clip}")
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    eps_low = eps_clip
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    mask = loss_mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    adv = advantages.to(logprobs.dtype)
+    if adv.ndim == 1:
+        adv = adv[:, None]
+    # Sanitised, not just masked later: a NaN left at a masked position turns into a NaN
+    # gradient through the product (0 · NaN), even where the forward value is discarded.
+    adv = torch.where(mask, adv.expand_as(logprobs), zero)
+
+    token_log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zero)
+    if importance_sampling_level == "sequence":
+        n_B = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+        log_ratio = (token_log_ratio.sum(dim=-1, keepdim=True) / n_B).expand_as(logprobs)
+    else:
+        log_ratio = token_log_ratio
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    pg = torch.maximum(-adv * ratio, -adv * clipped_ratio)
+    with torch.no_grad():
+        clip_low = mask & (adv < 0) & (ratio < 1.0 - eps_low)
+        clip_high = mask & (adv > 0) & (ratio > 1.0 + eps_high)
+    if c_clip is not None:
+        dual_bound = -c_clip * adv
+        dual = mask & (adv < 0) & (pg > dual_bound)
+        pg = torch.where(dual, dual_bound, pg)
+    else:
+        dual = torch.zeros_like(mask)
+
+    if behav_logprobs is not None:
+        behav_w = torch.exp(torch.where(mask, old_logprobs - behav_logprobs, zero)).detach()
+        keep = mask if behav_imp_weight_cap is None else mask & (behav_w <= behav_imp_weight_cap)
+        pg = torch.where(keep, pg * behav_w, zero)
+    else:
+        behav_w = torch.ones_like(logprobs)
+        keep = mask
+
+    per_token = pg
+    kl_ref = zero
+    if ref_logprobs is not None and kl_coef != 0.0:
+        kl_BT = kl_penalty(
+            torch.where(mask, logprobs, zero),
+            torch.where(mask, ref_logprobs.detach(), zero),
+            kl_type,
+        )
+        per_token = per_token + kl_coef * kl_BT
+        kl_ref = _masked_mean(kl_BT.detach(), mask)
+
+    loss = aggregate(per_token, mask, loss_agg, norm_len=norm_len)
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        stats = {
+            "pg_loss": aggregate(pg.detach(), mask, loss_agg, norm_len=norm_len),
+            "kl_ref": kl_ref,
+            "clip_frac_low": clip_low.sum() / n,
+            "clip_frac_high": clip_high.sum() / n,
+            "clip_frac_dual": dual.sum() / n,
+            "approx_kl": _masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, mask),
+            "ratio_mean": _masked_mean(ratio.detach(), mask),
+            "behav_imp_weight_mean": _masked_mean(behav_w, mask),
+            "behav_imp_weight_max": torch.where(mask, behav_w, zero).max() if mask.any() else zero,
+            "behav_masked_frac": (mask & ~keep).sum() / n,
+        }
+    return loss, {k: v.detach().to(torch.float32) for k, v in stats.items()}

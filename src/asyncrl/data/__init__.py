@@ -1,0 +1,61 @@
+"""Prompt data: loaders (JSONL, HF datasets), GSM8K formatting, the synthetic arithmetic
+task, and deterministic shuffling/sharding with a resumable position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.data.gsm8k import (
+    BOXED_INSTRUCTION,
+    gsm8k_final_answer,
+    gsm8k_records,
+    load_gsm8k,
+)
+from asyncrl.data.loaders import Record, read_hf_dataset, read_jsonl, to_prompt_records
+from asyncrl.data.sampler import ShardSampler, epoch_permutation
+from asyncrl.data.synthetic import arithmetic_records
+
+
+def _final_answer(text: str) -> str:
+    """GSM8K-style worked solutions (``... #### 72``) keep only their final number."""
+    return gsm8k_final_answer(text) if "####" in text else text.strip()
+
+
+def load_records(cfg: Any, seed: int = 0) -> list[Record]:
+    """The prompt records a recipe's ``data`` section names (``type`` = ``arithmetic``,
+    ``jsonl`` or ``hf``; see :mod:`asyncrl.config`)."""
+    kind = cfg.type
+    if kind == "arithmetic":
+        return arithmetic_records(cfg.size, seed=seed, max_operand=cfg.max_operand, ops=cfg.ops)
+    if kind == "jsonl":
+        rows = read_jsonl(cfg.path)
+    elif kind == "hf":
+        rows = read_hf_dataset(cfg.name, cfg.subset, cfg.split)
+    else:
+        raise ValueError(f"data type {kind!r} is not one of arithmetic, jsonl, hf")
+    records = to_prompt_records(
+        rows,
+        cfg.prompt_key,
+        cfg.answer_key,
+        instruction=BOXED_INSTRUCTION,
+        transform=_final_answer,
+    )
+    for rec, row in zip(records, rows, strict=True):
+        rec.setdefault("solution", row[cfg.answer_key])
+    return records
+
+
+__all__ = [
+    "BOXED_INSTRUCTION",
+    "Record",
+    "ShardSampler",
+    "arithmetic_records",
+    "epoch_permutation",
+    "gsm8k_final_answer",
+    "gsm8k_records",
+    "load_gsm8k",
+    "load_records",
+    "read_hf_dataset",
+    "read_jsonl",
+    "to_prompt_records",
+]

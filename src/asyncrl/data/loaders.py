@@ -1,0 +1,86 @@
+"""Prompt records from a local JSONL file or an HF dataset.
+
+A *prompt record* is a plain dict that travels in ``Prompt.data`` and
+``Trajectory.data``: ``prompt`` (the user turn as text) or ``messages`` (a whole chat),
+``answer`` (the reference the reward compares with), plus whatever fields the source had.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+Record = dict[str, Any]
+
+
+def read_jsonl(path: str | Path, limit: int | None = None) -> list[Record]:
+    """The JSON objects of a JSONL file, in order; blank lines are skipped.
+
+    A malformed line raises ``ValueError`` naming the file and the line number."""
+    path = Path(path).expanduser()
+    records: list[Record] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(records) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: a JSON {type(obj).__name__}, not an object")
+            records.append(obj)
+    return records
+
+
+def read_hf_dataset(
+    name: str, subset: str | None = None, split: str = "train", limit: int | None = None
+) -> list[Record]:
+    """The rows of an HF dataset split (from the hub or the local HF cache), as dicts.
+
+    Needs the ``datasets`` package; a local ``name`` of a data file (``.json``,
+    ``.jsonl``, ``.csv``, ``.parquet``) is read with its matching builder."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError("HF datasets need the 'datasets' package: pip install datasets") from exc
+    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    suffix = Path(name).suffix
+    if suffix in builders and Path(name).expanduser().is_file():
+        ds = datasets.load_dataset(
+            builders[suffix], data_files=str(Path(name).expanduser()), split=split
+        )
+    else:
+        ds = datasets.load_dataset(name, subset, split=split)
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    return [dict(row) for row in ds]
+
+
+def to_prompt_records(
+    rows: Iterable[Record],
+    prompt_key: str = "question",
+    answer_key: str = "answer",
+    instruction: str = "",
+    transform: Callable[[str], str] | None = None,
+) -> list[Record]:
+    """Rows with ``prompt`` (the text under ``prompt_key`` plus ``instruction``) and
+    ``answer`` (``transform`` of the text under ``answer_key``) added; other fields kept."""
+    out: list[Record] = []
+    for i, row in enumerate(rows):
+        if prompt_key not in row or answer_key not in row:
+            raise KeyError(f"row {i} lacks {prompt_key!r} or {answer_key!r}: keys {sorted(row)}")
+        question = str(row[prompt_key])
+        answer = str(row[answer_key])
+        out.append(
+            {
+                **row,
+                "prompt": f"{question}\n{instruction}" if instruction else question,
+                "answer": transform(answer) if transform else answer,
+            }
+        )
+    return out

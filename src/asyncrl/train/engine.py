@@ -1,0 +1,437 @@
+"""The train engine: a causal LM under FSDP2 (or plain, in one process), stepped with the
+clipped policy loss on packed micro-batches.
+
+Distributed contract: under ``torchrun`` (a process group already initialised, gloo on
+CPU, NCCL on CUDA) every rank builds a ``TrainEngine`` with the same config and calls each
+method with the *same global batch*, in the same order; the engine splits the batch across
+ranks and micro-batches itself. Without a process group the engine runs the model unsharded
+in this process, with the same numerics up to float summation order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from asyncrl.algo.loss import agg_count, policy_loss
+from asyncrl.train import checkpoint as ckpt
+from asyncrl.train.batch import Batch
+from asyncrl.train.config import TrainConfig
+from asyncrl.train.models import DTYPES, TokenLogprobs, apply_fsdp, load_causal_lm
+from asyncrl.train.packing import MicroBatch, build_micro_batch, plan_micro_batches
+from asyncrl.train.schedule import lr_at
+
+_MEAN_STATS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_frac_dual",
+    "approx_kl",
+    "ratio_mean",
+    "behav_imp_weight_mean",
+    "behav_masked_frac",
+    "kl_ref",
+)
+
+
+class TrainEngine:
+    """Owns the model, optimizer and schedule of one trainer rank.
+
+    Attributes:
+        lm: the transformers model (its parameters are DTensor shards under FSDP); use it
+            directly only outside the engine's collectives, e.g. for sampling in one process.
+        module: the FSDP root, :class:`~asyncrl.train.models.TokenLogprobs` around ``lm``.
+        step: train steps taken (skipped non-finite steps included).
+        version: policy version of the current weights; starts at 0 and is bumped by every
+            ``train_step`` (a skipped step too: the buffer counts batches consumed).
+    """
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.device = self._pick_device(config.device)
+        self.param_dtype = DTYPES[config.param_dtype]
+        self.step = 0
+        self.version = 0
+        self.skipped_nonfinite = 0
+        torch.manual_seed(config.seed + self.rank)
+
+        lm = load_causal_lm(
+            config.model,
+            attn_implementation=config.attn_implementation,
+            seed=config.seed,
+            gguf_file=config.gguf_file,
+        )
+        if config.gradient_checkpointing:
+            # Non-reentrant: the only kind that composes with FSDP2's hooks. transformers 5
+            # renamed the method; the old name still works there but warns.
+            kwargs = {"use_reentrant": False}
+            hf: Any = lm
+            if hasattr(hf, "activation_checkpointing_enable"):
+                hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.lm = lm
+        self.module: nn.Module = TokenLogprobs(lm, chunk_tokens=config.lm_head_chunk_tokens)
+        self.module.to(self.device)
+        if self.distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            apply_fsdp(
+                self.module,
+                mesh,
+                param_dtype=self.param_dtype,
+                reduce_dtype=DTYPES[config.reduce_dtype],
+                reshard_after_forward=config.reshard_after_forward,
+            )
+        self.optimizer = torch.optim.AdamW(
+            self._param_groups(),
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.adam_eps,
+        )
+        self._tokenizer: Any = None
+        self._tokenizer_looked_up = False
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def _pick_device(self, choice: str) -> torch.device:
+        if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+            return torch.device("cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        # Weight decay on matrices only: decaying norms' gains and biases towards 0 only
+        # fights the model (the usual AdamW recipe).
+        decay = [p for p in self.module.parameters() if p.requires_grad and p.ndim >= 2]
+        rest = [p for p in self.module.parameters() if p.requires_grad and p.ndim < 2]
+        return [
+            {"params": decay, "weight_decay": self.config.weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        ]
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        # Under FSDP the mixed-precision policy casts; unsharded, autocast does the same job.
+        if self.distributed or self.param_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.param_dtype)
+
+    def _reshard(self) -> None:
+        """Frees gathered weights and re-registers the shards. The FSDP root keeps its
+        weights gathered after forward, expecting a backward; after a no-grad forward
+        nothing else would free them, and the module would expose plain full-size views of
+        a buffer that the next collective reuses."""
+        if not self.distributed:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def _plan(self, batch: Batch) -> list[list[int]]:
+        plan = plan_micro_batches(
+            [len(s) for s in batch],
+            self.config.max_tokens_per_microbatch,
+            self.world_size,
+            padded=not self.config.packing,
+        )
+        return plan[self.rank]
+
+    def _micro_batches(self, batch: Batch, *, all_positions: bool = False) -> Iterator[MicroBatch]:
+        for idx in self._plan(batch):
+            mb = build_micro_batch(
+                [batch[i] for i in idx],
+                idx,
+                packed=self.config.packing,
+                all_positions=all_positions,
+            )
+            yield mb.to(self.device)
+
+    def _logprobs_BT(self, mb: MicroBatch) -> torch.Tensor:
+        """``[B, T]`` float32 logprobs of the micro-batch's targets, 0 elsewhere."""
+        with self._autocast():
+            lp_M = self.module(
+                mb.input_ids,
+                mb.position_ids,
+                mb.attention_mask,
+                mb.target_index,
+                self.config.temperature,
+                mb.cu_seqlens,
+                max(mb.lengths, default=0),
+            )
+        out = torch.zeros(mb.loss_mask_BT.shape, dtype=torch.float32, device=self.device)
+        return out.index_put((mb.target_row, mb.target_col), lp_M.float())
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch, *, all_positions: bool = False) -> list[torch.Tensor]:
+        """Logprobs of every sequence under the current weights, in the :mod:`batch
+        <asyncrl.train.batch>` alignment: ``[L]`` float32 on the CPU, value at ``t`` =
+        ``log p(token_t | tokens_<t)`` of the temperature-scaled distribution, at the
+        ``loss_mask`` positions (every position but 0 with ``all_positions``), 0 elsewhere.
+
+        These are the proximal logprobs of decoupled PPO. Collective; every rank returns the
+        whole batch's logprobs.
+        """
+        if not batch:
+            raise ValueError("empty batch")
+        self.module.eval()
+        lengths = [len(s) for s in batch]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
+        for mb in self._micro_batches(batch, all_positions=all_positions):
+            lp_BT = self._logprobs_BT(mb)
+            for row, i in enumerate(mb.seq_index):
+                flat[offsets[i] : offsets[i + 1]] = lp_BT[row, : lengths[i]]
+        self._reshard()
+        if self.distributed:
+            # Each sequence was computed on exactly one rank and is 0 on the others.
+            dist.all_reduce(flat)
+        flat = flat.cpu()
+        return [flat[offsets[i] : offsets[i + 1]].clone() for i in range(len(batch))]
+
+    # --- training ---------------------------------------------------------------------------
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on the global ``batch``; returns its statistics.
+
+        The loss is the :func:`~asyncrl.algo.policy_loss` of the whole batch, whatever the
+        split into ranks and micro-batches: each micro-batch's loss is weighted by its share
+        of the batch's aggregation units. If a sample lacks ``old_logprobs`` and
+        ``loss.recompute_proximal`` is on, they are first computed with the current weights
+        (decoupled PPO); with every sample carrying ``old_logprobs`` the loss is decoupled
+        against ``behav_logprobs``; otherwise it is plain PPO against ``behav_logprobs``.
+
+        A step whose gradient norm is not finite changes no weight and is counted in
+        ``skipped_nonfinite``. Collective.
+        """
+        if not batch:
+            raise ValueError("empty batch")
+        cfg, loss_cfg = self.config, self.config.loss
+        t_start = time.perf_counter()
+        stats: dict[str, float] = {}
+        if loss_cfg.recompute_proximal and any(s.old_logprobs is None for s in batch):
+            proximal = self.compute_logprobs(batch)
+            batch = [
+                s if s.old_logprobs is not None else dataclasses.replace(s, old_logprobs=lp)
+                for s, lp in zip(batch, proximal, strict=True)
+            ]
+            stats["time/proximal_s"] = time.perf_counter() - t_start
+        decoupled = all(s.old_logprobs is not None for s in batch)
+        if not decoupled and any(s.old_logprobs is not None for s in batch):
+            raise ValueError("old_logprobs must be set on all samples or none")
+
+        # Aggregation units per sample, counted on the CPU (no device sync per micro-batch).
+        units = [agg_count(s.loss_mask[None], loss_cfg.loss_agg) for s in batch]
+        total_units = max(1, sum(units))
+        norm_len = loss_cfg.norm_len or float(max(1, max(s.num_loss_tokens for s in batch)))
+
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        t_fb = time.perf_counter()
+        sums: dict[str, torch.Tensor] = {}
+        stat_max = torch.zeros((), device=self.device)
+        n_micro = 0
+        input_tokens = 0
+        for mb in self._micro_batches(batch):
+            lp_BT = self._logprobs_BT(mb)
+            # (A dummy micro-batch of an idle rank has no old logprobs; its mask is empty.)
+            old_BT = mb.old_logprobs_BT
+            if not decoupled or old_BT is None:
+                old_BT = mb.behav_logprobs_BT
+            loss, mb_stats = policy_loss(
+                lp_BT,
+                old_BT,
+                mb.advantages_BT,
+                mb.loss_mask_BT,
+                eps_clip=loss_cfg.eps_clip,
+                eps_clip_high=loss_cfg.eps_clip_high,
+                c_clip=loss_cfg.c_clip,
+                behav_logprobs=mb.behav_logprobs_BT if decoupled else None,
+                behav_imp_weight_cap=loss_cfg.behav_imp_weight_cap,
+                importance_sampling_level=loss_cfg.importance_sampling_level,
+                loss_agg=loss_cfg.loss_agg,
+                norm_len=norm_len,
+                ref_logprobs=mb.ref_logprobs_BT,
+                kl_coef=loss_cfg.kl_coef,
+                kl_type=loss_cfg.kl_type,
+            )
+            share = sum(units[i] for i in mb.seq_index) / total_units
+            # FSDP averages gradients over ranks; the world-size factor turns that average
+            # back into the sum over the batch's parts.
+            (loss * (share * self.world_size)).backward()
+            n_tok = mb.loss_mask_BT.sum()
+            for key in ("loss", "pg_loss"):
+                value = loss.detach() if key == "loss" else mb_stats[key]
+                sums[key] = sums.get(key, 0.0) + value * share
+            for key in _MEAN_STATS:
+                sums[key] = sums.get(key, 0.0) + mb_stats[key] * n_tok
+            stat_max = torch.maximum(stat_max, mb_stats["behav_imp_weight_max"])
+            n_micro += 1
+            input_tokens += mb.num_input_tokens if mb.seq_index else 0
+        self._sync()
+        t_opt = time.perf_counter()
+
+        grad_norm = self._clip_grad_norm()
+        finite = math.isfinite(grad_norm)
+        lr = lr_at(
+            self.step,
+            lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            schedule=cfg.lr_schedule,
+            total_steps=cfg.total_steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
+        if finite:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        else:
+            self.skipped_nonfinite += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.version += 1
+        self._sync()
+        t_end = time.perf_counter()
+
+        keys = sorted(sums)
+        packed = torch.stack([torch.as_tensor(sums[k], device=self.device).float() for k in keys])
+        counts = torch.tensor([float(n_micro), float(input_tokens)], device=self.device)
+        if self.distributed:
+            dist.all_reduce(packed)
+            dist.all_reduce(counts)
+            dist.all_reduce(stat_max, op=dist.ReduceOp.MAX)
+        reduced = dict(zip(keys, packed.tolist(), strict=True))
+        loss_tokens = sum(s.num_loss_tokens for s in batch)
+        for key in _MEAN_STATS:
+            reduced[key] /= max(1, loss_tokens)
+        tokens = sum(len(s) for s in batch)
+        stats.update(reduced)
+        stats.update(
+            {
+                "behav_imp_weight_max": float(stat_max),
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "step": float(self.step),
+                "version": float(self.version),
+                "step_skipped": 0.0 if finite else 1.0,
+                "skipped_nonfinite": float(self.skipped_nonfinite),
+                "sequences": float(len(batch)),
+                "tokens": float(tokens),
+                "loss_tokens": float(loss_tokens),
+                "input_tokens": float(counts[1]),
+                "micro_batches": float(counts[0]),
+                "time/forward_backward_s": t_opt - t_fb,
+                "time/optimizer_s": t_end - t_opt,
+                "time/step_s": t_end - t_start,
+                "tokens_per_s": tokens / max(1e-9, t_end - t_start),
+            }
+        )
+        return stats
+
+    def _clip_grad_norm(self) -> float:
+        """Global gradient norm (all ranks), clipping to ``max_grad_norm`` when set."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.config.max_grad_norm or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full: Any = norm
+        if hasattr(full, "full_tensor"):
+            full = full.full_tensor()
+        return float(full)
+
+    # --- state ------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike[str], extra_state: dict[str, Any]) -> None:
+        """Saves model, optimizer, RNG, step, version and ``extra_state`` (JSON-serialisable,
+        e.g. the dataset position) to the directory ``path``. Collective."""
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "skipped_nonfinite": self.skipped_nonfinite,
+            "extra_state": extra_state,
+        }
+        self._reshard()
+        ckpt.save_checkpoint(path, self.module, self.optimizer, state)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restores everything :meth:`save_checkpoint` saved; returns ``extra_state``.
+        Collective; the world size may differ from the saving run's."""
+        self._reshard()
+        state = ckpt.load_checkpoint(path, self.module, self.optimizer)
+        self.step = int(state["step"])
+        self.version = int(state["version"])
+        self.skipped_nonfinite = int(state.get("skipped_nonfinite", 0))
+        return dict(state["extra_state"])
+
+    def export_hf(self, path: str | os.PathLike[str], *, dtype: str | None = None) -> None:
+        """Writes an HF directory (safetensors, config, tokenizer when one is known) in
+        ``dtype`` (default: ``param_dtype``). Collective; rank 0 writes."""
+        self._reshard()
+        ckpt.export_hf(
+            path,
+            self.lm,
+            dtype=DTYPES[dtype or self.config.param_dtype],
+            tokenizer=self.tokenizer if self.rank == 0 else None,  # only rank 0 writes
+        )
+
+    def iter_weights(
+        self, bucket_bytes: int = 256 << 20, *, dtype: str | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full weights as buckets of ``(HF name, CPU tensor)`` in ``dtype`` (default:
+        ``param_dtype``); rank 0 gets them, other ranks get empty buckets. Collective: every
+        rank must exhaust the iterator. See :func:`asyncrl.train.checkpoint.iter_full_weights`.
+        """
+        self._reshard()
+        return ckpt.iter_full_weights(
+            self.lm, bucket_bytes, dtype=DTYPES[dtype or self.config.param_dtype]
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of ``config.tokenizer`` (or of the model directory), None if none."""
+        if not self._tokenizer_looked_up:
+            self._tokenizer_looked_up = True
+            source = self.config.tokenizer
+            implicit = source is None and isinstance(self.config.model, str)
+            if implicit:
+                source = self.config.model
+            if source is not None:
+                from transformers import AutoTokenizer
+
+                kwargs = {"gguf_file": self.config.gguf_file} if self.config.gguf_file else {}
+                try:
+                    self._tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+                except (OSError, ValueError):
+                    if not implicit:
+                        raise
+                    # A model directory without a tokenizer: exports carry weights only.
+        return self._tokenizer
+
+    def num_params(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameter count of the full (unsharded) model."""
+        total = sum(p.numel() for p in self.lm.parameters())
+        if exclude_embeddings:
+            emb: Any = self.lm.get_input_embeddings()  # type: ignore[operator]
+            total -= emb.weight.numel()
+        return total

@@ -1,0 +1,94 @@
+"""Rollout workflows: the contract, RLVR, multi-turn, and loading a user's own.
+
+``make_workflow(spec, **options)`` builds the recipe's ``rollout.workflow``:
+
+- ``"rlvr"`` or ``"multi_turn"``: the built-in classes;
+- ``"path/to/file.py:name"`` or ``"module:name"``: a user's own, where ``name`` is a
+  :class:`RolloutWorkflow` subclass, a factory returning one, or a bare
+  ``async def arun_episode(engine, item)`` function.
+
+``options`` are offered by keyword (``tokenizer``, ``sampling``, ``group_size``,
+``reward``, ``max_turns``, ...); each class or factory receives only those its signature
+names (all of them if it takes ``**kwargs``), so a user's workflow asks for what it needs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from asyncrl.engines.base import InferenceEngine
+from asyncrl.messages import Prompt, Trajectory
+from asyncrl.workflows.base import (
+    RolloutWorkflow,
+    Scorer,
+    TokenTrace,
+    chat_messages,
+    encode_chat,
+    split_item,
+)
+from asyncrl.workflows.loader import SpecError, load_callable, split_spec
+from asyncrl.workflows.multi_turn import MultiTurnWorkflow
+from asyncrl.workflows.rlvr import RLVRWorkflow
+
+WORKFLOWS: dict[str, type[RolloutWorkflow]] = {
+    "rlvr": RLVRWorkflow,
+    "multi_turn": MultiTurnWorkflow,
+}
+"""Built-in workflows by the name a recipe uses."""
+
+EpisodeFn = Callable[[InferenceEngine, Any], Awaitable[list[Trajectory] | None]]
+
+
+class FunctionWorkflow(RolloutWorkflow):
+    """A bare ``async def arun_episode(engine, item)`` function as a workflow."""
+
+    def __init__(self, fn: EpisodeFn) -> None:
+        self.fn = fn
+
+    async def arun_episode(
+        self, engine: InferenceEngine, item: dict[str, Any] | Prompt
+    ) -> list[Trajectory] | None:
+        return await self.fn(engine, item)
+
+
+def call_with_accepted(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
+    """``fn(**options)`` restricted to the keywords ``fn`` declares."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(**options)
+    return fn(**{k: v for k, v in options.items() if k in params})
+
+
+def make_workflow(spec: str, **options: Any) -> RolloutWorkflow:
+    """The workflow ``spec`` names (see the module docstring), built with ``options``."""
+    if spec in WORKFLOWS:
+        return call_with_accepted(WORKFLOWS[spec], options)  # type: ignore[no-any-return]
+    if ":" not in spec:
+        raise SpecError(f"workflow {spec!r} is not one of {sorted(WORKFLOWS)} nor a file.py:name")
+    split_spec(spec)
+    obj = load_callable(spec)
+    if inspect.iscoroutinefunction(obj):
+        return FunctionWorkflow(obj)
+    built = call_with_accepted(obj, options)
+    if not callable(getattr(built, "arun_episode", None)):
+        raise SpecError(f"{spec!r} built a {type(built).__name__}, which has no arun_episode")
+    return built  # type: ignore[no-any-return]
+
+
+__all__ = [
+    "WORKFLOWS",
+    "FunctionWorkflow",
+    "MultiTurnWorkflow",
+    "RLVRWorkflow",
+    "RolloutWorkflow",
+    "Scorer",
+    "SpecError",
+    "TokenTrace",
+    "chat_messages",
+    "encode_chat",
+    "load_callable",
+    "make_workflow",
+    "split_item",
+]

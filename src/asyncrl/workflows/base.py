@@ -1,0 +1,126 @@
+"""The workflow contract and the pieces every workflow shares.
+
+A workflow turns one prompt record into the trajectories of one episode (a GRPO group):
+
+    trajectories = await workflow.arun_episode(engine, item)
+
+``item`` is the prompt record with its ``uid`` (a dict with a ``"uid"`` key, or a
+:class:`~asyncrl.messages.Prompt`). It returns the group's trajectories, or None when the
+episode produced nothing usable (the engine stopped mid-way): the prompt then goes back to
+the pool. Every trajectory carries the record in ``data`` (so a reward actor can score it),
+its uid ``f"{prompt_uid}/{i}"``, generated tokens with ``loss_mask`` 1 and their behaviour
+logprobs and versions, and prompt/environment tokens with mask 0, logprob 0, version -1.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from asyncrl.engines.base import GenerateResponse, InferenceEngine
+from asyncrl.messages import Array, Prompt, Trajectory
+
+
+class RewardOutcome(Protocol):
+    reward: float
+    ok: bool
+    reason: str
+
+
+class Scorer(Protocol):
+    """What scores a completion: :class:`asyncrl.rewards.RewardPool` or any look-alike."""
+
+    async def score(self, completion: str, data: dict[str, Any]) -> RewardOutcome: ...
+
+
+class RolloutWorkflow(ABC):
+    """Produces one episode's trajectories; see the module docstring for the contract."""
+
+    @abstractmethod
+    async def arun_episode(
+        self, engine: InferenceEngine, item: dict[str, Any] | Prompt
+    ) -> list[Trajectory] | None: ...
+
+
+def split_item(item: dict[str, Any] | Prompt) -> tuple[str, dict[str, Any]]:
+    """``(uid, record)`` of a workflow item; the record is the item without its uid."""
+    if isinstance(item, Prompt):
+        return item.uid, dict(item.data)
+    if "uid" not in item:
+        raise KeyError("a workflow item needs a 'uid' (the prompt's id)")
+    return str(item["uid"]), {k: v for k, v in item.items() if k != "uid"}
+
+
+def chat_messages(record: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The chat to generate from: ``messages`` if the record has them, else one user turn
+    from ``prompt`` (or ``question``), after ``system_prompt`` if given."""
+    if "messages" in record:
+        messages = [dict(m) for m in record["messages"]]
+    else:
+        text = record.get("prompt", record.get("question"))
+        if text is None:
+            raise KeyError(
+                f"the prompt record has no messages, prompt or question: {sorted(record)}"
+            )
+        messages = [{"role": "user", "content": str(text)}]
+    if system_prompt is not None and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` in the tokenizer's chat template, ready for the reply."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@dataclass
+class TokenTrace:
+    """A growing token sequence: which tokens the policy generated, with what logprob and
+    version, and which came from the prompt or the environment."""
+
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        self.input_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([-1] * len(ids))
+
+    def add_generated(self, resp: GenerateResponse) -> None:
+        self.input_ids.extend(resp.output_ids)
+        self.loss_mask.extend([1] * len(resp.output_ids))
+        self.logprobs.extend(resp.output_logprobs)
+        self.versions.extend(resp.output_versions)
+
+    def to_trajectory(
+        self,
+        prompt_uid: str,
+        index: int,
+        group_size: int,
+        data: dict[str, Any],
+        completion: str,
+        finish_reason: str,
+        reward: float | None = None,
+        reward_info: dict[str, Any] | None = None,
+    ) -> Trajectory:
+        return Trajectory(
+            uid=f"{prompt_uid}/{index}",
+            prompt_uid=prompt_uid,
+            group_index=index,
+            group_size=group_size,
+            input_ids=Array.of(self.input_ids, "int32"),
+            loss_mask=Array.of(self.loss_mask, "bool"),
+            logprobs=Array.of(self.logprobs, "float32"),
+            versions=Array.of(self.versions, "int32"),
+            reward=reward,
+            reward_info=reward_info or {},
+            data=data,
+            completion=completion,
+            finish_reason=finish_reason,
+        )

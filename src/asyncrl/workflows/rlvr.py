@@ -1,0 +1,100 @@
+"""RLVR: one prompt, ``group_size`` independent samples, a verifiable reward per sample.
+
+The prompt goes through the tokenizer's chat template once; the samples are generated
+concurrently (so the engine batches them). With a ``reward`` scorer each trajectory is
+scored inline; without one, ``reward`` stays None for the reward actor to fill in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import Any
+
+from asyncrl.engines.base import GenerateRequest, InferenceEngine, SamplingParams
+from asyncrl.messages import Prompt, Trajectory
+from asyncrl.workflows.base import (
+    RolloutWorkflow,
+    Scorer,
+    TokenTrace,
+    chat_messages,
+    encode_chat,
+    split_item,
+)
+
+
+def sample_seed(seed: int | None, prompt_uid: str, index: int) -> int | None:
+    """A distinct, reproducible seed per sample of a group (None stays None)."""
+    if seed is None:
+        return None
+    return zlib.crc32(f"{seed}/{prompt_uid}/{index}".encode())
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    """Single-turn generation of a group, optionally scored inline."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        sampling: SamplingParams,
+        group_size: int = 1,
+        reward: Scorer | None = None,
+        system_prompt: str | None = None,
+    ) -> None:
+        if group_size < 1:
+            raise ValueError("group_size must be >= 1")
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.group_size = group_size
+        self.reward = reward
+        self.system_prompt = system_prompt
+
+    async def arun_episode(
+        self, engine: InferenceEngine, item: dict[str, Any] | Prompt
+    ) -> list[Trajectory] | None:
+        uid, record = split_item(item)
+        prompt_ids = encode_chat(self.tokenizer, chat_messages(record, self.system_prompt))
+        requests = [
+            GenerateRequest(
+                input_ids=prompt_ids,
+                sampling=self.sampling.model_copy(
+                    update={"seed": sample_seed(self.sampling.seed, uid, i)}
+                ),
+                rid=f"{uid}/{i}",
+            )
+            for i in range(self.group_size)
+        ]
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(engine.agenerate(r)) for r in requests]
+        responses = [t.result() for t in tasks]
+        if any(r.finish_reason == "abort" for r in responses):
+            return None  # the engine stopped: a partial group is no group
+        texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
+
+        outcomes: list[Any] = [None] * len(responses)
+        if self.reward is not None:
+            scorer = self.reward
+            async with asyncio.TaskGroup() as tg:
+                scored = [tg.create_task(scorer.score(text, record)) for text in texts]
+            outcomes = [t.result() for t in scored]
+
+        trajectories = []
+        for i, (resp, text, outcome) in enumerate(zip(responses, texts, outcomes, strict=True)):
+            trace = TokenTrace()
+            trace.add_context(prompt_ids)
+            trace.add_generated(resp)
+            trajectories.append(
+                trace.to_trajectory(
+                    uid,
+                    i,
+                    self.group_size,
+                    record,
+                    text,
+                    resp.finish_reason,
+                    reward=None if outcome is None else float(outcome.reward),
+                    reward_info=None
+                    if outcome is None
+                    else {"ok": outcome.ok, "reason": outcome.reason},
+                )
+            )
+        return trajectories

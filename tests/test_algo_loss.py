@@ -1,0 +1,236 @@
+"""policy_loss, aggregate and kl_penalty against hand-computed values.
+
+Convention in these tests: old logprobs are 0, so ``logprobs = log r`` puts the ratio
+``r`` in directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.algo import agg_count, aggregate, kl_penalty, policy_loss
+
+
+def row(*values: float) -> torch.Tensor:
+    return torch.tensor([values], dtype=torch.float32)
+
+
+def log_ratios(*ratios: float) -> torch.Tensor:
+    return torch.log(row(*ratios)).requires_grad_(True)
+
+
+def ones_mask(n: int) -> torch.Tensor:
+    return torch.ones(1, n, dtype=torch.bool)
+
+
+def test_symmetric_ppo_clip_values_gradients_and_fractions() -> None:
+    logp = log_ratios(1.5, 0.5, 1.1, 0.7)
+    adv = row(1.0, 1.0, -1.0, -1.0)
+    loss, stats = policy_loss(logp, torch.zeros_like(logp), adv, ones_mask(4), eps_clip=0.2)
+    # per token: max(−1.5, −1.2)=−1.2 (clipped high), max(−0.5, −0.8)=−0.5,
+    #            max(1.1, 1.1)=1.1, max(0.7, 0.8)=0.8 (clipped low)
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8) / 4)
+    assert stats["clip_frac_high"].item() == pytest.approx(0.25)
+    assert stats["clip_frac_low"].item() == pytest.approx(0.25)
+    assert stats["clip_frac_dual"].item() == 0.0
+    loss.backward()
+    # d(−A·r)/d log r = −A·r on unclipped tokens, 0 on clipped ones; token-mean over 4
+    torch.testing.assert_close(logp.grad, row(0.0, -0.5 / 4, 1.1 / 4, 0.0))
+
+
+def test_clip_higher_widens_only_the_upper_bound() -> None:
+    logp = log_ratios(1.5, 0.5, 1.1, 0.7)
+    adv = row(1.0, 1.0, -1.0, -1.0)
+    loss, stats = policy_loss(
+        logp, torch.zeros_like(logp), adv, ones_mask(4), eps_clip=0.2, eps_clip_high=0.6
+    )
+    # r = 1.5 < 1.6 is no longer clipped; the lower clip at 0.8 still holds
+    assert loss.item() == pytest.approx((-1.5 - 0.5 + 1.1 + 0.8) / 4)
+    assert stats["clip_frac_high"].item() == 0.0
+    assert stats["clip_frac_low"].item() == pytest.approx(0.25)
+
+
+def test_dual_clip_bounds_negative_advantages() -> None:
+    logp = log_ratios(4.0, 2.0, 4.0)
+    adv = row(-1.0, -1.0, 1.0)
+    loss, stats = policy_loss(logp, torch.zeros_like(logp), adv, ones_mask(3), c_clip=3.0)
+    # A<0, r=4: max(4, 1.2)=4 → min(4, 3)=3 (dual); A<0, r=2: 2 < 3 stays;
+    # A>0, r=4: max(−4, −1.2)=−1.2 (clipped high, dual never applies)
+    assert loss.item() == pytest.approx((3.0 + 2.0 - 1.2) / 3)
+    assert stats["clip_frac_dual"].item() == pytest.approx(1 / 3)
+    assert stats["clip_frac_high"].item() == pytest.approx(1 / 3)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, row(0.0, 2.0 / 3, 0.0))
+    with pytest.raises(ValueError, match="c_clip"):
+        policy_loss(logp, torch.zeros_like(logp), adv, ones_mask(3), c_clip=1.0)
+
+
+def test_decoupled_weights_and_cap() -> None:
+    logp = torch.zeros(1, 3, requires_grad=True)  # π = π_prox: r = 1
+    prox = torch.zeros(1, 3)
+    behav = -torch.log(row(0.5, 2.0, 8.0))  # w = exp(prox − behav) = 0.5, 2, 8
+    adv = row(1.0, 1.0, 1.0)
+    loss, stats = policy_loss(logp, prox, adv, ones_mask(3), behav_logprobs=behav)
+    assert loss.item() == pytest.approx(-(0.5 + 2.0 + 8.0) / 3)
+    capped, cstats = policy_loss(
+        logp, prox, adv, ones_mask(3), behav_logprobs=behav, behav_imp_weight_cap=5.0
+    )
+    # the w = 8 token drops out of the sum but stays in the denominator
+    assert capped.item() == pytest.approx(-(0.5 + 2.0) / 3)
+    assert cstats["behav_imp_weight_mean"].item() == pytest.approx(3.5)
+    assert cstats["behav_imp_weight_max"].item() == pytest.approx(8.0)
+    assert cstats["behav_masked_frac"].item() == pytest.approx(1 / 3)
+    assert stats["behav_masked_frac"].item() == 0.0
+    capped.backward()
+    # d(−A·w·r)/d log π = −w per kept token, the weight itself carries no gradient
+    torch.testing.assert_close(logp.grad, row(-0.5 / 3, -2.0 / 3, 0.0))
+
+
+def test_decoupled_ratio_is_against_the_proximal_policy() -> None:
+    logp = torch.log(row(3.0)).requires_grad_(True)
+    prox = torch.log(row(2.0))  # r = 3/2 = 1.5 → clipped to 1.2 for A > 0
+    behav = torch.log(row(1.0))  # w = 2
+    loss, stats = policy_loss(logp, prox, row(1.0), ones_mask(1), behav_logprobs=behav)
+    assert loss.item() == pytest.approx(-2.0 * 1.2)
+    assert stats["clip_frac_high"].item() == 1.0
+
+
+def test_sequence_level_ratio_is_shared_by_the_sequence() -> None:
+    # seq 0: log r = [log 2, log 0.5] → mean 0 → r = 1 for both tokens
+    # seq 1: log r = [log 1.5, log 1.5] → r = 1.5, clipped to 1.2 for A > 0
+    logp = torch.log(torch.tensor([[2.0, 0.5], [1.5, 1.5]])).requires_grad_(True)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    adv = torch.tensor([1.0, 1.0])  # one advantage per sequence
+    seq_loss, stats = policy_loss(
+        logp, torch.zeros(2, 2), adv, mask, importance_sampling_level="sequence"
+    )
+    assert seq_loss.item() == pytest.approx((-1.0 - 1.0 - 1.2 - 1.2) / 4)
+    assert stats["clip_frac_high"].item() == pytest.approx(0.5)
+    seq_loss.backward()
+    # pg_t = −exp(mean_j log r_j): each token of seq 0 gets −(1/2)·2 tokens / 4 = −0.25
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.25, -0.25], [0.0, 0.0]]))
+    token_loss, _ = policy_loss(logp, torch.zeros(2, 2), adv, mask)
+    assert token_loss.item() == pytest.approx((-1.2 - 0.5 - 1.2 - 1.2) / 4)
+
+
+# values row 0: [1, 2, NaN (masked)], row 1: [3, 4, 5], row 2: fully masked
+VALUES = torch.tensor([[1.0, 2.0, math.nan], [3.0, 4.0, 5.0], [7.0, 7.0, 7.0]])
+MASK = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
+
+
+@pytest.mark.parametrize(
+    ("loss_agg", "norm_len", "expected"),
+    [
+        ("token-mean", None, 15 / 5),
+        ("seq-mean-token-mean", None, (1.5 + 4.0) / 2),
+        ("seq-mean-token-sum-norm", None, (3 / 3 + 12 / 3) / 2),
+        ("seq-mean-token-sum-norm", 4.0, (3 / 4 + 12 / 4) / 2),
+    ],
+)
+def test_each_aggregation(loss_agg: str, norm_len: float | None, expected: float) -> None:
+    assert aggregate(VALUES, MASK, loss_agg, norm_len=norm_len).item() == pytest.approx(expected)  # type: ignore[arg-type]
+    # Through policy_loss: r = 1 and A = −v make the per-token loss exactly v.
+    logp = torch.zeros(3, 3, requires_grad=True)
+    loss, _ = policy_loss(
+        logp,
+        torch.zeros(3, 3),
+        -VALUES,
+        MASK,
+        loss_agg=loss_agg,
+        norm_len=norm_len,  # type: ignore[arg-type]
+    )
+    assert loss.item() == pytest.approx(expected)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()  # type: ignore[arg-type]
+    assert (logp.grad[~MASK] == 0).all()  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_parts_weighted_by_agg_count_sum_to_the_whole(loss_agg: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    values = torch.rand(6, 5, generator=g) + 0.5
+    mask = torch.rand(6, 5, generator=g) > 0.3
+    mask[4] = False
+    whole = aggregate(values, mask, loss_agg, norm_len=5.0)  # type: ignore[arg-type]
+    total = agg_count(mask, loss_agg)  # type: ignore[arg-type]
+    parts = sum(
+        aggregate(values[s], mask[s], loss_agg, norm_len=5.0) * agg_count(mask[s], loss_agg) / total  # type: ignore[arg-type]
+        for s in (slice(0, 2), slice(2, 3), slice(3, 6))
+    )
+    assert float(parts) == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_masked_garbage_never_reaches_loss_or_gradient() -> None:
+    logp = torch.tensor([[0.1, math.inf, -0.2]], requires_grad=True)
+    old = torch.tensor([[0.0, -math.inf, 0.1]])
+    adv = torch.tensor([[1.0, math.nan, 2.0]])
+    mask = torch.tensor([[True, False, True]])
+    loss, stats = policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        behav_logprobs=torch.tensor([[0.0, math.nan, 0.0]]),
+        ref_logprobs=torch.tensor([[0.0, math.nan, 0.0]]),
+        kl_coef=0.1,
+    )
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(v) for v in stats.values())
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()  # type: ignore[arg-type]
+    assert logp.grad[0, 1] == 0  # type: ignore[index]
+
+
+def test_empty_mask_gives_zero_with_a_graph() -> None:
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, stats = policy_loss(
+        logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3, dtype=torch.bool)
+    )
+    assert loss.item() == 0.0
+    loss.backward()  # must not raise: idle distributed ranks run this
+    assert stats["behav_imp_weight_max"].item() == 0.0
+
+
+def test_kl_estimators() -> None:
+    logp, ref = torch.log(row(0.5)), torch.log(row(0.25))
+    d = math.log(0.5)  # log π_ref − log π
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(-d)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * d * d)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(d) - 1 - d)
+    with pytest.raises(ValueError, match="kl_type"):
+        kl_penalty(logp, ref, "k4")  # type: ignore[arg-type]
+
+
+def test_kl_penalty_is_added_per_token() -> None:
+    logp = torch.log(row(0.5, 0.5)).requires_grad_(True)
+    ref = torch.log(row(0.25, 0.5))
+    k3 = 0.5 - 1 - math.log(0.5)
+    loss, stats = policy_loss(
+        logp, logp.detach(), row(1.0, 1.0), ones_mask(2), ref_logprobs=ref, kl_coef=0.1
+    )
+    assert loss.item() == pytest.approx(-1.0 + 0.1 * k3 / 2)
+    assert stats["kl_ref"].item() == pytest.approx(k3 / 2)
+    assert stats["pg_loss"].item() == pytest.approx(-1.0)
+
+
+def test_stats_approx_kl_and_ratio_mean() -> None:
+    logp = log_ratios(2.0, 1.0)
+    _, stats = policy_loss(logp, torch.zeros_like(logp), row(0.0, 0.0), ones_mask(2))
+    # k3 of KL(π_old ‖ π) with r = π/π_old: (r − 1) − log r
+    assert stats["approx_kl"].item() == pytest.approx((1 - math.log(2)) / 2)
+    assert stats["ratio_mean"].item() == pytest.approx(1.5)
+
+
+def test_bad_options_are_refused() -> None:
+    logp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        policy_loss(logp, logp, row(1.0, 1.0), ones_mask(2), importance_sampling_level="group")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loss_agg"):
+        policy_loss(logp, logp, row(1.0, 1.0), ones_mask(2), loss_agg="sum")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        policy_loss(logp[0], logp[0], row(1.0, 1.0)[0], ones_mask(2)[0])

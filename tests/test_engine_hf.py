@@ -1,0 +1,269 @@
+"""The hf engine on a tiny random Llama: logprobs, batching, pause/update/resume, sampling."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.engines.hf import HFEngine
+from asyncrl.engines.hf_batch import StepResult
+from asyncrl.tiny_model import tiny_model_dir
+
+LOGPROB_ATOL = 1e-4
+"""fp32 tolerance between engine logprobs (left-padded, cached, batched) and a fresh
+unpadded forward pass: the two differ only by summation order, ~1e-6 in practice."""
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[HFEngine]:
+    async with HFEngine(str(tiny_model_dir()), max_batch_size=16) as eng:
+        yield eng
+
+
+def prompt_ids(engine: HFEngine, text: str) -> list[int]:
+    return list(engine.tokenizer.encode(text, add_special_tokens=False))
+
+
+def teacher_forced(model: torch.nn.Module, resp: GenerateResponse) -> torch.Tensor:
+    """log p(output token | everything before it) from one forward pass, at T = 1."""
+    ids = torch.tensor([resp.input_ids + resp.output_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    n = len(resp.input_ids)
+    return logp[n - 1 : -1].gather(-1, torch.tensor(resp.output_ids)[:, None]).squeeze(-1)
+
+
+def sampling(**kw: object) -> SamplingParams:
+    kw.setdefault("stop_token_ids", ())
+    return SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+async def test_logprobs_equal_teacher_forced_forward_with_staggered_joins(engine: HFEngine):
+    texts = ["hi", "What is 2+2?", "x", "The quick brown fox jumps over", "1+1=", "Hello there"]
+    lengths = [30, 12, 25, 8, 40, 17]
+    sp = [sampling(temperature=1.0, max_new_tokens=n) for n in lengths]
+    started = asyncio.Event()
+    steps = 0
+
+    def on_step(_: StepResult) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            started.set()
+
+    engine.on_step = on_step
+    async with asyncio.TaskGroup() as tg:
+        first = [
+            tg.create_task(
+                engine.agenerate(GenerateRequest(input_ids=prompt_ids(engine, t), sampling=s))
+            )
+            for t, s in zip(texts[:3], sp[:3], strict=True)
+        ]
+        await started.wait()  # later requests join a batch that is already decoding
+        later = [
+            tg.create_task(
+                engine.agenerate(GenerateRequest(input_ids=prompt_ids(engine, t), sampling=s))
+            )
+            for t, s in zip(texts[3:], sp[3:], strict=True)
+        ]
+    for task, n in zip(first + later, lengths, strict=True):
+        resp = task.result()
+        assert resp.finish_reason == "length"
+        assert len(resp.output_ids) == len(resp.output_logprobs) == n
+        assert resp.output_versions == [0] * n
+        expected = teacher_forced(engine.model, resp)
+        torch.testing.assert_close(
+            torch.tensor(resp.output_logprobs), expected, atol=LOGPROB_ATOL, rtol=0
+        )
+    assert engine.stats.prefill_batch_sizes.total() >= 2
+
+
+async def test_concurrent_calls_run_in_batches_larger_than_one(engine: HFEngine):
+    reqs = [
+        GenerateRequest(input_ids=prompt_ids(engine, f"q{i}"), sampling=sampling(max_new_tokens=6))
+        for i in range(8)
+    ]
+    out = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+    assert all(len(r.output_ids) == 6 for r in out)
+    assert engine.stats.max_decode_batch == 8
+    assert engine.stats.generated_tokens == 48
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (name, p.detach() + 0.5 * torch.randn(p.shape, generator=gen))
+        for name, p in model.named_parameters()
+    ]
+
+
+async def test_pause_update_resume_gives_two_versions_conditioned_on_partial_tokens(
+    engine: HFEngine,
+):
+    old_model = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    reached = asyncio.Event()
+    engine.on_step = lambda r: reached.set() if engine.stats.generated_tokens >= 5 else None
+    prompt = prompt_ids(engine, "Count with me:")
+    req = GenerateRequest(input_ids=prompt, sampling=sampling(max_new_tokens=40))
+    async with asyncio.TaskGroup() as tg:
+        gen = tg.create_task(engine.agenerate(req))
+        await reached.wait()
+        await engine.pause()
+        assert not gen.done()  # paused mid-sequence, not finished
+        await engine.update_weights(perturbed(engine.model, seed=1), version=1)
+        assert engine.version == 1
+        await engine.resume()
+    resp = gen.result()
+    assert resp.finish_reason == "length" and len(resp.output_ids) == 40
+    versions = resp.output_versions
+    switch = versions.index(1)
+    assert 5 <= switch < 40
+    assert versions == [0] * switch + [1] * (40 - switch)
+
+    # Tokens before the switch are scored by the old weights, tokens after it by the new
+    # weights *given the partial tokens*: a continuation restarted from the prompt, or one
+    # reusing the old cache, would not match the teacher-forced pass below.
+    new_lp = teacher_forced(engine.model, resp)
+    with torch.no_grad():
+        new_state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        engine.model.load_state_dict(old_model)
+        old_lp = teacher_forced(engine.model, resp)
+        engine.model.load_state_dict(new_state)
+    got = torch.tensor(resp.output_logprobs)
+    torch.testing.assert_close(got[:switch], old_lp[:switch], atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(got[switch:], new_lp[switch:], atol=LOGPROB_ATOL, rtol=0)
+    assert not torch.allclose(old_lp[switch:], new_lp[switch:], atol=1e-2)
+
+
+async def test_update_from_safetensors_directory_and_bad_updates(engine: HFEngine, tmp_path: Path):
+    from safetensors.torch import save_file
+
+    pairs = perturbed(engine.model, seed=2)
+    save_file({k: v.contiguous() for k, v in pairs}, str(tmp_path / "model.safetensors"))
+    await engine.update_weights(tmp_path, version=3)
+    assert engine.version == 3 and not engine.paused
+    name, expected = pairs[0]
+    torch.testing.assert_close(dict(engine.model.named_parameters())[name].detach(), expected)
+
+    with pytest.raises(KeyError, match="does not have"):
+        await engine.update_weights([("no.such.weight", torch.zeros(1))], version=4)
+    with pytest.raises(KeyError, match="lacks"):
+        await engine.update_weights(pairs[:1], version=4)
+    assert engine.version == 3 and not engine.paused
+    resp = await engine.agenerate(
+        GenerateRequest(input_ids=prompt_ids(engine, "ok"), sampling=sampling(max_new_tokens=3))
+    )
+    assert resp.output_versions == [3, 3, 3]
+
+
+async def test_greedy_seeded_and_stop_tokens(engine: HFEngine):
+    prompt = prompt_ids(engine, "abc")
+    greedy = sampling(temperature=0.0, max_new_tokens=12)
+    a, b = await asyncio.gather(
+        engine.agenerate(GenerateRequest(input_ids=prompt, sampling=greedy)),
+        engine.agenerate(GenerateRequest(input_ids=prompt, sampling=greedy)),
+    )
+    assert a.output_ids == b.output_ids
+    # top_k=1 keeps only the argmax: the same tokens at any temperature
+    top1 = await engine.agenerate(
+        GenerateRequest(input_ids=prompt, sampling=sampling(top_k=1, max_new_tokens=12))
+    )
+    assert top1.output_ids == a.output_ids
+
+    stop_at = a.output_ids[4]
+    first = a.output_ids.index(stop_at)
+    stopped = await engine.agenerate(
+        GenerateRequest(
+            input_ids=prompt, sampling=greedy.model_copy(update={"stop_token_ids": (stop_at,)})
+        )
+    )
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_ids == a.output_ids[: first + 1]
+
+    seeded = sampling(max_new_tokens=16, seed=1234)
+    s1 = await engine.agenerate(GenerateRequest(input_ids=prompt, sampling=seeded))
+    s2 = await engine.agenerate(GenerateRequest(input_ids=prompt, sampling=seeded))
+    assert s1.output_ids == s2.output_ids
+
+
+async def test_default_stop_is_eos_and_processed_logprobs(tmp_path: Path):
+    async with HFEngine(str(tiny_model_dir()), logprob_mode="processed") as eng:
+        eos = eng.tokenizer.eos_token_id
+        assert eos in eng._eos_ids
+        resp = await eng.agenerate(
+            GenerateRequest(
+                input_ids=prompt_ids(eng, "hi"),
+                sampling=SamplingParams(top_k=1, max_new_tokens=5),
+            )
+        )
+        # a point mass: the processed distribution gives the only kept token logprob 0
+        assert resp.output_logprobs == [0.0] * len(resp.output_ids)
+
+
+async def test_cancelled_caller_frees_its_row_and_stop_aborts(engine: HFEngine):
+    reached = asyncio.Event()
+    engine.on_step = lambda r: reached.set() if engine.stats.steps >= 2 else None
+    long = GenerateRequest(input_ids=prompt_ids(engine, "a"), sampling=sampling(max_new_tokens=400))
+    async with asyncio.TaskGroup() as tg:
+        victim = tg.create_task(engine.agenerate(long))
+        other = tg.create_task(
+            engine.agenerate(
+                GenerateRequest(
+                    input_ids=prompt_ids(engine, "b"), sampling=sampling(max_new_tokens=30)
+                )
+            )
+        )
+        await reached.wait()
+        victim.cancel()
+    assert victim.cancelled()
+    assert len(other.result().output_ids) == 30
+    assert not engine._running
+
+    pending = asyncio.create_task(engine.agenerate(long))
+    reached.clear()
+    await reached.wait()
+    await engine.stop()
+    resp = await pending
+    assert resp.finish_reason == "abort" and 0 < len(resp.output_ids) < 400
+
+
+async def test_other_architecture_qwen2(tmp_path: Path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.tiny_model import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    async with HFEngine(str(tmp_path)) as eng:
+        reqs = [
+            GenerateRequest(input_ids=prompt_ids(eng, t), sampling=sampling(max_new_tokens=80))
+            for t in ("one", "three words here")
+        ]
+        out = await asyncio.gather(*(eng.agenerate(r) for r in reqs))
+    for resp in out:
+        # the context (64 positions) ends generation before max_new_tokens
+        assert resp.finish_reason == "length"
+        assert len(resp.input_ids) + len(resp.output_ids) <= 64
+        torch.testing.assert_close(
+            torch.tensor(resp.output_logprobs),
+            teacher_forced(eng.model, resp),
+            atol=LOGPROB_ATOL,
+            rtol=0,
+        )

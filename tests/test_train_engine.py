@@ -1,0 +1,203 @@
+"""TrainEngine in one process: split invariance, non-finite steps, schedule, export and
+the weight stream."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers.tiny import (
+    full_weights,
+    one_torch_thread,
+    random_batch,
+    tiny_config,
+    train_config,
+)
+
+from asyncrl.train import LossConfig, Sample, TrainConfig, TrainEngine
+from asyncrl.train.schedule import lr_at
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    with one_torch_thread():
+        yield
+
+
+def _step_and_weights(config: TrainConfig, batch: list[Sample]) -> tuple[dict, dict]:
+    engine = TrainEngine(config)
+    stats = engine.train_step(batch)
+    return stats, full_weights(engine)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"max_tokens_per_microbatch": 10_000},
+        {"packing": False, "max_tokens_per_microbatch": 40},
+        {"gradient_checkpointing": True},
+        {"lm_head_chunk_tokens": 3},
+    ],
+    ids=["one-micro-batch", "padded", "grad-checkpointing", "small-logit-chunks"],
+)
+@pytest.mark.parametrize(
+    "loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_layout_choices_do_not_change_the_step(variant: dict, loss_agg: str) -> None:
+    """Splitting into micro-batches, padding, recomputation and logit chunking are
+    layout choices: loss and updated weights stay the same."""
+    batch = random_batch(3, per_token_adv=True)
+    loss = LossConfig(loss_agg=loss_agg)  # type: ignore[arg-type]
+    base_stats, base_w = _step_and_weights(train_config(loss=loss), batch)
+    assert base_stats["micro_batches"] > 1
+    stats, weights = _step_and_weights(train_config(loss=loss, **variant), batch)
+    assert stats["loss"] == pytest.approx(base_stats["loss"], rel=1e-5, abs=1e-7)
+    assert stats["grad_norm"] == pytest.approx(base_stats["grad_norm"], rel=1e-5)
+    for name, tensor in base_w.items():
+        # See test_train_distributed: Adam turns ~0 gradients' float noise into up to lr.
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_stats_of_a_step() -> None:
+    engine = TrainEngine(train_config())
+    batch = random_batch(4)
+    stats = engine.train_step(batch)
+    assert stats["tokens"] == sum(len(s) for s in batch)
+    assert stats["loss_tokens"] == sum(s.num_loss_tokens for s in batch)
+    assert stats["input_tokens"] == stats["tokens"]  # packing computes no padding
+    assert (stats["step"], stats["version"], engine.version) == (1, 1, 1)
+    # Proximal logprobs were recomputed with these very weights: ratio 1, no clipping.
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["clip_frac_low"] == stats["clip_frac_high"] == 0.0
+    # The behaviour logprobs (≈ −4.8) are near the model's (uniform over 128 ≈ −4.85).
+    assert 0.5 < stats["behav_imp_weight_mean"] < 2.0
+    assert math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
+    assert stats["lr"] == pytest.approx(1e-3 / 2)  # first of 2 warmup steps
+    padded = TrainEngine(train_config(packing=False)).train_step(batch)
+    assert padded["input_tokens"] > padded["tokens"]
+
+
+def test_plain_ppo_without_proximal_recompute() -> None:
+    engine = TrainEngine(train_config(loss=LossConfig(recompute_proximal=False)))
+    stats = engine.train_step(random_batch(4))
+    # Against the behaviour logprobs, no importance weights are involved.
+    assert stats["behav_imp_weight_mean"] == 1.0
+    assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
+    assert "time/proximal_s" not in stats
+
+
+def test_kl_to_reference_logprobs() -> None:
+    engine = TrainEngine(train_config(loss=LossConfig(kl_coef=0.5)))
+    batch = random_batch(5)
+    ref = engine.compute_logprobs(batch)
+    for s, lp in zip(batch, ref, strict=True):
+        s.ref_logprobs = lp
+    stats = engine.train_step(batch)
+    assert stats["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # same weights as the reference
+    stats = engine.train_step(batch)
+    assert stats["kl_ref"] > 0
+
+
+def test_non_finite_step_is_skipped_and_counted() -> None:
+    engine = TrainEngine(train_config())
+    before = full_weights(engine)
+    bad = random_batch(6)
+    bad[2].advantages = torch.tensor(math.nan)
+    stats = engine.train_step(bad)
+    assert not math.isfinite(stats["grad_norm"])
+    assert (stats["step_skipped"], stats["skipped_nonfinite"], engine.version) == (1.0, 1.0, 1)
+    for name, tensor in full_weights(engine).items():
+        assert torch.equal(tensor, before[name]), name
+    stats = engine.train_step(random_batch(6))
+    assert (stats["step_skipped"], stats["skipped_nonfinite"]) == (0.0, 1.0)
+    assert any(not torch.equal(t, before[n]) for n, t in full_weights(engine).items())
+
+
+def test_lr_schedule() -> None:
+    kw = {"lr": 1.0, "warmup_steps": 2, "total_steps": 6, "min_lr_ratio": 0.1}
+    assert [lr_at(s, **kw) for s in range(2)] == [0.5, 1.0]
+    assert lr_at(2, schedule="constant", **kw) == 1.0
+    cosine = [lr_at(s, schedule="cosine", **kw) for s in range(2, 8)]
+    assert cosine[0] == pytest.approx(1.0)
+    assert cosine[2] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway
+    assert cosine[4] == cosine[5] == pytest.approx(0.1)  # floor after total_steps
+    engine = TrainEngine(train_config(lr=1.0, warmup_steps=0, total_steps=4, min_lr_ratio=0.0))
+    lrs = [engine.train_step(random_batch(s))["lr"] for s in range(3)]
+    assert lrs == pytest.approx([1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5])
+
+
+def test_export_hf_loads_back_and_gives_the_same_logprobs(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    engine = TrainEngine(train_config(model=tiny_config("qwen2")))
+    engine.train_step(random_batch(7))
+    engine.export_hf(tmp_path / "fp32", dtype="float32")
+    assert (tmp_path / "fp32" / "model.safetensors").is_file()
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.float32)
+    ids = random_batch(8)[3].input_ids[None]
+    with torch.no_grad():
+        torch.testing.assert_close(lm(input_ids=ids).logits, engine.lm(input_ids=ids).logits)
+
+    engine.export_hf(tmp_path / "bf16", dtype="bfloat16")
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    lm16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert next(lm16.parameters()).dtype == torch.bfloat16
+
+
+def test_export_shards_with_an_index(tmp_path: Path) -> None:
+    from asyncrl.train.checkpoint import export_hf
+
+    engine = TrainEngine(train_config())
+    export_hf(tmp_path, engine.lm, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 2 and all((tmp_path / f).is_file() for f in files)
+    assert set(index["weight_map"]) == set(full_weights(engine))
+
+
+def test_iter_weights_buckets() -> None:
+    engine = TrainEngine(train_config())
+    buckets = list(engine.iter_weights(10_000, dtype="bfloat16"))
+    names = [n for b in buckets for n, _ in b]
+    assert sorted(names) == sorted(n for n, _ in engine.lm.named_parameters())
+    assert len(names) == len(set(names))
+    for bucket in buckets:
+        sizes = [t.numel() * t.element_size() for _, t in bucket]
+        assert len(bucket) == 1 or sum(sizes) <= 10_000
+        assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for _, t in bucket)
+
+
+def test_bf16_compute_on_cpu_keeps_fp32_master_weights() -> None:
+    engine = TrainEngine(train_config(param_dtype="bfloat16"))
+    stats = engine.train_step(random_batch(9))
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert all(p.dtype == torch.float32 for p in engine.lm.parameters())
+
+
+def test_sample_validation() -> None:
+    ids = torch.arange(4)
+    with pytest.raises(ValueError, match="loss_mask\\[0\\]"):
+        Sample(ids, torch.ones(4, dtype=torch.bool), torch.zeros(4), 1.0)
+    with pytest.raises(ValueError, match="behav_logprobs has shape"):
+        Sample(ids, torch.zeros(4, dtype=torch.bool), torch.zeros(3), 1.0)
+    with pytest.raises(ValueError, match="advantages has shape"):
+        Sample(ids, torch.zeros(4, dtype=torch.bool), torch.zeros(4), torch.zeros(2))
+    import numpy as np
+
+    s = Sample(np.arange(4), np.array([0, 0, 1, 1], dtype=bool), np.zeros(4, "float32"), 0.5)
+    assert s.input_ids.dtype == torch.int64 and s.num_loss_tokens == 2
+    assert s.advantages_per_token().tolist() == [0.5] * 4
+
+
+def test_config_is_strict() -> None:
+    with pytest.raises(ValueError, match="total_steps"):
+        TrainConfig(model="x", lr_schedule="cosine")
+    with pytest.raises(ValueError, match="extra"):
+        TrainConfig(model="x", learning_rate=1.0)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="model must be"):
+        TrainConfig(model=3)

@@ -1,0 +1,106 @@
+"""Tiny random models and synthetic batches for the train-engine tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from asyncrl.train import Sample, TrainConfig
+
+VOCAB = 128
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Runs torch single-threaded. Tiny models gain nothing from a second thread, and on a
+    shared, loaded machine OpenMP's spinning workers made each step up to 100× slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def tiny_config(kind: str = "llama", **overrides: Any) -> Any:
+    """A 2-layer model of the given family with a 128-token vocabulary."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    fields: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def random_batch(
+    seed: int,
+    lengths: list[int] | tuple[int, ...] = (7, 12, 5, 16, 9, 3),
+    *,
+    per_token_adv: bool = False,
+) -> list[Sample]:
+    """Sequences whose second half is "generated", with plausible behaviour logprobs
+    (around −4.8, the uniform logprob of a 128 vocab) and random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    batch = []
+    for n in lengths:
+        ids = torch.randint(0, VOCAB, (n,), generator=g)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[max(1, n // 2) :] = True
+        behav = torch.where(mask, -4.8 + 0.3 * torch.randn(n, generator=g), 0.0)
+        adv: Any = (
+            torch.randn(n, generator=g) if per_token_adv else float(torch.randn(1, generator=g))
+        )
+        batch.append(Sample(ids, mask, behav, adv))
+    return batch
+
+
+def train_config(**overrides: Any) -> TrainConfig:
+    fields: dict[str, Any] = dict(
+        model=tiny_config(),
+        lr=1e-3,
+        weight_decay=0.01,
+        warmup_steps=2,
+        lr_schedule="cosine",
+        total_steps=10,
+        max_grad_norm=1.0,
+        max_tokens_per_microbatch=24,
+    )
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def full_weights(engine: Any) -> dict[str, torch.Tensor]:
+    """Every full weight of the engine's model, float32 (collective on all ranks)."""
+    out: dict[str, torch.Tensor] = {}
+    for bucket in engine.iter_weights(1 << 16, dtype="float32"):
+        out.update({k: v.clone() for k, v in bucket})
+    return out
+
+
+def resume_config() -> TrainConfig:
+    """Dropout on, so that resuming must restore the RNG to match."""
+    return train_config(model=tiny_config(attention_dropout=0.1))
+
+
+def fsdp_config() -> TrainConfig:
+    """Tied embeddings, gradient checkpointing, dual clip and clip-higher: the parts most
+    likely to behave differently under FSDP."""
+    from asyncrl.train import LossConfig
+
+    return train_config(
+        model=tiny_config("qwen2", tie_word_embeddings=True),
+        gradient_checkpointing=True,
+        loss=LossConfig(eps_clip_high=0.28, c_clip=3.0, loss_agg="seq-mean-token-mean"),
+    )

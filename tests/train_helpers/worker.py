@@ -1,0 +1,60 @@
+"""Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on)
+or ``fsdp`` (under torchrun, any world size). Results go to ``--out`` via torch.save."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncrl.train import TrainEngine
+from train_helpers.tiny import fsdp_config, full_weights, random_batch, resume_config
+
+
+def resume(args: argparse.Namespace) -> None:
+    engine = TrainEngine(resume_config())
+    extra = engine.load_checkpoint(args.ckpt)
+    losses = [engine.train_step(random_batch(step))["loss"] for step in range(engine.step, 5)]
+    torch.save(
+        {"extra": extra, "step": engine.step, "losses": losses, "weights": full_weights(engine)},
+        args.out,
+    )
+
+
+def fsdp(args: argparse.Namespace) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    dist.init_process_group("gloo")
+    engine = TrainEngine(fsdp_config())
+    units = [m for m in engine.module.modules() if isinstance(m, FSDPModule)]
+    assert len(units) == engine.lm.config.num_hidden_layers + 1, "one unit per layer + root"
+    stats = [engine.train_step(random_batch(step)) for step in range(2)]
+    logprobs = engine.compute_logprobs(random_batch(7))
+    weights = full_weights(engine)
+    engine.save_checkpoint(args.ckpt, {"world": dist.get_world_size()})
+    engine.export_hf(args.export)
+    if dist.get_rank() == 0:
+        torch.save({"stats": stats, "logprobs": logprobs, "weights": weights}, args.out)
+    else:
+        assert weights == {}, "only rank 0 receives full weights"
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["resume", "fsdp"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--export", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    {"resume": resume, "fsdp": fsdp}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()
