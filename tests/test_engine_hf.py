@@ -94,6 +94,21 @@ async def test_concurrent_calls_run_in_batches_larger_than_one(engine: HFEngine)
     assert engine.stats.generated_tokens == 48
 
 
+async def test_a_group_sharing_one_prompt_is_prefilled_once(engine: HFEngine):
+    prompt = prompt_ids(engine, "Solve: 12 + 30 = ?")
+    req = GenerateRequest(input_ids=prompt, sampling=sampling(max_new_tokens=10))
+    out = await asyncio.gather(*(engine.agenerate(req) for _ in range(4)))
+    assert engine.stats.prefill_tokens == len(prompt)
+    assert len({tuple(r.output_ids) for r in out}) > 1  # the samples still differ
+    for resp in out:
+        torch.testing.assert_close(
+            torch.tensor(resp.output_logprobs),
+            teacher_forced(engine.model, resp),
+            atol=LOGPROB_ATOL,
+            rtol=0,
+        )
+
+
 def perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     return [
@@ -138,6 +153,24 @@ async def test_pause_update_resume_gives_two_versions_conditioned_on_partial_tok
     torch.testing.assert_close(got[:switch], old_lp[:switch], atol=LOGPROB_ATOL, rtol=0)
     torch.testing.assert_close(got[switch:], new_lp[switch:], atol=LOGPROB_ATOL, rtol=0)
     assert not torch.allclose(old_lp[switch:], new_lp[switch:], atol=1e-2)
+
+
+async def test_requests_made_while_paused_start_after_resume_under_new_weights(
+    engine: HFEngine,
+):
+    await engine.pause()
+    req = GenerateRequest(
+        input_ids=prompt_ids(engine, "later"), sampling=sampling(max_new_tokens=4)
+    )
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(engine.agenerate(req))
+        for _ in range(10):
+            await asyncio.sleep(0)  # let it submit, if it were going to
+        assert not task.done() and engine.stats.steps == 0
+        await engine.update_weights(perturbed(engine.model, seed=3), version=5)
+        assert engine.paused  # an update made while paused leaves the engine paused
+        await engine.resume()
+    assert task.result().output_versions == [5, 5, 5, 5]
 
 
 async def test_update_from_safetensors_directory_and_bad_updates(engine: HFEngine, tmp_path: Path):

@@ -306,7 +306,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
     """Reads a TOML recipe (or the defaults when ``path`` is None), applies overrides,
-    validates. Raises :class:`RecipeError` naming every bad key."""
+    validates. Raises :class:`RecipeError` naming every bad key.
+
+    A ``file.py:name`` spec written in the recipe file (``reward.fn``,
+    ``rollout.workflow``) is found beside the recipe, so a recipe and its reward can
+    travel together; specs given with ``--set`` are relative to the working directory."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -316,6 +320,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise RecipeError(f"recipe {str(p)!r} is not valid TOML: {exc}") from None
+        _anchor_code_specs(data, p.parent)
     apply_overrides(data, overrides or [])
     try:
         recipe = Recipe.model_validate(data)
@@ -323,6 +328,20 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise RecipeError(_format_validation(exc)) from None
     _check_paths(recipe)
     return recipe
+
+
+def _anchor_code_specs(data: dict[str, Any], base: Path) -> None:
+    for section, key in (("reward", "fn"), ("rollout", "workflow")):
+        node = data.get(section)
+        if not isinstance(node, dict):
+            continue
+        spec = node.get(key)
+        if not isinstance(spec, str) or ":" not in spec:
+            continue
+        file_part, name = spec.split(":", 1)
+        beside = base / file_part
+        if file_part.endswith(".py") and not Path(file_part).is_absolute() and beside.is_file():
+            node[key] = f"{beside.resolve()}:{name}"
 
 
 def _check_paths(recipe: Recipe) -> None:

@@ -200,6 +200,9 @@ class Trajectory(Message):
     group_index: int
     group_size: int
     actor_id: str = ""
+    attempt: str = Field(
+        default="", description="the lease that produced it: a retried prompt differs here"
+    )
     input_ids: Array
     loss_mask: Array
     logprobs: Array
@@ -219,6 +222,11 @@ class Trajectory(Message):
             if getattr(self, name).shape != n:
                 raise ValueError(f"{name} shape {getattr(self, name).shape} != input_ids {n}")
         return self
+
+    def msg_id(self, stage: str) -> str:
+        """JetStream dedup id at ``stage`` (``raw``, ``scored``): the same publish retried
+        is stored once, while a re-run of the prompt under a new lease is new data."""
+        return f"{stage}/{self.attempt}/{self.uid}"
 
     @property
     def head_version(self) -> int:

@@ -21,7 +21,9 @@ from asyncrl.subjects import Subjects
 
 TRAJECTORY_STREAM_MAX_BYTES = 2 * 1024**3
 """The trajectory stream's disk bound: far above what a run keeps in flight (the staleness
-rule limits it to (η + 1)·B episodes), small enough never to fill a disk."""
+rule limits it to (η + 1)·B episodes), small enough never to fill a disk. It is a work
+queue: a message leaves the stream once its consumer acknowledged it, and a full stream
+refuses new messages (the publisher sees an error) rather than dropping unread ones."""
 
 
 RESTARTS = 3
@@ -89,7 +91,7 @@ def format_progress(recipe: Recipe, m: Metrics) -> str:
     )
 
 
-async def _up(recipe: Recipe, run_dir: Path, quiet: bool) -> int:
+async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
     from asyncrl.runtime.supervisor import Supervisor
@@ -110,10 +112,15 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool) -> int:
     try:
         bus = await Bus.connect(info, name="asyncrl-up")
         try:
+            if resume:
+                # what was in flight when the run stopped is discarded, exactly as the
+                # accounting assumes (accepted = v·B): a resumed run starts clean
+                await bus.delete_stream(subjects.stream)
             await bus.ensure_stream(
                 subjects.stream,
                 [subjects.trajectories, subjects.scored],
                 max_bytes=TRAJECTORY_STREAM_MAX_BYTES,
+                retention="workqueue",
             )
 
             async def show(m: Metrics) -> None:
@@ -151,4 +158,4 @@ def up(
     (run_dir / "resume.json").write_text(json.dumps({"resume": resume}))
     with open(run_dir / "logs" / "up.log", "a") as up_log:
         configure_logging("INFO", stream=up_log)
-        return run_async(_up(recipe, run_dir, quiet))
+        return run_async(_up(recipe, run_dir, quiet, resume))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,8 @@ class BufferActor(Actor):
         self.served: dict[int, TrainBatchRef] = {}
         self.weights: WeightsUpdated | None = None
         self.counters: Counter[str] = Counter()
+        # lease ids must not repeat across restarts of the buffer (a resumed run)
+        self.incarnation = uuid.uuid4().hex[:8]
         self.events = open(ctx.run_dir / "buffer_events.jsonl", "a", buffering=1)
         meta = latest_checkpoint_meta(ctx.run_dir)
         if meta is not None:
@@ -196,7 +199,7 @@ class BufferActor(Actor):
         self.sm.on_start(n)
         self.counters["leased"] += n
         return Lease(
-            lease_id=f"{req.actor_id}:{self.counters['leased']}",
+            lease_id=f"{self.incarnation}:{req.actor_id}:{self.counters['leased']}",
             actor_id=req.actor_id,
             version=self.sm.version,
             prompts=prompts,

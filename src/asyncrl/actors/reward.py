@@ -69,7 +69,7 @@ class RewardActor(Actor):
         else:
             self.counters["prescored"] += 1
         self.counters["scored"] += 1
-        await self.bus.js_publish(self.subjects.scored, traj, msg_id=f"scored:{traj.uid}")
+        await self.bus.js_publish(self.subjects.scored, traj, msg_id=traj.msg_id("scored"))
 
     async def _report(self) -> None:
         while True:

@@ -131,7 +131,7 @@ class RolloutActor(Actor):
                 # the run is ahead of our weights (a missed broadcast, a resume): ask for them
                 await self._query_weights()
             for prompt in lease.prompts:
-                await runner.submit(self._episode, prompt, tag=prompt)
+                await runner.submit(self._episode, prompt, lease.lease_id, tag=prompt)
             self.counters["leased"] += len(lease.prompts)
             if not lease.prompts:
                 self._version_changed.clear()
@@ -141,7 +141,7 @@ class RolloutActor(Actor):
                 except TimeoutError:
                     pass
 
-    async def _episode(self, prompt: Prompt) -> list[Trajectory]:
+    async def _episode(self, prompt: Prompt, lease_id: str) -> list[Trajectory]:
         trajectories = await self.workflow.arun_episode(
             self.engine, {**prompt.data, "uid": prompt.uid}
         )
@@ -149,12 +149,17 @@ class RolloutActor(Actor):
             raise EpisodeProducedNothing("the workflow returned no trajectory")
         stamped = [
             t.model_copy(
-                update={"actor_id": self.actor_id, "prompt_uid": prompt.uid, "data": prompt.data}
+                update={
+                    "actor_id": self.actor_id,
+                    "prompt_uid": prompt.uid,
+                    "data": prompt.data,
+                    "attempt": lease_id,
+                }
             )
             for t in trajectories
         ]
         for t in stamped:
-            await self.bus.js_publish(self.subjects.trajectories, t, msg_id=t.uid)
+            await self.bus.js_publish(self.subjects.trajectories, t, msg_id=t.msg_id("raw"))
         return stamped
 
     async def _result_loop(self, runner: AsyncTaskRunner[list[Trajectory]]) -> None:

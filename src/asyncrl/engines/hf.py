@@ -6,7 +6,8 @@ waits (within a prefill token budget and the batch size), hands them with the ru
 batch to the model thread for one step (prefill of the newcomers, then one decode token
 for every row: see :mod:`asyncrl.engines.hf_batch`), and resolves the futures of the
 sequences that finished. Concurrent ``agenerate`` calls therefore share decode steps; the
-sizes of the batches actually run are counted in :attr:`HFEngine.stats`.
+sizes of the batches actually run are counted in :attr:`HFEngine.stats`. Requests that
+join together with the same prompt (a GRPO group) share one prefill.
 
 Logprobs follow :mod:`asyncrl.engines.sampling`: by default (``logprob_mode="scaled"``)
 the logprob of the sampled token under ``log_softmax(logits / T)``, before any top-k/top-p
@@ -46,10 +47,13 @@ from asyncrl.engines.sampling import LogprobMode
 @dataclass
 class EngineStats:
     """Counters of the work the engine ran. ``decode_batch_sizes[n]`` counts decode steps
-    that advanced ``n`` sequences together; ``prefill_batch_sizes`` likewise for joins."""
+    that advanced ``n`` sequences together; ``prefill_batch_sizes`` likewise for joins;
+    ``prefill_tokens`` counts prompt tokens actually computed (a prompt shared by several
+    requests joining together is computed once)."""
 
     steps: int = 0
     generated_tokens: int = 0
+    prefill_tokens: int = 0
     relayouts: int = 0
     decode_batch_sizes: Counter[int] = field(default_factory=Counter)
     prefill_batch_sizes: Counter[int] = field(default_factory=Counter)
@@ -225,6 +229,7 @@ class HFEngine(InferenceEngine):
         st = self.stats
         st.steps += 1
         st.generated_tokens += result.tokens
+        st.prefill_tokens += result.prefill_tokens
         st.relayouts += result.relayouts
         if result.decode_rows:
             st.decode_batch_sizes[result.decode_rows] += 1

@@ -7,9 +7,10 @@ writes one column in place (no per-step concatenation). A row's prompt occupies 
 columns just left of ``L`` when it joins; ``valid[r, c]`` marks which columns hold its
 tokens, everything else is masked out.
 
-Joining. New sequences take free rows and are prefilled together (left-padded to their
-longest prompt), writing their keys and values straight into their rows; their first
-token is sampled from the prefill's last position. When there are too few rows or too few
+Joining. New sequences take free rows and are prefilled in buckets of similar prompt
+length (left-padded to the bucket's longest), writing their keys and values straight into
+their rows; their first token is sampled from the prefill's last position. Identical
+prompts are prefilled once and their rows copied. When there are too few rows or too few
 columns to the left of ``L``, the buffers are rebuilt (:meth:`DecodeBatch._relayout`),
 dropping free rows and the columns no row uses any more.
 
@@ -18,7 +19,9 @@ cache classes are bypassed. A padding query attends to itself: a fully masked ro
 make SDPA return NaN, which would then poison the cache. Buffers are zeroed before use for
 the same reason (a NaN times a zero attention weight is still NaN).
 
-Everything here runs in the engine's single model thread; nothing is shared.
+Everything here runs in the engine's single model thread; nothing is shared. Models are
+full-attention decoders whose attention layers call ``past_key_values.update(k, v, layer)``
+and take an explicit ``position_ids`` (Llama, Qwen2, Mistral and their kin).
 """
 
 from __future__ import annotations
@@ -34,6 +37,30 @@ from asyncrl.engines.sampling import LogprobMode, sample_next
 COLUMN_SLACK = 64
 """Spare columns allocated past the current need, so that growth (one column per decode
 step) triggers a rebuild only every few dozen steps."""
+
+
+MAX_PREFILL_PADDING = 0.25
+"""Prompts of one prefill forward pass are left-padded to the longest; a bucket closes
+when padding would exceed this share of its real tokens (compute spent on padding)."""
+
+
+def _length_buckets(
+    items: list[tuple[int, Sequence]], max_padding: float
+) -> list[list[tuple[int, Sequence]]]:
+    """``items`` grouped by prompt length (shortest first) so that each group's padding
+    stays within ``max_padding`` of its real tokens."""
+    buckets: list[list[tuple[int, Sequence]]] = []
+    real = 0
+    for item in sorted(items, key=lambda rs: len(rs[1].prompt)):
+        n = len(item[1].prompt)
+        bucket = buckets[-1] if buckets else None
+        if bucket is not None and (len(bucket) + 1) * n <= (1 + max_padding) * (real + n):
+            bucket.append(item)
+            real += n
+        else:
+            buckets.append([item])
+            real = n
+    return buckets
 
 
 @dataclass(eq=False)
@@ -66,6 +93,7 @@ class Sequence:
 class StepResult:
     finished: list[Sequence]
     prefill_rows: int = 0
+    prefill_tokens: int = 0
     decode_rows: int = 0
     padded_rows: int = 0
     tokens: int = 0
@@ -116,8 +144,16 @@ class DecodeBatch:
         *,
         max_positions: int,
         logprob_mode: LogprobMode = "scaled",
+        max_prefill_padding: float = MAX_PREFILL_PADDING,
     ) -> None:
         cfg = model.config.get_text_config()
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"the hf engine runs full-attention decoders only; this model has layers "
+                f"{sorted(set(layer_types))}"
+            )
+        self.max_prefill_padding = max_prefill_padding
         self.model = model
         self.max_positions = max_positions
         self.logprob_mode: LogprobMode = logprob_mode
@@ -234,11 +270,51 @@ class DecodeBatch:
             result.relayouts += 1
             free = [r for r, s in enumerate(self.rows) if s is None]
         rows = free[: len(admit)]
+        for r, s in zip(rows, admit, strict=True):
+            self.rows[r] = s
+            self.valid_RC[r] = False
+
+        # A GRPO group sends one prompt n times: prefill it once and copy its cache.
+        source: dict[tuple[int, ...], int] = {}
+        copies: list[tuple[int, int]] = []
+        unique: list[tuple[int, Sequence]] = []
+        for r, s in zip(rows, admit, strict=True):
+            key = tuple(s.prompt)
+            if key in source:
+                copies.append((r, source[key]))
+            else:
+                source[key] = r
+                unique.append((r, s))
+        logits_by_row: dict[int, torch.Tensor] = {}
+        for bucket in _length_buckets(unique, self.max_prefill_padding):
+            for r, logits_V in zip((r for r, _ in bucket), self._prefill(bucket), strict=True):
+                logits_by_row[r] = logits_V
+        if copies:
+            dst = torch.tensor([d for d, _ in copies], device=self.device)
+            src = torch.tensor([c for _, c in copies], device=self.device)
+            cols = slice(self.length - longest, self.length)
+            for layer in range(self.n_layers):
+                self.keys[layer][dst, :, cols] = self.keys[layer][src, :, cols]
+                self.values[layer][dst, :, cols] = self.values[layer][src, :, cols]
+            self.valid_RC[dst] = self.valid_RC[src]
+            self.pos_R[dst] = self.pos_R[src]
+            for d, c in copies:
+                logits_by_row[d] = logits_by_row[c]
+        logits_NV = torch.stack([logits_by_row[r] for r in rows])
+        rows_N = torch.tensor(rows, device=self.device)
+        result.tokens += self._sample(logits_NV, admit, rows_N, version)
+        result.prefill_rows = len(admit)
+        result.prefill_tokens = sum(len(s.prompt) for _, s in unique)
+
+    def _prefill(self, bucket: list[tuple[int, Sequence]]) -> torch.Tensor:
+        """One forward pass over the prompts of ``bucket`` (left-padded to the longest),
+        writing their cache into their rows, right-aligned at ``L``; returns the logits
+        of each prompt's last position, ``[n, V]``."""
+        longest = max(len(s.prompt) for _, s in bucket)
         end = self.length
-        start = end - longest
-        ids_NP = torch.zeros(len(admit), longest, dtype=torch.long)
-        valid_NP = torch.zeros(len(admit), longest, dtype=torch.bool)
-        for i, s in enumerate(admit):
+        ids_NP = torch.zeros(len(bucket), longest, dtype=torch.long)
+        valid_NP = torch.zeros(len(bucket), longest, dtype=torch.bool)
+        for i, (_, s) in enumerate(bucket):
             n = len(s.prompt)
             ids_NP[i, longest - n :] = torch.tensor(s.prompt, dtype=torch.long)
             valid_NP[i, longest - n :] = True
@@ -247,23 +323,18 @@ class DecodeBatch:
         causal_PP = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
         eye_PP = torch.eye(longest, dtype=torch.bool, device=self.device)
         mask_N1PP = (causal_PP[None] & (valid_NP[:, None, :] | eye_PP[None]))[:, None]
-        rows_N = torch.tensor(rows, device=self.device)
+        rows_N = torch.tensor([r for r, _ in bucket], device=self.device)
         out = self.model(
             input_ids=ids_NP,
             attention_mask=mask_N1PP,
             position_ids=pos_NP,
-            past_key_values=_WriteThrough(self, rows_N, start, end),
+            past_key_values=_WriteThrough(self, rows_N, end - longest, end),
             use_cache=True,
             logits_to_keep=1,
         )
-        self.valid_RC[rows_N] = False
-        self.valid_RC[rows_N, start:end] = valid_NP
-        for r, s in zip(rows, admit, strict=True):
-            self.rows[r] = s
+        self.valid_RC[rows_N, end - longest : end] = valid_NP
         self.pos_R[rows_N] = valid_NP.sum(-1)
-        tokens = self._sample(out.logits[:, -1], admit, rows_N, version)
-        result.prefill_rows = len(admit)
-        result.tokens += tokens
+        return out.logits[:, -1]
 
     def _decode(self, active: list[int], version: int, result: StepResult) -> None:
         if self.length + 1 > self.capacity:

@@ -364,6 +364,14 @@ class Bus:
                 raise
             await self.js.update_stream(config)
 
+    async def delete_stream(self, name: str) -> bool:
+        """Deletes a stream with its messages and consumers; False if there was none."""
+        try:
+            await self.js.delete_stream(name)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
     async def js_publish(
         self,
         subject: str,

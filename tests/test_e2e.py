@@ -1,0 +1,259 @@
+"""End to end: ``asyncrl up recipes/ci.toml`` as a user runs it, with real processes, a real
+nats-server, a real (tiny) model, FSDP training and weight updates.
+
+Each test starts a whole run (a few tens of seconds on two cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrl.messages import ActorInfo, Metrics
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.nats_server import nats_info_for_run
+from asyncrl.subjects import Subjects
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+CI_RECIPE = REPO / "recipes" / "ci.toml"
+RUN_TIMEOUT = 420.0
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "asyncrl.cli", *args]
+
+
+def up_args(parent: Path, name: str, *sets: str) -> list[str]:
+    flags = [x for s in (f"run.dir={parent}", f"run.name={name}", *sets) for x in ("--set", s)]
+    return cli("up", str(CI_RECIPE), *flags, "--quiet")
+
+
+async def run(argv: list[str], limit: float = RUN_TIMEOUT) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=REPO
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), limit)
+    return proc.returncode or 0, out.decode()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def wait_for_file(path: Path, proc: asyncio.subprocess.Process) -> None:
+    async with asyncio.timeout(120):
+        while not path.exists():  # noqa: ASYNC240 - a stat, while another process starts
+            assert proc.returncode is None, f"the run ended before {path.name} appeared"
+            await asyncio.sleep(0.1)
+
+
+async def connect(run_dir: Path) -> Bus:
+    return await Bus.connect(nats_info_for_run(run_dir), name="test")
+
+
+async def wait_for_step(bus: Bus, run_dir: Path, step: int) -> None:
+    """Returns once the trainer has finished ``step`` (event-driven, via its metrics)."""
+    reached = asyncio.Event()
+
+    async def on_metrics(m: Metrics) -> None:
+        if m.step >= step:
+            reached.set()
+
+    await bus.subscribe(Subjects(run_dir.name).metrics("trainer"), Metrics, on_metrics)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists() and len(read_jsonl(metrics)) >= step:
+        return
+    await asyncio.wait_for(reached.wait(), RUN_TIMEOUT)
+
+
+def check_staleness_and_uniqueness(run_dir: Path, eta: int) -> list[dict[str, Any]]:
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    assert trained, "no sample was trained"
+    too_stale = [t for t in trained if t["trained_version"] - t["head_version"] > eta]
+    assert not too_stale, f"samples beyond η={eta}: {too_stale[:3]}"
+    uids = Counter(t["uid"] for t in trained)
+    assert max(uids.values()) == 1, f"trained twice: {[u for u, c in uids.items() if c > 1][:5]}"
+    steps_of_prompt: dict[str, set[int]] = {}
+    for t in trained:
+        steps_of_prompt.setdefault(t["prompt_uid"], set()).add(t["step"])
+    assert all(len(s) == 1 for s in steps_of_prompt.values()), "a group was split over steps"
+    return trained
+
+
+async def test_ci_recipe_learns_within_the_staleness_bound(tmp_path: Path) -> None:
+    steps = 16
+    code, out = await run(up_args(tmp_path, "ci"))
+    assert code == 0, out
+    run_dir = tmp_path / "ci"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    rewards = [m["reward_mean"] for m in metrics]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last >= first + 0.2, f"reward did not rise: {rewards}"
+    for key in (
+        "accepted",
+        "rejected",
+        "staleness_mean",
+        "staleness_max",
+        "samples_per_s",
+        "tokens_per_s",
+        "loss",
+        "grad_norm",
+        "time_train_s",
+    ):
+        assert key in metrics[-1], key
+    trained = check_staleness_and_uniqueness(run_dir, eta=1)
+    recipe = json.loads((run_dir / "recipe.json").read_text())
+    batch = recipe["buffer"]["batch_size"] * recipe["rollout"]["group_size"]
+    assert len(trained) == steps * batch
+    assert (run_dir / "checkpoints" / "latest.json").is_file()
+    assert (run_dir / "logs" / "trainer-0.log").is_file()
+    assert oct((run_dir / "nats.json").stat().st_mode & 0o777) == "0o600"
+
+
+async def test_an_attached_rollout_actor_gets_leases_and_is_trained_on(tmp_path: Path) -> None:
+    run_dir = tmp_path / "attach"
+    up = await asyncio.create_subprocess_exec(
+        *up_args(tmp_path, "attach", "trainer.max_steps=30", "rollout.max_concurrent=4"),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    await wait_for_file(run_dir / "nats.json", up)
+    bus = await connect(run_dir)
+    try:
+        await wait_for_step(bus, run_dir, 2)
+    finally:
+        await bus.close()
+    code, out = await run(cli("attach", "rollout", "--run", str(run_dir), "--actor-id", "extra"))
+    assert code == 0, out  # it stops with the run, cleanly
+    assert await asyncio.wait_for(up.wait(), RUN_TIMEOUT) == 0
+    events = read_jsonl(run_dir / "buffer_events.jsonl")
+    assert any(e["event"] == "lease" and e["actor"] == "extra" for e in events)
+    trained = check_staleness_and_uniqueness(run_dir, eta=1)
+    assert any(t["actor_id"] == "extra" for t in trained)
+
+
+def outstanding_leases(run_dir: Path, actor: str) -> set[str]:
+    """Prompts leased to ``actor`` that have not finished yet, from the buffer's log."""
+    path = run_dir / "buffer_events.jsonl"
+    if not path.exists():
+        return set()
+    events = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+    leased = {e["prompt"] for e in events if e["event"] == "lease" and e["actor"] == actor}
+    done = {e["prompt"] for e in events if e["event"] in ("admit", "reject", "filter", "return")}
+    return leased - done
+
+
+async def test_kill_9_of_a_rollout_actor_loses_no_prompt(tmp_path: Path) -> None:
+    run_dir = tmp_path / "kill"
+    up = await asyncio.create_subprocess_exec(
+        *up_args(
+            tmp_path,
+            "kill",
+            "trainer.max_steps=20",
+            "rollout.actors=2",
+            "rollout.lease_ttl=3",
+            "rollout.sampling.max_new_tokens=48",  # episodes long enough to kill one mid-way
+            "buffer.max_head_offpolicyness=2",
+        ),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    await wait_for_file(run_dir / "nats.json", up)
+    bus = await connect(run_dir)
+    victim: asyncio.Future[ActorInfo] = asyncio.get_running_loop().create_future()
+
+    async def on_beat(info: ActorInfo) -> None:
+        if info.actor_id == "rollout-1" and not victim.done():
+            victim.set_result(info)
+
+    try:
+        await bus.subscribe(Subjects("kill").heartbeat("rollout"), ActorInfo, on_beat)
+        await wait_for_step(bus, run_dir, 2)
+        info = await asyncio.wait_for(victim, 30)
+    finally:
+        await bus.close()
+    async with asyncio.timeout(120):
+        # kill it while it holds episodes: the buffer's log says what it holds
+        while not outstanding_leases(run_dir, "rollout-1"):  # noqa: ASYNC110 - another process's log
+            await asyncio.sleep(0.02)
+    os.kill(info.pid, signal.SIGKILL)
+    assert await asyncio.wait_for(up.wait(), RUN_TIMEOUT) == 0
+
+    events = read_jsonl(run_dir / "buffer_events.jsonl")
+    finished = {e["prompt"] for e in events if e["event"] in ("admit", "reject", "filter")}
+    leased_to_victim = {
+        e["prompt"] for e in events if e["event"] == "lease" and e["actor"] == "rollout-1"
+    }
+    returned = {e["prompt"] for e in events if e["event"] == "return" and e["actor"] == "rollout-1"}
+    assert leased_to_victim, "the killed actor never held a lease"
+    lost = leased_to_victim - finished - returned
+    assert not lost, f"prompts of the killed actor neither finished nor returned: {lost}"
+    assert returned, "the killed actor's unfinished prompts were not returned"
+    final = events[-1]
+    assert final["event"] == "stop"
+    for uid in returned - finished:
+        later = [
+            e
+            for e in events
+            if e["event"] == "lease" and e["prompt"] == uid and e["actor"] != "rollout-1"
+        ]
+        assert later or uid in final["pool"] or uid in final["leased"], f"{uid} vanished"
+    check_staleness_and_uniqueness(run_dir, eta=2)
+    assert (run_dir / "logs" / "rollout-1-r1.log").is_file(), "no replacement actor"
+
+
+async def test_resume_continues_version_and_accounting(tmp_path: Path) -> None:
+    code, out = await run(
+        up_args(tmp_path, "resume", "trainer.max_steps=6", "trainer.checkpoint_every=3")
+    )
+    assert code == 0, out
+    run_dir = tmp_path / "resume"
+    pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert (pointer["step"], pointer["version"]) == (6, 6)
+    code, out = await run(
+        [
+            *up_args(tmp_path, "resume", "trainer.max_steps=10", "trainer.checkpoint_every=3"),
+            "--resume",
+        ]
+    )
+    assert code == 0, out
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    assert [m["version"] for m in metrics] == list(range(1, 11))
+    recipe = json.loads((run_dir / "recipe.json").read_text())
+    b = recipe["buffer"]["batch_size"]
+    # accepted restarts at v·B = 6·B, then grows by at least B per step
+    assert metrics[6]["accepted"] >= 7 * b
+    assert "resumed" in (run_dir / "logs" / "buffer-0.log").read_text()
+    trained = check_staleness_and_uniqueness(run_dir, eta=1)
+    assert {t["step"] for t in trained} == set(range(1, 11))
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("trainer.max_stepz=3", "trainer.max_stepz"),
+        ("buffer.batch_size=lots", "buffer.batch_size"),
+        ("model.path=./no/such/model", "model.path"),
+    ],
+)
+async def test_a_bad_recipe_fails_before_anything_starts(
+    tmp_path: Path, override: str, named: str
+) -> None:
+    code, out = await run(up_args(tmp_path, "bad", override), limit=60)
+    assert code == 2
+    assert named in out
+    assert not (tmp_path / "bad").exists(), "a run folder was created for a bad recipe"
