@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from collections import Counter
@@ -135,6 +136,17 @@ async def test_an_attached_rollout_actor_gets_leases_and_is_trained_on(tmp_path:
         await wait_for_step(bus, run_dir, 2)
     finally:
         await bus.close()
+    code, status = await run(cli("status", "--run", str(run_dir)), limit=60)
+    assert code == 0, status
+    for actor in ("buffer-0", "reward-0", "rollout-0", "trainer-0"):
+        assert actor in status
+    code, out = await run(
+        cli("metrics", "--run", str(run_dir), "--json", "--role", "trainer", "--count", "1"),
+        limit=120,
+    )
+    assert code == 0, out
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["role"] == "trainer" and "reward_mean" in record
     code, out = await run(cli("attach", "rollout", "--run", str(run_dir), "--actor-id", "extra"))
     assert code == 0, out  # it stops with the run, cleanly
     assert await asyncio.wait_for(up.wait(), RUN_TIMEOUT) == 0
@@ -240,6 +252,27 @@ async def test_resume_continues_version_and_accounting(tmp_path: Path) -> None:
     assert "resumed" in (run_dir / "logs" / "buffer-0.log").read_text()
     trained = check_staleness_and_uniqueness(run_dir, eta=1)
     assert {t["step"] for t in trained} == set(range(1, 11))
+
+
+async def test_two_trainer_ranks_and_weights_through_the_object_store(tmp_path: Path) -> None:
+    code, out = await run(
+        up_args(
+            tmp_path,
+            "fsdp",
+            "trainer.max_steps=4",
+            "trainer.nproc=2",
+            "trainer.weights_transport=object_store",
+        )
+    )
+    assert code == 0, out
+    run_dir = tmp_path / "fsdp"
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+    rollout_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    # step 4 trains at version 3 with η = 1: its samples came from weights v2 or later,
+    # which the rollout actor can only have fetched from the object store
+    assert re.search(r"weights updated .*version=2\b", rollout_log), rollout_log[-2000:]
+    check_staleness_and_uniqueness(run_dir, eta=1)
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,8 @@ class ArithmeticData(_Section):
     """Largest operand."""
     ops: str = "+-"
     """Operators to draw from."""
+    instruction: str = "Solve the problem step by step, then put the final answer in \\boxed{}."
+    """Appended to each question."""
 
 
 class JsonlData(_Section):

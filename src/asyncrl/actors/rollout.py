@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.weights import get_weights
 from asyncrl.messages import (
     EpisodeAborted,
     Lease,
@@ -204,8 +205,9 @@ class RolloutActor(Actor):
                     await self.engine.update_weights(Path(msg.location), msg.version)
                 else:
                     with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
-                        dest = Path(tmp) / "model.safetensors"
-                        await self.bus.get_blob(self.subjects.weights_bucket, msg.location, dest)
+                        await get_weights(
+                            self.bus, self.subjects.weights_bucket, msg.location, Path(tmp)
+                        )
                         await self.engine.update_weights(Path(tmp), msg.version)
             finally:
                 await self.engine.resume()

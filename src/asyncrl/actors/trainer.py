@@ -28,6 +28,7 @@ from asyncrl.actors.common import (
     latest_checkpoint_meta,
     write_checkpoint_meta,
 )
+from asyncrl.actors.weights import KEEP_VERSIONS, put_weights
 from asyncrl.messages import (
     BatchRequest,
     TrainBatchRef,
@@ -40,9 +41,6 @@ from asyncrl.runtime.bus import BusTimeout, RemoteError
 
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
-
-KEEP_WEIGHT_VERSIONS = 3
-"""Weight directories kept on disk: a rollout actor may still be reading the previous one."""
 
 
 def build_samples(
@@ -226,16 +224,15 @@ class TrainerActor(Actor):
         if kind == "dir":
             location = str(target.resolve())
         else:
-            key = f"weights-v{self.version}"
-            await self.bus.put_blob(self.subjects.weights_bucket, key, target / "model.safetensors")
-            location = key
+            location = await put_weights(
+                self.bus, self.subjects.weights_bucket, target, self.version
+            )
         await self.bus.publish(
             self.subjects.weights,
             WeightsUpdated(version=self.version, kind=kind, location=location, step=self.step),
         )
-        old = sorted(self.weights_dir.glob("v*"))[:-KEEP_WEIGHT_VERSIONS]
-        for d in old:
-            shutil.rmtree(d, ignore_errors=True)
+        for old in sorted(self.weights_dir.glob("v*"))[:-KEEP_VERSIONS]:
+            shutil.rmtree(old, ignore_errors=True)
 
     async def _checkpoint(self) -> None:
         path = self.ckpt_dir / f"step_{self.step:06d}"

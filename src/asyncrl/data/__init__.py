@@ -26,7 +26,13 @@ def load_records(cfg: Any, seed: int = 0) -> list[Record]:
     ``jsonl`` or ``hf``; see :mod:`asyncrl.config`)."""
     kind = cfg.type
     if kind == "arithmetic":
-        return arithmetic_records(cfg.size, seed=seed, max_operand=cfg.max_operand, ops=cfg.ops)
+        return arithmetic_records(
+            cfg.size,
+            seed=seed,
+            max_operand=cfg.max_operand,
+            ops=cfg.ops,
+            instruction=cfg.instruction,
+        )
     if kind == "jsonl":
         rows = read_jsonl(cfg.path)
     elif kind == "hf":
