@@ -17,6 +17,7 @@ non-zero exit code, after the same teardown: errors propagate, they are not swal
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import socket
@@ -134,6 +135,9 @@ class Actor:
             async with asyncio.TaskGroup() as tg:
                 await self.bus.subscribe(self.subjects.control, Control, self._on_control)
                 await self.setup(tg)
+                # what setup built (modules, models) lives as long as the actor: keep it
+                # out of the collector's full passes, which otherwise tax every message
+                gc.freeze()
                 self.status = "running"
                 await self.bus.publish(self.subjects.started, self.info())
                 self.log.info("started", pid=os.getpid())
