@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.common import latest_checkpoint_meta, load_prompt_records
+from asyncrl.data.sampler import ShardSampler
 from asyncrl.messages import (
     Ack,
     ActorExit,
@@ -56,7 +57,8 @@ below the trainer's request timeout, so an answer always reaches a live trainer.
 
 
 class PromptSource:
-    """The dataset in a seeded order, epoch after epoch, plus a pool of returned prompts.
+    """The dataset in a seeded order, epoch after epoch (a :class:`ShardSampler`), plus a
+    pool of returned prompts that are handed out first.
 
     Prompt ids are ``e<epoch>-<record index>``: unique in the run, stable across resume."""
 
@@ -64,29 +66,14 @@ class PromptSource:
         if not records:
             raise ValueError("the dataset is empty")
         self.records = records
-        self.seed = seed
-        self.epoch = 0
-        self.position = 0
+        self.sampler = ShardSampler(len(records), seed=seed)
         self.pool: deque[Prompt] = deque()
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        import random
-
-        order = list(range(len(self.records)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
 
     def take(self) -> Prompt:
         if self.pool:
             return self.pool.popleft()
-        if self.position >= len(self._order):
-            self.epoch += 1
-            self.position = 0
-            self._order = self._permutation(self.epoch)
-        idx = self._order[self.position]
-        self.position += 1
-        return Prompt(uid=f"e{self.epoch}-{idx}", data=self.records[idx])
+        epoch, idx = self.sampler.next()
+        return Prompt(uid=f"e{epoch}-{idx}", data=self.records[idx])
 
     def give_back(self, prompt: Prompt) -> None:
         self.pool.appendleft(prompt)
@@ -95,12 +82,11 @@ class PromptSource:
         self.pool = deque(p for p in self.pool if p.uid != uid)
 
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position}
+        return self.sampler.state()
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.epoch = int(state.get("epoch", 0))
-        self.position = int(state.get("position", 0))
-        self._order = self._permutation(self.epoch)
+        if state:
+            self.sampler.restore(state)
 
 
 @dataclass
