@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/asyncrl up recipes/quickstart.toml
+	$(BIN)/asyncrl up recipes/quickstart.toml --overwrite
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -324,6 +324,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RecipeError(f"recipe {str(p)!r} is not valid TOML: {exc}") from None
         _anchor_code_specs(data, p.parent)
     apply_overrides(data, overrides or [])
+    if isinstance(data.get("data"), dict):
+        data["data"].setdefault("type", "arithmetic")  # the default dataset's type
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:

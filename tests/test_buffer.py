@@ -1,0 +1,97 @@
+"""The buffer's bookkeeping, driven directly (no bus needed for leases and admission)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from asyncrl.actors.buffer import BufferActor
+from asyncrl.config import load_recipe
+from asyncrl.messages import ActorExit, Array, Lease, LeaseRequest, Trajectory
+from asyncrl.runtime.actor import ActorContext
+from asyncrl.runtime.nats_server import NatsInfo
+
+
+def make_buffer(tmp_path: Path, *overrides: str) -> BufferActor:
+    recipe = load_recipe(
+        None,
+        [
+            "data.size=50",
+            "rollout.group_size=2",
+            "buffer.batch_size=2",
+            "buffer.max_concurrent=10",
+            "buffer.max_head_offpolicyness=1",
+            *overrides,
+        ],
+    )
+    ctx = ActorContext(
+        run_name="t", run_dir=tmp_path, nats=NatsInfo(url="nats://127.0.0.1:1"), recipe=recipe
+    )
+    return BufferActor(ctx)
+
+
+def sample(prompt_uid: str, i: int, version: int, reward: float) -> Trajectory:
+    return Trajectory(
+        uid=f"{prompt_uid}/{i}",
+        prompt_uid=prompt_uid,
+        group_index=i,
+        group_size=2,
+        input_ids=Array.of([1, 2, 3], "int32"),
+        loss_mask=Array.of([0, 1, 1], "bool"),
+        logprobs=Array.of([0, -1, -1], "float32"),
+        versions=Array.of([-1, version, version], "int32"),
+        reward=reward,
+    )
+
+
+async def lease(buf: BufferActor, n: int, actor: str = "r0") -> Lease:
+    reply = await buf.on_lease(LeaseRequest(actor_id=actor, max_episodes=n))
+    assert isinstance(reply, Lease)
+    return reply
+
+
+async def test_lease_respects_capacity_and_groups_are_admitted_whole(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path)
+    got = await lease(buf, 100)
+    assert len(got.prompts) == 4  # min(10, (1 + 0 + 1)·2)
+    assert len((await lease(buf, 5)).prompts) == 0
+    uid = got.prompts[0].uid
+    await buf.on_scored(sample(uid, 0, 0, 1.0))
+    assert not buf.ready and buf.sm.running == 4
+    await buf.on_scored(sample(uid, 0, 0, 1.0))  # a duplicate delivery
+    assert buf.counters["duplicates"] == 1
+    await buf.on_scored(sample(uid, 1, 0, 0.0))
+    assert len(buf.ready) == 1 and buf.sm.accepted == 1 and buf.sm.running == 3
+
+
+async def test_stale_groups_are_rejected_and_give_their_budget_back(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path)
+    got = await lease(buf, 4)
+    buf.sm.set_version(2)
+    uid = got.prompts[0].uid
+    await buf.on_scored(sample(uid, 0, 0, 1.0))
+    await buf.on_scored(sample(uid, 1, 1, 1.0))  # oldest token: version 0, 2 − 0 > η
+    assert not buf.ready and buf.sm.rejected == 1 and buf.sm.accepted == 0
+
+
+async def test_dynamic_filter_drops_groups_without_signal(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, "buffer.dynamic_filter=true")
+    got = await lease(buf, 4)
+    a, b = got.prompts[0].uid, got.prompts[1].uid
+    for i in range(2):
+        await buf.on_scored(sample(a, i, 0, 1.0))
+    await buf.on_scored(sample(b, 0, 0, 1.0))
+    await buf.on_scored(sample(b, 1, 0, 0.0))
+    assert [g[0].prompt_uid for g in buf.ready] == [b]
+    assert buf.counters["filtered_groups"] == 1 and buf.sm.accepted == 1
+
+
+async def test_an_exited_actor_returns_its_prompts_first_in_line(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path)
+    held = [p.uid for p in (await lease(buf, 2, actor="dead")).prompts]
+    await buf.on_exit(ActorExit(role="rollout", actor_id="dead", ok=False))
+    assert buf.sm.running == 0 and not buf.leased
+    again = [p.uid for p in (await lease(buf, 2, actor="alive")).prompts]
+    assert sorted(again) == sorted(held)
+    buf.events.close()
+    log = (tmp_path / "buffer_events.jsonl").read_text()
+    assert log.count('"event": "return"') == 2
