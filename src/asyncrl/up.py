@@ -8,7 +8,6 @@ reached ``trainer.max_steps`` and every process is gone.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -155,7 +154,6 @@ def up(
     recipe: Recipe, *, resume: bool = False, overwrite: bool = False, quiet: bool = False
 ) -> int:
     run_dir = prepare_run_dir(recipe, resume=resume, overwrite=overwrite)
-    (run_dir / "resume.json").write_text(json.dumps({"resume": resume}))
     with open(run_dir / "logs" / "up.log", "a") as up_log:
         configure_logging("INFO", stream=up_log)
         return run_async(_up(recipe, run_dir, quiet, resume))
