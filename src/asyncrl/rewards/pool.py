@@ -109,8 +109,15 @@ class _Worker:
         if self.process.returncode is None:
             self.process.kill()
 
-    async def exit_code(self) -> int | None:
-        """The worker's exit status once it has ended (it is killed if it has not)."""
+    async def exit_code(self, grace: float = 0.0) -> int | None:
+        """The worker's exit status once it has ended: it gets ``grace`` seconds to end by
+        itself (a worker whose pipe closed is usually already exiting), then it is killed."""
+        if grace > 0:
+            try:
+                async with asyncio.timeout(grace):
+                    return await self.process.wait()
+            except TimeoutError:
+                pass
         self.kill()
         return await self.process.wait()
 
@@ -194,7 +201,7 @@ class RewardPool:
                 worker = await self._replace(worker)
                 return self._failed("timeout", f"no result after {self.timeout:g}s")
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                code = await worker.exit_code()
+                code = await worker.exit_code(grace=1.0)
                 worker = await self._replace(worker)
                 return self._failed("died", f"worker exited (code {code}): {exc!r}")
             except asyncio.CancelledError:
