@@ -236,17 +236,7 @@ class Bus:
             except Exception as exc:
                 self._count_handler(msg_type, raw.subject, exc)
 
-        sub = await self.nc.subscribe(
-            subject,
-            queue=queue,
-            cb=on_msg,
-            pending_msgs_limit=SUB_PENDING_MSGS,
-            pending_bytes_limit=SUB_PENDING_BYTES,
-        )
-        # The SUB is only queued by nats-py; the flush round trip makes it real, which is
-        # what lets an actor announce "started" right after subscribing.
-        await self.nc.flush()
-        return sub
+        return await self._subscribe_raw(subject, queue, on_msg)
 
     async def request(
         self,
@@ -319,13 +309,20 @@ class Bus:
                 data = encode(Ack(ok=False, error=str(too_large)))
             await self.nc.publish(raw.reply, data)
 
+        return await self._subscribe_raw(subject, queue, on_request)
+
+    async def _subscribe_raw(
+        self, subject: str, queue: str, cb: Callable[[Msg], Awaitable[None]]
+    ) -> Subscription:
         sub = await self.nc.subscribe(
             subject,
             queue=queue,
-            cb=on_request,
+            cb=cb,
             pending_msgs_limit=SUB_PENDING_MSGS,
             pending_bytes_limit=SUB_PENDING_BYTES,
         )
+        # The SUB is only queued by nats-py; the flush round trip makes it real, which is
+        # what lets an actor announce "started" right after subscribing.
         await self.nc.flush()
         return sub
 
