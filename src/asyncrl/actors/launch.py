@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from asyncrl.actors.common import dist_rank
 from asyncrl.config import Recipe
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.log import configure_logging
@@ -43,7 +44,7 @@ def run_actor(role: str, run_dir: Path, actor_id: str = "") -> int:
     if threads.get(role):
         # before torch is imported, so its thread pools start at this size
         os.environ["OMP_NUM_THREADS"] = str(threads[role])
-    if role == "trainer" and int(os.environ.get("RANK", "0")) > 0:
+    if role == "trainer" and dist_rank() > 0:
         # torchrun ranks > 0 are not actors: they follow rank 0's collective commands
         from asyncrl.actors.trainer import follower_loop
 

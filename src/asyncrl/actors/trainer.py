@@ -24,7 +24,6 @@ from typing import Any
 
 from asyncrl.actors.common import (
     build_train_engine,
-    dist_rank,
     latest_checkpoint_meta,
     write_checkpoint_meta,
 )
@@ -285,4 +284,4 @@ def follower_loop(recipe: Any) -> int:
             return 0
 
 
-__all__ = ["TrainerActor", "dist_rank", "follower_loop"]
+__all__ = ["TrainerActor", "follower_loop"]
