@@ -111,6 +111,9 @@ class HFEngineConfig(_Section):
     """In-process transformers generation with batching of concurrent requests."""
     max_batch_size: int = Field(32, ge=1)
     """Most sequences decoded together."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """``auto`` (the first CUDA device when there is one, else the CPU), ``cpu``, ``cuda``
+    or ``cuda:N``: rollout and trainer may share a GPU or sit on different ones."""
 
 
 EngineConfig = Annotated[HFEngineConfig, Field(discriminator="type")]
@@ -138,6 +141,10 @@ class RolloutConfig(_Section):
     threads: int = Field(0, ge=0)
     """CPU threads for torch in each rollout process; 0 leaves torch's default. On a small
     CPU, give generation and training their own cores: oversubscribed threads spin."""
+    colocate: bool = False
+    """Rollout engines and the trainer take turns on one accelerator: before each trainer
+    step the engines pause and release their weights and KV cache, and take them back
+    with the new weights (synchronous, like η = 0, but in half the GPUs)."""
 
 
 class RewardConfig(_Section):

@@ -278,6 +278,25 @@ class WeightsUpdated(Message):
     step: int = 0
 
 
+class MemoryControl(Message):
+    """Colocation (``rollout.colocate``): the trainer asks rollout engines to ``release``
+    their accelerator memory before a step, or to ``resume`` it after a step that
+    published no weights (new weights bring the memory back by themselves)."""
+
+    KIND: ClassVar[str] = "memory_control"
+    action: Literal["release", "resume"]
+    step: int
+
+
+class MemoryReleased(Message):
+    """A rollout actor's answer to ``release``: its engine is paused and its memory free."""
+
+    KIND: ClassVar[str] = "memory_released"
+    actor_id: str
+    step: int
+    freed_bytes: int = 0
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     m.KIND: m
     for m in (
@@ -295,6 +314,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         BatchRequest,
         WeightsQuery,
         WeightsUpdated,
+        MemoryControl,
+        MemoryReleased,
     )
 }
 

@@ -69,6 +69,16 @@ class Subjects:
         return f"{self.prefix}.weights"
 
     @property
+    def memory(self) -> str:
+        """MemoryControl broadcasts from the trainer (colocation)."""
+        return f"{self.prefix}.rollout.memory"
+
+    @property
+    def memory_released(self) -> str:
+        """MemoryReleased answers from rollout actors (colocation)."""
+        return f"{self.prefix}.rollout.memory.released"
+
+    @property
     def weights_query(self) -> str:
         """Request/reply: WeightsQuery -> the latest WeightsUpdated."""
         return f"{self.prefix}.buffer.weights"

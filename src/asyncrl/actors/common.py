@@ -59,11 +59,29 @@ def build_engine(recipe: Recipe) -> Any:
     """The rollout engine (not started)."""
     from asyncrl.engines.hf import HFEngine
 
+    cfg = recipe.rollout.engine
     return HFEngine(
         recipe.model.path,
         dtype=recipe.model.dtype,
-        max_batch_size=recipe.rollout.engine.max_batch_size,
+        device=resolve_device(cfg.device),
+        max_batch_size=cfg.max_batch_size,
+        memory_saver=recipe.rollout.colocate and _has_memory_saver(),
     )
+
+
+def _has_memory_saver() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_memory_saver") is not None
+
+
+def resolve_device(choice: str) -> str:
+    """``auto`` becomes ``cuda`` when a CUDA device is visible, else ``cpu``."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def build_reward_pool(recipe: Recipe) -> Any:

@@ -27,6 +27,8 @@ from asyncrl.messages import (
     EpisodeAborted,
     Lease,
     LeaseRequest,
+    MemoryControl,
+    MemoryReleased,
     Prompt,
     Trajectory,
     WeightsQuery,
@@ -75,6 +77,8 @@ class RolloutActor(Actor):
         self.workflow = build_workflow(self.recipe, self.engine, self.reward_pool)
         self.version = self.engine.version
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
+        if self.recipe.rollout.colocate:
+            await self.bus.subscribe(self.subjects.memory, MemoryControl, self.on_memory)
         await self._query_weights()
         tg.create_task(self._weights_loop(), name="weights")
 
@@ -191,34 +195,56 @@ class RolloutActor(Actor):
             self._pending_weights = msg
             self._weights_arrived.set()
 
+    async def on_memory(self, msg: MemoryControl) -> None:
+        """Colocation: give the accelerator to the trainer for a step, or take it back."""
+        if msg.action == "release":
+            freed = await self.engine.release_memory()
+            self.log.info("memory released", step=msg.step, freed_bytes=freed)
+            await self.bus.publish(
+                self.subjects.memory_released,
+                MemoryReleased(actor_id=self.actor_id, step=msg.step, freed_bytes=freed),
+            )
+        else:
+            await self.engine.resume_memory()
+            await self.engine.resume()
+
     async def _weights_loop(self) -> None:
+        """Fetches and stages each new version while generation goes on, then pauses only
+        for the load itself (``rollout/pause_s``; the fetch is ``rollout/weights_fetch_s``)."""
         while True:
             await self._weights_arrived.wait()
             self._weights_arrived.clear()
             msg = self._pending_weights
             if msg is None or msg.version <= self.engine.version:
                 continue
-            t0 = time.monotonic()
-            await self.engine.pause()
-            try:
-                if msg.kind == "dir":
-                    await self.engine.update_weights(Path(msg.location), msg.version)
-                else:
-                    with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
-                        await get_weights(
-                            self.bus, self.subjects.weights_bucket, msg.location, Path(tmp)
-                        )
-                        await self.engine.update_weights(Path(tmp), msg.version)
-            finally:
-                await self.engine.resume()
+            with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
+                t0 = time.monotonic()
+                source: Any = Path(msg.location)
+                if msg.kind != "dir":
+                    source = Path(tmp)
+                    await get_weights(self.bus, self.subjects.weights_bucket, msg.location, source)
+                staged = await self.engine.stage_weights(source)
+                fetch_s = time.monotonic() - t0
+                t1 = time.monotonic()
+                await self.engine.pause()
+                try:
+                    await self.engine.update_weights(staged, msg.version)
+                finally:
+                    await self.engine.resume()
+                pause_s = time.monotonic() - t1
             self.version = msg.version
             self._version_changed.set()
-            dt = time.monotonic() - t0
-            self.log.info("weights updated", version=msg.version, seconds=round(dt, 3))
+            self.log.info(
+                "weights updated",
+                version=msg.version,
+                fetch_s=round(fetch_s, 3),
+                pause_s=round(pause_s, 3),
+            )
             await self.emit_metrics(
                 {
                     "version": msg.version,
-                    "weight_update_s": dt,
+                    "rollout/pause_s": pause_s,
+                    "rollout/weights_fetch_s": fetch_s,
                     **{k: float(v) for k, v in self.counters.items()},
                     "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
                 },

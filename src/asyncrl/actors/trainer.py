@@ -29,7 +29,10 @@ from asyncrl.actors.common import (
 )
 from asyncrl.actors.weights import KEEP_VERSIONS, put_weights
 from asyncrl.messages import (
+    ActorInfo,
     BatchRequest,
+    MemoryControl,
+    MemoryReleased,
     TrainBatchRef,
     Trajectory,
     WeightsUpdated,
@@ -40,6 +43,10 @@ from asyncrl.runtime.bus import BusTimeout, RemoteError
 
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
+
+RELEASE_TIMEOUT = 60.0
+"""Seconds a colocated trainer waits for the rollout actors it knows to release their
+memory before it steps anyway (an actor that died meanwhile never answers)."""
 
 
 def build_samples(
@@ -93,8 +100,18 @@ class TrainerActor(Actor):
         self._t_start = time.monotonic()
         self._samples_total = 0
         self._tokens_total = 0
+        self._rollout_seen: dict[str, float] = {}  # actor id -> last heartbeat (colocation)
+        self._released: dict[str, MemoryReleased] = {}
+        self._release_answered = asyncio.Event()
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
+        if self.recipe.rollout.colocate:
+            await self.bus.subscribe(
+                self.subjects.heartbeat("rollout"), ActorInfo, self._on_rollout
+            )
+            await self.bus.subscribe(
+                self.subjects.memory_released, MemoryReleased, self._on_released
+            )
         self.engine = await asyncio.to_thread(build_train_engine, self.recipe)
         meta = latest_checkpoint_meta(self.ctx.run_dir)
         if meta is not None:
@@ -117,6 +134,8 @@ class TrainerActor(Actor):
             batch = await self._fetch_batch(self.step)
             t_batch = time.monotonic() - t0
             samples, stats = build_samples(batch.trajectories, self.recipe)
+            if self.recipe.rollout.colocate:
+                stats["rollout_freed_bytes"] = await self._release_rollout_memory()
             t1 = time.monotonic()
             train_stats = await asyncio.to_thread(self._broadcast, ("train", samples))
             t_train = time.monotonic() - t1
@@ -127,11 +146,52 @@ class TrainerActor(Actor):
             last = self.step == cfg.max_steps
             if self.step % cfg.update_every == 0 or last:
                 await self._publish_weights()
+            elif self.recipe.rollout.colocate:  # no new weights to bring the memory back
+                await self.bus.publish(
+                    self.subjects.memory, MemoryControl(action="resume", step=self.step)
+                )
             t_weights = time.monotonic() - t2
             values = self._record(batch, stats, train_stats, t_batch, t_train, t_weights)
             await self.emit_metrics(values, step=self.step)
             if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
                 await self._checkpoint()
+
+    # -- colocation ---------------------------------------------------------------------------
+
+    async def _on_rollout(self, info: ActorInfo) -> None:
+        if info.status == "running":
+            self._rollout_seen[info.actor_id] = time.monotonic()
+        else:
+            self._rollout_seen.pop(info.actor_id, None)
+        self._release_answered.set()  # a release wait re-counts who is alive
+
+    async def _on_released(self, msg: MemoryReleased) -> None:
+        if msg.step == self.step:
+            self._released[msg.actor_id] = msg
+            self._release_answered.set()
+
+    async def _release_rollout_memory(self) -> float:
+        """Asks every live rollout actor to free the accelerator and waits for all of
+        them (or :data:`RELEASE_TIMEOUT`); returns the bytes they freed together."""
+        ttl = self.recipe.rollout.lease_ttl
+        live: set[str] = set()
+        self._released.clear()
+        await self.bus.publish(
+            self.subjects.memory, MemoryControl(action="release", step=self.step)
+        )
+        try:
+            async with asyncio.timeout(RELEASE_TIMEOUT):
+                while True:
+                    now = time.monotonic()
+                    live = {a for a, t in self._rollout_seen.items() if now - t < ttl}
+                    if live <= self._released.keys():
+                        break
+                    self._release_answered.clear()
+                    await self._release_answered.wait()
+        except TimeoutError:
+            missing = sorted(live - self._released.keys())
+            self.log.warning("rollout actors did not release memory", actors=missing)
+        return float(sum(m.freed_bytes for m in self._released.values()))
 
     async def _fetch_batch(self, step: int) -> TrainBatchRef:
         req = BatchRequest(step=step, version=self.version)

@@ -118,6 +118,7 @@ class InferenceEngine(ABC):
         self._resumed.set()
         self._update_lock = asyncio.Lock()
         self._stopping = False
+        self._released = False
 
     # --- the backend's part -----------------------------------------------------------------
 
@@ -145,6 +146,15 @@ class InferenceEngine(ABC):
     @abstractmethod
     async def _load_weights(self, source: WeightSource) -> None:
         """Replaces the weights; only called while interrupted."""
+
+    async def _release_memory(self) -> int:
+        """Frees the accelerator memory of the weights and KV cache (only called while
+        interrupted); returns the bytes freed where the backend can tell, else 0."""
+        raise NotImplementedError(f"{type(self).__name__} cannot release its memory")
+
+    async def _resume_memory(self) -> None:
+        """Takes back what :meth:`_release_memory` freed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot release its memory")
 
     @property
     def tokenizer(self) -> Any:
@@ -218,6 +228,41 @@ class InferenceEngine(ABC):
         await self._continue()
         self._resumed.set()
 
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release_memory` freed the engine's memory (until it is taken back)."""
+        return self._released
+
+    async def release_memory(self) -> int:
+        """Pauses generation and frees the accelerator memory of the weights and KV cache,
+        so that a trainer on the same device can step (``rollout.colocate``). The memory
+        comes back with :meth:`resume_memory`, or with the next :meth:`update_weights`;
+        generation stays paused until :meth:`resume`. Returns the bytes freed (0 where the
+        backend cannot tell)."""
+        async with self._update_lock:
+            await self.pause()
+            if self._released:
+                return 0
+            freed = await self._release_memory()
+            self._released = True
+            return freed
+
+    async def resume_memory(self) -> None:
+        """Takes back the memory :meth:`release_memory` freed (the weights as they were)."""
+        async with self._update_lock:
+            await self._take_memory_back()
+
+    async def _take_memory_back(self) -> None:
+        if self._released:
+            await self._resume_memory()
+            self._released = False
+
+    async def stage_weights(self, source: WeightSource) -> WeightSource:
+        """Prepares an update while generation goes on, so that the pause covers only the
+        load: returns what :meth:`update_weights` is then given. A backend that reads
+        files itself (a server loading a directory) has nothing to prepare."""
+        return source
+
     async def update_weights(self, source: WeightSource, version: int) -> None:
         """Loads new weights and takes ``version``; tokens sampled afterwards carry it.
 
@@ -230,6 +275,7 @@ class InferenceEngine(ABC):
             if not was_paused:
                 await self.pause()
             try:
+                await self._take_memory_back()
                 await self._load_weights(source)
                 self._version = version
             finally:

@@ -43,6 +43,9 @@ from asyncrl.engines.base import (
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode
 
+MEMORY_TAG = "asyncrl-hf-weights"
+"""The torch-memory-saver region of the hf engine's weights."""
+
 
 @dataclass
 class EngineStats:
@@ -88,6 +91,7 @@ class HFEngine(InferenceEngine):
         logprob_mode: LogprobMode = "scaled",
         version: int = 0,
         on_step: Callable[[StepResult], None] | None = None,
+        memory_saver: bool = False,
     ) -> None:
         super().__init__(version)
         if max_batch_size < 1:
@@ -99,6 +103,9 @@ class HFEngine(InferenceEngine):
         self.max_prefill_tokens = max_prefill_tokens
         self.logprob_mode: LogprobMode = logprob_mode
         self.on_step = on_step
+        # torch-memory-saver keeps the weights' virtual addresses while their physical
+        # memory is released; without it (or off CUDA) releasing moves them to the host.
+        self.memory_saver = memory_saver and device.startswith("cuda")
         self.stats = EngineStats()
         self.model: Any = None
         self._tokenizer: Any = None
@@ -149,7 +156,14 @@ class HFEngine(InferenceEngine):
     def _load(self) -> None:
         from asyncrl.models import load_causal_lm, load_tokenizer
 
-        self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
+        if self.memory_saver:
+            from torch_memory_saver import torch_memory_saver
+
+            torch_memory_saver.hook_mode = "torch"  # no LD_PRELOAD needed
+            with torch_memory_saver.region(tag=MEMORY_TAG, enable_cpu_backup=True):
+                self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
+        else:
+            self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
         self._tokenizer = load_tokenizer(self.model_spec)
         eos = self.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -310,6 +324,45 @@ class HFEngine(InferenceEngine):
     async def _continue(self) -> None:
         self._hold = False
         self._wake.set()
+
+    async def _release_memory(self) -> int:
+        return int(await self._in_model_thread(self._free_memory))
+
+    async def _resume_memory(self) -> None:
+        await self._in_model_thread(self._take_memory)
+
+    def _free_memory(self) -> int:
+        """The KV cache is gone already (the pause dropped it); frees the weights' device
+        memory and returns the bytes the CUDA allocator gave back (0 on the CPU, where
+        there is nothing to share)."""
+        if not self.device.startswith("cuda"):
+            return 0
+        before = torch.cuda.memory_reserved(self.device)
+        if self.memory_saver:
+            from torch_memory_saver import torch_memory_saver
+
+            torch_memory_saver.pause(MEMORY_TAG)
+        else:
+            self.model.to("cpu")
+        torch.cuda.empty_cache()
+        return max(0, before - torch.cuda.memory_reserved(self.device))
+
+    def _take_memory(self) -> None:
+        if not self.device.startswith("cuda"):
+            return
+        if self.memory_saver:
+            from torch_memory_saver import torch_memory_saver
+
+            torch_memory_saver.resume(MEMORY_TAG)
+        else:
+            self.model.to(self.device)
+
+    async def stage_weights(self, source: WeightSource) -> WeightSource:
+        """Reads a directory's safetensors into host memory off the model thread, so that
+        generation goes on meanwhile and the pause only copies tensors."""
+        if isinstance(source, str | Path):
+            return await asyncio.to_thread(lambda: list(_read_safetensors_dir(Path(source))))
+        return source
 
     async def _load_weights(self, source: WeightSource) -> None:
         if isinstance(source, AsyncIterable):
