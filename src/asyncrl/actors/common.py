@@ -57,15 +57,58 @@ def sampling_params(recipe: Recipe) -> Any:
 
 def build_engine(recipe: Recipe) -> Any:
     """The rollout engine (not started)."""
+    cfg = recipe.rollout.engine
+    if cfg.type != "hf":
+        return build_server_engine(recipe)
     from asyncrl.engines.hf import HFEngine
 
-    cfg = recipe.rollout.engine
     return HFEngine(
         recipe.model.path,
         dtype=recipe.model.dtype,
         device=resolve_device(cfg.device),
         max_batch_size=cfg.max_batch_size,
         memory_saver=recipe.rollout.colocate and _has_memory_saver(),
+    )
+
+
+def build_server_engine(recipe: Recipe) -> Any:
+    """A ``vllm`` or ``sglang`` engine: its servers are started (or joined) by ``start()``,
+    their logs go to ``<run>/logs``."""
+    cfg = recipe.rollout.engine
+    assert cfg.type != "hf"
+    options: dict[str, Any] = {
+        "urls": cfg.urls,
+        "command": cfg.command,
+        "args": cfg.args,
+        "env": cfg.env,
+        "servers": cfg.servers,
+        "host": cfg.host,
+        "ports": cfg.ports,
+        "dtype": recipe.model.dtype,
+        "startup_timeout": cfg.startup_timeout,
+        "request_timeout": cfg.request_timeout,
+        "retries": cfg.retries,
+        "retry_backoff": cfg.retry_backoff,
+        "log_dir": recipe.run.path / "logs",
+    }
+    if cfg.type == "vllm":
+        from asyncrl.engines.vllm import VLLMEngine
+
+        return VLLMEngine(
+            recipe.model.path,
+            python=cfg.python,
+            cpu_kvcache_gib=cfg.cpu_kvcache_gib,
+            cpu_threads_bind=cfg.cpu_threads_bind,
+            max_model_len=cfg.max_model_len,
+            **options,
+        )
+    from asyncrl.engines.sglang import SGLangEngine
+
+    return SGLangEngine(
+        recipe.model.path,
+        memory_saver=recipe.rollout.colocate,
+        mem_fraction_static=cfg.mem_fraction_static,
+        **options,
     )
 
 

@@ -18,7 +18,11 @@ from asyncrl.engines.base import (
     WeightSource,
 )
 
-BACKENDS = {"hf": "asyncrl.engines.hf:HFEngine"}
+BACKENDS = {
+    "hf": "asyncrl.engines.hf:HFEngine",
+    "vllm": "asyncrl.engines.vllm:VLLMEngine",
+    "sglang": "asyncrl.engines.sglang:SGLangEngine",
+}
 """Engine kinds (the recipe's ``rollout.engine.type``) and the class that implements each."""
 
 

@@ -1,0 +1,193 @@
+"""``sglang``: generation on SGLang servers over SGLang's native HTTP API.
+
+**Not run against a real SGLang**: SGLang has no CPU build, and these machines have no
+GPU. Request building and response parsing follow SGLang's documented API and are tested
+against an in-test server speaking those payloads (``tests/test_engine_sglang.py``).
+
+Endpoints used:
+
+- ``POST /generate`` with ``input_ids``, ``sampling_params`` and ``return_logprob``; the
+  answer has ``output_ids`` and ``meta_info`` with ``output_token_logprobs`` (one
+  ``[logprob, token id, text]`` per generated token) and ``finish_reason`` (an object whose
+  ``type`` is ``stop``, ``length`` or ``abort``);
+- ``POST /pause_generation`` with ``{"mode": "abort"}`` (running requests return with their
+  partial output; new ones wait), ``POST /abort_request`` with ``{"abort_all": true}`` and
+  ``POST /continue_generation``;
+- ``POST /update_weights_from_disk`` with ``model_path`` (a directory holding the new
+  safetensors and the model's config files) and ``weight_version``, then ``POST /flush_cache``;
+- ``POST /release_memory_occupation`` and ``POST /resume_memory_occupation`` for
+  ``rollout.colocate`` (the server must run with ``--enable-memory-saver``, which this
+  engine adds when ``memory_saver`` is set).
+
+**Logprobs.** SGLang reports ``log_softmax(logits / T)`` of the sampled token, before any
+top-k/top-p cut — the trainer's convention — unless the server runs with
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` set (then without the temperature); leave it unset.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from asyncrl.engines.base import GenerateRequest, GenerateResponse, WeightSource
+from asyncrl.engines.remote import RemoteEngine, Server
+from asyncrl.engines.server import ServerError
+
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+"""Files SGLang reads beside the weights when it loads a directory; a weights update from
+the trainer carries only safetensors, so they are copied in from the model directory."""
+
+
+def generate_payload(request: GenerateRequest, request_id: str) -> dict[str, Any]:
+    """The ``/generate`` body for ``request``."""
+    s = request.sampling
+    params: dict[str, Any] = {
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,  # SGLang's "no cut" is -1
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if s.seed is not None:
+        params["sampling_seed"] = s.seed
+    if s.stop_token_ids is not None:
+        params["stop_token_ids"] = list(s.stop_token_ids)
+        params["ignore_eos"] = True
+    return {
+        "rid": request_id,
+        "input_ids": list(request.input_ids),
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": -1,  # no prompt logprobs
+        "top_logprobs_num": 0,
+        "return_text_in_logprobs": False,
+        "stream": False,
+    }
+
+
+def parse_generate(request: GenerateRequest, body: Any) -> GenerateResponse:
+    """The tokens, logprobs and finish reason of a ``/generate`` answer."""
+    try:
+        meta = body["meta_info"]
+        ids = [int(t) for t in body.get("output_ids") or []]
+        entries = meta.get("output_token_logprobs") or []
+        values = [float(e[0]) for e in entries]
+        entry_ids = [int(e[1]) for e in entries]
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type") if isinstance(finish, dict) else finish
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ServerError(f"malformed answer from SGLang ({exc!r}): {str(body)[:2000]}") from exc
+    if not ids:
+        ids = entry_ids
+    if entry_ids != ids:
+        raise ServerError(
+            f"SGLang's output_ids and output_token_logprobs disagree: {str(body)[:2000]}"
+        )
+    if kind not in ("stop", "length", "abort"):
+        raise ServerError(f"SGLang finish_reason {finish!r} is not stop, length or abort")
+    return GenerateResponse(
+        rid=request.rid,
+        input_ids=list(request.input_ids),
+        output_ids=ids,
+        output_logprobs=values,
+        finish_reason=kind,
+    )
+
+
+class SGLangEngine(RemoteEngine):
+    """SGLang servers behind :class:`~asyncrl.engines.base.InferenceEngine`.
+
+    ``memory_saver`` starts the servers with ``--enable-memory-saver`` so that
+    :meth:`release_memory` can free their weights and KV cache while a trainer steps on
+    the same GPU.
+    """
+
+    kind = "sglang"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        memory_saver: bool = False,
+        mem_fraction_static: float | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(model, **options)
+        self.memory_saver = memory_saver
+        self.mem_fraction_static = mem_fraction_static
+
+    def server_command(self) -> list[str]:
+        return self.command or [sys.executable, "-m", "sglang.launch_server"]
+
+    def server_argv(self, port: int) -> list[str]:
+        argv = [
+            *self.server_command(),
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+        ]
+        if self.memory_saver:
+            argv.append("--enable-memory-saver")
+        if self.mem_fraction_static is not None:
+            argv += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        return argv + self.args
+
+    async def _complete(self, server: Server, request: GenerateRequest) -> GenerateResponse:
+        if request.sampling.max_new_tokens <= 0:
+            return GenerateResponse(
+                rid=request.rid, input_ids=list(request.input_ids), finish_reason="length"
+            )
+        payload = generate_payload(request, self.new_request_id(request.rid))
+        return parse_generate(request, await self._call(server, "/generate", payload))
+
+    async def _server_pause(self, server: Server) -> None:
+        await self._call(server, "/pause_generation", {"mode": "abort"})
+
+    async def _server_abort_all(self, server: Server) -> None:
+        await self._call(server, "/abort_request", {"abort_all": True})
+
+    async def _server_resume(self, server: Server) -> None:
+        await self._call(server, "/continue_generation", {})
+
+    async def stage_weights(self, source: WeightSource) -> WeightSource:
+        """Completes a directory of safetensors with the model's config and tokenizer
+        files (SGLang loads a directory as a model), while generation goes on."""
+        if isinstance(source, str | Path) and self.model_path:
+            directory = Path(source)
+            for name in MODEL_FILES:
+                src = Path(self.model_path) / name
+                if src.is_file() and not (directory / name).exists():
+                    shutil.copyfile(src, directory / name)
+        return source
+
+    async def _server_load(self, server: Server, path: Path, version: int) -> None:
+        answer = await self._call(
+            server,
+            "/update_weights_from_disk",
+            {"model_path": str(path), "weight_version": str(version)},
+        )
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise ServerError(f"{server.url}/update_weights_from_disk: {answer.get('message')}")
+        await self._call(server, "/flush_cache")
+
+    async def _release_memory(self) -> int:
+        await self._each(lambda s: self._call(s, "/release_memory_occupation", {}))
+        return 0  # SGLang does not say how much it freed
+
+    async def _resume_memory(self) -> None:
+        await self._each(lambda s: self._call(s, "/resume_memory_occupation", {}))

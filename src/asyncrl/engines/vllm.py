@@ -1,0 +1,209 @@
+"""``vllm``: generation on vLLM servers over their OpenAI-compatible and RL endpoints.
+
+Each server is started as ``<python> vllm_launch.py serve <model dir> ...`` with
+``VLLM_SERVER_DEV_MODE=1`` (which enables ``/collective_rpc`` and ``/reset_prefix_cache``)
+and ``--logprobs-mode processed_logprobs``. The endpoints used:
+
+- ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids`` and
+  ``logprobs: 0`` (the sampled token's logprob only);
+- ``POST /pause?mode=abort`` (running requests return ``finish_reason: "abort"`` with their
+  partial tokens and logprobs; requests that arrive while paused are queued),
+  ``POST /abort_requests`` (aborts queued ones too) and ``POST /resume``;
+- ``POST /collective_rpc`` with ``{"method": "reload_weights", "kwargs": {"weights_path":
+  DIR}}`` (a directory of safetensors files in the HF naming), then
+  ``POST /reset_prefix_cache`` — cached KV computed by the old weights must not serve new
+  samples — and ``POST /update_weight_version``.
+
+**Logprobs.** vLLM's ``processed_logprobs`` are ``log_softmax`` of the logits after the
+sampling transforms: divided by the temperature and, when ``top_k``/``top_p`` cut the
+vocabulary, restricted to the kept tokens and renormalised. Without a cut (``top_k = 0``,
+``top_p = 1``) that is ``log_softmax(logits / T)``, the trainer's convention. With a cut it
+is the cut distribution, larger than the trainer's value by ``-log`` (kept mass) — the
+``"processed"`` mode of :mod:`asyncrl.engines.sampling`. Greedy requests (T = 0) report
+``log_softmax(logits)``. The default (``raw_logprobs``) would ignore the temperature.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, get_args
+
+from asyncrl.engines.base import FinishReason, GenerateRequest, GenerateResponse
+from asyncrl.engines.remote import RemoteEngine, Server
+from asyncrl.engines.server import ServerError
+
+LAUNCHER = Path(__file__).with_name("vllm_launch.py")
+
+FINISH_REASONS = set(get_args(FinishReason))
+
+
+def completion_payload(
+    model: str, request: GenerateRequest, max_tokens: int, request_id: str
+) -> dict[str, Any]:
+    """The ``/v1/completions`` body for ``request`` with a budget of ``max_tokens``."""
+    s = request.sampling
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(request.input_ids),
+        "max_tokens": max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,  # 0 disables the cut in vLLM as here
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "request_id": request_id,
+    }
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if s.stop_token_ids is not None:
+        # Only the given ids stop (none: only the length does), not the model's EOS.
+        body["stop_token_ids"] = list(s.stop_token_ids)
+        body["ignore_eos"] = True
+    return body
+
+
+def parse_completion(request: GenerateRequest, body: Any) -> GenerateResponse:
+    """The tokens, logprobs and finish reason of a ``/v1/completions`` answer."""
+    try:
+        choice = body["choices"][0]
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        logprobs = choice.get("logprobs") or {}
+        values = [float(x) for x in logprobs.get("token_logprobs") or []]
+        finish = choice.get("finish_reason")
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ServerError(f"malformed completion from vLLM ({exc!r}): {str(body)[:2000]}") from exc
+    if len(values) != len(ids):
+        raise ServerError(
+            f"vLLM returned {len(ids)} tokens but {len(values)} logprobs: {str(body)[:2000]}"
+        )
+    if finish not in FINISH_REASONS:
+        raise ServerError(f"vLLM finish_reason {finish!r} is not one of {sorted(FINISH_REASONS)}")
+    return GenerateResponse(
+        rid=request.rid,
+        input_ids=list(request.input_ids),
+        output_ids=ids,
+        output_logprobs=values,
+        finish_reason=finish,
+    )
+
+
+class VLLMEngine(RemoteEngine):
+    """vLLM servers behind :class:`~asyncrl.engines.base.InferenceEngine`.
+
+    ``python`` is the interpreter of the virtualenv holding vLLM (``make vllm`` makes
+    ``.venv-vllm``); it runs the launcher unless ``command`` replaces it. ``cpu_kvcache_gib``
+    and ``cpu_threads_bind`` set vLLM's CPU backend (``VLLM_CPU_KVCACHE_SPACE``,
+    ``VLLM_CPU_OMP_THREADS_BIND``); ``max_model_len`` caps the context (0: the model's).
+    """
+
+    kind = "vllm"
+    served_name = "policy"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        python: str = ".venv-vllm/bin/python",
+        cpu_kvcache_gib: float = 2.0,
+        cpu_threads_bind: str = "auto",
+        max_model_len: int = 0,
+        **options: Any,
+    ) -> None:
+        super().__init__(model, **options)
+        self.python = python
+        self.cpu_kvcache_gib = cpu_kvcache_gib
+        self.cpu_threads_bind = cpu_threads_bind
+        self.max_model_len = max_model_len
+
+    def server_command(self) -> list[str]:
+        if self.command:
+            return self.command
+        return [resolve_python(self.python), str(LAUNCHER)]
+
+    def server_argv(self, port: int) -> list[str]:
+        argv = [
+            *self.server_command(),
+            "serve",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--served-model-name",
+            self.served_name,
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--disable-uvicorn-access-log",
+        ]
+        if self.max_model_len:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        return argv + self.args
+
+    def server_env(self) -> dict[str, str]:
+        return {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": f"{self.cpu_kvcache_gib:g}",
+            "VLLM_CPU_OMP_THREADS_BIND": self.cpu_threads_bind,
+            **self.env,
+        }
+
+    async def _server_ready(self, server: Server) -> None:
+        models = await self._call(server, "/v1/models", method="GET")
+        card = models["data"][0]
+        server.info["model"] = card["id"]
+        server.info["max_model_len"] = int(card.get("max_model_len") or 0)
+
+    async def _complete(self, server: Server, request: GenerateRequest) -> GenerateResponse:
+        budget = request.sampling.max_new_tokens
+        limit = server.info.get("max_model_len", 0)
+        if limit:
+            budget = min(budget, limit - len(request.input_ids))
+        if budget <= 0:  # the context is full: nothing more can be generated
+            return GenerateResponse(
+                rid=request.rid, input_ids=list(request.input_ids), finish_reason="length"
+            )
+        payload = completion_payload(
+            server.info.get("model", self.served_name),
+            request,
+            budget,
+            self.new_request_id(request.rid),
+        )
+        return parse_completion(request, await self._call(server, "/v1/completions", payload))
+
+    async def _server_pause(self, server: Server) -> None:
+        await self._call(server, "/pause", params={"mode": "abort"})
+
+    async def _server_abort_all(self, server: Server) -> None:
+        await self._call(server, "/abort_requests", {})
+
+    async def _server_resume(self, server: Server) -> None:
+        await self._call(server, "/resume")
+
+    async def _server_load(self, server: Server, path: Path, version: int) -> None:
+        await self._call(
+            server,
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+        )
+        await self._call(server, "/reset_prefix_cache")
+        await self._call(server, "/update_weight_version", {"new_version": str(version)})
+
+
+def resolve_python(python: str) -> str:
+    """``python`` as given if it exists (absolute, or relative to the working directory),
+    else relative to the project checkout this package runs from (an editable install),
+    so ``.venv-vllm/bin/python`` works from any directory."""
+    path = Path(python).expanduser()
+    if path.is_absolute() or path.exists() or "/" not in python:
+        return str(path) if "/" in python else python
+    checkout = Path(__file__).resolve().parents[3] / path
+    if checkout.exists():
+        return str(checkout)
+    raise ServerError(
+        f"the vLLM interpreter {python!r} does not exist (neither in {Path.cwd()} nor in "
+        f"{checkout.parent.parent.parent}); run `make vllm` to create .venv-vllm, or set "
+        "rollout.engine.python"
+    )
