@@ -213,9 +213,7 @@ class RemoteEngine(InferenceEngine):
             else:
                 self.servers = [self._launch(i) for i in range(self.n_servers)]
             self.router = Router(self.servers)
-            async with asyncio.TaskGroup() as tg:
-                for server in self.servers:
-                    tg.create_task(self._await_ready(server))
+            await self._each(self._await_ready)
         except BaseException:
             await self.stop()
             raise
@@ -382,9 +380,18 @@ class RemoteEngine(InferenceEngine):
         self._gate.set()
 
     async def _each(self, action: Any) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for server in self.servers:
-                tg.create_task(action(server))
+        """``action(server)`` on every server at once. A failure cancels the others and is
+        raised as itself (the first one), not wrapped in an exception group, so callers
+        see the server's error."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for server in self.servers:
+                    tg.create_task(action(server))
+        except BaseExceptionGroup as group:
+            first: BaseException = group
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from group
 
     async def update_weights(self, source: WeightSource, version: int) -> None:
         self._loading_version = version  # the servers are told the version they load
@@ -401,9 +408,7 @@ class RemoteEngine(InferenceEngine):
             )
         path = Path(os.path.abspath(source))  # noqa: ASYNC240 - string work, no I/O
         version = self._loading_version if self._loading_version is not None else self._version
-        async with asyncio.TaskGroup() as tg:
-            for server in self.servers:
-                tg.create_task(self._server_load(server, path, version))
+        await self._each(lambda server: self._server_load(server, path, version))
 
     def new_request_id(self, rid: str) -> str:
         """A unique server-side id that still shows the workflow's rid in server logs."""
