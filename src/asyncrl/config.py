@@ -163,8 +163,8 @@ class VLLMEngineConfig(_ServerEngineConfig):
     """Interpreter of the virtualenv holding vLLM; it runs asyncrl's launcher for ``vllm
     serve`` unless ``command`` is set. A relative path is looked up in the working
     directory, then in the project checkout."""
-    cpu_kvcache_gib: float = Field(2.0, gt=0)
-    """KV cache size in GiB on vLLM's CPU backend (``VLLM_CPU_KVCACHE_SPACE``)."""
+    cpu_kvcache_gib: int = Field(2, ge=1)
+    """KV cache size in whole GiB on vLLM's CPU backend (``VLLM_CPU_KVCACHE_SPACE``)."""
     cpu_threads_bind: str = "auto"
     """Cores the CPU backend's OpenMP threads bind to (``VLLM_CPU_OMP_THREADS_BIND``):
     ``auto``, ``all`` or a list such as ``0-3``."""

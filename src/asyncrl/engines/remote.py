@@ -306,7 +306,9 @@ class RemoteEngine(InferenceEngine):
                 async with self._session.request(method, url, json=payload, params=params) as r:
                     body = await r.text()
                     if r.status >= 400:
-                        raise ServerError(f"{method} {url} -> HTTP {r.status}: {body[:4000]}")
+                        # a 5xx points at the log for the cause (vLLM: "see stack trace above")
+                        more = self._server_state(server) if r.status >= 500 else ""
+                        raise ServerError(f"{method} {url} -> HTTP {r.status}: {body[:4000]}{more}")
                     if r.content_type == "application/json" and body:
                         return await r.json(content_type=None)
                     return body

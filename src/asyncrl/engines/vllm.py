@@ -105,7 +105,7 @@ class VLLMEngine(RemoteEngine):
         model: str,
         *,
         python: str = ".venv-vllm/bin/python",
-        cpu_kvcache_gib: float = 2.0,
+        cpu_kvcache_gib: int = 2,
         cpu_threads_bind: str = "auto",
         max_model_len: int = 0,
         **options: Any,
@@ -145,7 +145,7 @@ class VLLMEngine(RemoteEngine):
     def server_env(self) -> dict[str, str]:
         return {
             "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": f"{self.cpu_kvcache_gib:g}",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kvcache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": self.cpu_threads_bind,
             **self.env,
         }

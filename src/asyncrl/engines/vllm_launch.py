@@ -16,6 +16,13 @@ the first process may run the CLI.
 from __future__ import annotations
 
 import importlib.metadata as _metadata
+import os
+import sys
+
+# Run by path, this file's folder comes first on sys.path, and asyncrl's own ``vllm.py``
+# there would shadow the vllm package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 _real_version = _metadata.version
 

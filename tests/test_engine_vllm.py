@@ -1,0 +1,128 @@
+"""The vllm engine against a real vLLM server (vLLM's CPU build in ``.venv-vllm``).
+
+Slow (a server start is about a minute on two cores) and opt-in: ``make test-vllm``, or
+``ASYNCRL_VLLM_TESTS=1 pytest -m vllm``. Skipped without ``.venv-vllm`` (``make vllm``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.engines.vllm import VLLMEngine
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make vllm`"),
+    pytest.mark.skipif(
+        os.environ.get("ASYNCRL_VLLM_TESTS") != "1",
+        reason="real-vLLM tests are opt-in: `make test-vllm` (ASYNCRL_VLLM_TESTS=1)",
+    ),
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(600),
+]
+
+MODEL = "smollm2-135m-instruct"  # the tiny random model's head_dim (16) has no CPU kernel
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VLLMEngine]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    vllm = VLLMEngine(
+        MODEL,
+        python=str(VLLM_PYTHON),
+        cpu_kvcache_gib=1,
+        max_model_len=512,
+        log_dir=logs,
+        startup_timeout=600,
+    )
+    async with vllm:
+        yield vllm
+
+
+def sampling(n: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, **kw)  # type: ignore[arg-type]
+
+
+PROMPT = [5, 17, 33, 8, 91, 12]
+
+
+async def test_generation_returns_tokens_with_logprobs(engine: VLLMEngine) -> None:
+    greedy = GenerateRequest(
+        input_ids=PROMPT, sampling=sampling(12, temperature=0.0, stop_token_ids=())
+    )
+    a, b = await asyncio.gather(engine.agenerate(greedy), engine.agenerate(greedy))
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 12  # greedy is deterministic
+    assert a.finish_reason == "length" and a.output_versions == [0] * 12
+    assert all(math.isfinite(x) and x <= 0 for x in a.output_logprobs)
+    sampled = GenerateRequest(input_ids=PROMPT, sampling=sampling(16, temperature=0.7, seed=1))
+    out = await engine.agenerate(sampled)
+    assert 1 <= len(out.output_ids) == len(out.output_logprobs) <= 16
+    if out.finish_reason == "stop":
+        assert out.output_ids[-1] == engine.tokenizer.eos_token_id  # the stop token is kept
+
+
+async def test_pause_aborts_with_partial_tokens_and_resume_continues(
+    engine: VLLMEngine, tmp_path: Path
+) -> None:
+    weights = tmp_path / "same"
+    weights.mkdir()
+    shutil.copy(Path(engine.model_path) / "model.safetensors", weights / "model.safetensors")
+    req = GenerateRequest(
+        input_ids=PROMPT, sampling=sampling(300, temperature=1.0, stop_token_ids=()), rid="p/0"
+    )
+    tasks = [asyncio.ensure_future(engine.agenerate(req)) for _ in range(4)]
+    await asyncio.sleep(1.0)  # let them generate under version 0 (timing only shifts the split)
+    await engine.pause()
+    await engine.update_weights(weights, version=1)
+    await engine.resume()
+    outs = await asyncio.gather(*tasks)
+    split = 0
+    for out in outs:
+        assert len(out.output_ids) == 300 and out.finish_reason == "length"
+        assert len(out.output_logprobs) == 300
+        versions = out.output_versions
+        assert versions == sorted(versions) and set(versions) <= {0, 1}
+        split += 0 < versions.count(1) < 300
+    assert split, "no request was interrupted by the update: all ran on one version"
+    assert engine.version == 1
+
+
+async def test_reloaded_weights_change_generation_and_reloading_the_old_ones_restores_it(
+    engine: VLLMEngine, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    greedy = GenerateRequest(
+        input_ids=PROMPT, sampling=sampling(10, temperature=0.0, stop_token_ids=())
+    )
+    before = await engine.agenerate(greedy)
+    tensors = load_file(str(Path(engine.model_path) / "model.safetensors"))
+    changed = {k: (v.flip(0) if v.ndim == 2 and "embed" in k else v) for k, v in tensors.items()}
+    new_dir, old_dir = tmp_path / "new", tmp_path / "old"
+    new_dir.mkdir()
+    old_dir.mkdir()
+    save_file(changed, str(new_dir / "model.safetensors"))
+    save_file(tensors, str(old_dir / "model.safetensors"))
+    await engine.update_weights(new_dir, version=engine.version + 1)
+    after = await engine.agenerate(greedy)
+    assert after.output_ids != before.output_ids
+    assert set(after.output_versions) == {engine.version}
+    await engine.update_weights(old_dir, version=engine.version + 1)
+    again = await engine.agenerate(greedy)
+    # same tokens as before the change: the prefix cache held no stale KV
+    assert again.output_ids == before.output_ids
+    info = await engine._call(engine.servers[0], "/weight_info", method="GET")
+    assert info["weight_version"] == str(engine.version)
