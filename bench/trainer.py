@@ -1,4 +1,5 @@
-"""Train-engine throughput: tokens/s of packed vs padded micro-batches, and MFU on CUDA.
+"""Train-engine throughput: tokens/s of packed vs padded micro-batches, the cost of a
+separate proximal forward, and MFU on CUDA.
 
     python bench/trainer.py                                  # tiny shape on the CPU, ~1 min
     python bench/trainer.py --shape qwen2.5-1.5b --seqs 256 --grad-ckpt   # on a GPU
@@ -6,14 +7,17 @@
 The model is randomly initialised at the chosen shape (no download). Every step trains on
 a GRPO-like batch with GSM8K-like lengths: prompt lengths from the GSM8K questions
 (characters / 4 plus a chat-template overhead), response lengths lognormal (median
-``--resp-median``, σ ``--resp-sigma``, clipped to ``--max-new``). Both modes see the same
-batches. The loss is plain PPO (no proximal recompute), so a step is one forward and one
-backward.
+``--resp-median``, σ ``--resp-sigma``, clipped to ``--max-new``). Every mode sees the same
+batches. The loss is decoupled PPO with one minibatch, whose proximal logprobs are the
+training forward's own (detached), so a step is one forward and one backward. Mode
+``separate`` is ``packed`` with the proximal logprobs recomputed by a no-grad forward first
+(what a step cost before that shortcut, and still costs with ``ppo_minibatches`` > 1); the
+two are printed side by side with their step-time ratio.
 
 tokens/s counts real tokens (prompt + response), never padding. MFU = model FLOPs / (step
 time · peak), with model FLOPs = 3 × forward, forward = 2·N_body·tokens + 2·H·V·loss tokens
 (the LM head runs at loss positions only) + Σ_seq 2·L²·d_attn·layers (causal attention).
-Padding is not counted as useful work.
+Padding and the separate proximal forward are not counted as useful work.
 """
 
 from __future__ import annotations
@@ -121,9 +125,7 @@ def peak_flops(args: argparse.Namespace) -> float | None:
     return None
 
 
-def run_mode(
-    args: argparse.Namespace, packing: bool, batches: list[list[Sample]]
-) -> dict[str, float]:
+def run_mode(args: argparse.Namespace, mode: str, batches: list[list[Sample]]) -> dict[str, float]:
     max_len = max(len(s) for b in batches for s in b)
     engine = TrainEngine(
         TrainConfig(
@@ -133,9 +135,9 @@ def run_mode(
             attn_implementation=args.attn,
             gradient_checkpointing=args.grad_ckpt,
             max_tokens_per_microbatch=args.max_tokens,
-            packing=packing,
+            packing=mode != "padded",
             lr=1e-6,
-            loss=LossConfig(recompute_proximal=False),
+            loss=LossConfig(separate_proximal_forward=mode == "separate"),
         )
     )
     if engine.device.type == "cuda":
@@ -156,6 +158,7 @@ def run_mode(
         "step_s": step_s,
         "micro_batches": stats["micro_batches"],
         "padding": 1.0 - stats["tokens"] / stats["input_tokens"],
+        "proximal_s": stats.get("time/proximal_s", 0.0),
         "tflops": flops / step_s / 1e12,
         "mfu": flops / step_s / peak if peak else math.nan,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30
@@ -175,7 +178,9 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=32, help="sequences per step (prompts × group)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--modes", default="packed,padded", help="comma list of packed, padded")
+    parser.add_argument(
+        "--modes", default="packed,padded,separate", help="comma list of packed, padded, separate"
+    )
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
     parser.add_argument("--resp-median", type=float, default=200.0, help="median response tokens")
     parser.add_argument("--resp-sigma", type=float, default=0.7, help="lognormal σ of responses")
@@ -207,7 +212,9 @@ def main() -> None:
     )
     results = {}
     for mode in args.modes.split(","):
-        results[mode] = run_mode(args, mode == "packed", batches)
+        if mode not in ("packed", "padded", "separate"):
+            parser.error(f"--modes: unknown mode {mode!r} (packed, padded, separate)")
+        results[mode] = run_mode(args, mode, batches)
     print(f"params {results[next(iter(results))]['params'] / 1e6:.1f}M")
     print(
         f"{'mode':8} {'tokens/s':>10} {'step_s':>8} {'micro':>6} {'padding':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
@@ -222,6 +229,14 @@ def main() -> None:
     if {"packed", "padded"} <= results.keys():
         ratio = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
         print(f"packed / padded tokens/s: {ratio:.2f}x")
+    if {"packed", "separate"} <= results.keys():
+        free, sep = results["packed"]["step_s"], results["separate"]["step_s"]
+        print(
+            f"step time, proximal from the training forward: {free:.3f} s;"
+            f" with a separate proximal forward: {sep:.3f} s"
+            f" (of which the forward {results['separate']['proximal_s']:.3f} s);"
+            f" separate / free: {sep / free:.2f}x"
+        )
 
 
 if __name__ == "__main__":
