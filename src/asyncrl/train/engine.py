@@ -37,6 +37,14 @@ from asyncrl.train.schedule import lr_at
 from asyncrl.train.step_stats import StepTotals
 
 
+def _fill(batch: Batch, field: str, values: list[torch.Tensor]) -> Batch:
+    """``batch`` with ``field`` set to ``values`` on the samples where it is None."""
+    return [
+        s if getattr(s, field) is not None else dataclasses.replace(s, **{field: v})
+        for s, v in zip(batch, values, strict=True)
+    ]
+
+
 class TrainEngine:
     """Owns the model, optimizer and schedule of one trainer rank.
 
@@ -44,9 +52,12 @@ class TrainEngine:
         lm: the transformers model (its parameters are DTensor shards under FSDP); use it
             directly only outside the engine's collectives, e.g. for sampling in one process.
         module: the FSDP root, :class:`~asyncrl.train.models.TokenLogprobs` around ``lm``.
-        step: train steps taken (skipped non-finite steps included).
+        ref_module: the frozen reference policy (initial weights), or None when
+            ``loss.kl_coef`` is 0.
+        step: train steps (batches) taken, skipped non-finite steps included.
         version: policy version of the current weights; starts at 0 and is bumped by every
             ``train_step`` (a skipped step too: the buffer counts batches consumed).
+        skipped_nonfinite: optimizer steps skipped for a non-finite gradient norm.
     """
 
     def __init__(self, config: TrainConfig) -> None:
@@ -259,7 +270,8 @@ class TrainEngine:
         how far the earlier ones moved the policy. Samples that carry ``old_logprobs`` are
         decoupled against them (all or none; with recompute on, missing ones are filled by
         a forward); with recompute off and none given, the loss is plain PPO against
-        ``behav_logprobs``. With ``loss.kl_coef > 0``, samples without ``ref_logprobs`` are
+        ``behav_logprobs``. (Under dropout, free proximal logprobs share the training
+        forward's mask.) With ``loss.kl_coef > 0``, samples without ``ref_logprobs`` are
         first scored by the frozen reference model.
 
         An optimizer step whose gradient norm is not finite changes no weight and is counted
@@ -286,11 +298,7 @@ class TrainEngine:
             and not loss_cfg.separate_proximal_forward
         )
         if loss_cfg.recompute_proximal and any(missing) and not free_proximal:
-            proximal = self.compute_logprobs(batch)
-            batch = [
-                s if s.old_logprobs is not None else dataclasses.replace(s, old_logprobs=lp)
-                for s, lp in zip(batch, proximal, strict=True)
-            ]
+            batch = _fill(batch, "old_logprobs", self.compute_logprobs(batch))
             stats["time/proximal_s"] = time.perf_counter() - t_start
         given = all(s.old_logprobs is not None for s in batch)
         if not given and any(s.old_logprobs is not None for s in batch):
@@ -298,11 +306,7 @@ class TrainEngine:
         mode = "free" if free_proximal else "given" if given else "behaviour"
         if self.ref_module is not None and any(s.ref_logprobs is None for s in batch):
             t_ref = time.perf_counter()
-            ref = self.compute_ref_logprobs(batch)
-            batch = [
-                s if s.ref_logprobs is not None else dataclasses.replace(s, ref_logprobs=lp)
-                for s, lp in zip(batch, ref, strict=True)
-            ]
+            batch = _fill(batch, "ref_logprobs", self.compute_ref_logprobs(batch))
             stats["time/ref_s"] = time.perf_counter() - t_ref
         norm_len = loss_cfg.norm_len or float(max(1, max(s.num_loss_tokens for s in batch)))
         lr = lr_at(
