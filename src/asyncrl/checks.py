@@ -44,6 +44,9 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
                 "use at least 2 samples per prompt"
             )
     budget = generation_budget(recipe)
+    budget_keys = "rollout.sampling.max_new_tokens" + (
+        " × rollout.max_turns" if r.workflow == "multi_turn" else ""
+    )
     if loss.norm_len is not None:
         if loss.loss_agg != "seq-mean-token-sum-norm":
             warnings.append(
@@ -53,7 +56,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
         elif loss.norm_len < budget:
             errors.append(
                 f"trainer.loss.norm_len = {loss.norm_len:g} is below the generation budget "
-                f"(rollout.sampling.max_new_tokens: {budget} tokens): Dr.GRPO's divisor must "
+                f"({budget_keys} = {budget} tokens): Dr.GRPO's divisor must "
                 "be a constant no answer exceeds; leave it unset for the budget"
             )
     n_seqs = recipe.buffer.batch_size * r.group_size
@@ -65,7 +68,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
     if t.shaping.overlong_buffer > budget:
         errors.append(
             f"trainer.shaping.overlong_buffer = {t.shaping.overlong_buffer} exceeds the "
-            f"generation budget (rollout.sampling.max_new_tokens: {budget} tokens)"
+            f"generation budget ({budget_keys} = {budget} tokens)"
         )
     for key, n, role in (
         ("rollout.actors", r.actors, "rollout"),
