@@ -1,4 +1,5 @@
-"""Train-engine throughput: tokens/s of packed vs padded micro-batches, and MFU on CUDA.
+"""Train-engine throughput: tokens/s of packed vs padded micro-batches, the cost of a
+separate proximal forward, and MFU on CUDA.
 
     python bench/trainer.py                                  # tiny shape on the CPU, ~1 min
     python bench/trainer.py --shape qwen2.5-1.5b --seqs 256 --grad-ckpt   # on a GPU
@@ -6,14 +7,18 @@
 The model is randomly initialised at the chosen shape (no download). Every step trains on
 a GRPO-like batch with GSM8K-like lengths: prompt lengths from the GSM8K questions
 (characters / 4 plus a chat-template overhead), response lengths lognormal (median
-``--resp-median``, σ ``--resp-sigma``, clipped to ``--max-new``). Both modes see the same
-batches. The loss is plain PPO (no proximal recompute), so a step is one forward and one
-backward.
+``--resp-median``, σ ``--resp-sigma``, clipped to ``--max-new``). Every mode sees the same
+batches. The loss is decoupled PPO with one minibatch, whose proximal logprobs are the
+training forward's own (detached), so a step is one forward and one backward. Mode
+``proximal`` times packed steps both ways on one engine, interleaved: as above, and with
+the proximal logprobs recomputed by a separate no-grad forward first (what a step cost
+before that shortcut, and still costs with ``ppo_minibatches`` > 1); it prints the two step
+times side by side with their ratio.
 
 tokens/s counts real tokens (prompt + response), never padding. MFU = model FLOPs / (step
 time · peak), with model FLOPs = 3 × forward, forward = 2·N_body·tokens + 2·H·V·loss tokens
 (the LM head runs at loss positions only) + Σ_seq 2·L²·d_attn·layers (causal attention).
-Padding is not counted as useful work.
+Padding and the separate proximal forward are not counted as useful work.
 """
 
 from __future__ import annotations
@@ -121,11 +126,9 @@ def peak_flops(args: argparse.Namespace) -> float | None:
     return None
 
 
-def run_mode(
-    args: argparse.Namespace, packing: bool, batches: list[list[Sample]]
-) -> dict[str, float]:
+def build_engine(args: argparse.Namespace, packing: bool, batches: list[list[Sample]]) -> Any:
     max_len = max(len(s) for b in batches for s in b)
-    engine = TrainEngine(
+    return TrainEngine(
         TrainConfig(
             model=model_config(args.shape, max_len),
             device=args.device,
@@ -135,9 +138,39 @@ def run_mode(
             max_tokens_per_microbatch=args.max_tokens,
             packing=packing,
             lr=1e-6,
-            loss=LossConfig(recompute_proximal=False),
+            loss=LossConfig(),
         )
     )
+
+
+def run_proximal(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, float]:
+    """Packed steps with the proximal logprobs from the training forward and from a
+    separate forward, interleaved on one engine (alternating which goes first), so that
+    both see the same batches, warm caches and machine load."""
+    engine = build_engine(args, True, batches)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    proximal = []
+    for i, batch in enumerate(batches):
+        for separate in (False, True) if i % 2 == 0 else (True, False):
+            engine.config.loss.separate_proximal_forward = separate
+            t0 = time.perf_counter()
+            stats = engine.train_step(batch)
+            if i >= args.warmup:
+                times[separate].append(time.perf_counter() - t0)
+                if separate:
+                    proximal.append(stats["time/proximal_s"])
+    del engine
+    return {
+        "free_s": statistics.median(times[False]),
+        "separate_s": statistics.median(times[True]),
+        "proximal_s": statistics.median(proximal),
+    }
+
+
+def run_mode(
+    args: argparse.Namespace, packing: bool, batches: list[list[Sample]]
+) -> dict[str, float]:
+    engine = build_engine(args, packing, batches)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, stats = [], {}
@@ -169,13 +202,32 @@ def run_mode(
     return out
 
 
+def keep_freed_memory() -> None:
+    """On a CPU with glibc: keep freed memory in the heap. By default glibc maps large
+    blocks afresh and returns them on free, so the first forward of every step pays the
+    page faults of its activations, a cost that lands on whichever pass runs first (the
+    separate proximal forward, when there is one) and blurs the comparison."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if sys.platform != "linux" or name is None:
+        return
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_trim_threshold, 2**31 - 1)
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest allowed on 64-bit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--seqs", type=int, default=32, help="sequences per step (prompts × group)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--modes", default="packed,padded", help="comma list of packed, padded")
+    parser.add_argument(
+        "--modes", default="packed,padded,proximal", help="comma list of packed, padded, proximal"
+    )
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
     parser.add_argument("--resp-median", type=float, default=200.0, help="median response tokens")
     parser.add_argument("--resp-sigma", type=float, default=0.7, help="lognormal σ of responses")
@@ -191,6 +243,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if not cuda:
+        keep_freed_memory()
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cuda else "float32"
 
@@ -205,13 +259,18 @@ def main() -> None:
         f" p90 {lengths[int(len(lengths) * 0.9)]} max {lengths[-1]};"
         f" micro-batch budget {args.max_tokens} tokens"
     )
+    modes = args.modes.split(",")
+    if set(modes) - {"packed", "padded", "proximal"}:
+        parser.error(f"--modes {args.modes!r}: allowed packed, padded, proximal")
     results = {}
-    for mode in args.modes.split(","):
-        results[mode] = run_mode(args, mode == "packed", batches)
-    print(f"params {results[next(iter(results))]['params'] / 1e6:.1f}M")
-    print(
-        f"{'mode':8} {'tokens/s':>10} {'step_s':>8} {'micro':>6} {'padding':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
-    )
+    for mode in modes:
+        if mode != "proximal":
+            results[mode] = run_mode(args, mode == "packed", batches)
+    if results:
+        print(f"params {results[next(iter(results))]['params'] / 1e6:.1f}M")
+        print(
+            f"{'mode':8} {'tokens/s':>10} {'step_s':>8} {'micro':>6} {'padding':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
+        )
     for mode, r in results.items():
         mfu = "n/a" if math.isnan(r["mfu"]) else f"{r['mfu']:.1%}"
         mem = "n/a" if math.isnan(r["peak_mem_gib"]) else f"{r['peak_mem_gib']:.2f}"
@@ -222,6 +281,13 @@ def main() -> None:
     if {"packed", "padded"} <= results.keys():
         ratio = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
         print(f"packed / padded tokens/s: {ratio:.2f}x")
+    if "proximal" in modes:
+        r = run_proximal(args, batches)
+        print(
+            f"packed step time, proximal logprobs from the training forward {r['free_s']:.3f} s"
+            f" | from a separate forward {r['separate_s']:.3f} s (that forward"
+            f" {r['proximal_s']:.3f} s) | separate / free {r['separate_s'] / r['free_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

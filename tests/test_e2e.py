@@ -122,6 +122,29 @@ async def test_ci_recipe_learns_within_the_staleness_bound(tmp_path: Path) -> No
     assert oct((run_dir / "nats.json").stat().st_mode & 0o777) == "0o600"
 
 
+async def test_ppo_minibatches_clip_and_still_learn(tmp_path: Path) -> None:
+    """Four optimizer steps per batch: the later ones see a policy that moved away from the
+    proximal one, so the clip acts; the version still advances once per batch. A small KL
+    penalty to the initial policy rides along (the trainer holds the reference model)."""
+    steps = 16
+    code, out = await run(
+        up_args(tmp_path, "mb4", "trainer.ppo_minibatches=4", "trainer.loss.kl_coef=0.001")
+    )
+    assert code == 0, out
+    metrics = read_jsonl(tmp_path / "mb4" / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["train/optimizer_steps"] == 4 for m in metrics)
+    clip = [m["clip_frac"] for m in metrics]
+    assert sum(c > 0 for c in clip) >= steps // 2, f"the clip hardly acted: {clip}"
+    assert all(0 <= m["clip_frac"] <= 1 for m in metrics)
+    # k3 is never negative; it is 0 only until the first optimizer step moves the policy
+    assert all(m["kl"] >= 0 for m in metrics) and max(m["kl"] for m in metrics) > 0
+    rewards = [m["reward_mean"] for m in metrics]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last >= first + 0.2, f"reward did not rise: {rewards}"
+    check_staleness_and_uniqueness(tmp_path / "mb4", eta=1)
+
+
 async def test_an_attached_rollout_actor_gets_leases_and_is_trained_on(tmp_path: Path) -> None:
     run_dir = tmp_path / "attach"
     up = await asyncio.create_subprocess_exec(
@@ -281,6 +304,7 @@ async def test_two_trainer_ranks_and_weights_through_the_object_store(tmp_path: 
         ("trainer.max_stepz=3", "trainer.max_stepz"),
         ("buffer.batch_size=lots", "buffer.batch_size"),
         ("model.path=./no/such/model", "model.path"),
+        ("rollout.group_size=1", "rollout.group_size"),
     ],
 )
 async def test_a_bad_recipe_fails_before_anything_starts(

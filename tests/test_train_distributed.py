@@ -66,8 +66,10 @@ def one_rank() -> tuple[TrainEngine, list[dict[str, float]]]:
 def test_fsdp_steps_match_one_process(fsdp_run: dict, one_rank: tuple) -> None:
     engine, plain_steps = one_rank
     for fsdp_stats, plain_stats in zip(fsdp_run["stats"], plain_steps, strict=True):
-        for key in ("loss", "pg_loss", "grad_norm", "clip_frac_high", "approx_kl", "lr"):
+        keys = ("loss", "pg_loss", "grad_norm", "clip_frac", "approx_kl", "kl_ref", "lr")
+        for key in keys:
             assert fsdp_stats[key] == pytest.approx(plain_stats[key], rel=1e-5, abs=1e-7), key
+        assert fsdp_stats["optimizer_steps"] == plain_stats["optimizer_steps"] == 2
         assert fsdp_stats["tokens"] == plain_stats["tokens"]
         # Every token was computed once over all ranks: the work was split, not duplicated.
         assert fsdp_stats["input_tokens"] == plain_stats["input_tokens"] == plain_stats["tokens"]

@@ -3,6 +3,7 @@ the weight stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from train_helpers.tiny import (
 )
 
 from asyncrl.train import LossConfig, Sample, TrainConfig, TrainEngine
+from asyncrl.train.packing import split_minibatches
 from asyncrl.train.schedule import lr_at
 
 
@@ -70,15 +72,78 @@ def test_stats_of_a_step() -> None:
     assert stats["loss_tokens"] == sum(s.num_loss_tokens for s in batch)
     assert stats["input_tokens"] == stats["tokens"]  # packing computes no padding
     assert (stats["step"], stats["version"], engine.version) == (1, 1, 1)
-    # Proximal logprobs were recomputed with these very weights: ratio 1, no clipping.
-    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
-    assert stats["clip_frac_low"] == stats["clip_frac_high"] == 0.0
+    assert (stats["minibatches"], stats["optimizer_steps"]) == (1, 1)
+    # One minibatch: the proximal logprobs are the training forward's own, no extra forward.
+    assert "time/proximal_s" not in stats
     # The behaviour logprobs (≈ −4.8) are near the model's (uniform over 128 ≈ −4.85).
     assert 0.5 < stats["behav_imp_weight_mean"] < 2.0
     assert math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
     assert stats["lr"] == pytest.approx(1e-3 / 2)  # first of 2 warmup steps
     padded = TrainEngine(train_config(packing=False)).train_step(batch)
     assert padded["input_tokens"] > padded["tokens"]
+
+
+def _constant_lr(**overrides: object) -> TrainConfig:
+    return train_config(
+        lr=3e-2, warmup_steps=0, lr_schedule="constant", total_steps=None, **overrides
+    )
+
+
+EIGHT = (7, 12, 5, 16, 9, 3, 10, 14)
+
+
+def test_ppo_minibatches_step_against_one_proximal_policy() -> None:
+    """Four optimizer steps per batch, version + 1 once; from the second minibatch on the
+    policy has moved away from the proximal one, so the ratio leaves 1 and the clip acts."""
+    engine = TrainEngine(_constant_lr(ppo_minibatches=4))
+    batch = random_batch(4, EIGHT)
+    stats = engine.train_step(batch)
+    assert (stats["minibatches"], stats["optimizer_steps"]) == (4, 4)
+    assert (stats["step"], stats["version"], engine.version) == (1, 1, 1)
+    assert "time/proximal_s" in stats  # recomputed once, before the first minibatch
+    assert stats["clip_frac"] > 0
+    assert stats["clip_frac"] == pytest.approx(
+        stats["clip_frac_low"] + stats["clip_frac_high"] + stats["clip_frac_dual"]
+    )
+    assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
+    with pytest.raises(ValueError, match="ppo_minibatches=9"):
+        TrainEngine(_constant_lr(ppo_minibatches=9)).train_step(batch)
+
+
+def test_ppo_minibatches_equal_steps_on_each_minibatch_by_hand() -> None:
+    """The minibatch loop is n ordinary steps, each decoupled against the logprobs of the
+    weights *before the first* of them."""
+    batch = random_batch(4, EIGHT)
+    engine = TrainEngine(_constant_lr(ppo_minibatches=4))
+    stats = engine.train_step(batch)
+
+    by_hand = TrainEngine(_constant_lr())
+    proximal = by_hand.compute_logprobs(batch)
+    losses = []
+    for idx in split_minibatches([len(s) for s in batch], 4):
+        part = [dataclasses.replace(batch[i], old_logprobs=proximal[i]) for i in idx]
+        losses.append(by_hand.train_step(part)["loss"])
+    assert stats["loss"] == pytest.approx(sum(losses) / 4, rel=1e-5)
+    expected = full_weights(by_hand)
+    for name, tensor in full_weights(engine).items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_free_proximal_equals_a_separate_proximal_forward(loss_agg: str) -> None:
+    """With one minibatch the training forward's detached logprobs replace the no-grad
+    recompute: same loss, gradient and updated weights, one forward fewer."""
+    batch = random_batch(11)
+    runs = []
+    for separate in (False, True):
+        loss = LossConfig(loss_agg=loss_agg, separate_proximal_forward=separate)  # type: ignore[arg-type]
+        runs.append(_step_and_weights(train_config(loss=loss), batch))
+    (free, free_w), (recomputed, recomputed_w) = runs
+    assert "time/proximal_s" in recomputed and "time/proximal_s" not in free
+    for key in ("loss", "pg_loss", "grad_norm", "ratio_mean", "behav_imp_weight_mean"):
+        assert free[key] == pytest.approx(recomputed[key], rel=1e-6, abs=1e-9), key
+    for name, tensor in recomputed_w.items():
+        torch.testing.assert_close(free_w[name], tensor, rtol=0, atol=1e-7, msg=name)
 
 
 def test_plain_ppo_without_proximal_recompute() -> None:
@@ -88,6 +153,26 @@ def test_plain_ppo_without_proximal_recompute() -> None:
     assert stats["behav_imp_weight_mean"] == 1.0
     assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
     assert "time/proximal_s" not in stats
+
+
+def test_reference_model_is_the_frozen_initial_policy() -> None:
+    engine = TrainEngine(train_config(loss=LossConfig(kl_coef=0.5, kl_type="k3")))
+    assert engine.ref_module is not None
+    assert not any(p.requires_grad for p in engine.ref_module.parameters())
+    batch = random_batch(5)
+    initial = engine.compute_logprobs(batch)
+    stats = engine.train_step(batch)  # no ref_logprobs given: the engine scores them
+    assert "time/ref_s" in stats
+    assert stats["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # still the reference weights
+    current = engine.compute_logprobs(batch)
+    stats = engine.train_step(batch)
+    # k3 by hand over the loss tokens: exp(d) − 1 − d with d = log π_ref − log π.
+    d = torch.cat([(r - c)[s.loss_mask] for r, c, s in zip(initial, current, batch, strict=True)])
+    assert stats["kl_ref"] == pytest.approx(float((torch.expm1(d) - d).mean()), rel=1e-4)
+    assert stats["kl_ref"] > 0
+    for ref, first in zip(engine.compute_ref_logprobs(batch), initial, strict=True):
+        torch.testing.assert_close(ref, first, rtol=0, atol=0)
+    assert TrainEngine(train_config()).ref_module is None  # kl_coef 0: no second model
 
 
 def test_kl_to_reference_logprobs() -> None:

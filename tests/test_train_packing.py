@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from train_helpers.tiny import one_torch_thread, random_batch, tiny_config, train_config
 
 from asyncrl.train import TrainEngine
-from asyncrl.train.packing import build_micro_batch, plan_micro_batches
+from asyncrl.train.packing import build_micro_batch, plan_micro_batches, split_minibatches
 
 
 @pytest.fixture(autouse=True)
@@ -183,3 +183,17 @@ def test_flash_varlen_plumbing(monkeypatch: pytest.MonkeyPatch, params: set[str]
     )
     got = attention._varlen_cuda(q, k, v, cu, 7, 0.3)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_split_minibatches_whole_sequences_even_tokens() -> None:
+    lengths = [7, 12, 5, 16, 9, 3, 10, 14]
+    parts = split_minibatches(lengths, 4)
+    assert sorted(i for p in parts for i in p) == list(range(8))  # each sequence once
+    assert all(p and p == sorted(p) for p in parts)
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= 3  # 76 tokens: 19 each at best
+    assert split_minibatches(lengths, 4) == parts  # deterministic: every rank agrees
+    assert split_minibatches(lengths, 1) == [list(range(8))]
+    assert split_minibatches([4, 4, 4], 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="3 sequences into 4"):
+        split_minibatches([1, 2, 3], 4)

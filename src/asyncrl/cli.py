@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from asyncrl import __version__
+from asyncrl.checks import enforce_recipe
 from asyncrl.config import RecipeError, dump_recipe, load_recipe
 
 
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "check":
             recipe = load_recipe(args.recipe, args.overrides)
+            for warning in enforce_recipe(recipe):
+                print(f"asyncrl: warning: {warning}", file=sys.stderr)
             print(dump_recipe(recipe), end="")
             return 0
         if args.command == "up":

@@ -268,8 +268,35 @@ class LossConfig(_Section):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How token losses become one number."""
     proximal: Literal["recompute", "behaviour"] = "recompute"
-    """Decoupled PPO's proximal policy: recomputed by a forward pass before the update, or
+    """Decoupled PPO's proximal policy: the weights before the update (with one minibatch,
+    the training forward's own logprobs; with several, one forward before the first), or
     approximated by the behaviour logprobs (standard PPO on the sampled tokens)."""
+    norm_len: float | None = Field(None, gt=0)
+    """The constant divisor of ``seq-mean-token-sum-norm`` (Dr.GRPO); None: the generation
+    budget, ``rollout.sampling.max_new_tokens`` (times ``rollout.max_turns`` for
+    ``multi_turn``). Other aggregations ignore it."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the per-token KL penalty to a frozen copy of the initial policy; 0: off
+    (above 0 the trainer holds that second model)."""
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator, with d = log π_ref − log π: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d."""
+
+
+class ShapingConfig(_Section):
+    """Reward shaping in the trainer, before advantages:
+    ``r' = clamp((r + overlong + bias) · scale, −clip, clip)``. Metrics keep the raw reward."""
+
+    scale: float = 1.0
+    """Multiplies the (biased) reward."""
+    bias: float = 0.0
+    """Added before scaling: ``bias = -0.5, scale = 2`` maps {0, 1} to {−1, 1}."""
+    clip: float | None = Field(None, gt=0)
+    """Clamp to [−clip, clip]; None: no clamp."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong penalty: answers longer than the generation budget minus this
+    many tokens lose up to ``overlong_penalty``, linearly; 0: off."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Penalty at the full generation budget."""
 
 
 class TrainerConfig(_Section):
@@ -289,6 +316,12 @@ class TrainerConfig(_Section):
     """Optimizer settings."""
     loss: LossConfig = Field(default_factory=LossConfig)
     """Advantage and loss settings."""
+    shaping: ShapingConfig = Field(default_factory=ShapingConfig)
+    """Reward shaping before advantages."""
+    ppo_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per batch: the batch is split into this many minibatches of whole
+    sequences, all clipped against the policy before the first step. The version still
+    advances once per batch."""
     weights_transport: Literal["dir", "object_store"] = "dir"
     """How new weights reach rollout actors: a shared directory, or the NATS object store
     (works across machines without a shared disk)."""

@@ -12,6 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from asyncrl.checks import enforce_recipe
 from asyncrl.config import Recipe, RecipeError, dump_recipe
 from asyncrl.messages import Metrics
 from asyncrl.runtime.log import configure_logging, get_logger
@@ -153,6 +154,8 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
 def up(
     recipe: Recipe, *, resume: bool = False, overwrite: bool = False, quiet: bool = False
 ) -> int:
+    for warning in enforce_recipe(recipe):  # a recipe that cannot run fails here, first
+        print(f"asyncrl: warning: {warning}", file=sys.stderr, flush=True)
     run_dir = prepare_run_dir(recipe, resume=resume, overwrite=overwrite)
     with open(run_dir / "logs" / "up.log", "a") as up_log:
         configure_logging("INFO", stream=up_log)

@@ -95,12 +95,16 @@ def resume_config() -> TrainConfig:
 
 
 def fsdp_config() -> TrainConfig:
-    """Tied embeddings, gradient checkpointing, dual clip and clip-higher: the parts most
-    likely to behave differently under FSDP."""
+    """Tied embeddings, gradient checkpointing, dual clip, clip-higher, two PPO minibatches
+    and a frozen reference model for the KL penalty: the parts most likely to behave
+    differently under FSDP."""
     from asyncrl.train import LossConfig
 
     return train_config(
         model=tiny_config("qwen2", tie_word_embeddings=True),
         gradient_checkpointing=True,
-        loss=LossConfig(eps_clip_high=0.28, c_clip=3.0, loss_agg="seq-mean-token-mean"),
+        ppo_minibatches=2,
+        loss=LossConfig(
+            eps_clip_high=0.28, c_clip=3.0, loss_agg="seq-mean-token-mean", kl_coef=0.1
+        ),
     )

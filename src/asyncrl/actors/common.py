@@ -163,6 +163,7 @@ def build_train_engine(recipe: Recipe) -> Any:
     """The FSDP train engine; joins the torchrun process group first when there is one."""
     import torch.distributed as dist
 
+    from asyncrl.checks import generation_budget
     from asyncrl.models import resolve_model_path
     from asyncrl.train import LossConfig, TrainConfig, TrainEngine
 
@@ -171,6 +172,11 @@ def build_train_engine(recipe: Recipe) -> Any:
         backend = "nccl" if recipe.trainer.device == "cuda" else "gloo"
         dist.init_process_group(backend)
     t, loss = recipe.trainer, recipe.trainer.loss
+    norm_len = None
+    if loss.loss_agg == "seq-mean-token-sum-norm":
+        # Dr.GRPO divides by a constant, the generation budget: a batch-dependent divisor
+        # (the longest answer) would bring back the length bias the variant removes.
+        norm_len = float(loss.norm_len or generation_budget(recipe))
     config = TrainConfig(
         model=resolve_model_path(recipe.model.path),
         seed=recipe.run.seed,
@@ -185,6 +191,7 @@ def build_train_engine(recipe: Recipe) -> Any:
         lr_schedule=t.optim.schedule,
         total_steps=t.max_steps if t.optim.schedule == "cosine" else None,
         max_grad_norm=t.optim.grad_clip,
+        ppo_minibatches=t.ppo_minibatches,
         loss=LossConfig(
             eps_clip=loss.eps_clip,
             eps_clip_high=loss.eps_clip_high,
@@ -192,6 +199,9 @@ def build_train_engine(recipe: Recipe) -> Any:
             behav_imp_weight_cap=loss.behav_imp_weight_cap,
             importance_sampling_level=loss.importance_sampling_level,
             loss_agg=loss.loss_agg,
+            norm_len=norm_len,
+            kl_coef=loss.kl_coef,
+            kl_type=loss.kl_type,
             recompute_proximal=loss.proximal == "recompute",
         ),
     )

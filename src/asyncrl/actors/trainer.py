@@ -5,8 +5,9 @@ it fetches each batch from the buffer and broadcasts it to the other ranks, whic
 along in :func:`follower_loop`. Torch work runs in a worker thread so that rank 0 keeps
 heartbeating while it trains.
 
-Per step: advantages per group → proximal logprobs (recomputed, or the behaviour
-logprobs, by ``trainer.loss.proximal``) → ``train_step`` → version + 1 → every
+Per step: shaped rewards → advantages per group → ``train_step`` (``ppo_minibatches``
+optimizer steps against the proximal policy of ``trainer.loss.proximal``, with the KL
+penalty to the initial policy when ``trainer.loss.kl_coef`` > 0) → version + 1 → every
 ``update_every`` steps the weights go out (a shared directory or the NATS object store)
 with ``WeightsUpdated`` → a line in ``metrics.jsonl`` and, for every trained sample, a
 record of its staleness in ``trained_samples.jsonl`` → a checkpoint every
@@ -52,16 +53,36 @@ memory before it steps anyway (an actor that died meanwhile never answers)."""
 def build_samples(
     trajectories: list[Trajectory], recipe: Any
 ) -> tuple[list[Any], dict[str, float]]:
-    """Train samples with GRPO advantages from whole groups laid end to end."""
+    """Train samples with group advantages from whole groups laid end to end.
+
+    The rewards are shaped first (``trainer.shaping``), with ``L`` the generated tokens of
+    a sample (its loss-mask sum)::
+
+        r' = clamp((r + overlong(L) + bias) · scale, −clip, clip)
+
+    where ``overlong`` is DAPO's soft penalty over the last ``overlong_buffer`` tokens of
+    the generation budget (0 when the buffer is 0). ``reward_mean`` stays the raw reward.
+    """
     import torch
 
-    from asyncrl.algo import group_advantages
+    from asyncrl.algo import group_advantages, overlong_penalty, shape_rewards
+    from asyncrl.checks import generation_budget
     from asyncrl.train import Sample
 
-    loss_cfg = recipe.trainer.loss
+    loss_cfg, shaping = recipe.trainer.loss, recipe.trainer.shaping
     rewards = torch.tensor([float(t.reward or 0.0) for t in trajectories], dtype=torch.float32)
+    lengths = torch.tensor([int(t.loss_mask.numpy().sum()) for t in trajectories])
+    shaped = rewards
+    if shaping.overlong_buffer > 0:
+        shaped = shaped + overlong_penalty(
+            lengths,
+            max_len=generation_budget(recipe),
+            buffer_len=shaping.overlong_buffer,
+            penalty=shaping.overlong_penalty,
+        )
+    shaped = shape_rewards(shaped, scale=shaping.scale, bias=shaping.bias, clip=shaping.clip)
     adv = group_advantages(
-        rewards,
+        shaped,
         recipe.rollout.group_size,
         std_level=None if loss_cfg.adv_std_level == "none" else loss_cfg.adv_std_level,
         leave_one_out=loss_cfg.leave_one_out,
@@ -79,6 +100,7 @@ def build_samples(
     stats = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "reward_shaped_mean": float(shaped.mean()),
         "adv_abs_mean": float(adv.abs().mean()),
     }
     return samples, stats
@@ -258,6 +280,8 @@ class TrainerActor(Actor):
             "samples_per_s": self._samples_total / elapsed,
             "tokens_per_s": self._tokens_total / elapsed,
             "loss": train_stats.get("loss"),
+            "kl": train_stats.get("kl_ref"),
+            "clip_frac": train_stats.get("clip_frac"),
             "grad_norm": train_stats.get("grad_norm"),
             "lr": train_stats.get("lr"),
             "time_wait_batch_s": t_batch,
@@ -266,7 +290,7 @@ class TrainerActor(Actor):
             **{
                 f"train/{k}": v
                 for k, v in train_stats.items()
-                if k not in ("loss", "grad_norm", "lr")
+                if k not in ("loss", "kl_ref", "clip_frac", "grad_norm", "lr")
             },
             "time": time.time(),
         }

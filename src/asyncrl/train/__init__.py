@@ -4,7 +4,7 @@ Use (every rank of a torchrun job, or one plain process with no process group)::
 
     engine = TrainEngine(TrainConfig(model="path/or/hub-id", lr=1e-6, param_dtype="bfloat16"))
     batch = [Sample(input_ids, loss_mask, behav_logprobs, advantage), ...]  # same on all ranks
-    stats = engine.train_step(batch)            # proximal logprobs recomputed if missing
+    stats = engine.train_step(batch)            # ppo_minibatches optimizer steps, version + 1
     for bucket in engine.iter_weights(256 << 20):   # rank 0: [(hf_name, tensor), ...]
         ...
     engine.export_hf(dir)                       # or: safetensors + config + tokenizer

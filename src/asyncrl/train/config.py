@@ -40,14 +40,25 @@ class LossConfig(BaseModel):
         "None: the longest loss span in the batch",
     )
     kl_coef: float = Field(
-        0.0, ge=0, description="weight of the KL penalty to the reference policy; 0: off"
+        0.0,
+        ge=0,
+        description="weight of the KL penalty to the reference policy; 0: off. Above 0 the "
+        "engine keeps a frozen copy of the initial weights and scores samples that carry no "
+        "ref_logprobs with it",
     )
     kl_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
     recompute_proximal: bool = Field(
         True,
-        description="decoupled PPO: when a sample has no old_logprobs, train_step recomputes "
-        "them with the current weights (one extra forward); False: plain PPO against the "
-        "behaviour logprobs",
+        description="decoupled PPO: when a sample has no old_logprobs, train_step takes them "
+        "from the current weights (with one minibatch, the training forward's own detached "
+        "logprobs; with several, one no-grad forward before the first); False: plain PPO "
+        "against the behaviour logprobs",
+    )
+    separate_proximal_forward: bool = Field(
+        False,
+        description="recompute the proximal logprobs in a no-grad forward even with one "
+        "minibatch, where the training forward gives the same values for free (for checks "
+        "and benchmarks)",
     )
 
 
@@ -120,6 +131,14 @@ class TrainConfig(BaseModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor, as a fraction of lr")
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="clip the global gradient norm to this; None: no clipping"
+    )
+    ppo_minibatches: int = Field(
+        1,
+        ge=1,
+        description="optimizer steps per train_step: the batch is split into this many "
+        "minibatches of whole sequences, each stepped in turn against the same proximal "
+        "policy (PPO epochs of one pass); the version and the lr schedule advance once per "
+        "train_step",
     )
     loss: LossConfig = Field(
         default_factory=lambda: LossConfig.model_validate({}), description="policy-loss settings"

@@ -27,19 +27,22 @@ from asyncrl.train import checkpoint as ckpt
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainConfig
 from asyncrl.train.models import DTYPES, TokenLogprobs, apply_fsdp, load_causal_lm
-from asyncrl.train.packing import MicroBatch, build_micro_batch, plan_micro_batches
-from asyncrl.train.schedule import lr_at
-
-_MEAN_STATS = (
-    "clip_frac_low",
-    "clip_frac_high",
-    "clip_frac_dual",
-    "approx_kl",
-    "ratio_mean",
-    "behav_imp_weight_mean",
-    "behav_masked_frac",
-    "kl_ref",
+from asyncrl.train.packing import (
+    MicroBatch,
+    build_micro_batch,
+    plan_micro_batches,
+    split_minibatches,
 )
+from asyncrl.train.schedule import lr_at
+from asyncrl.train.step_stats import StepTotals
+
+
+def _fill(batch: Batch, field: str, values: list[torch.Tensor]) -> Batch:
+    """``batch`` with ``field`` set to ``values`` on the samples where it is None."""
+    return [
+        s if getattr(s, field) is not None else dataclasses.replace(s, **{field: v})
+        for s, v in zip(batch, values, strict=True)
+    ]
 
 
 class TrainEngine:
@@ -49,9 +52,12 @@ class TrainEngine:
         lm: the transformers model (its parameters are DTensor shards under FSDP); use it
             directly only outside the engine's collectives, e.g. for sampling in one process.
         module: the FSDP root, :class:`~asyncrl.train.models.TokenLogprobs` around ``lm``.
-        step: train steps taken (skipped non-finite steps included).
+        ref_module: the frozen reference policy (initial weights), or None when
+            ``loss.kl_coef`` is 0.
+        step: train steps (batches) taken, skipped non-finite steps included.
         version: policy version of the current weights; starts at 0 and is bumped by every
             ``train_step`` (a skipped step too: the buffer counts batches consumed).
+        skipped_nonfinite: optimizer steps skipped for a non-finite gradient norm.
     """
 
     def __init__(self, config: TrainConfig) -> None:
@@ -82,19 +88,20 @@ class TrainEngine:
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.lm = lm
-        self.module: nn.Module = TokenLogprobs(lm, chunk_tokens=config.lm_head_chunk_tokens)
-        self.module.to(self.device)
-        if self.distributed:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
-            apply_fsdp(
-                self.module,
-                mesh,
-                param_dtype=self.param_dtype,
-                reduce_dtype=DTYPES[config.reduce_dtype],
-                reshard_after_forward=config.reshard_after_forward,
+        self.module: nn.Module = self._wrap(lm)
+        # The reference policy of the KL penalty: the initial weights, frozen, laid out
+        # like the policy (same device, dtype and sharding). A restore never touches it, so
+        # a resumed run keeps penalising the distance to where training began.
+        self.ref_module: nn.Module | None = None
+        if config.loss.kl_coef > 0:
+            ref_lm = load_causal_lm(
+                config.model,
+                attn_implementation=config.attn_implementation,
+                seed=config.seed,
+                gguf_file=config.gguf_file,
             )
+            ref_lm.requires_grad_(False)
+            self.ref_module = self._wrap(ref_lm).eval()
         self.optimizer = torch.optim.AdamW(
             self._param_groups(),
             lr=config.lr,
@@ -105,6 +112,24 @@ class TrainEngine:
         self._tokenizer_looked_up = False
 
     # --- setup ------------------------------------------------------------------------------
+
+    def _wrap(self, lm: nn.Module) -> nn.Module:
+        """``lm`` as a :class:`TokenLogprobs` root on the engine's device, FSDP-sharded
+        when distributed."""
+        module = TokenLogprobs(lm, chunk_tokens=self.config.lm_head_chunk_tokens)
+        module.to(self.device)
+        if self.distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            apply_fsdp(
+                module,
+                mesh,
+                param_dtype=self.param_dtype,
+                reduce_dtype=DTYPES[self.config.reduce_dtype],
+                reshard_after_forward=self.config.reshard_after_forward,
+            )
+        return module
 
     def _pick_device(self, choice: str) -> torch.device:
         if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
@@ -129,16 +154,16 @@ class TrainEngine:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.param_dtype)
 
-    def _reshard(self) -> None:
-        """Frees gathered weights and re-registers the shards. The FSDP root keeps its
-        weights gathered after forward, expecting a backward; after a no-grad forward
-        nothing else would free them, and the module would expose plain full-size views of
-        a buffer that the next collective reuses."""
+    def _reshard(self, root: nn.Module | None = None) -> None:
+        """Frees gathered weights and re-registers the shards of ``root`` (default: the
+        policy). The FSDP root keeps its weights gathered after forward, expecting a
+        backward; after a no-grad forward nothing else would free them, and the module would
+        expose plain full-size views of a buffer that the next collective reuses."""
         if not self.distributed:
             return
         from torch.distributed.fsdp import FSDPModule
 
-        for module in self.module.modules():
+        for module in (root or self.module).modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
 
@@ -167,10 +192,11 @@ class TrainEngine:
             )
             yield mb.to(self.device)
 
-    def _logprobs_BT(self, mb: MicroBatch) -> torch.Tensor:
-        """``[B, T]`` float32 logprobs of the micro-batch's targets, 0 elsewhere."""
+    def _logprobs_BT(self, mb: MicroBatch, module: nn.Module | None = None) -> torch.Tensor:
+        """``[B, T]`` float32 logprobs of the micro-batch's targets under ``module``
+        (default: the policy), 0 elsewhere."""
         with self._autocast():
-            lp_M = self.module(
+            lp_M = (module or self.module)(
                 mb.input_ids,
                 mb.position_ids,
                 mb.attention_mask,
@@ -192,19 +218,30 @@ class TrainEngine:
         These are the proximal logprobs of decoupled PPO. Collective; every rank returns the
         whole batch's logprobs.
         """
+        self.module.eval()
+        return self._score(batch, self.module, all_positions=all_positions)
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, batch: Batch) -> list[torch.Tensor]:
+        """Like :meth:`compute_logprobs`, under the frozen reference weights (the initial
+        ones). Only when ``loss.kl_coef > 0``; collective."""
+        if self.ref_module is None:
+            raise ValueError("no reference model: loss.kl_coef is 0")
+        return self._score(batch, self.ref_module, all_positions=False)
+
+    def _score(self, batch: Batch, module: nn.Module, *, all_positions: bool) -> list[torch.Tensor]:
         if not batch:
             raise ValueError("empty batch")
-        self.module.eval()
         lengths = [len(s) for s in batch]
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
         flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
         for mb in self._micro_batches(batch, all_positions=all_positions):
-            lp_BT = self._logprobs_BT(mb)
+            lp_BT = self._logprobs_BT(mb, module)
             for row, i in enumerate(mb.seq_index):
                 flat[offsets[i] : offsets[i + 1]] = lp_BT[row, : lengths[i]]
-        self._reshard()
+        self._reshard(module)
         if self.distributed:
             # Each sequence was computed on exactly one rank and is 0 on the others.
             dist.all_reduce(flat)
@@ -214,61 +251,142 @@ class TrainEngine:
     # --- training ---------------------------------------------------------------------------
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on the global ``batch``; returns its statistics.
+        """One train step on the global ``batch``: ``ppo_minibatches`` optimizer steps, one
+        per minibatch of whole sequences (:func:`~asyncrl.train.packing.split_minibatches`),
+        then version + 1. Returns its statistics.
 
-        The loss is the :func:`~asyncrl.algo.policy_loss` of the whole batch, whatever the
-        split into ranks and micro-batches: each micro-batch's loss is weighted by its share
-        of the batch's aggregation units. If a sample lacks ``old_logprobs`` and
-        ``loss.recompute_proximal`` is on, they are first computed with the current weights
-        (decoupled PPO); with every sample carrying ``old_logprobs`` the loss is decoupled
-        against ``behav_logprobs``; otherwise it is plain PPO against ``behav_logprobs``.
+        Each minibatch's loss is the :func:`~asyncrl.algo.policy_loss` of that minibatch,
+        whatever its split into ranks and micro-batches: each micro-batch's loss is weighted
+        by its share of the minibatch's aggregation units. ``seq-mean-token-sum-norm``
+        without ``loss.norm_len`` uses the longest loss span of the whole batch. The lr
+        schedule advances once per train step, not per minibatch.
 
-        A step whose gradient norm is not finite changes no weight and is counted in
-        ``skipped_nonfinite``. Collective.
+        The proximal policy of decoupled PPO, when no sample carries ``old_logprobs`` and
+        ``loss.recompute_proximal`` is on, is the current weights: with one minibatch, the
+        training forward's own logprobs, detached (the values a separate no-grad forward
+        would give, without its cost; the ratio is then exactly 1, and the clip can only act
+        from a second optimizer step on); with several minibatches, one no-grad forward over
+        the whole batch before the first, so that each later minibatch measures, and clips,
+        how far the earlier ones moved the policy. Samples that carry ``old_logprobs`` are
+        decoupled against them (all or none; with recompute on, missing ones are filled by
+        a forward); with recompute off and none given, the loss is plain PPO against
+        ``behav_logprobs``. (Under dropout, free proximal logprobs share the training
+        forward's mask.) With ``loss.kl_coef > 0``, samples without ``ref_logprobs`` are
+        first scored by the frozen reference model.
+
+        An optimizer step whose gradient norm is not finite changes no weight and is counted
+        in ``skipped_nonfinite``. Collective.
+
+        Statistics: ``loss``, ``pg_loss`` and ``grad_norm`` are means over the minibatches;
+        clip fractions, ratio, KLs and importance weights are means over the batch's loss
+        tokens; ``optimizer_steps`` counts the steps taken, ``minibatches`` those planned.
         """
         if not batch:
             raise ValueError("empty batch")
         cfg, loss_cfg = self.config, self.config.loss
+        if cfg.ppo_minibatches > len(batch):
+            raise ValueError(
+                f"ppo_minibatches={cfg.ppo_minibatches} exceeds the batch's {len(batch)} sequences"
+            )
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
-        if loss_cfg.recompute_proximal and any(s.old_logprobs is None for s in batch):
-            proximal = self.compute_logprobs(batch)
-            batch = [
-                s if s.old_logprobs is not None else dataclasses.replace(s, old_logprobs=lp)
-                for s, lp in zip(batch, proximal, strict=True)
-            ]
+        missing = [s.old_logprobs is None for s in batch]
+        free_proximal = (
+            loss_cfg.recompute_proximal
+            and all(missing)
+            and cfg.ppo_minibatches == 1
+            and not loss_cfg.separate_proximal_forward
+        )
+        if loss_cfg.recompute_proximal and any(missing) and not free_proximal:
+            batch = _fill(batch, "old_logprobs", self.compute_logprobs(batch))
             stats["time/proximal_s"] = time.perf_counter() - t_start
-        decoupled = all(s.old_logprobs is not None for s in batch)
-        if not decoupled and any(s.old_logprobs is not None for s in batch):
+        given = all(s.old_logprobs is not None for s in batch)
+        if not given and any(s.old_logprobs is not None for s in batch):
             raise ValueError("old_logprobs must be set on all samples or none")
+        mode = "free" if free_proximal else "given" if given else "behaviour"
+        if self.ref_module is not None and any(s.ref_logprobs is None for s in batch):
+            t_ref = time.perf_counter()
+            batch = _fill(batch, "ref_logprobs", self.compute_ref_logprobs(batch))
+            stats["time/ref_s"] = time.perf_counter() - t_ref
+        norm_len = loss_cfg.norm_len or float(max(1, max(s.num_loss_tokens for s in batch)))
+        lr = lr_at(
+            self.step,
+            lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            schedule=cfg.lr_schedule,
+            total_steps=cfg.total_steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
+        self.module.train()
+        totals = StepTotals(device=self.device)
+        grad_norms = []
+        for idx in split_minibatches([len(s) for s in batch], cfg.ppo_minibatches):
+            grad_norm = self._minibatch_step(
+                [batch[i] for i in idx], totals, mode=mode, norm_len=norm_len
+            )
+            grad_norms.append(grad_norm)
+            if not math.isfinite(grad_norm):
+                self.skipped_nonfinite += 1
+        self.step += 1
+        self.version += 1
+        self._sync()
+        t_end = time.perf_counter()
+
+        loss_tokens = sum(s.num_loss_tokens for s in batch)
+        stats.update(totals.reduce(loss_tokens=loss_tokens, minibatches=len(grad_norms)))
+        tokens = sum(len(s) for s in batch)
+        finite_steps = sum(math.isfinite(g) for g in grad_norms)
+        stats.update(
+            {
+                "grad_norm": sum(grad_norms) / len(grad_norms),
+                "lr": lr,
+                "step": float(self.step),
+                "version": float(self.version),
+                "minibatches": float(len(grad_norms)),
+                "optimizer_steps": float(finite_steps),
+                "step_skipped": 0.0 if finite_steps == len(grad_norms) else 1.0,
+                "skipped_nonfinite": float(self.skipped_nonfinite),
+                "sequences": float(len(batch)),
+                "tokens": float(tokens),
+                "loss_tokens": float(loss_tokens),
+                "time/step_s": t_end - t_start,
+                "tokens_per_s": tokens / max(1e-9, t_end - t_start),
+            }
+        )
+        return stats
+
+    def _minibatch_step(
+        self, batch: Batch, totals: StepTotals, *, mode: str, norm_len: float
+    ) -> float:
+        """Forward and backward over the minibatch's micro-batches, then one optimizer step
+        (none if the gradient norm is not finite). ``mode``: where the proximal logprobs
+        come from (``free``: this forward, detached; ``given``: the samples; ``behaviour``:
+        none, plain PPO). Adds to ``totals``; returns the gradient norm."""
+        loss_cfg = self.config.loss
         # Aggregation units per sample, counted on the CPU (no device sync per micro-batch).
         units = [agg_count(s.loss_mask[None], loss_cfg.loss_agg) for s in batch]
         total_units = max(1, sum(units))
-        norm_len = loss_cfg.norm_len or float(max(1, max(s.num_loss_tokens for s in batch)))
-
-        self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         t_fb = time.perf_counter()
-        sums: dict[str, torch.Tensor] = {}
-        stat_max = torch.zeros((), device=self.device)
-        n_micro = 0
-        input_tokens = 0
         for mb in self._micro_batches(batch):
             lp_BT = self._logprobs_BT(mb)
+            behav_BT = mb.behav_logprobs_BT
             # (A dummy micro-batch of an idle rank has no old logprobs; its mask is empty.)
-            old_BT = mb.old_logprobs_BT
-            if not decoupled or old_BT is None:
-                old_BT = mb.behav_logprobs_BT
+            old_BT = mb.old_logprobs_BT if mode == "given" else None
+            if mode == "free":
+                old_BT = lp_BT.detach()
             loss, mb_stats = policy_loss(
                 lp_BT,
-                old_BT,
+                behav_BT if old_BT is None else old_BT,
                 mb.advantages_BT,
                 mb.loss_mask_BT,
                 eps_clip=loss_cfg.eps_clip,
                 eps_clip_high=loss_cfg.eps_clip_high,
                 c_clip=loss_cfg.c_clip,
-                behav_logprobs=mb.behav_logprobs_BT if decoupled else None,
+                behav_logprobs=None if mode == "behaviour" else behav_BT,
                 behav_imp_weight_cap=loss_cfg.behav_imp_weight_cap,
                 importance_sampling_level=loss_cfg.importance_sampling_level,
                 loss_agg=loss_cfg.loss_agg,
@@ -279,76 +397,25 @@ class TrainEngine:
             )
             share = sum(units[i] for i in mb.seq_index) / total_units
             # FSDP averages gradients over ranks; the world-size factor turns that average
-            # back into the sum over the batch's parts.
+            # back into the sum over the minibatch's parts.
             (loss * (share * self.world_size)).backward()
-            n_tok = mb.loss_mask_BT.sum()
-            for key in ("loss", "pg_loss"):
-                value = loss.detach() if key == "loss" else mb_stats[key]
-                sums[key] = sums.get(key, 0.0) + value * share
-            for key in _MEAN_STATS:
-                sums[key] = sums.get(key, 0.0) + mb_stats[key] * n_tok
-            stat_max = torch.maximum(stat_max, mb_stats["behav_imp_weight_max"])
-            n_micro += 1
-            input_tokens += mb.num_input_tokens if mb.seq_index else 0
+            totals.add_micro_batch(
+                loss,
+                mb_stats,
+                share=share,
+                loss_tokens=mb.loss_mask_BT.sum(),
+                input_tokens=mb.num_input_tokens if mb.seq_index else 0,
+            )
         self._sync()
         t_opt = time.perf_counter()
-
         grad_norm = self._clip_grad_norm()
-        finite = math.isfinite(grad_norm)
-        lr = lr_at(
-            self.step,
-            lr=cfg.lr,
-            warmup_steps=cfg.warmup_steps,
-            schedule=cfg.lr_schedule,
-            total_steps=cfg.total_steps,
-            min_lr_ratio=cfg.min_lr_ratio,
-        )
-        if finite:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+        if math.isfinite(grad_norm):
             self.optimizer.step()
-        else:
-            self.skipped_nonfinite += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.version += 1
         self._sync()
-        t_end = time.perf_counter()
-
-        keys = sorted(sums)
-        packed = torch.stack([torch.as_tensor(sums[k], device=self.device).float() for k in keys])
-        counts = torch.tensor([float(n_micro), float(input_tokens)], device=self.device)
-        if self.distributed:
-            dist.all_reduce(packed)
-            dist.all_reduce(counts)
-            dist.all_reduce(stat_max, op=dist.ReduceOp.MAX)
-        reduced = dict(zip(keys, packed.tolist(), strict=True))
-        loss_tokens = sum(s.num_loss_tokens for s in batch)
-        for key in _MEAN_STATS:
-            reduced[key] /= max(1, loss_tokens)
-        tokens = sum(len(s) for s in batch)
-        stats.update(reduced)
-        stats.update(
-            {
-                "behav_imp_weight_max": float(stat_max),
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "step": float(self.step),
-                "version": float(self.version),
-                "step_skipped": 0.0 if finite else 1.0,
-                "skipped_nonfinite": float(self.skipped_nonfinite),
-                "sequences": float(len(batch)),
-                "tokens": float(tokens),
-                "loss_tokens": float(loss_tokens),
-                "input_tokens": float(counts[1]),
-                "micro_batches": float(counts[0]),
-                "time/forward_backward_s": t_opt - t_fb,
-                "time/optimizer_s": t_end - t_opt,
-                "time/step_s": t_end - t_start,
-                "tokens_per_s": tokens / max(1e-9, t_end - t_start),
-            }
-        )
-        return stats
+        totals.forward_backward_s += t_opt - t_fb
+        totals.optimizer_s += time.perf_counter() - t_opt
+        return grad_norm
 
     def _clip_grad_norm(self) -> float:
         """Global gradient norm (all ranks), clipping to ``max_grad_norm`` when set."""

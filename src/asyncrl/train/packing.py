@@ -99,6 +99,23 @@ def plan_micro_batches(
     return [[sorted(b) for b in rank_bins] for rank_bins in _deal(bins, loads, world_size)]
 
 
+def split_minibatches(lengths: Sequence[int], n: int) -> list[list[int]]:
+    """Splits sequences (by index) into ``n`` non-empty minibatches of whole sequences with
+    even token counts: longest first, each into the minibatch with the fewest tokens (ties:
+    the fewest sequences, then the lowest index). Deterministic, so every rank derives the
+    same split; indices within a minibatch keep the batch's order."""
+    if not 1 <= n <= len(lengths):
+        raise ValueError(f"cannot split {len(lengths)} sequences into {n} minibatches")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    heap = [(0, 0, k) for k in range(n)]  # (tokens, sequences, minibatch)
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for i in order:
+        tokens, count, k = heapq.heappop(heap)
+        parts[k].append(i)
+        heapq.heappush(heap, (tokens + lengths[i], count + 1, k))
+    return [sorted(part) for part in parts]
+
+
 @dataclass
 class MicroBatch:
     """Model inputs and loss inputs of one micro-batch.

@@ -1,0 +1,100 @@
+"""Recipe checks across sections: combinations of keys that each validate alone but
+cannot work together (errors) or probably do not do what was meant (warnings).
+
+``asyncrl check`` and ``asyncrl up`` both run them before anything starts. Like
+:mod:`asyncrl.config`, this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from asyncrl.config import Recipe, RecipeError
+
+
+def generation_budget(recipe: Recipe) -> int:
+    """Most tokens an episode can generate: ``max_new_tokens``, per turn for multi_turn."""
+    turns = recipe.rollout.max_turns if recipe.rollout.workflow == "multi_turn" else 1
+    return recipe.rollout.sampling.max_new_tokens * turns
+
+
+def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
+    """Combinations of keys from different sections that cannot work (errors) or that
+    probably do not do what was meant (warnings). Each line names its keys."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    r, t, loss = recipe.rollout, recipe.trainer, recipe.trainer.loss
+    if r.group_size == 1:
+        g1 = "rollout.group_size = 1 with"
+        if loss.adv_std_level == "group":
+            errors.append(
+                f'{g1} trainer.loss.adv_std_level = "group": a one-sample group has no std'
+            )
+        if loss.leave_one_out:
+            errors.append(
+                f"{g1} trainer.loss.leave_one_out = true: RLOO's baseline needs a second "
+                "sample in the group"
+            )
+        if recipe.buffer.dynamic_filter:
+            errors.append(
+                f"{g1} buffer.dynamic_filter = true: a one-sample group always has equal "
+                "rewards, so every group is dropped and no batch ever forms"
+            )
+        if not errors:
+            errors.append(
+                "rollout.group_size = 1: the group-mean baseline makes every advantage 0; "
+                "use at least 2 samples per prompt"
+            )
+    budget = generation_budget(recipe)
+    budget_keys = "rollout.sampling.max_new_tokens" + (
+        " × rollout.max_turns" if r.workflow == "multi_turn" else ""
+    )
+    if loss.norm_len is not None:
+        if loss.loss_agg != "seq-mean-token-sum-norm":
+            warnings.append(
+                f"trainer.loss.norm_len is ignored by trainer.loss.loss_agg = "
+                f'"{loss.loss_agg}" (only seq-mean-token-sum-norm divides by it)'
+            )
+        elif loss.norm_len < budget:
+            errors.append(
+                f"trainer.loss.norm_len = {loss.norm_len:g} is below the generation budget "
+                f"({budget_keys} = {budget} tokens): Dr.GRPO's divisor must "
+                "be a constant no answer exceeds; leave it unset for the budget"
+            )
+    n_seqs = recipe.buffer.batch_size * r.group_size
+    if t.ppo_minibatches > n_seqs:
+        errors.append(
+            f"trainer.ppo_minibatches = {t.ppo_minibatches} exceeds the {n_seqs} sequences of "
+            "a batch (buffer.batch_size × rollout.group_size)"
+        )
+    if t.shaping.overlong_buffer > budget:
+        errors.append(
+            f"trainer.shaping.overlong_buffer = {t.shaping.overlong_buffer} exceeds the "
+            f"generation budget ({budget_keys} = {budget} tokens)"
+        )
+    for key, n, role in (
+        ("rollout.actors", r.actors, "rollout"),
+        ("reward.actors", recipe.reward.actors, "reward"),
+    ):
+        if n == 0:
+            warnings.append(
+                f"{key} = 0: nothing {'generates' if role == 'rollout' else 'scores'} until "
+                f"a {role} actor is attached (asyncrl attach {role} --run <run folder>)"
+            )
+    s = r.sampling
+    if s.top_p < 1 or s.top_k > 0:
+        warnings.append(
+            f"rollout.sampling.top_p = {s.top_p:g} / top_k = {s.top_k}: the behaviour "
+            "logprobs are of the untruncated distribution, not of the truncated one that "
+            "sampled, so the loss's importance weights (decoupled PPO, "
+            "trainer.loss.proximal) are biased"
+        )
+    return errors, warnings
+
+
+def enforce_recipe(recipe: Recipe) -> list[str]:
+    """Raises :class:`RecipeError` listing :func:`recipe_problems`' errors; returns the
+    warnings for the caller to print. ``asyncrl check`` and ``asyncrl up`` both call it
+    before anything starts."""
+    errors, warnings = recipe_problems(recipe)
+    if errors:
+        raise RecipeError("recipe cannot run:\n" + "\n".join(f"  {e}" for e in errors))
+    return warnings

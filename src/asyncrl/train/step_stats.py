@@ -1,0 +1,88 @@
+"""The statistics of one train step: what its micro-batches add up on each rank, reduced
+over ranks once at the end of the step, so that no micro-batch waits for a device sync."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+MEAN_STATS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_frac_dual",
+    "approx_kl",
+    "ratio_mean",
+    "behav_imp_weight_mean",
+    "behav_masked_frac",
+    "kl_ref",
+)
+"""Per-token statistics of :func:`~asyncrl.algo.policy_loss`, averaged over the loss tokens
+of the whole batch (all minibatches)."""
+
+
+@dataclasses.dataclass
+class StepTotals:
+    """Running sums of one train step on this rank."""
+
+    device: torch.device
+    sums: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    stat_max: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
+    micro_batches: int = 0
+    input_tokens: int = 0
+    forward_backward_s: float = 0.0
+    optimizer_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.stat_max = self.stat_max.to(self.device)
+
+    def add_micro_batch(
+        self,
+        loss: torch.Tensor,
+        stats: dict[str, torch.Tensor],
+        *,
+        share: float,
+        loss_tokens: torch.Tensor,
+        input_tokens: int,
+    ) -> None:
+        """One micro-batch: its loss, weighted by ``share`` (its part of the minibatch's
+        loss), and its per-token statistics, weighted by its ``loss_tokens``."""
+        self._add("loss", loss.detach() * share)
+        self._add("pg_loss", stats["pg_loss"] * share)
+        for key in MEAN_STATS:
+            self._add(key, stats[key] * loss_tokens)
+        self.stat_max = torch.maximum(self.stat_max, stats["behav_imp_weight_max"])
+        self.micro_batches += 1
+        self.input_tokens += input_tokens
+
+    def _add(self, key: str, value: torch.Tensor) -> None:
+        self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def reduce(self, *, loss_tokens: int, minibatches: int) -> dict[str, float]:
+        """The step's statistics over all ranks (collective when distributed): ``loss`` and
+        ``pg_loss`` as means over ``minibatches``, :data:`MEAN_STATS` over ``loss_tokens``,
+        their sum of clip fractions as ``clip_frac``, and the micro-batch counts."""
+        keys = sorted(self.sums)
+        packed = torch.stack([self.sums[k].to(self.device).float() for k in keys])
+        counts = torch.tensor(
+            [float(self.micro_batches), float(self.input_tokens)], device=self.device
+        )
+        stat_max = self.stat_max
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(packed)
+            dist.all_reduce(counts)
+            dist.all_reduce(stat_max, op=dist.ReduceOp.MAX)
+        out = dict(zip(keys, packed.tolist(), strict=True))
+        for key in MEAN_STATS:
+            out[key] /= max(1, loss_tokens)
+        for key in ("loss", "pg_loss"):
+            out[key] /= max(1, minibatches)
+        # low (A < 0), high (A > 0) and dual (A < 0, ratio above c_clip) are disjoint
+        out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"] + out["clip_frac_dual"]
+        out["behav_imp_weight_max"] = float(stat_max)
+        out["micro_batches"] = float(counts[0])
+        out["input_tokens"] = float(counts[1])
+        out["time/forward_backward_s"] = self.forward_backward_s
+        out["time/optimizer_s"] = self.optimizer_s
+        return out

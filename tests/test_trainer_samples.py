@@ -1,0 +1,64 @@
+"""The trainer's build_samples: reward shaping (DAPO overlong penalty, affine, clip) before
+group advantages, against hand-computed values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncrl.actors.trainer import build_samples
+from asyncrl.config import load_recipe
+from asyncrl.messages import Array, Trajectory
+
+PROMPT = 2
+
+
+def traj(uid: str, index: int, reward: float, generated: int) -> Trajectory:
+    n = PROMPT + generated
+    mask = np.arange(n) >= PROMPT
+    return Trajectory(
+        uid=f"{uid}/{index}",
+        prompt_uid=uid,
+        group_index=index,
+        group_size=2,
+        input_ids=Array.of(np.arange(n, dtype=np.int64)),
+        loss_mask=Array.of(mask),
+        logprobs=Array.of(np.where(mask, -1.0, 0.0).astype(np.float32)),
+        versions=Array.of(np.where(mask, 0, -1).astype(np.int32)),
+        reward=reward,
+    )
+
+
+BATCH = [traj("a", 0, 1.0, 3), traj("a", 1, 1.0, 9), traj("b", 0, 0.0, 10), traj("b", 1, 0.0, 5)]
+SHAPING = [
+    "rollout.group_size=2",
+    "rollout.sampling.max_new_tokens=10",
+    "trainer.loss.adv_std_level=none",
+    "trainer.shaping.overlong_buffer=4",
+    "trainer.shaping.overlong_penalty=1.0",
+    "trainer.shaping.bias=-0.5",
+    "trainer.shaping.scale=2.0",
+]
+
+
+def advantages(samples: list) -> list[float]:
+    return [float(s.advantages) for s in samples]
+
+
+def test_overlong_penalty_and_affine_shaping_before_advantages() -> None:
+    # Budget 10, buffer 4: free up to 6 tokens, then (6 − L)/4.
+    # r' = (r + overlong + bias)·scale: a: (1+0−.5)·2 = 1, (1−.75−.5)·2 = −.5
+    #                                  b: (0−1−.5)·2 = −3, (0+0−.5)·2 = −1
+    samples, stats = build_samples(BATCH, load_recipe(None, SHAPING))
+    assert advantages(samples) == pytest.approx([0.75, -0.75, -1.0, 1.0])
+    assert stats["reward_mean"] == pytest.approx(0.5)  # the raw reward, for the metrics
+    assert stats["reward_shaped_mean"] == pytest.approx(-0.875)
+    # clip 2: b's −3 becomes −2, its group mean −1.5
+    samples, _ = build_samples(BATCH, load_recipe(None, [*SHAPING, "trainer.shaping.clip=2"]))
+    assert advantages(samples) == pytest.approx([0.75, -0.75, -0.5, 0.5])
+
+
+def test_no_shaping_by_default() -> None:
+    samples, stats = build_samples(BATCH, load_recipe(None, SHAPING[:3]))
+    assert advantages(samples) == pytest.approx([0.0, 0.0, 0.0, 0.0])
+    assert stats["reward_shaped_mean"] == stats["reward_mean"] == pytest.approx(0.5)
