@@ -87,6 +87,13 @@ def test_other_combinations() -> None:
         assert "top_p" in warnings[0] and "untruncated" in warnings[0]
 
 
+def test_colocation_needs_an_engine_that_can_release_its_memory() -> None:
+    errors, _ = problems("rollout.colocate=true", "rollout.engine.type=vllm")
+    assert len(errors) == 1 and "rollout.colocate" in errors[0] and "vllm" in errors[0]
+    for engine in ("hf", "sglang"):
+        assert problems("rollout.colocate=true", f"rollout.engine.type={engine}") == ([], [])
+
+
 def test_check_and_up_refuse_before_anything_starts(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "asyncrl.cli", "check", "--set", "rollout.group_size=1"]
     out = subprocess.run(cmd, capture_output=True, text=True)

@@ -79,6 +79,11 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
                 f"{key} = 0: nothing {'generates' if role == 'rollout' else 'scores'} until "
                 f"a {role} actor is attached (asyncrl attach {role} --run <run folder>)"
             )
+    if r.colocate and r.engine.type == "vllm":
+        errors.append(
+            'rollout.colocate = true with rollout.engine.type = "vllm": the vllm engine '
+            'cannot release its memory for a trainer step; use "sglang" or "hf"'
+        )
     s = r.sampling
     if s.top_p < 1 or s.top_k > 0:
         warnings.append(
