@@ -126,3 +126,115 @@ async def test_reloaded_weights_change_generation_and_reloading_the_old_ones_res
     assert again.output_ids == before.output_ids
     info = await engine._call(engine.servers[0], "/weight_info", method="GET")
     assert info["weight_version"] == str(engine.version)
+
+
+# --- a run: kill -9 of a rollout actor that runs vLLM ---------------------------------------
+
+
+def _proc_fields(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def _live(pids: list[int]) -> list[int]:
+    return [p for p in pids if (f := _proc_fields(p)) is not None and f[0] not in ("Z", "X")]
+
+
+def _all_pids() -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+
+
+def server_groups_of(actor_pid: int) -> list[list[int]]:
+    """The process groups of the server guards the actor started (guard, server, engine
+    core, workers)."""
+    groups = []
+    for pid in _all_pids():
+        f = _proc_fields(pid)
+        if f is None or int(f[1]) != actor_pid:
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"server_guard.py" in cmdline:
+            groups.append([p for p in _all_pids() if (g := _proc_fields(p)) and int(g[2]) == pid])
+    return groups
+
+
+@pytest.mark.timeout(1200)
+async def test_kill_9_of_a_rollout_actor_leaves_no_vllm_and_the_replacement_starts_its_own(
+    tmp_path: Path,
+) -> None:
+    import signal
+    import sys
+
+    from asyncrl.messages import ActorInfo
+    from asyncrl.runtime.bus import Bus
+    from asyncrl.runtime.nats_server import nats_info_for_run
+    from asyncrl.subjects import Subjects
+
+    run_dir = tmp_path / "vkill"
+    sets = [
+        f"run.dir={tmp_path}",
+        "run.name=vkill",
+        f"model.path={MODEL}",
+        "rollout.engine.type=vllm",
+        f"rollout.engine.python={VLLM_PYTHON}",
+        "rollout.engine.cpu_kvcache_gib=1",
+        "rollout.engine.max_model_len=1024",
+        "rollout.lease_ttl=5",
+        "trainer.max_steps=3",
+        "trainer.checkpoint_every=100",
+    ]
+    argv = [sys.executable, "-m", "asyncrl.cli", "up", str(REPO / "recipes" / "ci.toml"), "--quiet"]
+    for s in sets:
+        argv += ["--set", s]
+    up = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, cwd=REPO
+    )
+    try:
+        async with asyncio.timeout(300):
+            while not (run_dir / "nats.json").exists():
+                assert up.returncode is None, "the run ended before it started"
+                await asyncio.sleep(0.2)
+        bus = await Bus.connect(nats_info_for_run(run_dir), name="test")
+        first: asyncio.Future[ActorInfo] = asyncio.get_running_loop().create_future()
+
+        async def on_beat(info: ActorInfo) -> None:
+            if not first.done():
+                first.set_result(info)
+
+        try:
+            await bus.subscribe(Subjects("vkill").heartbeat("rollout"), ActorInfo, on_beat)
+            # heartbeats start once setup is done: the actor's vLLM server is up by then
+            victim = await asyncio.wait_for(first, 600)
+        finally:
+            await bus.close()
+        groups = server_groups_of(victim.pid)
+        assert len(groups) == 1 and len(groups[0]) >= 3, f"no vLLM server group: {groups}"
+        served = groups[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        async with asyncio.timeout(60):
+            while _live(served):  # noqa: ASYNC110 - other processes' lifetimes
+                await asyncio.sleep(0.2)
+        code = await asyncio.wait_for(up.wait(), 900)
+        assert code == 0, (run_dir / "logs" / "up.log").read_text()[-3000:]
+    finally:
+        if up.returncode is None:
+            up.kill()
+            await up.wait()
+    logs = run_dir / "logs"
+    assert (logs / "rollout-0-r1.log").is_file(), "no replacement actor"
+    vllm_logs = sorted(p.name for p in logs.glob("vllm-*.log"))
+    assert len(vllm_logs) == 2, f"the replacement did not start its own server: {vllm_logs}"
+    assert f"vllm-{victim.pid}-0.log" in vllm_logs
+    assert not [p for p in _all_pids() if b"VLLM::" in _cmdline(p)], "vLLM outlived the run"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
