@@ -1,9 +1,14 @@
-"""Generation throughput of the hf engine at several concurrency levels.
+"""Generation throughput of the rollout engines at several concurrency levels, side by side.
 
-    python bench/rollout.py                       # SmolLM2, fp32, concurrency 1 8 32
+    python bench/rollout.py                       # SmolLM2 fp32: hf and vllm at 8 32 128
+    python bench/rollout.py --engines hf          # only the in-process engine
     python bench/rollout.py --device cuda --dtype bfloat16 --concurrency 1 8 32 128
     python bench/rollout.py --baseline            # also HF generate() at the same batch sizes
     python bench/rollout.py --group-size 8        # GRPO-like: 8 requests share each prompt
+
+Engines: ``hf`` (in process, on ``--device``), ``hf-cuda`` (added by default when a CUDA
+device is present) and ``vllm`` (a vLLM server from ``.venv-vllm``: ``make vllm``; on a CPU
+its threads bind as ``--vllm-bind`` says, ``auto`` leaving one core to its front end).
 
 Each level runs ``concurrency`` clients; each client sends ``--rounds`` requests one after
 another (a GSM8K test question in the chat template, sampled at T = 1); with
@@ -48,7 +53,9 @@ async def run_level(
     from asyncrl.engines import GenerateRequest, SamplingParams
 
     sp = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=())
-    engine.stats.decode_batch_sizes.clear()
+    stats = getattr(engine, "stats", None)  # the hf engine counts its batches
+    if stats is not None:
+        stats.decode_batch_sizes.clear()
     tokens = 0
 
     async def client(i: int) -> None:
@@ -63,7 +70,9 @@ async def run_level(
         for i in range(concurrency):
             tg.create_task(client(i))
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    sizes = engine.stats.decode_batch_sizes
+    if stats is None:
+        return tokens, dt, cpu, float("nan")
+    sizes = stats.decode_batch_sizes
     mean_batch = sum(k * v for k, v in sizes.items()) / max(1, sizes.total())
     return tokens, dt, cpu, mean_batch
 
@@ -97,36 +106,49 @@ def run_baseline(
     return (out.shape[1] - width) * len(rows), dt, cpu
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when present)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=1, help="requests per client, in sequence")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per level; the fastest counts")
-    ap.add_argument("--group-size", type=int, default=1, help="clients sharing one prompt")
-    ap.add_argument("--baseline", action="store_true", help="also time HF generate()")
-    args = ap.parse_args()
+def build(kind: str, args: argparse.Namespace) -> tuple[Any, str]:
+    """An unstarted engine of ``kind`` and a line describing where it runs."""
+    import platform
 
     import torch
 
+    if kind == "vllm":
+        from asyncrl.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(
+            args.model,
+            python=args.vllm_python,
+            dtype=args.dtype,
+            cpu_kvcache_gib=args.vllm_kvcache_gib,
+            cpu_threads_bind=args.vllm_bind,
+            max_model_len=2048,
+            log_dir="runs/bench-logs",
+        )
+        return engine, f"vllm server, threads bind {args.vllm_bind} (log runs/bench-logs)"
     from asyncrl.engines.hf import HFEngine
 
-    device = args.device
+    device = "cuda" if kind == "hf-cuda" else args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    hardware = (
-        torch.cuda.get_device_name() if device == "cuda" else f"cpu x{torch.get_num_threads()}"
+    where = (
+        torch.cuda.get_device_name()
+        if device.startswith("cuda")
+        else f"{platform.processor() or 'cpu'} x{torch.get_num_threads()} threads"
     )
     engine = HFEngine(
         args.model, dtype=args.dtype, device=device, max_batch_size=max(args.concurrency)
     )
+    return engine, f"hf on {where}"
+
+
+async def bench_engine(kind: str, args: argparse.Namespace) -> dict[int, float]:
+    """Runs every level on one engine; returns tokens/s per concurrency."""
+    engine, where = build(kind, args)
     t0 = time.perf_counter()
+    results: dict[int, float] = {}
     async with engine:
         print(
-            f"# {args.model} {args.dtype} on {hardware}; loaded in {time.perf_counter() - t0:.1f}s"
+            f"# {kind}: {args.model} {args.dtype}, {where}; up in {time.perf_counter() - t0:.1f}s"
         )
         prompts = chat_prompts(engine.tokenizer, max(args.concurrency) * args.rounds)
         plen = sum(len(p) for p in prompts) / len(prompts)
@@ -147,12 +169,13 @@ async def main() -> None:
                 for _ in range(args.repeats)
             ]
             tokens, dt, cpu, mean_batch = min(runs, key=lambda r: r[1])
+            results[c] = tokens / dt
             print(
                 f"{c:>11} {c * args.rounds:>8} {tokens:>7} {dt:>8.2f} {tokens / dt:>8.1f} "
                 f"{cpu:>7.1f} {mean_batch:>10.1f}",
                 flush=True,
             )
-        if args.baseline:
+        if args.baseline and kind.startswith("hf"):
             for c in args.concurrency:
                 base_runs = [
                     await asyncio.to_thread(run_baseline, engine, prompts, c, args.max_new_tokens)
@@ -164,6 +187,36 @@ async def main() -> None:
                     f"{tokens / dt:.1f} tok/s ({cpu:.1f} cpu s)",
                     flush=True,
                 )
+    return results
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu", help="device of the hf engine: cpu, cuda, auto")
+    ap.add_argument("--engines", nargs="+", default=None, help="hf, hf-cuda, vllm")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1, help="requests per client, in sequence")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per level; the fastest counts")
+    ap.add_argument("--group-size", type=int, default=1, help="clients sharing one prompt")
+    ap.add_argument("--baseline", action="store_true", help="also time HF generate()")
+    ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    ap.add_argument("--vllm-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
+    ap.add_argument("--vllm-kvcache-gib", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+
+    engines = args.engines
+    if engines is None:
+        engines = ["hf", "vllm"] + (["hf-cuda"] if torch.cuda.is_available() else [])
+    table = {kind: await bench_engine(kind, args) for kind in engines}
+    print(f"\n# tokens/s, {args.model} {args.dtype}, {args.max_new_tokens} new tokens per request")
+    print(f"{'concurrency':>11} " + " ".join(f"{k:>9}" for k in engines))
+    for c in args.concurrency:
+        print(f"{c:>11} " + " ".join(f"{table[k].get(c, float('nan')):>9.1f}" for k in engines))
 
 
 if __name__ == "__main__":

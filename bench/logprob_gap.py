@@ -1,0 +1,101 @@
+"""How far the rollout engines' logprobs are from the trainer's recomputation of the same tokens.
+
+    python bench/logprob_gap.py                        # vllm and hf, SmolLM2 fp32, T = 0.7
+    python bench/logprob_gap.py --engines vllm --temperature 1.0 --prompts 64
+
+Each engine samples ``--new`` tokens for ``--prompts`` GSM8K questions (chat template) at
+``--temperature`` (no top-k/top-p cut); the train engine (:class:`asyncrl.train.TrainEngine`,
+fp32, same temperature) then scores prompt + completion in one forward pass. Printed per
+engine: the mean and maximum absolute difference |engine − trainer| over all generated
+tokens, and the mean signed difference. The behaviour/proximal importance ratio of a token
+is exp(trainer − engine), so these bound how far from 1 it drifts on unchanged weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout import chat_prompts
+
+
+def build(kind: str, model: str) -> Any:
+    if kind == "vllm":
+        from asyncrl.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model, max_model_len=2048, log_dir="runs/bench-logs")
+    from asyncrl.engines.hf import HFEngine
+
+    return HFEngine(model, max_batch_size=64)
+
+
+async def generate(kind: str, args: argparse.Namespace) -> list[Any]:
+    from asyncrl.engines import GenerateRequest, SamplingParams
+
+    sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=None)
+    async with build(kind, args.model) as engine:
+        prompts = chat_prompts(engine.tokenizer, args.prompts)
+        return list(
+            await asyncio.gather(
+                *(engine.agenerate(GenerateRequest(input_ids=p, sampling=sp)) for p in prompts)
+            )
+        )
+
+
+def gap(outs: list[Any], trainer: Any) -> tuple[float, float, float, int]:
+    import torch
+
+    from asyncrl.train import Sample
+
+    samples = []
+    for o in outs:
+        ids = torch.tensor(o.input_ids + o.output_ids)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(o.input_ids) :] = True
+        behav = torch.zeros(len(ids))
+        behav[len(o.input_ids) :] = torch.tensor(o.output_logprobs)
+        samples.append(Sample(ids, mask, behav, 0.0))
+    recomputed = trainer.compute_logprobs(samples)
+    diffs = torch.cat(
+        [(s.behav_logprobs - r)[s.loss_mask] for s, r in zip(samples, recomputed, strict=True)]
+    )
+    return (
+        float(diffs.abs().mean()),
+        float(diffs.abs().max()),
+        float(diffs.mean()),
+        int(diffs.numel()),
+    )
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--engines", nargs="+", default=["vllm", "hf"])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64, help="new tokens per prompt (at most)")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    args = ap.parse_args()
+
+    from asyncrl.models import resolve_model_path
+    from asyncrl.train import TrainConfig, TrainEngine
+
+    outputs = {kind: await generate(kind, args) for kind in args.engines}
+    trainer = TrainEngine(
+        TrainConfig(model=resolve_model_path(args.model), temperature=args.temperature)
+    )
+    print(
+        f"# {args.model} fp32, T={args.temperature}, {args.prompts} GSM8K prompts, "
+        f"<= {args.new} new tokens; trainer: TrainEngine.compute_logprobs (fp32)"
+    )
+    print(f"{'engine':>8} {'tokens':>7} {'mean |d|':>10} {'max |d|':>10} {'mean d':>10}")
+    for kind, outs in outputs.items():
+        mean_abs, max_abs, mean, n = gap(outs, trainer)
+        print(f"{kind:>8} {n:>7} {mean_abs:>10.2e} {max_abs:>10.2e} {mean:>10.2e}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
