@@ -66,7 +66,7 @@ class Actor:
         self.subjects = Subjects(ctx.run_name)
         self.recipe = ctx.recipe
         self.log = get_logger(run=ctx.run_name, role=self.role, actor=self.actor_id)
-        self.version = -1
+        self._version = -1
         self.status = "starting"
         self._stop = asyncio.Event()
         self._stop_reason = ""
@@ -76,6 +76,15 @@ class Actor:
     def bus(self) -> Bus:
         assert self._bus is not None, "the bus exists from setup() on"
         return self._bus
+
+    @property
+    def version(self) -> int:
+        """The policy version this actor holds (reported in heartbeats); -1 if none."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = value
 
     # -- for subclasses ---------------------------------------------------------------------
 
@@ -88,6 +97,17 @@ class Actor:
 
     async def teardown(self) -> None:
         """Release resources after the group has stopped (the bus is still connected)."""
+
+    def holding(self) -> list[str] | None:
+        """Prompt uids this actor holds under leases, for its heartbeats (None: it takes
+        no leases). The buffer frees what a live actor no longer reports."""
+        return None
+
+    async def connect_bus(self) -> Bus:
+        """The actor's NATS connection (tests give an actor a bus that loses messages)."""
+        from asyncrl.runtime.bus import Bus
+
+        return await Bus.connect(self.ctx.nats, name=self.actor_id)
 
     def stop(self, reason: str = "") -> None:
         """Asks the actor to stop gracefully (safe from signal handlers and callbacks)."""
@@ -105,6 +125,7 @@ class Actor:
             asyncrl_version=__version__,
             status=self.status,
             time=time.time(),
+            holding=self.holding(),
         )
 
     async def emit_metrics(self, values: dict[str, float | int], step: int = -1) -> None:
@@ -121,15 +142,13 @@ class Actor:
 
     async def main(self) -> int:
         """Runs the actor to its end; returns the process exit code."""
-        from asyncrl.runtime.bus import Bus
-
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
-        self._bus = await Bus.connect(self.ctx.nats, name=self.actor_id)
+        self._bus = await self.connect_bus()
         ok, reason = True, ""
         try:
             async with asyncio.TaskGroup() as tg:
