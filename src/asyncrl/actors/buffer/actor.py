@@ -141,10 +141,10 @@ class BufferActor(Actor):
         return self.leases.grant(req, time.monotonic())
 
     async def on_heartbeat(self, info: ActorInfo) -> None:
-        if info.status != "running":
-            return
+        # what an actor holds is settled only while it runs (not while it starts or stops)
+        holding = info.holding if info.status == "running" else None
         freed = self.leases.reconcile(
-            info.actor_id, info.holding, time.monotonic(), self.admission.reported
+            info.actor_id, holding, time.monotonic(), self.admission.reported
         )
         if freed:
             self.log.info("unheld leases returned", actor=info.actor_id, prompts=len(freed))
