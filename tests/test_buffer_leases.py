@@ -10,6 +10,7 @@ from actor_helpers.buffer_kit import LossyBus, context, recipe, running_buffer
 from test_buffer import lease, make_buffer
 
 from asyncrl.actors.rollout import RolloutActor
+from asyncrl.config import Recipe
 from asyncrl.messages import ActorInfo, EpisodeAborted, Lease, LeaseRequest
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
@@ -59,10 +60,29 @@ def test_a_lease_its_live_actor_does_not_hold_comes_back_after_the_grace(
     assert list(book.leased) == [held]
 
 
-async def rollout_actor(tmp_path: Path, nats: NatsInfo, buf_recipe: object) -> RolloutActor:
+def test_a_delivered_prompt_keeps_its_lease_while_its_scores_are_on_the_way(
+    tmp_path: Path,
+) -> None:
+    buf = make_buffer(tmp_path, "rollout.lease_ttl=10")
+    book = buf.leases
+    got = book.grant(LeaseRequest(actor_id="r0", max_episodes=1), now=0.0)
+    uid = got.prompts[0].uid
+    never = lambda uid: False  # noqa: E731 - the reward actors are behind
+    assert book.reconcile("r0", [], 1.0, never, delivered=[uid]) == []
+    # it falls out of the actor's short list of recent deliveries; the lease stays
+    assert book.reconcile("r0", [], 60.0, never) == []
+    assert list(book.leased) == [uid] and buf.staleness.running == 1
+    # another actor's report about it counts for nothing
+    other = book.grant(LeaseRequest(actor_id="r1", max_episodes=1), now=0.0).prompts[0].uid
+    assert book.reconcile("r0", [], 61.0, never, delivered=[other]) == []
+    assert book.reconcile("r1", [], 62.0, never) == []
+    assert book.reconcile("r1", [], 73.0, never) == [other]
+
+
+async def rollout_actor(tmp_path: Path, nats: NatsInfo, r: Recipe) -> RolloutActor:
     """The real rollout actor's lease and abort code, on a bus that loses messages (no
     engine: these paths do not generate)."""
-    actor = RolloutActor(context(tmp_path, nats, buf_recipe, "r0"))  # type: ignore[arg-type]
+    actor = RolloutActor(context(tmp_path, nats, r, "r0"))
     actor._bus = await LossyBus.connect(nats, name="r0")
     return actor
 
@@ -82,7 +102,7 @@ async def test_lost_lease_reply_and_lost_aborts_leak_nothing(
             assert len(got.prompts) == 3 and actor.counters["lease_timeouts"] == 1
             assert buf.staleness.running == 3, "the retry was granted a second lease"
             assert buf.counters["lease_repeats"] == 1
-            assert actor.holding() == sorted(p.uid for p in got.prompts)
+            assert actor.held == {p.uid for p in got.prompts}
             a, b, c = got.prompts
             lossy.lose_request[s.episode_aborted] = 1  # the abort itself is lost
             await actor._report_abort(a, got.lease_id, "test")
@@ -91,7 +111,7 @@ async def test_lost_lease_reply_and_lost_aborts_leak_nothing(
             await actor._report_abort(c, got.lease_id, "test")
             assert actor.counters["abort_timeouts"] == 2
             assert buf.staleness.running == 0 and not buf.leases.leased
-            assert buf.counters["aborted"] == 3 and actor.holding() == []
+            assert buf.counters["aborted"] == 3 and not actor.held
         finally:
             await lossy.close()
 
@@ -130,8 +150,9 @@ async def test_heartbeats_list_what_the_rollout_actor_holds(
     r = recipe()
     actor = RolloutActor(context(tmp_path, nats_server, r, "r0"))
     actor.held.update({"e0-3", "e0-1"})
+    actor.delivered.append("e0-2")
     seen: asyncio.Queue[ActorInfo] = asyncio.Queue(maxsize=1)
     await bus.subscribe(actor.subjects.heartbeat("rollout"), ActorInfo, seen.put)
     await bus.publish(actor.subjects.heartbeat("rollout"), actor.info())
     info = await asyncio.wait_for(seen.get(), 10)
-    assert info.holding == ["e0-1", "e0-3"]
+    assert info.holding == ["e0-1", "e0-3"] and info.delivered == ["e0-2"]

@@ -110,6 +110,11 @@ class ActorInfo(Message):
         description="prompt uids whose episodes the actor runs now (rollout actors); None: "
         "the actor holds no leases",
     )
+    delivered: list[str] = Field(
+        default_factory=list,
+        description="prompt uids whose trajectories the actor recently put on the stream: "
+        "their scores are on the way, so the buffer keeps their leases",
+    )
 
 
 class Control(Message):

@@ -21,7 +21,7 @@ import asyncio
 import tempfile
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,9 @@ class RolloutActor(Actor):
         self._t0 = time.monotonic()
         self.held: set[str] = set()
         """Prompt uids leased to this actor whose episodes are not finished (heartbeats)."""
+        # Several heartbeats name each delivered prompt while at most this many episodes
+        # end between two of them; the buffer needs to see it only once.
+        self.delivered: deque[str] = deque(maxlen=4 * self.recipe.rollout.max_concurrent)
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
@@ -126,8 +129,8 @@ class RolloutActor(Actor):
 
     # -- leases and episodes -----------------------------------------------------------------
 
-    def holding(self) -> list[str]:
-        return sorted(self.held)
+    def lease_report(self) -> dict[str, list[str]]:
+        return {"holding": sorted(self.held), "delivered": list(self.delivered)}
 
     async def _ask_for_lease(self, n: int) -> Lease:
         """Asks the buffer for up to ``n`` episodes until it answers. Every repeat carries
@@ -219,6 +222,7 @@ class RolloutActor(Actor):
         prompt, lease_id = result.tag
         if result.ok and result.value:
             self.held.discard(prompt.uid)
+            self.delivered.append(prompt.uid)
             self.counters["episodes"] += 1
             self.counters["samples"] += len(result.value)
             self.counters["tokens"] += sum(int(t.loss_mask.numpy().sum()) for t in result.value)

@@ -98,16 +98,11 @@ class Actor:
     async def teardown(self) -> None:
         """Release resources after the group has stopped (the bus is still connected)."""
 
-    def holding(self) -> list[str] | None:
-        """Prompt uids this actor holds under leases, for its heartbeats (None: it takes
-        no leases). The buffer frees what a live actor no longer reports."""
-        return None
-
-    async def connect_bus(self) -> Bus:
-        """The actor's NATS connection (tests give an actor a bus that loses messages)."""
-        from asyncrl.runtime.bus import Bus
-
-        return await Bus.connect(self.ctx.nats, name=self.actor_id)
+    def lease_report(self) -> dict[str, list[str]]:
+        """For heartbeats of actors that take leases: ``holding`` (prompt uids being run)
+        and ``delivered`` (recently finished) fields of :class:`ActorInfo`. The buffer
+        frees what a live actor reports in neither."""
+        return {}
 
     def stop(self, reason: str = "") -> None:
         """Asks the actor to stop gracefully (safe from signal handlers and callbacks)."""
@@ -125,7 +120,7 @@ class Actor:
             asyncrl_version=__version__,
             status=self.status,
             time=time.time(),
-            holding=self.holding(),
+            **self.lease_report(),
         )
 
     async def emit_metrics(self, values: dict[str, float | int], step: int = -1) -> None:
@@ -142,13 +137,15 @@ class Actor:
 
     async def main(self) -> int:
         """Runs the actor to its end; returns the process exit code."""
+        from asyncrl.runtime.bus import Bus
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
-        self._bus = await self.connect_bus()
+        self._bus = await Bus.connect(self.ctx.nats, name=self.actor_id)
         ok, reason = True, ""
         try:
             async with asyncio.TaskGroup() as tg:

@@ -144,7 +144,7 @@ class BufferActor(Actor):
         # what an actor holds is settled only while it runs (not while it starts or stops)
         holding = info.holding if info.status == "running" else None
         freed = self.leases.reconcile(
-            info.actor_id, holding, time.monotonic(), self.admission.reported
+            info.actor_id, holding, time.monotonic(), self.admission.reported, info.delivered
         )
         if freed:
             self.log.info("unheld leases returned", actor=info.actor_id, prompts=len(freed))

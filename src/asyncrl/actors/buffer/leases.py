@@ -5,14 +5,15 @@ again after a timeout, so a reply lost in transit yields the same lease, never a
 one (which would hold budget that nobody runs). A leased prompt comes back to the pool
 when its episode is aborted (the abort names the lease, so a late repeat cannot return a
 newer lease of the same prompt), when its actor exits or stops heartbeating for
-``ttl`` seconds, or when its live actor's heartbeats stop listing it for ``ttl`` seconds
-while no scored sample of it has arrived (a lost abort, a lost lease reply).
+``ttl`` seconds, or when its live actor's heartbeats list it neither as held nor as
+delivered (trajectories on the stream) for ``ttl`` seconds while no scored sample of it
+has arrived (a lost abort, a lost lease reply).
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,8 @@ class Leased:
     lease_id: str
     missing_since: float | None = None
     """When the actor's heartbeats first stopped listing this prompt (None: listed)."""
+    delivered: bool = False
+    """The actor said its trajectories are on the stream: only their scores are awaited."""
 
 
 class LeaseBook:
@@ -156,19 +159,25 @@ class LeaseBook:
         holding: list[str] | None,
         now: float,
         reported: Callable[[str], bool],
+        delivered: Iterable[str] = (),
     ) -> list[str]:
         """A heartbeat: ``holding`` lists the prompts the actor runs (None: it does not
-        say). A prompt leased to it that is neither held nor ``reported`` (a scored sample
-        of it arrived) for longer than ``ttl`` is returned. Returns those prompts."""
+        say), ``delivered`` those whose trajectories it put on the stream. A prompt leased
+        to it that is neither held, nor delivered, nor ``reported`` (a scored sample of it
+        arrived) for longer than ``ttl`` is returned. Returns those prompts."""
         self.last_seen[actor_id] = now
         if holding is None:
             return []
         held = set(holding)
+        for uid in delivered:
+            entry = self.leased.get(uid)
+            if entry is not None and entry.actor_id == actor_id:
+                entry.delivered = True
         freed = []
         for uid, entry in list(self.leased.items()):
             if entry.actor_id != actor_id:
                 continue
-            if uid in held or reported(uid):
+            if uid in held or entry.delivered or reported(uid):
                 entry.missing_since = None
             elif entry.missing_since is None:
                 entry.missing_since = now
