@@ -293,7 +293,8 @@ class TrainBatchRef(Message):
 
 
 class BatchRequest(Message):
-    """The trainer asks for the next batch; the buffer replies with TrainBatchRef or Ack."""
+    """The trainer asks for the batch of ``step``; the buffer replies with a TrainBatchRef
+    (its ``waiting`` set while the batch is not ready)."""
 
     KIND: ClassVar[str] = "batch_request"
     step: int
