@@ -56,21 +56,23 @@ async def test_lease_respects_capacity_and_groups_are_admitted_whole(tmp_path: P
     assert len((await lease(buf, 5)).prompts) == 0
     uid = got.prompts[0].uid
     await buf.on_scored(sample(uid, 0, 0, 1.0))
-    assert not buf.ready and buf.sm.running == 4
+    assert not buf.admission.ready and buf.staleness.running == 4
     await buf.on_scored(sample(uid, 0, 0, 1.0))  # a duplicate delivery
     assert buf.counters["duplicates"] == 1
     await buf.on_scored(sample(uid, 1, 0, 0.0))
-    assert len(buf.ready) == 1 and buf.sm.accepted == 1 and buf.sm.running == 3
+    assert (
+        len(buf.admission.ready) == 1 and buf.staleness.accepted == 1 and buf.staleness.running == 3
+    )
 
 
 async def test_stale_groups_are_rejected_and_give_their_budget_back(tmp_path: Path) -> None:
     buf = make_buffer(tmp_path)
     got = await lease(buf, 4)
-    buf.sm.set_version(2)
+    buf.staleness.set_version(2)
     uid = got.prompts[0].uid
     await buf.on_scored(sample(uid, 0, 0, 1.0))
     await buf.on_scored(sample(uid, 1, 1, 1.0))  # oldest token: version 0, 2 − 0 > η
-    assert not buf.ready and buf.sm.rejected == 1 and buf.sm.accepted == 0
+    assert not buf.admission.ready and buf.staleness.rejected == 1 and buf.staleness.accepted == 0
 
 
 async def test_dynamic_filter_drops_groups_without_signal(tmp_path: Path) -> None:
@@ -81,17 +83,17 @@ async def test_dynamic_filter_drops_groups_without_signal(tmp_path: Path) -> Non
         await buf.on_scored(sample(a, i, 0, 1.0))
     await buf.on_scored(sample(b, 0, 0, 1.0))
     await buf.on_scored(sample(b, 1, 0, 0.0))
-    assert [g[0].prompt_uid for g in buf.ready] == [b]
-    assert buf.counters["filtered_groups"] == 1 and buf.sm.accepted == 1
+    assert [g[0].prompt_uid for g in buf.admission.ready] == [b]
+    assert buf.counters["filtered_groups"] == 1 and buf.staleness.accepted == 1
 
 
 async def test_an_exited_actor_returns_its_prompts_first_in_line(tmp_path: Path) -> None:
     buf = make_buffer(tmp_path)
     held = [p.uid for p in (await lease(buf, 2, actor="dead")).prompts]
     await buf.on_exit(ActorExit(role="rollout", actor_id="dead", ok=False))
-    assert buf.sm.running == 0 and not buf.leased
+    assert buf.staleness.running == 0 and not buf.leases.leased
     again = [p.uid for p in (await lease(buf, 2, actor="alive")).prompts]
     assert sorted(again) == sorted(held)
-    buf.events.close()
+    buf.journal.close()
     log = (tmp_path / "buffer_events.jsonl").read_text()
     assert log.count('"event": "return"') == 2

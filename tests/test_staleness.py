@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.runtime.staleness import StalenessManager
+from asyncrl.runtime.staleness import StalenessManager, versions_ahead
 
 
 def test_capacity_formula_by_hand() -> None:
@@ -64,3 +64,37 @@ def test_restore_sets_accepted_to_v_times_b() -> None:
     sm.restore(version=3)
     assert (sm.version, sm.accepted, sm.running) == (3, 24, 0)
     assert sm.capacity() == (2 + 3 + 1) * 8 - 24
+
+
+def test_versions_ahead_by_hand() -> None:
+    # k·(⌊η/k⌋ + 1)
+    assert versions_ahead(1, 1) == 2  # AReaL's η + 1
+    assert versions_ahead(0, 1) == 1
+    assert versions_ahead(1, 3) == 3  # 3·(0 + 1)
+    assert versions_ahead(2, 2) == 4  # 2·(1 + 1)
+    assert versions_ahead(5, 2) == 6  # 2·(2 + 1)
+
+
+def test_update_every_beyond_eta_plus_one_still_feeds_every_step() -> None:
+    """k = 3, η = 1, B = 2: the trainer takes 3 batches from weights v = 0 before it
+    publishes v = 3. Judged against the published version, every one of them is fresh
+    and the budget lets all of them start."""
+    sm = StalenessManager(
+        batch_size=2, max_concurrent=100, max_head_offpolicyness=1, update_every=3
+    )
+    assert sm.capacity() == (0 + 3) * 2
+    sm.on_start(6)
+    assert all(sm.on_scored(head_version=0) for _ in range(6))
+    assert sm.capacity() == 0
+    sm.set_version(3)  # published after the trainer's third step
+    assert not sm.admissible(0)  # 3 − 0 > η
+    assert sm.admissible(2)
+    # min(100, (3 + 3)·2 − 6) = 6: the next three steps can be fed
+    assert sm.capacity() == 6
+
+
+def test_an_older_version_never_moves_the_manager_back() -> None:
+    sm = StalenessManager(batch_size=2, max_concurrent=8, max_head_offpolicyness=1)
+    sm.set_version(4)
+    sm.set_version(2)  # a late WeightsUpdated
+    assert sm.version == 4

@@ -105,6 +105,16 @@ class ActorInfo(Message):
     asyncrl_version: str = ""
     status: str = "running"
     time: float = 0.0
+    holding: list[str] | None = Field(
+        default=None,
+        description="prompt uids whose episodes the actor runs now (rollout actors); None: "
+        "the actor holds no leases",
+    )
+    delivered: list[str] = Field(
+        default_factory=list,
+        description="prompt uids whose trajectories the actor recently put on the stream: "
+        "their scores are on the way, so the buffer keeps their leases",
+    )
 
 
 class Control(Message):
@@ -162,6 +172,11 @@ class LeaseRequest(Message):
     KIND: ClassVar[str] = "lease_request"
     actor_id: str
     max_episodes: int = Field(ge=1)
+    request_id: str = Field(
+        default="",
+        description="the same id on a retry after a timeout gets the same lease, never a "
+        "second one",
+    )
 
 
 class Lease(Message):
@@ -178,12 +193,15 @@ class Lease(Message):
 
 
 class EpisodeAborted(Message):
-    """A leased episode that produced nothing (workflow returned None or failed)."""
+    """A leased episode that produced nothing (workflow returned None or failed). A
+    request: the buffer answers :class:`Ack`, and the actor repeats it until it does (a
+    repeat is harmless: only the lease it names is returned, once)."""
 
     KIND: ClassVar[str] = "episode_aborted"
     actor_id: str
     prompt_uid: str
     reason: str = ""
+    lease_id: str = Field(default="", description="the lease the episode ran under")
 
 
 class Trajectory(Message):
@@ -236,16 +254,38 @@ class Trajectory(Message):
         return int(gen.min()) if gen.size else -1
 
 
+class BatchWaiting(BaseModel):
+    """What a batch request is waiting for: the buffer's answer when a batch is not ready."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ready_groups: int
+    batch_size: int
+    rejected_stale: int = Field(description="groups rejected as stale so far in the run")
+    rejected_invalid: int = Field(description="trajectories refused as invalid so far")
+    running: int = Field(description="episodes leased and not yet scored")
+    version: int = Field(description="the buffer's (published) version")
+
+    def describe(self) -> str:
+        return (
+            f"{self.ready_groups}/{self.batch_size} groups ready, {self.running} running, "
+            f"{self.rejected_stale} rejected as stale, {self.rejected_invalid} invalid "
+            f"(buffer version {self.version})"
+        )
+
+
 class TrainBatchRef(Message):
     """A batch of whole groups for one trainer step: the trajectories inline, or, when
-    they would not fit in one message, an object-store key (``blob_key``) holding an
-    encoded :class:`TrainBatchRef` with them inline."""
+    they would not fit in one message, an object-store key (``blob_key``, in the run's
+    batch bucket) holding an encoded :class:`TrainBatchRef` with them inline. With
+    ``waiting`` set there is no batch yet: it says what the buffer is waiting for."""
 
     KIND: ClassVar[str] = "train_batch"
     step: int
     version: int
     trajectories: list[Trajectory] = Field(default_factory=list)
     blob_key: str = ""
+    waiting: BatchWaiting | None = None
     data_state: dict[str, Any] = Field(
         default_factory=dict, description="the buffer's dataset position, for resume"
     )
@@ -253,11 +293,17 @@ class TrainBatchRef(Message):
 
 
 class BatchRequest(Message):
-    """The trainer asks for the next batch; the buffer replies with TrainBatchRef or Ack."""
+    """The trainer asks for the batch of ``step``; the buffer replies with a TrainBatchRef
+    (its ``waiting`` set while the batch is not ready)."""
 
     KIND: ClassVar[str] = "batch_request"
     step: int
-    version: int
+    version: int = Field(description="the trainer's version (steps done)")
+    published_version: int = Field(
+        default=-1,
+        description="the newest version the trainer published (what rollouts can have); "
+        "-1: the same as ``version``",
+    )
 
 
 class WeightsQuery(Message):

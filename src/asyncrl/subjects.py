@@ -56,6 +56,7 @@ class Subjects:
 
     @property
     def episode_aborted(self) -> str:
+        """Request/reply: EpisodeAborted -> Ack."""
         return f"{self.prefix}.buffer.aborted"
 
     @property
@@ -102,3 +103,9 @@ class Subjects:
     def weights_bucket(self) -> str:
         """Object-store bucket for weights shipped over NATS."""
         return f"asyncrl_{run_token(self.run)}_weights"
+
+    @property
+    def batch_bucket(self) -> str:
+        """Object-store bucket for training batches too large for one message; the
+        trainer deletes each blob once it has decoded the batch."""
+        return f"asyncrl_{run_token(self.run)}_batches"

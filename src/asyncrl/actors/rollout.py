@@ -4,10 +4,12 @@ Three loops share one TaskGroup:
 
 - **leases**: while the runner has free slots, ask the buffer for that many episodes;
   an empty lease means the staleness budget is spent, so wait for new weights (or the
-  buffer's retry hint) before asking again;
+  buffer's retry hint) before asking again. A request that times out is repeated with
+  its request id, so a lost reply yields the same lease, never a second one. Heartbeats
+  list the prompts the actor holds: the buffer frees a lease the actor does not know of;
 - **results**: every finished episode's trajectories go onto the JetStream stream with
   idempotent ids; an episode that failed or produced nothing is reported to the buffer
-  so its prompt returns to the pool;
+  (repeated until the buffer acknowledges it) so its prompt returns to the pool;
 - **weights**: on ``WeightsUpdated`` the engine pauses (in-flight sequences stop between
   decode steps), loads the new weights, takes the new version and resumes; tokens carry
   the version that produced them.
@@ -18,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
-from collections import Counter
+import uuid
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.weights import get_weights
 from asyncrl.messages import (
+    Ack,
     EpisodeAborted,
     Lease,
     LeaseRequest,
@@ -39,7 +43,11 @@ from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.runner import AsyncTaskRunner, TaskResult
 
 LEASE_TIMEOUT = 5.0
-"""Seconds to wait for the buffer's answer to a lease request before asking again."""
+"""Seconds to wait for the buffer's answer to a lease request (or an abort report)
+before asking again."""
+
+RETRY_PAUSE = 0.5
+"""Seconds between a request to the buffer that timed out and its repeat."""
 
 
 class EpisodeProducedNothing(RuntimeError):
@@ -60,6 +68,11 @@ class RolloutActor(Actor):
         self._version_changed = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._t0 = time.monotonic()
+        self.held: set[str] = set()
+        """Prompt uids leased to this actor whose episodes are not finished (heartbeats)."""
+        # Several heartbeats name each delivered prompt while at most this many episodes
+        # end between two of them; the buffer needs to see it only once.
+        self.delivered: deque[str] = deque(maxlen=4 * self.recipe.rollout.max_concurrent)
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
@@ -116,6 +129,44 @@ class RolloutActor(Actor):
 
     # -- leases and episodes -----------------------------------------------------------------
 
+    def lease_report(self) -> dict[str, list[str]]:
+        return {"holding": sorted(self.held), "delivered": list(self.delivered)}
+
+    async def _ask_for_lease(self, n: int) -> Lease:
+        """Asks the buffer for up to ``n`` episodes until it answers. Every repeat carries
+        the first request's id: if the buffer granted a lease whose reply was lost, the
+        repeat gets that lease again instead of a second one."""
+        req = LeaseRequest(actor_id=self.actor_id, max_episodes=n, request_id=uuid.uuid4().hex)
+        while True:
+            try:
+                lease = await self.bus.request(
+                    self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT
+                )
+            except BusTimeout:
+                self.counters["lease_timeouts"] += 1
+                await asyncio.sleep(RETRY_PAUSE)
+                continue
+            self.held.update(p.uid for p in lease.prompts)
+            return lease
+
+    async def _report_abort(self, prompt: Prompt, lease_id: str, reason: str) -> None:
+        """Tells the buffer an episode produced nothing, until it acknowledges (a repeat
+        is harmless: the buffer returns only the named lease, once)."""
+        msg = EpisodeAborted(
+            actor_id=self.actor_id, prompt_uid=prompt.uid, reason=reason, lease_id=lease_id
+        )
+        while True:
+            try:
+                await self.bus.request(
+                    self.subjects.episode_aborted, msg, Ack, timeout=LEASE_TIMEOUT
+                )
+            except BusTimeout:
+                self.counters["abort_timeouts"] += 1
+                await asyncio.sleep(RETRY_PAUSE)
+                continue
+            self.held.discard(prompt.uid)
+            return
+
     async def _lease_loop(self, runner: AsyncTaskRunner[list[Trajectory]]) -> None:
         while True:
             free = runner.max_concurrent - runner.running - runner.queued
@@ -123,20 +174,14 @@ class RolloutActor(Actor):
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            req = LeaseRequest(actor_id=self.actor_id, max_episodes=free)
-            try:
-                lease = await self.bus.request(
-                    self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT
-                )
-            except BusTimeout:
-                self.counters["lease_timeouts"] += 1
-                await asyncio.sleep(0.5)
-                continue
+            lease = await self._ask_for_lease(free)
             if lease.version > self._known_version() + self.recipe.buffer.max_head_offpolicyness:
                 # the run is ahead of our weights (a missed broadcast, a resume): ask for them
                 await self._query_weights()
             for prompt in lease.prompts:
-                await runner.submit(self._episode, prompt, lease.lease_id, tag=prompt)
+                await runner.submit(
+                    self._episode, prompt, lease.lease_id, tag=(prompt, lease.lease_id)
+                )
             self.counters["leased"] += len(lease.prompts)
             if not lease.prompts:
                 self._version_changed.clear()
@@ -174,8 +219,10 @@ class RolloutActor(Actor):
             await self._account(result)
 
     async def _account(self, result: TaskResult[list[Trajectory]]) -> None:
-        prompt: Prompt = result.tag
+        prompt, lease_id = result.tag
         if result.ok and result.value:
+            self.held.discard(prompt.uid)
+            self.delivered.append(prompt.uid)
             self.counters["episodes"] += 1
             self.counters["samples"] += len(result.value)
             self.counters["tokens"] += sum(int(t.loss_mask.numpy().sum()) for t in result.value)
@@ -183,10 +230,7 @@ class RolloutActor(Actor):
         self.counters["failed_episodes"] += 1
         reason = f"{type(result.error).__name__}: {result.error}"
         self.log.warning("episode failed", prompt=prompt.uid, error=reason)
-        await self.bus.publish(
-            self.subjects.episode_aborted,
-            EpisodeAborted(actor_id=self.actor_id, prompt_uid=prompt.uid, reason=reason),
-        )
+        await self._report_abort(prompt, lease_id, reason)
 
     # -- weights --------------------------------------------------------------------------------
 

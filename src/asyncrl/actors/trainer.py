@@ -45,6 +45,9 @@ from asyncrl.runtime.bus import BusTimeout, RemoteError
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
 
+BATCH_WAIT_LOG_EVERY = 30.0
+"""Seconds between two log lines that say what a batch request waits for."""
+
 RELEASE_TIMEOUT = 60.0
 """Seconds a colocated trainer waits for the rollout actors it knows to release their
 memory before it steps anyway (an actor that died meanwhile never answers)."""
@@ -114,6 +117,7 @@ class TrainerActor(Actor):
         self.engine: Any = None
         self.step = 0
         self.version = 0
+        self.published_version = 0  # rollouts start from the initial weights, version 0
         self.data_state: dict[str, Any] = {}
         self.metrics_file = ctx.run_dir / "metrics.jsonl"
         self.samples_file = ctx.run_dir / "trained_samples.jsonl"
@@ -216,21 +220,37 @@ class TrainerActor(Actor):
         return float(sum(m.freed_bytes for m in self._released.values()))
 
     async def _fetch_batch(self, step: int) -> TrainBatchRef:
-        req = BatchRequest(step=step, version=self.version)
+        """Asks the buffer until it has the batch, and logs (rate-limited) what it waits
+        for. The request names the published version too: the buffer judges staleness
+        against the weights rollouts can have, not against steps whose weights were never
+        sent (``update_every`` > 1)."""
+        req = BatchRequest(
+            step=step, version=self.version, published_version=self.published_version
+        )
+        last_log = -BATCH_WAIT_LOG_EVERY
         while True:
             try:
                 reply = await self.bus.request(
                     self.subjects.batch, req, TrainBatchRef, timeout=BATCH_REQUEST_TIMEOUT
                 )
-            except (BusTimeout, RemoteError):
-                continue  # no buffer yet, or not enough groups yet: ask again
-            if reply.blob_key:
-                import io
-
-                buf = io.BytesIO()
-                await self.bus.get_blob(self.subjects.weights_bucket, reply.blob_key, buf)
-                reply = decode(buf.getvalue(), TrainBatchRef)
+            except (BusTimeout, RemoteError) as exc:
+                detail = str(exc)  # no buffer yet, or it failed: ask again
+            else:
+                if reply.waiting is None:
+                    break
+                detail = reply.waiting.describe()
+            if time.monotonic() - last_log >= BATCH_WAIT_LOG_EVERY:
+                last_log = time.monotonic()
+                self.log.info("waiting for a batch", step=step, detail=detail)
+        if not reply.blob_key:
             return reply
+        import io
+
+        buf = io.BytesIO()
+        await self.bus.get_blob(self.subjects.batch_bucket, reply.blob_key, buf)
+        # the batch is in hand: its blob would only pile up (a repeated request puts it back)
+        await self.bus.delete_blob(self.subjects.batch_bucket, reply.blob_key)
+        return decode(buf.getvalue(), TrainBatchRef)
 
     def _record(
         self,
@@ -314,6 +334,7 @@ class TrainerActor(Actor):
             self.subjects.weights,
             WeightsUpdated(version=self.version, kind=kind, location=location, step=self.step),
         )
+        self.published_version = self.version
         for old in sorted(self.weights_dir.glob("v*"))[:-KEEP_VERSIONS]:
             shutil.rmtree(old, ignore_errors=True)
 

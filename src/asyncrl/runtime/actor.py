@@ -66,7 +66,7 @@ class Actor:
         self.subjects = Subjects(ctx.run_name)
         self.recipe = ctx.recipe
         self.log = get_logger(run=ctx.run_name, role=self.role, actor=self.actor_id)
-        self.version = -1
+        self._version = -1
         self.status = "starting"
         self._stop = asyncio.Event()
         self._stop_reason = ""
@@ -76,6 +76,15 @@ class Actor:
     def bus(self) -> Bus:
         assert self._bus is not None, "the bus exists from setup() on"
         return self._bus
+
+    @property
+    def version(self) -> int:
+        """The policy version this actor holds (reported in heartbeats); -1 if none."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = value
 
     # -- for subclasses ---------------------------------------------------------------------
 
@@ -88,6 +97,12 @@ class Actor:
 
     async def teardown(self) -> None:
         """Release resources after the group has stopped (the bus is still connected)."""
+
+    def lease_report(self) -> dict[str, list[str]]:
+        """For heartbeats of actors that take leases: ``holding`` (prompt uids being run)
+        and ``delivered`` (recently finished) fields of :class:`ActorInfo`. The buffer
+        frees what a live actor reports in neither."""
+        return {}
 
     def stop(self, reason: str = "") -> None:
         """Asks the actor to stop gracefully (safe from signal handlers and callbacks)."""
@@ -105,6 +120,7 @@ class Actor:
             asyncrl_version=__version__,
             status=self.status,
             time=time.time(),
+            **self.lease_report(),
         )
 
     async def emit_metrics(self, values: dict[str, float | int], step: int = -1) -> None:

@@ -1,0 +1,216 @@
+"""BufferActor: leases, admission and batches, wired to NATS.
+
+- **Leases** (:mod:`.leases`): a rollout actor asks for up to k episodes and gets
+  min(k, capacity) prompts (returned prompts first, then the dataset in a seeded order).
+- **Admission** (:mod:`.admission`): scored samples arrive on JetStream and are judged.
+- **Batches** (:mod:`.batching`): the trainer asks for the batch of step s.
+
+The version is the staleness manager's, and it is the newest *published* version (the
+weights rollouts can have): the trainer's batch requests and ``WeightsUpdated`` advance
+it. State for resume (the dataset position) travels with each batch to the trainer,
+which keeps it in its checkpoint: what was trained and where the data stood are saved
+together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from asyncrl.actors.buffer.admission import Admission
+from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
+from asyncrl.actors.buffer.journal import Journal
+from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
+from asyncrl.actors.common import latest_checkpoint_meta, load_prompt_records
+from asyncrl.messages import (
+    Ack,
+    ActorExit,
+    ActorInfo,
+    BatchRequest,
+    EpisodeAborted,
+    LeaseRequest,
+    Message,
+    TrainBatchRef,
+    Trajectory,
+    WeightsQuery,
+    WeightsUpdated,
+    encode,
+)
+from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.staleness import StalenessManager
+
+BATCH_WAIT = 5.0
+"""Seconds a batch request waits for enough groups before answering "not ready"; well
+below the trainer's request timeout, so an answer always reaches a live trainer."""
+
+
+class BufferActor(Actor):
+    role = "buffer"
+
+    def __init__(self, ctx: ActorContext) -> None:
+        super().__init__(ctx)
+        r = self.recipe
+        self.staleness = StalenessManager(
+            batch_size=r.buffer.batch_size,
+            max_concurrent=r.buffer.max_concurrent,
+            max_head_offpolicyness=r.buffer.max_head_offpolicyness,
+            update_every=r.trainer.update_every,
+        )
+        self.journal = Journal(ctx.run_dir / "buffer_events.jsonl")
+        self.leases = LeaseBook(
+            PromptSource(load_prompt_records(r), r.run.seed),
+            self.staleness,
+            self.journal,
+            ttl=r.rollout.lease_ttl,
+            incarnation=uuid.uuid4().hex[:8],
+        )
+        self.admission = Admission(
+            self.staleness,
+            self.leases,
+            self.journal,
+            group_size=r.rollout.group_size,
+            dynamic_filter=r.buffer.dynamic_filter,
+        )
+        self.batcher = Batcher(
+            self.admission, self.staleness, self.journal, batch_size=r.buffer.batch_size
+        )
+        self.ready_changed = asyncio.Event()
+        self.weights: WeightsUpdated | None = None
+        meta = latest_checkpoint_meta(ctx.run_dir)
+        if meta is not None:
+            self.staleness.restore(int(meta["version"]))
+            self.leases.source.restore(meta.get("data_state", {}))
+            hf_dir = Path(meta["path"]) / "hf"
+            if hf_dir.is_dir():
+                self.weights = WeightsUpdated(
+                    version=self.version, kind="dir", location=str(hf_dir), step=int(meta["step"])
+                )
+            self.log.info("resumed", version=self.version, data=self.leases.source.state())
+
+    @property
+    def version(self) -> int:
+        """The newest published version: the staleness manager's, the only copy."""
+        return self.staleness.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.staleness.set_version(value)
+
+    @property
+    def counters(self) -> Counter[str]:
+        return self.journal.counters
+
+    async def setup(self, tg: asyncio.TaskGroup) -> None:
+        s = self.subjects
+        await self.bus.serve(s.lease, LeaseRequest, self.on_lease)
+        await self.bus.serve(s.batch, BatchRequest, self.on_batch_request)
+        await self.bus.serve(s.weights_query, WeightsQuery, self.on_weights_query)
+        await self.bus.serve(s.episode_aborted, EpisodeAborted, self.on_aborted)
+        await self.bus.subscribe(s.weights, WeightsUpdated, self.on_weights)
+        await self.bus.subscribe(s.heartbeat("rollout"), ActorInfo, self.on_heartbeat)
+        await self.bus.subscribe(s.exited, ActorExit, self.on_exit)
+        consumer = await self.bus.js_consume(
+            s.stream, s.scored, "buffer", Trajectory, self.on_scored, ack_wait=30.0
+        )
+        tg.create_task(consumer.run(), name="scored-consumer")
+        tg.create_task(self._expire_leases(), name="lease-expiry")
+
+    async def teardown(self) -> None:
+        self.journal.event("stop", **self._state_summary())
+        self.journal.close()
+
+    def _state_summary(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "accepted": self.staleness.accepted,
+            "rejected": self.staleness.rejected,
+            "running": self.staleness.running,
+            "leased": sorted(self.leases.leased),
+            "pool": [p.uid for p in self.leases.source.pool],
+            "ready_groups": len(self.admission.ready),
+            **{f"n_{k}": v for k, v in self.journal.counters.items()},
+        }
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def on_lease(self, req: LeaseRequest) -> Message:
+        return self.leases.grant(req, time.monotonic())
+
+    async def on_heartbeat(self, info: ActorInfo) -> None:
+        # what an actor holds is settled only while it runs (not while it starts or stops)
+        holding = info.holding if info.status == "running" else None
+        freed = self.leases.reconcile(
+            info.actor_id, holding, time.monotonic(), self.admission.reported, info.delivered
+        )
+        if freed:
+            self.log.info("unheld leases returned", actor=info.actor_id, prompts=len(freed))
+
+    async def on_exit(self, msg: ActorExit) -> None:
+        if msg.role == "rollout":
+            n = self.leases.release_actor(msg.actor_id, "actor exited")
+            if n:
+                self.log.info("leases returned", actor=msg.actor_id, prompts=n)
+
+    async def on_aborted(self, msg: EpisodeAborted) -> Message:
+        """Idempotent: only the named lease of the prompt is returned, once."""
+        if self.leases.return_prompt(
+            msg.prompt_uid, f"aborted: {msg.reason}", lease_id=msg.lease_id
+        ):
+            self.journal.count("aborted")
+        return Ack(ok=True)
+
+    async def _expire_leases(self) -> None:
+        ttl = self.leases.ttl
+        while True:
+            await asyncio.sleep(min(1.0, ttl / 4))
+            for actor_id in self.leases.expire(time.monotonic()):
+                self.log.info("leases expired", actor=actor_id)
+
+    # -- scored samples ----------------------------------------------------------------------
+
+    async def on_scored(self, traj: Trajectory) -> None:
+        outcome = self.admission.on_scored(traj)
+        if outcome == "invalid":
+            n = self.journal.counters["invalid_samples"]
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th... : a flood cannot flood the log
+                self.log.warning("invalid trajectories refused", count=n, last=traj.uid)
+        elif outcome == "admitted":
+            self.ready_changed.set()
+
+    # -- batches and weights --------------------------------------------------------------------
+
+    async def on_batch_request(self, req: BatchRequest) -> Message:
+        batch = self.batcher.served.get(req.step)
+        if batch is None:
+            published = req.published_version if req.published_version >= 0 else req.version
+            self.version = published
+            try:
+                async with asyncio.timeout(BATCH_WAIT):
+                    while not self.batcher.ready():
+                        self.ready_changed.clear()
+                        await self.ready_changed.wait()
+            except TimeoutError:
+                return TrainBatchRef(
+                    step=req.step, version=self.version, waiting=self.batcher.waiting()
+                )
+            batch = self.batcher.take(req.step, self.leases.source.state())
+            await self.emit_metrics({k: float(v) for k, v in batch.counters.items()}, step=req.step)
+        data = encode(batch)
+        if len(data) <= BLOB_FRACTION * self.bus.max_payload:
+            return batch
+        # put again on a repeated request: the trainer deletes a blob once it has it
+        ref = as_reference(batch)
+        await self.bus.put_blob(self.subjects.batch_bucket, ref.blob_key, data)
+        return ref
+
+    async def on_weights(self, msg: WeightsUpdated) -> None:
+        if self.weights is None or msg.version >= self.weights.version:
+            self.weights = msg
+        self.version = msg.version
+
+    async def on_weights_query(self, q: WeightsQuery) -> Message:
+        return self.weights if self.weights is not None else Ack(ok=False, error="no weights yet")

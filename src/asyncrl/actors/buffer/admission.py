@@ -1,0 +1,165 @@
+"""Admission: scored samples become whole groups, and groups are judged.
+
+A sample is first checked for sense (:func:`invalid_reason`); one that makes none is
+refused with a counted reason, its attempt's group is abandoned and the prompt goes back
+to the pool, so a bad message never reaches (and never kills) the trainer. Duplicates (by
+sample id) are dropped. A group is complete when ``group_size`` distinct samples are in;
+it is admitted if v − h ≤ η (h: its oldest token's version), else rejected without using
+the budget; with the dynamic filter, a group whose rewards are all equal is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from asyncrl.actors.buffer.journal import Journal
+from asyncrl.actors.buffer.leases import LeaseBook
+from asyncrl.messages import Trajectory
+from asyncrl.runtime.staleness import StalenessManager
+
+
+def invalid_reason(traj: Trajectory, *, group_size: int, version: int) -> str | None:
+    """Why ``traj`` cannot be trained on, as a short countable tag, or None if it can.
+
+    - ``length_mismatch``: the four arrays are not 1-d arrays of one length;
+    - ``group_size_mismatch``: its group size is not the run's;
+    - ``group_index_out_of_range``: not 0 ≤ group_index < group_size;
+    - ``missing_reward`` / ``nonfinite_reward``: unscored, or NaN/inf;
+    - ``no_generated_token``: an empty loss mask;
+    - ``loss_on_prompt_token``: the loss mask covers the first token or a token that no
+      policy produced (version −1: prompt or environment tokens);
+    - ``future_version``: a token of a version newer than the buffer's ``version``;
+    - ``bad_logprobs``: a behaviour logprob on a loss token that is NaN/inf or positive;
+    - ``negative_token_id``.
+    """
+    arrays = [traj.input_ids, traj.loss_mask, traj.logprobs, traj.versions]
+    if any(len(a.shape) != 1 for a in arrays) or len({a.shape for a in arrays}) != 1:
+        return "length_mismatch"
+    if traj.group_size != group_size:
+        return "group_size_mismatch"
+    if not 0 <= traj.group_index < group_size:
+        return "group_index_out_of_range"
+    if traj.reward is None:
+        return "missing_reward"
+    if not math.isfinite(traj.reward):
+        return "nonfinite_reward"
+    mask = traj.loss_mask.numpy().astype(bool)
+    versions = traj.versions.numpy()
+    if not mask.any():
+        return "no_generated_token"
+    if mask[0] or bool((versions[mask] < 0).any()):
+        return "loss_on_prompt_token"
+    if int(versions.max()) > version:
+        return "future_version"
+    logprobs = traj.logprobs.numpy()[mask].astype(np.float64)
+    # a logprob is ≤ 0; a little slack for the rounding of a float16/bfloat16 engine
+    if not np.isfinite(logprobs).all() or bool((logprobs > 1e-3).any()):
+        return "bad_logprobs"
+    if bool((traj.input_ids.numpy() < 0).any()):
+        return "negative_token_id"
+    return None
+
+
+class Admission:
+    """Groups in the making, and the admitted groups that wait for a batch (``ready``)."""
+
+    def __init__(
+        self,
+        staleness: StalenessManager,
+        leases: LeaseBook,
+        journal: Journal,
+        *,
+        group_size: int,
+        dynamic_filter: bool,
+    ) -> None:
+        self.staleness = staleness
+        self.leases = leases
+        self.journal = journal
+        self.group_size = group_size
+        self.dynamic_filter = dynamic_filter
+        self.groups: dict[str, dict[str, Trajectory]] = {}
+        self.seen_samples: set[str] = set()
+        self.completed: set[str] = set()
+        self.refused: set[tuple[str, str]] = set()
+        """(attempt, prompt uid) of groups abandoned for an invalid sample."""
+        self.ready: deque[list[Trajectory]] = deque()
+
+    def reported(self, prompt_uid: str) -> bool:
+        """Whether a scored sample of this prompt has arrived (its group is under way)."""
+        return prompt_uid in self.groups or prompt_uid in self.completed
+
+    def on_scored(self, traj: Trajectory) -> str:
+        """Takes one scored sample; returns what became of it: ``duplicate``, ``invalid``,
+        ``pending`` (its group is not complete), ``rejected``, ``filtered`` or ``admitted``."""
+        if traj.uid in self.seen_samples or traj.prompt_uid in self.completed:
+            self.journal.count("duplicates")
+            return "duplicate"
+        if (traj.attempt, traj.prompt_uid) in self.refused:
+            self.journal.count("invalid_group_rest")
+            return "invalid"
+        reason = invalid_reason(traj, group_size=self.group_size, version=self.staleness.version)
+        if reason is not None:
+            self._refuse(traj, reason)
+            return "invalid"
+        self.seen_samples.add(traj.uid)
+        group = self.groups.setdefault(traj.prompt_uid, {})
+        group[traj.uid] = traj
+        if len(group) < self.group_size:
+            return "pending"
+        del self.groups[traj.prompt_uid]
+        self.completed.add(traj.prompt_uid)
+        self.leases.finish(traj.prompt_uid)
+        samples = sorted(group.values(), key=lambda t: t.group_index)
+        head = min(t.head_version for t in samples)
+        version = self.staleness.version
+        if not self.staleness.on_scored(head):
+            self.journal.count("rejected_samples", len(samples))
+            self.journal.event("reject", prompt=traj.prompt_uid, head=head, version=version)
+            return "rejected"
+        if self.dynamic_filter and len({t.reward for t in samples}) == 1:
+            self.staleness.drop_accepted(1)
+            self.journal.count("filtered_groups")
+            self.journal.event("filter", prompt=traj.prompt_uid)
+            return "filtered"
+        self.ready.append(samples)
+        self.journal.event("admit", prompt=traj.prompt_uid, head=head, version=version)
+        return "admitted"
+
+    def _refuse(self, traj: Trajectory, reason: str) -> None:
+        """Counts the reason, abandons this attempt's group (its samples may come again
+        from the next attempt) and returns the prompt to the pool."""
+        self.journal.count("invalid_samples")
+        self.journal.count(f"invalid_{reason}")
+        self.journal.event(
+            "invalid", prompt=traj.prompt_uid, uid=traj.uid, actor=traj.actor_id, reason=reason
+        )
+        self.refused.add((traj.attempt, traj.prompt_uid))
+        group = self.groups.get(traj.prompt_uid, {})
+        for uid in [u for u, t in group.items() if t.attempt == traj.attempt]:
+            del group[uid]
+            self.seen_samples.discard(uid)
+        if not group:
+            self.groups.pop(traj.prompt_uid, None)
+        self.leases.return_prompt(traj.prompt_uid, f"invalid: {reason}", lease_id=traj.attempt)
+
+    def drop_stale(self) -> int:
+        """Rejects the ready groups that became too stale at the current version (their
+        budget returns); how many."""
+        fresh: deque[list[Trajectory]] = deque()
+        dropped = 0
+        for group in self.ready:
+            head = min(t.head_version for t in group)
+            if self.staleness.admissible(head):
+                fresh.append(group)
+                continue
+            dropped += 1
+            self.staleness.expire_accepted(1)
+            self.journal.count("rejected_samples", len(group))
+            self.journal.event(
+                "reject", prompt=group[0].prompt_uid, head=head, version=self.staleness.version
+            )
+        self.ready = fresh
+        return dropped

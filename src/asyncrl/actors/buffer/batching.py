@@ -1,0 +1,92 @@
+"""Batches: the oldest B admitted groups that are still within η, for one trainer step.
+
+A repeated request for the same step gets the same batch, so a lost reply loses no data.
+A batch too large for one message goes into the run's batch bucket; the trainer deletes
+the blob once it has decoded it (a repeat puts it there again).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.actors.buffer.admission import Admission
+from asyncrl.actors.buffer.journal import Journal
+from asyncrl.messages import BatchWaiting, TrainBatchRef
+from asyncrl.runtime.staleness import StalenessManager
+
+BLOB_FRACTION = 0.9
+"""A batch whose encoding is above this share of ``max_payload`` goes by the object store
+(the envelope and headers need the rest)."""
+
+
+class Batcher:
+    def __init__(
+        self,
+        admission: Admission,
+        staleness: StalenessManager,
+        journal: Journal,
+        *,
+        batch_size: int,
+    ) -> None:
+        self.admission = admission
+        self.staleness = staleness
+        self.journal = journal
+        self.batch_size = batch_size
+        self.served: dict[int, TrainBatchRef] = {}
+        """Batches served, inline, by step: the current step and the one before."""
+
+    def counters(self) -> dict[str, int]:
+        sm = self.staleness
+        return {
+            "accepted": sm.accepted,
+            "rejected": sm.rejected,
+            "running": sm.running,
+            **self.journal.counters,
+        }
+
+    def waiting(self) -> BatchWaiting:
+        """What a batch request waits for, for the trainer's log."""
+        return BatchWaiting(
+            ready_groups=len(self.admission.ready),
+            batch_size=self.batch_size,
+            rejected_stale=self.staleness.rejected,
+            rejected_invalid=self.journal.counters["invalid_samples"],
+            running=self.staleness.running,
+            version=self.staleness.version,
+        )
+
+    def ready(self) -> bool:
+        """Drops what went stale, then says whether a batch can be formed."""
+        self.admission.drop_stale()
+        return len(self.admission.ready) >= self.batch_size
+
+    def take(self, step: int, data_state: dict[str, Any]) -> TrainBatchRef:
+        """The batch of ``step`` (call only when :meth:`ready`), remembered for repeats."""
+        groups = [self.admission.ready.popleft() for _ in range(self.batch_size)]
+        batch = TrainBatchRef(
+            step=step,
+            version=self.staleness.version,
+            trajectories=[t for g in groups for t in g],
+            data_state=data_state,
+            counters=self.counters(),
+        )
+        self.served = {s: b for s, b in self.served.items() if s >= step - 1}
+        self.served[step] = batch
+        for g in groups:
+            self.journal.event("batch", prompt=g[0].prompt_uid, step=step)
+        return batch
+
+
+def blob_key(step: int) -> str:
+    return f"batch-{step}"
+
+
+def as_reference(batch: TrainBatchRef) -> TrainBatchRef:
+    """The small message that names the blob of ``batch``."""
+    return TrainBatchRef(
+        step=batch.step,
+        version=batch.version,
+        blob_key=blob_key(batch.step),
+        data_state=batch.data_state,
+        counters=batch.counters,
+    )

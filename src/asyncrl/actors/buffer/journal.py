@@ -1,0 +1,28 @@
+"""What the buffer counts and the event log it writes (``<run>/buffer_events.jsonl``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+class Journal:
+    """Counters (they travel with every batch into the trainer's metrics) and one JSON
+    line per event: lease, return, drop, admit, reject, filter, invalid, batch, stop."""
+
+    def __init__(self, path: Path) -> None:
+        self.counters: Counter[str] = Counter()
+        self._file = open(path, "a", buffering=1)  # open for the actor's life
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self._file.write(json.dumps({"t": time.time(), "event": kind, **fields}) + "\n")
+
+    def count(self, key: str, n: int = 1) -> int:
+        self.counters[key] += n
+        return self.counters[key]
+
+    def close(self) -> None:
+        self._file.close()

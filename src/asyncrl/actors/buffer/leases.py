@@ -1,0 +1,208 @@
+"""Leases: which prompts are out, with whom, and how they come back.
+
+A lease request is idempotent by its request id: the actor repeats the id when it asks
+again after a timeout, so a reply lost in transit yields the same lease, never a second
+one (which would hold budget that nobody runs). A leased prompt comes back to the pool
+when its episode is aborted (the abort names the lease, so a late repeat cannot return a
+newer lease of the same prompt), when its actor exits or stops heartbeating for
+``ttl`` seconds, or when its live actor's heartbeats list it neither as held nor as
+delivered (trajectories on the stream) for ``ttl`` seconds while no scored sample of it
+has arrived (a lost abort, a lost lease reply).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.actors.buffer.journal import Journal
+from asyncrl.data.sampler import ShardSampler
+from asyncrl.messages import Lease, LeaseRequest, Prompt
+from asyncrl.runtime.staleness import StalenessManager
+
+MAX_EPISODE_ATTEMPTS = 3
+"""A prompt whose episode fails this many times is dropped (and counted), so one poison
+prompt cannot loop forever."""
+
+
+class PromptSource:
+    """The dataset in a seeded order, epoch after epoch (a :class:`ShardSampler`), plus a
+    pool of returned prompts that are handed out first.
+
+    Prompt ids are ``e<epoch>-<record index>``: unique in the run, stable across resume."""
+
+    def __init__(self, records: list[dict[str, Any]], seed: int) -> None:
+        if not records:
+            raise ValueError("the dataset is empty")
+        self.records = records
+        self.sampler = ShardSampler(len(records), seed=seed)
+        self.pool: deque[Prompt] = deque()
+
+    def take(self) -> Prompt:
+        if self.pool:
+            return self.pool.popleft()
+        epoch, idx = self.sampler.next()
+        return Prompt(uid=f"e{epoch}-{idx}", data=self.records[idx])
+
+    def give_back(self, prompt: Prompt) -> None:
+        self.pool.appendleft(prompt)
+
+    def discard_from_pool(self, uid: str) -> None:
+        self.pool = deque(p for p in self.pool if p.uid != uid)
+
+    def state(self) -> dict[str, Any]:
+        return self.sampler.state()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state:
+            self.sampler.restore(state)
+
+
+@dataclass
+class Leased:
+    prompt: Prompt
+    actor_id: str
+    lease_id: str
+    missing_since: float | None = None
+    """When the actor's heartbeats first stopped listing this prompt (None: listed)."""
+    delivered: bool = False
+    """The actor said its trajectories are on the stream: only their scores are awaited."""
+
+
+class LeaseBook:
+    """The leased prompts and the actors holding them. Times are passed in (``now``,
+    monotonic seconds), so the rules are tested without a clock."""
+
+    def __init__(
+        self,
+        source: PromptSource,
+        staleness: StalenessManager,
+        journal: Journal,
+        *,
+        ttl: float,
+        incarnation: str,
+    ) -> None:
+        self.source = source
+        self.staleness = staleness
+        self.journal = journal
+        self.ttl = ttl
+        # lease ids must not repeat across restarts of the buffer (a resumed run)
+        self.incarnation = incarnation
+        self.leased: dict[str, Leased] = {}
+        self.attempts: Counter[str] = Counter()
+        self.last_seen: dict[str, float] = {}
+        # one request in flight per actor, so its last answer is all a retry can need
+        self._answers: dict[str, tuple[str, Lease]] = {}
+        self._issued = 0
+
+    def grant(self, req: LeaseRequest, now: float) -> Lease:
+        """Up to ``req.max_episodes`` prompts, as many as the capacity allows; the same
+        lease again for a repeated request id."""
+        self.last_seen[req.actor_id] = now
+        answered = self._answers.get(req.actor_id)
+        if req.request_id and answered is not None and answered[0] == req.request_id:
+            self.journal.count("lease_repeats")
+            return answered[1]
+        n = min(req.max_episodes, self.staleness.capacity())
+        self._issued += 1
+        lease_id = f"{self.incarnation}:{req.actor_id}:{self._issued}"
+        prompts = [self.source.take() for _ in range(n)]
+        for p in prompts:
+            self.attempts[p.uid] += 1
+            self.leased[p.uid] = Leased(p, req.actor_id, lease_id)
+            self.journal.event("lease", prompt=p.uid, actor=req.actor_id, lease=lease_id)
+        self.staleness.on_start(n)
+        self.journal.count("leased", n)
+        lease = Lease(
+            lease_id=lease_id,
+            actor_id=req.actor_id,
+            version=self.staleness.version,
+            prompts=prompts,
+            retry_after=0.0 if n else 0.5,
+        )
+        if req.request_id:
+            self._answers[req.actor_id] = (req.request_id, lease)
+        return lease
+
+    def return_prompt(self, uid: str, why: str, lease_id: str = "") -> bool:
+        """Gives a leased prompt's budget back and the prompt to the pool (or drops it
+        after :data:`MAX_EPISODE_ATTEMPTS`). With ``lease_id``, only that lease of the
+        prompt is returned. Returns whether anything was returned."""
+        entry = self.leased.get(uid)
+        if entry is None or (lease_id and entry.lease_id != lease_id):
+            return False
+        del self.leased[uid]
+        self.staleness.on_abort(1)
+        if self.attempts[uid] >= MAX_EPISODE_ATTEMPTS:
+            self.journal.count("dropped_prompts")
+            self.journal.event("drop", prompt=uid, why=why)
+            return True
+        self.source.give_back(entry.prompt)
+        self.journal.count("returned")
+        self.journal.event("return", prompt=uid, actor=entry.actor_id, why=why)
+        return True
+
+    def release_actor(self, actor_id: str, why: str) -> int:
+        """Returns every prompt ``actor_id`` holds; how many."""
+        uids = [u for u, e in self.leased.items() if e.actor_id == actor_id]
+        for uid in uids:
+            self.return_prompt(uid, why)
+        self.last_seen.pop(actor_id, None)
+        self._answers.pop(actor_id, None)
+        return len(uids)
+
+    def reconcile(
+        self,
+        actor_id: str,
+        holding: list[str] | None,
+        now: float,
+        reported: Callable[[str], bool],
+        delivered: Iterable[str] = (),
+    ) -> list[str]:
+        """A heartbeat: ``holding`` lists the prompts the actor runs (None: it does not
+        say), ``delivered`` those whose trajectories it put on the stream. A prompt leased
+        to it that is neither held, nor delivered, nor ``reported`` (a scored sample of it
+        arrived) for longer than ``ttl`` is returned. Returns those prompts."""
+        self.last_seen[actor_id] = now
+        if holding is None:
+            return []
+        held = set(holding)
+        for uid in delivered:
+            entry = self.leased.get(uid)
+            if entry is not None and entry.actor_id == actor_id:
+                entry.delivered = True
+        freed = []
+        for uid, entry in list(self.leased.items()):
+            if entry.actor_id != actor_id:
+                continue
+            if uid in held or entry.delivered or reported(uid):
+                entry.missing_since = None
+            elif entry.missing_since is None:
+                entry.missing_since = now
+            elif now - entry.missing_since > self.ttl:
+                self.journal.count("unheld_leases")
+                self.return_prompt(uid, f"not held by its actor for {self.ttl:.0f}s")
+                freed.append(uid)
+        return freed
+
+    def expire(self, now: float) -> list[str]:
+        """Releases the actors that stopped heartbeating ``ttl`` seconds ago; their ids."""
+        silent = {
+            e.actor_id
+            for e in self.leased.values()
+            if now - self.last_seen.get(e.actor_id, now) > self.ttl
+        }
+        for actor_id in silent:
+            self.journal.count("expired_leases")
+            self.release_actor(actor_id, f"no heartbeat for {self.ttl:.0f}s")
+        return sorted(silent)
+
+    def finish(self, uid: str) -> None:
+        """A prompt's group is complete. If its lease had already been returned (a slow
+        actor, not a dead one), it runs again as far as the budget knows and must not be
+        leased a second time."""
+        if self.leased.pop(uid, None) is None:
+            self.source.discard_from_pool(uid)
+            self.staleness.on_start(1)
