@@ -69,3 +69,5 @@ async def test_colocated_run_releases_memory_every_step_and_reports_update_pause
     assert {int(m.values["version"]) for m in updates} <= set(range(1, steps + 1))
     for m in updates:
         assert m.values["rollout/weights_fetch_s"] > 0 and m.values["rollout/pause_s"] > 0
+    # releases interrupt sequences mid-way: their tokens come from two versions
+    assert max(m.values.get("mixed_version_samples", 0) for m in updates) > 0

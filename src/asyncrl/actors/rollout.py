@@ -226,6 +226,11 @@ class RolloutActor(Actor):
             self.counters["episodes"] += 1
             self.counters["samples"] += len(result.value)
             self.counters["tokens"] += sum(int(t.loss_mask.numpy().sum()) for t in result.value)
+            # samples whose generated tokens came from more than one policy version: a
+            # weight update landed while they were being generated
+            self.counters["mixed_version_samples"] += sum(
+                _versions_spanned(t) > 1 for t in result.value
+            )
             return
         self.counters["failed_episodes"] += 1
         reason = f"{type(result.error).__name__}: {result.error}"
@@ -294,3 +299,9 @@ class RolloutActor(Actor):
                 },
                 step=msg.version,
             )
+
+
+def _versions_spanned(t: Trajectory) -> int:
+    """How many policy versions produced the generated tokens of ``t``."""
+    versions = t.versions.numpy()[t.loss_mask.numpy().astype(bool)]
+    return len(set(versions.tolist()))
