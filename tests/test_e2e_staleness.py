@@ -1,6 +1,6 @@
 """The staleness bound, checked from the raw data rather than the trainer's own records.
 
-A whole ``asyncrl up recipes/ci.toml`` run whose answers are long enough (48 tokens) that
+A whole ``asyncrl up recipes/ci.toml`` run whose answers are long enough (64 tokens) that
 weight updates land while a sample is being generated, so one sample carries tokens of two
 policy versions. The test reads every raw trajectory the rollout actor published, as it
 was published, and recomputes from their per-token versions what the buffer and the
@@ -111,7 +111,7 @@ async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
                     f"run.nats_url={url}",
                     f"trainer.max_steps={STEPS}",
                     "trainer.checkpoint_every=1000",
-                    "rollout.sampling.max_new_tokens=48",
+                    "rollout.sampling.max_new_tokens=64",
                 )
             )
             assert code == 0, out
