@@ -148,8 +148,9 @@ async def assert_each_acked_once(bus: Bus, subjects: Subjects, n: int) -> None:
     assert info.delivered.consumer_seq == n, info  # every raw trajectory delivered once...
     assert info.num_redelivered == 0, info
     assert info.ack_floor.consumer_seq == n and info.num_ack_pending == 0, info  # ...and acked
-    state = (await bus.js.stream_info(subjects.stream)).state
-    assert state.messages == 0, state  # work queue: acked raw and scored copies are gone
+    # a work queue: an acknowledged raw trajectory has left the stream
+    info = await bus.js.stream_info(subjects.stream, subjects_filter=subjects.trajectories)
+    assert not info.state.subjects, info.state
 
 
 async def test_scores_as_many_trajectories_at_once_as_it_has_workers(
