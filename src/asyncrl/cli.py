@@ -28,6 +28,28 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+ATTACH_REFUSED = {
+    "buffer": "a second buffer would answer the same lease and batch subjects with a separate "
+    "state (its own version, budget and dataset position), so leases and admission would "
+    "disagree",
+    "trainer": "a second trainer would ask for the same steps, be served the same batches "
+    "(the buffer answers each step once, for retries) and train them twice, publishing "
+    "weights of its own; for more devices, set trainer.nproc (torchrun ranks) in the recipe",
+}
+"""Roles a run has exactly one of, and why one more cannot join it."""
+
+ATTACHABLE = ("rollout", "reward")
+
+
+def attach_refusal(role: str) -> str | None:
+    """Why ``asyncrl attach ROLE`` must not start, or None when it may."""
+    if role in ATTACH_REFUSED:
+        return f"cannot attach a {role}: {ATTACH_REFUSED[role]}"
+    if role not in ATTACHABLE:
+        return f"cannot attach {role!r}: the roles that can join a run are {', '.join(ATTACHABLE)}"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrl",
@@ -49,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(check)
 
     attach = sub.add_parser("attach", help="join a live run with one more actor process")
-    attach.add_argument("role", help="rollout, reward, buffer or trainer")
+    attach.add_argument("role", help="rollout or reward (a run has one buffer and one trainer)")
     attach.add_argument("--run", type=Path, required=True, help="the run folder")
     attach.add_argument("--actor-id", default="", help="defaults to <role>-<random>")
 
@@ -80,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return up(recipe, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet)
         if args.command == "attach":
+            # refused before anything connects: nothing of the run is touched
+            if (refusal := attach_refusal(args.role)) is not None:
+                print(f"asyncrl: {refusal}", file=sys.stderr)
+                return 2
             from asyncrl.actors.launch import run_actor
 
             return run_actor(args.role, args.run, args.actor_id)

@@ -2,8 +2,9 @@
 
 Every reward actor of a run pulls from one durable JetStream consumer, so the actors
 share the work like a queue group: add more for more throughput. The reward function runs
-in worker processes with a hard timeout; a reward that raises or hangs scores 0 and the
-reason is counted, never the actor's death. A trajectory is acknowledged only after its
+in ``reward.workers`` worker processes with a hard timeout, and the actor scores that many
+trajectories at once, one per worker; a reward that raises, hangs or returns no finite
+number scores 0 and the reason is counted, never the actor's death. A trajectory is acknowledged only after its
 scored copy is stored on the stream (published with an idempotent id), so a reward actor
 killed mid-way loses nothing: the unacknowledged trajectory is redelivered to another.
 """
@@ -20,6 +21,9 @@ from asyncrl.runtime.actor import Actor, ActorContext
 
 METRICS_EVERY = 5.0
 """Seconds between metrics records: often enough to watch, rare enough to be free."""
+
+PREFETCH_PER_WORKER = 2
+"""Trajectories fetched (held unacked) per reward worker: the one it scores, one next."""
 
 
 class RewardActor(Actor):
@@ -44,6 +48,11 @@ class RewardActor(Actor):
             Trajectory,
             self.on_trajectory,
             ack_wait=max(30.0, 3 * cfg.timeout),
+            # one handler per worker: more would only queue inside the pool
+            concurrency=cfg.workers,
+            # one fetched message waiting per worker hides the pull round trip; holding
+            # more would keep them from the other reward actors sharing this consumer
+            batch=PREFETCH_PER_WORKER * cfg.workers,
         )
         tg.create_task(consumer.run(), name="trajectory-consumer")
         tg.create_task(self._report(), name="metrics")

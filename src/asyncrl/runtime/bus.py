@@ -414,7 +414,10 @@ class Bus:
         Every process that consumes with the same ``durable`` shares its messages (work
         queue). A message is acked only after ``handler`` returns. One that is not acked
         within ``ack_wait`` seconds (its consumer died) is delivered again, to whoever
-        asks; ``max_deliver`` caps deliveries (-1: no cap). The consumer exists on the
+        asks; ``max_deliver`` caps deliveries (-1: no cap). Up to ``concurrency`` handler
+        calls run at once (each message still acked only after its own handler returns),
+        and at most ``batch`` messages are fetched and not yet acked: what this process
+        holds back from the others sharing ``durable``. The consumer exists on the
         server when this returns: messages published from then on wait for it.
         """
         if concurrency < 1 or batch < concurrency:

@@ -1,0 +1,167 @@
+"""The staleness bound, checked from the raw data rather than the trainer's own records.
+
+A whole ``asyncrl up recipes/ci.toml`` run whose answers are long enough (64 tokens) that
+weight updates land while a sample is being generated, so one sample carries tokens of two
+policy versions. The test reads every raw trajectory the rollout actor published, as it
+was published, and recomputes from their per-token versions what the buffer and the
+trainer claim in ``trained_samples.jsonl``.
+
+How the raw trajectories are read: the run's trajectory stream is a work queue, so a raw
+trajectory leaves it as soon as a reward actor has acknowledged it. The test therefore
+brings its own nats-server (``run.nats_url``), creates the run's stream exactly as
+``asyncrl up`` does, and adds a mirror of it (limits retention: it keeps everything)
+before the run starts; the mirror copies each message as it is stored, without taking
+part in the work queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from nats.js import api
+from test_e2e import read_jsonl, run, up_args
+
+from asyncrl.messages import Trajectory, decode
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.nats_server import EmbeddedNats
+from asyncrl.subjects import Subjects
+from asyncrl.up import TRAJECTORY_STREAM_MAX_BYTES
+
+pytestmark = pytest.mark.slow
+
+ETA = 1  # recipes/ci.toml's buffer.max_head_offpolicyness
+STEPS = 16
+MIRROR_LIMIT_S = 30.0
+
+
+async def mirror_run_stream(bus: Bus, subjects: Subjects) -> str:
+    """Creates the run's trajectory stream as ``asyncrl up`` will, and a mirror of it;
+    returns the mirror's name once the mirror is copying."""
+    await bus.ensure_stream(
+        subjects.stream,
+        [subjects.trajectories, subjects.scored],
+        max_bytes=TRAJECTORY_STREAM_MAX_BYTES,
+        retention="workqueue",
+    )
+    mirror = f"{subjects.stream}_MIRROR"
+    config = api.StreamConfig(
+        name=mirror, mirror=api.StreamSource(name=subjects.stream), storage=api.StorageType.FILE
+    )
+    await bus.js.add_stream(config)
+    # The server sets up the mirror's consumer in the background and offers no event for
+    # it; a message acknowledged before that would never reach the mirror.
+    async with asyncio.timeout(MIRROR_LIMIT_S):
+        while not await copying(bus, mirror):  # noqa: ASYNC110 - a server state, no event
+            await asyncio.sleep(0.05)
+    return mirror
+
+
+async def copying(bus: Bus, mirror: str) -> bool:
+    """Whether the mirror's consumer on its origin is up (``active`` is -1 until then)."""
+    source = (await bus.js.stream_info(mirror)).mirror
+    return source is not None and source.active is not None and source.active >= 0
+
+
+async def last_seq(bus: Bus, stream: str) -> int:
+    return int((await bus.js.stream_info(stream)).state.last_seq)
+
+
+async def read_mirror(bus: Bus, subjects: Subjects, mirror: str) -> list[Trajectory]:
+    """Every raw trajectory of the run, in the order the stream stored them."""
+    origin = (await bus.js.stream_info(subjects.stream)).state
+    async with asyncio.timeout(MIRROR_LIMIT_S):  # the mirror catches up asynchronously
+        while await last_seq(bus, mirror) < origin.last_seq:  # noqa: ASYNC110 - as above
+            await asyncio.sleep(0.05)
+    state = (await bus.js.stream_info(mirror)).state
+    assert state.messages == origin.last_seq, "the mirror missed messages"
+    raw = []
+    for seq in range(state.first_seq, state.last_seq + 1):
+        msg = await bus.js.get_msg(mirror, seq)
+        if msg.subject == subjects.trajectories:
+            assert msg.data is not None
+            raw.append(decode(msg.data, Trajectory))
+    return raw
+
+
+def generated_versions(t: Trajectory) -> np.ndarray:
+    """The policy versions of the generated tokens, in order."""
+    return t.versions.numpy()[t.loss_mask.numpy().astype(bool)]
+
+
+async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
+    tmp_path: Path,
+) -> None:
+    name = "stale"
+    subjects = Subjects(name)
+    async with EmbeddedNats(tmp_path / "nats") as server:
+        host = server.info.url.removeprefix("nats://")
+        url = f"nats://{server.info.token}@{host}"
+        bus = await Bus.connect(server.info, name="test")
+        try:
+            mirror = await mirror_run_stream(bus, subjects)
+            code, out = await run(
+                up_args(
+                    tmp_path,
+                    name,
+                    f"run.nats_url={url}",
+                    f"trainer.max_steps={STEPS}",
+                    "trainer.checkpoint_every=1000",
+                    "rollout.sampling.max_new_tokens=64",
+                )
+            )
+            assert code == 0, out
+            raw = await read_mirror(bus, subjects, mirror)
+        finally:
+            await bus.close()
+
+    run_dir = tmp_path / name
+    trained = read_jsonl(run_dir / "trained_samples.jsonl")
+    recipe = json.loads((run_dir / "recipe.json").read_text())
+    assert recipe["buffer"]["max_head_offpolicyness"] == ETA
+    assert len(trained) == STEPS * recipe["buffer"]["batch_size"] * recipe["rollout"]["group_size"]
+
+    copies: dict[str, list[Trajectory]] = {}
+    for t in raw:
+        copies.setdefault(t.uid, []).append(t)
+        gen = generated_versions(t)
+        assert gen.size > 0, f"{t.uid}: no generated token"
+        assert (t.versions.numpy()[~t.loss_mask.numpy().astype(bool)] == -1).all(), t.uid
+        # a sample's tokens come in order, so its versions never go back
+        assert (np.diff(gen) >= 0).all(), f"{t.uid}: versions {gen.tolist()}"
+
+    # (a) weight updates landed mid-sequence: some samples carry two versions or more
+    mixed = [t for t in raw if len(set(generated_versions(t).tolist())) >= 2]
+    assert mixed, "no raw trajectory carries two policy versions"
+
+    mismatched: list[dict[str, Any]] = []
+    too_stale: list[dict[str, Any]] = []
+    for record in trained:
+        assert record["uid"] in copies, f"{record['uid']} was trained but never published raw"
+        heads = [int(generated_versions(t).min()) for t in copies[record["uid"]]]
+        # a prompt leased twice (an expired lease) has a raw copy per attempt, and one of
+        # them is what was trained; normally there is exactly one
+        h = heads[0] if len(heads) == 1 else record["head_version"]
+        # (b) the buffer's head version is the oldest version over the generated tokens
+        if h not in heads or record["head_version"] != h:
+            mismatched.append({**record, "raw_heads": heads})
+        # (c) η holds for the version it was trained at, with h from the raw versions
+        if record["trained_version"] - h > ETA:
+            too_stale.append({**record, "raw_head": h})
+    assert not mismatched, f"head_version is not the raw minimum: {mismatched[:3]}"
+    assert not too_stale, f"trained beyond η={ETA}: {too_stale[:3]}"
+    # without trained samples of two versions, (b) could not tell the first token's
+    # version, or the last one's, from the minimum
+    trained_mixed = {r["uid"] for r in trained} & {t.uid for t in mixed}
+    assert trained_mixed, "no trained sample carries two versions: " + str(
+        [(t.uid, sorted(set(generated_versions(t).tolist()))) for t in mixed]
+    )
+    print(
+        f"raw {len(raw)} (uids with several attempts: "
+        f"{sum(len(c) > 1 for c in copies.values())}), with two versions or more "
+        f"{len(mixed)}; trained {len(trained)}, with two versions or more {len(trained_mixed)}"
+    )
