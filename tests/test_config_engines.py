@@ -20,6 +20,11 @@ def test_the_one_line_switch_to_vllm_gives_vllm_defaults() -> None:
     assert engine.urls == [] and engine.ports == (31000, 31999)
 
 
+def test_an_engine_key_without_a_type_means_the_default_hf_engine() -> None:
+    recipe = load_recipe(QUICKSTART, ["rollout.engine.max_batch_size=4"])
+    assert recipe.rollout.engine.type == "hf" and recipe.rollout.engine.max_batch_size == 4
+
+
 @pytest.mark.parametrize(
     ("sets", "key"),
     [

@@ -112,6 +112,9 @@ async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
                     f"trainer.max_steps={STEPS}",
                     "trainer.checkpoint_every=1000",
                     "rollout.sampling.max_new_tokens=64",
+                    # few rows decode together, so generation is slower than a trainer
+                    # step and every weight update lands while sequences are running
+                    "rollout.engine.max_batch_size=4",
                 )
             )
             assert code == 0, out

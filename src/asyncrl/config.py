@@ -433,6 +433,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     apply_overrides(data, overrides or [])
     if isinstance(data.get("data"), dict):
         data["data"].setdefault("type", "arithmetic")  # the default dataset's type
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict) and isinstance(rollout.get("engine"), dict):
+        rollout["engine"].setdefault("type", "hf")  # the default engine's type
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
