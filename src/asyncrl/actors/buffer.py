@@ -46,6 +46,7 @@ from asyncrl.messages import (
 )
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.staleness import StalenessManager
+from asyncrl.runtime.trace import now_us
 
 MAX_EPISODE_ATTEMPTS = 3
 """A prompt whose episode fails this many times is dropped (and counted), so one poison
@@ -177,6 +178,7 @@ class BufferActor(Actor):
     async def on_lease(self, req: LeaseRequest) -> Message:
         self.last_seen[req.actor_id] = time.monotonic()
         n = min(req.max_episodes, self.sm.capacity())
+        self.tracer.complete("grant lease", now_us(), actor=req.actor_id, prompts=n)
         prompts = [self.source.take() for _ in range(n)]
         for p in prompts:
             self.attempts[p.uid] += 1
@@ -270,6 +272,17 @@ class BufferActor(Actor):
         self.ready.append(samples)
         self._event("admit", prompt=traj.prompt_uid, head=head, version=self.sm.version)
         self.ready_changed.set()
+        # progress for dashboards, mostly for the first batch ("generating: 5/8 groups")
+        await self.emit_metrics(
+            {
+                "ready_groups": len(self.ready),
+                "batch_size": self.batch_size,
+                "accepted": self.sm.accepted,
+                "rejected": self.sm.rejected,
+                "running": self.sm.running,
+            },
+            step=-1,
+        )
 
     # -- batches and weights --------------------------------------------------------------------
 
@@ -291,6 +304,7 @@ class BufferActor(Actor):
     async def on_batch_request(self, req: BatchRequest) -> Message:
         if req.step in self.served:
             return self.served[req.step]
+        t_request = now_us()
         if req.version > self.sm.version:
             self.sm.set_version(req.version)
             self.version = req.version
@@ -304,6 +318,7 @@ class BufferActor(Actor):
                     await self.ready_changed.wait()
         except TimeoutError:
             return Ack(ok=False, error=f"not ready: {len(self.ready)}/{self.batch_size} groups")
+        self.tracer.complete("serve batch", t_request, step=req.step)
         groups = [self.ready.popleft() for _ in range(self.batch_size)]
         trajectories = [t for g in groups for t in g]
         counters = {

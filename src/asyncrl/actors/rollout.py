@@ -16,13 +16,11 @@ Three loops share one TaskGroup:
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.weights import get_weights
+from asyncrl.actors.weights import load_published_weights
 from asyncrl.messages import (
     EpisodeAborted,
     Lease,
@@ -38,6 +36,10 @@ from asyncrl.runtime.runner import AsyncTaskRunner, TaskResult
 
 LEASE_TIMEOUT = 5.0
 """Seconds to wait for the buffer's answer to a lease request before asking again."""
+
+METRICS_EVERY = 2.0
+"""Seconds between progress records (generation rate, episodes done): often enough for
+the dashboard's "generating" line, rare enough to cost nothing."""
 
 
 class EpisodeProducedNothing(RuntimeError):
@@ -58,6 +60,7 @@ class RolloutActor(Actor):
         self._version_changed = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._t0 = time.monotonic()
+        self._last_pause: float | None = None
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
@@ -77,6 +80,7 @@ class RolloutActor(Actor):
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
         await self._query_weights()
         tg.create_task(self._weights_loop(), name="weights")
+        tg.create_task(self._report(), name="metrics")
 
     def _known_version(self) -> int:
         pending = self._pending_weights.version if self._pending_weights is not None else -1
@@ -121,9 +125,10 @@ class RolloutActor(Actor):
                 continue
             req = LeaseRequest(actor_id=self.actor_id, max_episodes=free)
             try:
-                lease = await self.bus.request(
-                    self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT
-                )
+                with self.tracer.span("lease", max_episodes=free):
+                    lease = await self.bus.request(
+                        self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT
+                    )
             except BusTimeout:
                 self.counters["lease_timeouts"] += 1
                 await asyncio.sleep(0.5)
@@ -143,9 +148,10 @@ class RolloutActor(Actor):
                     pass
 
     async def _episode(self, prompt: Prompt, lease_id: str) -> list[Trajectory]:
-        trajectories = await self.workflow.arun_episode(
-            self.engine, {**prompt.data, "uid": prompt.uid}
-        )
+        with self.tracer.span("generate", prompt=prompt.uid):
+            trajectories = await self.workflow.arun_episode(
+                self.engine, {**prompt.data, "uid": prompt.uid}
+            )
         if not trajectories:
             raise EpisodeProducedNothing("the workflow returned no trajectory")
         stamped = [
@@ -201,19 +207,16 @@ class RolloutActor(Actor):
             t0 = time.monotonic()
             await self.engine.pause()
             try:
-                if msg.kind == "dir":
-                    await self.engine.update_weights(Path(msg.location), msg.version)
-                else:
-                    with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
-                        await get_weights(
-                            self.bus, self.subjects.weights_bucket, msg.location, Path(tmp)
-                        )
-                        await self.engine.update_weights(Path(tmp), msg.version)
+                with self.tracer.span("load weights", version=msg.version):
+                    await load_published_weights(
+                        self.engine, self.bus, self.subjects.weights_bucket, msg
+                    )
             finally:
                 await self.engine.resume()
             self.version = msg.version
             self._version_changed.set()
             dt = time.monotonic() - t0
+            self._last_pause = dt
             self.log.info("weights updated", version=msg.version, seconds=round(dt, 3))
             await self.emit_metrics(
                 {
@@ -224,3 +227,25 @@ class RolloutActor(Actor):
                 },
                 step=msg.version,
             )
+
+    def _rates(self) -> dict[str, float]:
+        return {
+            "version": float(self.engine.version),
+            **{k: float(v) for k, v in self.counters.items()},
+            "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
+        }
+
+    async def _report(self) -> None:
+        """Progress every few seconds: ``gen_tokens_per_s`` is the generated tokens of
+        the episodes finished in the last interval over its length."""
+        last_tokens, last_t = 0, time.monotonic()
+        while True:
+            await asyncio.sleep(METRICS_EVERY)
+            now, tokens = time.monotonic(), self.counters["tokens"]
+            values = self._rates()
+            values["gen_tokens_per_s"] = (tokens - last_tokens) / (now - last_t)
+            values["gen_tokens_per_s_total"] = tokens / (now - self._t0)
+            last_tokens, last_t = tokens, now
+            if self._last_pause is not None:
+                values["weight_update_s"] = self._last_pause
+            await self.emit_metrics(values, step=int(self.engine.version))

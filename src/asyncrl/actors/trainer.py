@@ -19,6 +19,7 @@ import asyncio
 import json
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,9 @@ from asyncrl.actors.common import (
 )
 from asyncrl.actors.weights import KEEP_VERSIONS, put_weights
 from asyncrl.messages import (
+    ActorInfo,
     BatchRequest,
+    Metrics,
     TrainBatchRef,
     Trajectory,
     WeightsUpdated,
@@ -40,6 +43,44 @@ from asyncrl.runtime.bus import BusTimeout, RemoteError
 
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
+
+ALIVE_WINDOW = 3.0
+"""An actor counts as live (``actors/<role>``) if its last heartbeat is this recent
+(heartbeats come every second)."""
+
+
+def batch_stats(
+    trajectories: list[Trajectory], group_size: int, max_new_tokens: int
+) -> dict[str, float]:
+    """Response lengths and per-group reward shape of one training batch.
+
+    - ``response_length/mean``, ``/max``: generated tokens per sample (loss-mask sum);
+    - ``response_length/clip_ratio``: share of samples that stopped on the token budget;
+    - ``reward_groups/all_zero``, ``/all_one``: share of groups whose rewards are all <= 0,
+      or all >= 1 (no GRPO signal either way);
+    - ``reward_groups/std_mean``: mean over groups of the within-group reward std
+      (population std: the spread GRPO normalises by).
+    """
+    lengths = [int(t.loss_mask.numpy().sum()) for t in trajectories]
+    clipped = [
+        t.finish_reason == "length" or n >= max_new_tokens
+        for t, n in zip(trajectories, lengths, strict=True)
+    ]
+    rewards = [float(t.reward or 0.0) for t in trajectories]
+    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
+    stds = []
+    for g in groups:
+        mu = sum(g) / len(g)
+        stds.append((sum((r - mu) ** 2 for r in g) / len(g)) ** 0.5)
+    n_groups = max(1, len(groups))
+    return {
+        "response_length/mean": sum(lengths) / max(1, len(lengths)),
+        "response_length/max": float(max(lengths, default=0)),
+        "response_length/clip_ratio": sum(clipped) / max(1, len(clipped)),
+        "reward_groups/all_zero": sum(all(r <= 0 for r in g) for g in groups) / n_groups,
+        "reward_groups/all_one": sum(all(r >= 1 for r in g) for g in groups) / n_groups,
+        "reward_groups/std_mean": sum(stds) / n_groups,
+    }
 
 
 def build_samples(
@@ -86,15 +127,24 @@ class TrainerActor(Actor):
         self.step = 0
         self.version = 0
         self.data_state: dict[str, Any] = {}
-        self.metrics_file = ctx.run_dir / "metrics.jsonl"
         self.samples_file = ctx.run_dir / "trained_samples.jsonl"
         self.weights_dir = ctx.run_dir / "weights"
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self._t_start = time.monotonic()
         self._samples_total = 0
         self._tokens_total = 0
+        self.sinks: Any = None
+        self._last_heartbeat: dict[str, tuple[str, float]] = {}
+        self._rollout_latest: dict[str, dict[str, float]] = {}
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
+        from asyncrl.observe.sinks import open_sinks
+
+        self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl="metrics.jsonl", job="trainer")
+        await self.bus.subscribe(self.subjects.heartbeat("*"), ActorInfo, self._on_heartbeat)
+        await self.bus.subscribe(
+            self.subjects.metrics("rollout"), Metrics, self._on_rollout_metrics
+        )
         self.engine = await asyncio.to_thread(build_train_engine, self.recipe)
         meta = latest_checkpoint_meta(self.ctx.run_dir)
         if meta is not None:
@@ -107,6 +157,38 @@ class TrainerActor(Actor):
     async def teardown(self) -> None:
         if self.engine is not None:
             await asyncio.to_thread(self._broadcast, ("stop", None))
+        if self.sinks is not None:
+            self.sinks.close()
+
+    async def _on_heartbeat(self, info: ActorInfo) -> None:
+        self._last_heartbeat[info.actor_id] = (info.role, time.monotonic())
+
+    async def _on_rollout_metrics(self, m: Metrics) -> None:
+        self._rollout_latest[m.actor_id] = dict(m.values)
+
+    def _fleet_stats(self) -> dict[str, float]:
+        """Live actors per role, and each live rollout actor's generation rate and latest
+        pause for a weight update (the pause of the previous version: this step's weights
+        are still on their way)."""
+        now = time.monotonic()
+        alive: dict[str, int] = {}
+        for actor_id, (role, seen) in list(self._last_heartbeat.items()):
+            if now - seen <= ALIVE_WINDOW:
+                alive[role] = alive.get(role, 0) + 1
+            else:
+                del self._last_heartbeat[actor_id]
+                self._rollout_latest.pop(actor_id, None)
+        out: dict[str, float] = {f"actors/{role}": float(n) for role, n in sorted(alive.items())}
+        out["actors/trainer"] = float(self.recipe.trainer.nproc)
+        rates = {a: v.get("gen_tokens_per_s", 0.0) for a, v in self._rollout_latest.items()}
+        for actor_id, rate in sorted(rates.items()):
+            out[f"rollout/{actor_id}/tokens_per_s"] = rate
+        out["rollout/tokens_per_s"] = sum(rates.values())
+        pauses = [
+            v["weight_update_s"] for v in self._rollout_latest.values() if "weight_update_s" in v
+        ]
+        out["time_gen_pause_s"] = max(pauses, default=0.0)
+        return out
 
     # -- the step loop ----------------------------------------------------------------------
 
@@ -114,11 +196,13 @@ class TrainerActor(Actor):
         cfg = self.recipe.trainer
         while self.step < cfg.max_steps:
             t0 = time.monotonic()
-            batch = await self._fetch_batch(self.step)
+            with self.tracer.span("wait batch", step=self.step + 1):
+                batch = await self._fetch_batch(self.step)
             t_batch = time.monotonic() - t0
             samples, stats = build_samples(batch.trajectories, self.recipe)
             t1 = time.monotonic()
-            train_stats = await asyncio.to_thread(self._broadcast, ("train", samples))
+            with self.tracer.span("train", step=self.step + 1, samples=len(samples)):
+                train_stats = await asyncio.to_thread(self._broadcast, ("train", samples))
             t_train = time.monotonic() - t1
             self.step += 1
             self.version += 1
@@ -126,7 +210,8 @@ class TrainerActor(Actor):
             t2 = time.monotonic()
             last = self.step == cfg.max_steps
             if self.step % cfg.update_every == 0 or last:
-                await self._publish_weights()
+                with self.tracer.span("publish weights", step=self.step):
+                    await self._publish_weights()
             t_weights = time.monotonic() - t2
             values = self._record(batch, stats, train_stats, t_batch, t_train, t_weights)
             await self.emit_metrics(values, step=self.step)
@@ -159,8 +244,8 @@ class TrainerActor(Actor):
         t_train: float,
         t_weights: float,
     ) -> dict[str, float]:
-        """Appends the step's line to metrics.jsonl and its samples to
-        trained_samples.jsonl; returns the numeric metrics."""
+        """Logs the step's record to every sink (``metrics.jsonl`` always) and its samples
+        to trained_samples.jsonl; returns the numeric metrics."""
         trained_at = self.version - 1  # the weights these samples updated
         staleness = []
         with open(self.samples_file, "a") as f:
@@ -194,6 +279,7 @@ class TrainerActor(Actor):
             "rejected": batch.counters.get("rejected", 0),
             "staleness_mean": sum(staleness) / max(1, len(staleness)),
             "staleness_max": max(staleness, default=0),
+            **{f"staleness/{s}": n for s, n in sorted(Counter(staleness).items())},
             "samples": len(batch.trajectories),
             "samples_per_s": self._samples_total / elapsed,
             "tokens_per_s": self._tokens_total / elapsed,
@@ -203,6 +289,12 @@ class TrainerActor(Actor):
             "time_wait_batch_s": t_batch,
             "time_train_s": t_train,
             "time_weights_s": t_weights,
+            **batch_stats(
+                batch.trajectories,
+                self.recipe.rollout.group_size,
+                self.recipe.rollout.sampling.max_new_tokens,
+            ),
+            **self._fleet_stats(),
             **{
                 f"train/{k}": v
                 for k, v in train_stats.items()
@@ -210,8 +302,7 @@ class TrainerActor(Actor):
             },
             "time": time.time(),
         }
-        with open(self.metrics_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.sinks.log(record, self.step)
         return {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
 
     # -- weights and checkpoints -----------------------------------------------------------------

@@ -9,8 +9,11 @@ newest few versions are kept, so the object store does not grow with the run.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
+from typing import Any
 
+from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
 
 KEEP_VERSIONS = 3
@@ -57,3 +60,15 @@ async def get_weights(bus: Bus, bucket: str, key: str, dest_dir: Path) -> None:
     await bus.get_blob(bucket, key, buf)
     for name in json.loads(buf.getvalue())["files"]:
         await bus.get_blob(bucket, f"{key}/{name}", dest_dir / name)
+
+
+async def load_published_weights(engine: Any, bus: Bus, bucket: str, msg: WeightsUpdated) -> None:
+    """Loads the weights ``msg`` announces into an inference engine, from the shared
+    directory or from the object store (through a temporary directory). The caller pauses
+    and resumes the engine around it."""
+    if msg.kind == "dir":
+        await engine.update_weights(Path(msg.location), msg.version)
+        return
+    with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
+        await get_weights(bus, bucket, msg.location, Path(tmp))
+        await engine.update_weights(Path(tmp), msg.version)

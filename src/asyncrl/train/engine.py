@@ -254,6 +254,7 @@ class TrainEngine:
         stat_max = torch.zeros((), device=self.device)
         n_micro = 0
         input_tokens = 0
+        self.module.entropy_sum = torch.zeros((), device=self.device)
         for mb in self._micro_batches(batch):
             lp_BT = self._logprobs_BT(mb)
             # (A dummy micro-batch of an idle rank has no old logprobs; its mask is empty.)
@@ -290,6 +291,7 @@ class TrainEngine:
             stat_max = torch.maximum(stat_max, mb_stats["behav_imp_weight_max"])
             n_micro += 1
             input_tokens += mb.num_input_tokens if mb.seq_index else 0
+        sums["entropy"] = self.module.entropy_sum  # mean token entropy, once divided below
         self._sync()
         t_opt = time.perf_counter()
 
@@ -324,7 +326,7 @@ class TrainEngine:
             dist.all_reduce(stat_max, op=dist.ReduceOp.MAX)
         reduced = dict(zip(keys, packed.tolist(), strict=True))
         loss_tokens = sum(s.num_loss_tokens for s in batch)
-        for key in _MEAN_STATS:
+        for key in (*_MEAN_STATS, "entropy"):
             reduced[key] /= max(1, loss_tokens)
         tokens = sum(len(s) for s in batch)
         stats.update(reduced)
