@@ -74,11 +74,13 @@ class EvalActor(Actor):
         self._due: WeightsUpdated | None = None
         self._due_arrived = asyncio.Event()
         self.evaluated: list[int] = []
+        self._baseline = True
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
             build_engine,
             build_reward_pool,
+            latest_checkpoint_meta,
             load_eval_records,
         )
         from asyncrl.observe.sinks import open_sinks
@@ -93,11 +95,17 @@ class EvalActor(Actor):
         self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl=EVAL_FILE, job="eval")
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
         latest = await self._query_weights()
-        if latest is not None:
-            # resumed, or attached to a live run: the current policy is the first to score
+        # a fresh run's engine holds its starting policy, version 0: the baseline is scored
+        # first even if the trainer has moved on; a resumed run's starting policy is the
+        # restored one, which arrives as the latest weights
+        self._baseline = latest_checkpoint_meta(self.ctx.run_dir) is None
+        if latest is not None and (not self._baseline or self._is_due(latest.version)):
             self._due = latest
             self._due_arrived.set()
         self.log.info("eval ready", prompts=len(self.records))
+
+    def _is_due(self, version: int) -> bool:
+        return is_due(version, self.recipe.eval.every, self.recipe.trainer.max_steps)
 
     async def teardown(self) -> None:
         if self.reward_pool is not None:
@@ -119,8 +127,7 @@ class EvalActor(Actor):
             return None  # nothing published yet: the engine holds version 0
 
     async def on_weights(self, msg: WeightsUpdated) -> None:
-        cfg = self.recipe
-        if not is_due(msg.version, cfg.eval.every, cfg.trainer.max_steps):
+        if not self._is_due(msg.version):
             return
         if self._due is not None and msg.version > self._due.version:
             self.counters["skipped"] += 1
@@ -130,7 +137,7 @@ class EvalActor(Actor):
 
     async def run(self) -> None:
         last = self.recipe.trainer.max_steps
-        if self._due is None:
+        if self._baseline:
             await self._evaluate_and_record(int(self.engine.version))
         while not self.evaluated or self.evaluated[-1] < last:
             await self._due_arrived.wait()
