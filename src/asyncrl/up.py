@@ -2,8 +2,11 @@
 
 Writes the run folder (resolved recipe, NATS connection info, a log per actor), starts an
 embedded nats-server unless the recipe names one, creates the durable trajectory stream,
-spawns every actor, shows a progress line per trainer step, and exits 0 when the trainer
-reached ``trainer.max_steps`` and every process is gone.
+spawns every actor (the eval actor too when ``eval.every`` is set), shows the live
+dashboard on a terminal or a progress line per trainer step and per evaluation otherwise,
+and exits 0 when the trainer reached ``trainer.max_steps``, the eval actor scored the last
+version, and every process is gone. At the end it draws the plots into ``<run>/plots`` and,
+with ``--trace``, merges the actors' spans into ``<run>/trace.json``.
 """
 
 from __future__ import annotations
@@ -223,7 +226,11 @@ async def start_dashboard(bus: Any, subjects: Subjects, recipe: Recipe) -> Any:
     from asyncrl.messages import ActorInfo
     from asyncrl.observe.dashboard import DashboardState
 
-    state = DashboardState(run=recipe.run.name, max_steps=recipe.trainer.max_steps)
+    state = DashboardState(
+        run=recipe.run.name,
+        max_steps=recipe.trainer.max_steps,
+        batch_size=recipe.buffer.batch_size,
+    )
     live = Live(state.render(), refresh_per_second=2, get_renderable=state.render)
 
     async def on_metrics(m: Metrics) -> None:

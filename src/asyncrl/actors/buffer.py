@@ -272,17 +272,6 @@ class BufferActor(Actor):
         self.ready.append(samples)
         self._event("admit", prompt=traj.prompt_uid, head=head, version=self.sm.version)
         self.ready_changed.set()
-        # progress for dashboards, mostly for the first batch ("generating: 5/8 groups")
-        await self.emit_metrics(
-            {
-                "ready_groups": len(self.ready),
-                "batch_size": self.batch_size,
-                "accepted": self.sm.accepted,
-                "rejected": self.sm.rejected,
-                "running": self.sm.running,
-            },
-            step=-1,
-        )
 
     # -- batches and weights --------------------------------------------------------------------
 

@@ -44,12 +44,13 @@ class DashboardState:
     started: float = field(default_factory=time.time)
     trainer: dict[str, float] = field(default_factory=dict)
     eval: dict[str, float] = field(default_factory=dict)
-    progress: dict[str, float] = field(default_factory=dict)
+    batch_size: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
     actors: dict[str, _ActorRates] = field(default_factory=dict)
     last_seen: dict[str, tuple[str, float]] = field(default_factory=dict)
     reward_history: list[float] = field(default_factory=list)
     episodes: dict[str, int] = field(default_factory=dict)
+    leased: dict[str, int] = field(default_factory=dict)
     _scored: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def on_metrics(self, m: Metrics) -> None:
@@ -67,9 +68,6 @@ class DashboardState:
             self.eval = dict(v)
             rates = _ActorRates("eval", None, v.get("eval/tokens_per_s"), int(v.get("version", -1)))
             self.actors[m.actor_id] = rates
-        elif m.role == "buffer":
-            if "ready_groups" in v:
-                self.progress = dict(v)
         elif m.role == "rollout":
             self.actors[m.actor_id] = _ActorRates(
                 "rollout",
@@ -78,6 +76,7 @@ class DashboardState:
                 int(v.get("version", -1)),
             )
             self.episodes[m.actor_id] = int(v.get("episodes", 0))
+            self.leased[m.actor_id] = int(v.get("leased", 0))
         elif m.role == "reward":
             scored = float(v.get("scored", 0.0))
             before = self._scored.get(m.actor_id)
@@ -115,13 +114,13 @@ class DashboardState:
             head.append(f"v{int(t.get('version', 0))}  ")
         head.append(f"{elapsed / 60:.1f} min")
         if not t:
-            ready = int(self.progress.get("ready_groups", 0))
-            need = int(self.progress.get("batch_size", 0))
-            head.append(f"\ngenerating: {ready}/{need or '?'} groups", style="yellow")
-            if "running" in self.progress:
-                head.append(f"  ({int(self.progress['running'])} episodes running)")
-            if self.episodes:
-                head.append(f"  {sum(self.episodes.values())} episodes done")
+            # before the first step: the groups (episodes) finished by the rollout actors,
+            # against the first batch's size
+            done = sum(self.episodes.values())
+            need = self.batch_size or "?"
+            head.append(f"\ngenerating: {done}/{need} groups", style="yellow")
+            if self.leased:
+                head.append(f"  ({sum(self.leased.values())} leased)")
         return head
 
     def _main_table(self) -> Table:

@@ -6,7 +6,8 @@ writes into ``<run>/plots/`` (or ``out``):
 
 - ``reward.png``: training reward and held-out accuracy against step and against wall time;
 - ``staleness.png``: the distribution of trained samples' staleness;
-- ``throughput.png``: samples/s and tokens/s per role (trainer, rollout actors, eval);
+- ``throughput.png``: per-step samples/s and tokens/s per role (trainer, each rollout
+  actor, eval);
 - ``response_length.png``: mean and max response length, and the share clipped;
 - ``time_split.png``: per step, the seconds spent waiting for a batch, training, syncing
   weights, and the rollout actors' generation pause.
@@ -164,25 +165,41 @@ def plot_staleness(runs: list[RunData], path: Path) -> Path:
     return _save(fig, path)
 
 
+def step_rates(run: RunData, key: str) -> tuple[list[float], list[float]]:
+    """Per-step rate of a per-step count (``samples``, ``train/tokens``): the count over the
+    wall time since the previous step's record (the first step has no such interval)."""
+    xs, ys = [], []
+    for prev, cur in zip(run.metrics, run.metrics[1:], strict=False):
+        dt = cur.get("time", 0.0) - prev.get("time", 0.0)
+        if isinstance(cur.get(key), int | float) and dt > 0:
+            xs.append(cur["step"])
+            ys.append(float(cur[key]) / dt)
+    return xs, ys
+
+
 def plot_throughput(runs: list[RunData], path: Path) -> Path:
-    fig, (samples_ax, tokens_ax) = _figure(2)
+    fig, (samples_ax, gen_ax, eval_ax) = _figure(3)
     for run, style in zip(runs, _STYLES, strict=False):
         label = f"{run.name}: " if len(runs) > 1 else ""
-        samples_ax.plot(*run.series("samples_per_s"), style, label=f"{label}trainer samples/s")
-        tokens_ax.plot(*run.series("tokens_per_s"), style, label=f"{label}trainer tokens/s")
+        samples_ax.plot(*step_rates(run, "samples"), style, label=f"{label}trained samples/s")
+        gen_ax.plot(*step_rates(run, "train/tokens"), style, label=f"{label}trainer tokens/s")
         for key in run.keys("rollout/"):
-            if key.endswith("tokens_per_s"):
-                name = key.removesuffix("/tokens_per_s").removeprefix("rollout/") or "all"
-                tokens_ax.plot(*run.series(key), style, label=f"{label}rollout {name} tokens/s")
+            if key == "rollout/tokens_per_s":
+                gen_ax.plot(*run.series(key), style, label=f"{label}rollout (all) tokens/s")
+            elif key.endswith("/tokens_per_s"):
+                name = key.removeprefix("rollout/").removesuffix("/tokens_per_s")
+                gen_ax.plot(*run.series(key), style, alpha=0.6, label=f"{label}{name} tokens/s")
         xs, ys = run.series("eval/tokens_per_s", rows="evals")
-        if xs:
-            tokens_ax.plot(xs, ys, style, marker="o", label=f"{label}eval tokens/s")
-    for ax, what in ((samples_ax, "samples / s"), (tokens_ax, "tokens / s")):
+        eval_ax.plot(xs, ys, style, marker="o", label=f"{label}eval tokens/s")
+    titles = ("trainer", "trainer and rollout actors", "eval actor")
+    for ax, title in zip((samples_ax, gen_ax, eval_ax), titles, strict=True):
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("trainer step")
-        ax.set_ylabel(what)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("throughput per role")
+    samples_ax.set_ylabel("samples / s")
+    gen_ax.set_ylabel("tokens / s")
+    fig.suptitle("throughput per role (per step; rollout: last 2 s before the step)")
     return _save(fig, path)
 
 
