@@ -163,7 +163,7 @@ def test_tensorboard_holds_the_jsonl_scalars(tmp_path: Path) -> None:
     assert [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()] == records
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert set(acc.Tags()["scalars"]) == {"step", "reward_mean", "eval/accuracy"}
+    assert set(acc.Tags()["scalars"]) == {"reward_mean", "eval/accuracy"}
     got = [(e.step, e.wall_time, e.value) for e in acc.Scalars("reward_mean")]
     assert got == [(s, 1000.0 + s, pytest.approx(0.1 * s)) for s in (1, 2, 3)]
 

@@ -55,7 +55,8 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Scalars in a TensorBoard event file; the tag is the metric's name."""
+    """Scalars in a TensorBoard event file; the tag is the metric's name, the event's step
+    the record's step, its wall time the record's ``time``."""
 
     def __init__(self, logdir: Path, suffix: str) -> None:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -68,6 +69,7 @@ class TensorBoardSink:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         values = numeric(record)
+        values.pop("step", None)  # the x-axis already
         wall = values.pop("time", None)
         summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
         import time
