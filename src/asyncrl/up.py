@@ -124,6 +124,8 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
             if trace
             else "timeline: no spans recorded"
         )
+    if recipe.run.tensorboard:
+        lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
     try:
         from asyncrl.observe.plot import plot_run
 
