@@ -18,7 +18,8 @@ Per evaluation, over ``eval.max_prompts`` held-out prompts (see
 - ``eval/response_length``, ``eval/clip_ratio`` (share that hit the token budget),
   ``eval/seconds``, ``eval/tokens_per_s``.
 
-Each record goes to ``eval.jsonl`` (and TensorBoard / W&B) and to the ``metrics.eval``
+Generation is single-turn (the prompt record's chat, as the ``rlvr`` workflow builds it),
+whatever the run's workflow. Each record goes to ``eval.jsonl`` (and TensorBoard / W&B) and to the ``metrics.eval``
 subject, with ``version`` the policy version it evaluated.
 """
 
@@ -87,7 +88,12 @@ class EvalActor(Actor):
 
         self.records = load_eval_records(self.recipe)
         if not self.records:
-            raise ValueError("eval: no held-out prompts (eval.data is empty?)")
+            raise ValueError(
+                "eval: no held-out prompts: this run has eval.every = 0 and no eval.data, so "
+                "none of its data was set aside (every prompt may have been trained on)"
+                if not self.recipe.eval.every and self.recipe.eval.data is None
+                else "eval: eval.data has no records"
+            )
         self.engine = build_engine(self.recipe)
         await self.engine.start()
         self.reward_pool = build_reward_pool(self.recipe)
@@ -186,7 +192,10 @@ class EvalActor(Actor):
             jobs.append((cfg.k, eval_sampling_params(self.recipe, greedy=False)))
         async with asyncio.TaskGroup() as tg:
             tasks = [
-                [tg.create_task(self._complete(rec, sampling, n)) for rec in self.records]
+                [
+                    tg.create_task(self._complete(i, rec, sampling, n))
+                    for i, rec in enumerate(self.records)
+                ]
                 for n, sampling in jobs
             ]
         out: dict[str, float] = {"eval/prompts": float(len(self.records)), "_tokens": 0.0}
@@ -210,11 +219,15 @@ class EvalActor(Actor):
         return out
 
     async def _complete(
-        self, record: dict[str, Any], sampling: Any, n: int
+        self, index: int, record: dict[str, Any], sampling: Any, n: int
     ) -> list[tuple[float, int, bool]]:
-        """``n`` completions of one prompt as (reward, length, hit the token budget)."""
+        """``n`` completions of one prompt as (reward, length, hit the token budget).
+
+        Sample j of prompt i has a seed fixed by the run's seed, i and j: every version
+        is scored on the same draws, so a change between versions is the policy's."""
         from asyncrl.engines.base import GenerateRequest
         from asyncrl.workflows.base import chat_messages, encode_chat
+        from asyncrl.workflows.rlvr import sample_seed
 
         tokenizer = self.engine.tokenizer
         prompt_ids = encode_chat(tokenizer, chat_messages(record))
@@ -223,10 +236,19 @@ class EvalActor(Actor):
                 gens = [
                     tg.create_task(
                         self.engine.agenerate(
-                            GenerateRequest(input_ids=prompt_ids, sampling=sampling)
+                            GenerateRequest(
+                                input_ids=prompt_ids,
+                                sampling=sampling.model_copy(
+                                    update={
+                                        "seed": sample_seed(
+                                            self.recipe.run.seed, f"eval/{index}", j
+                                        )
+                                    }
+                                ),
+                            )
                         )
                     )
-                    for _ in range(n)
+                    for j in range(n)
                 ]
         out = []
         for g in gens:
