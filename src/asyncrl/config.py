@@ -61,11 +61,7 @@ class RunConfig(_Section):
     (Chrome-trace JSON, for Perfetto). Empty: off. ``asyncrl up --trace`` sets it."""
 
     @model_validator(mode="after")
-    def _sinks_installed(self) -> RunConfig:
-        if self.tensorboard and not _importable("tensorboard"):
-            raise ValueError("run.tensorboard is true but the tensorboard package is missing")
-        if self.wandb is not None and self.wandb.mode != "disabled" and not _importable("wandb"):
-            raise ValueError("run.wandb is set but the wandb package is missing: pip install wandb")
+    def _trace_window(self) -> RunConfig:
         if self.trace_steps:
             trace_window(self.trace_steps)
         return self
@@ -457,6 +453,13 @@ def _check_paths(recipe: Recipe) -> None:
         file_part = spec.split(":", 1)[0]
         if ":" in spec and file_part.endswith(".py") and not Path(file_part).is_file():
             problems.append(f"  {key}: file {file_part!r} does not exist")
+    # checked where a run starts, not where an actor reads the run's recipe: a rollout
+    # actor on another machine needs neither package
+    if recipe.run.tensorboard and not _importable("tensorboard"):
+        problems.append("  run.tensorboard: true, but the tensorboard package is missing")
+    wandb = recipe.run.wandb
+    if wandb is not None and wandb.mode != "disabled" and not _importable("wandb"):
+        problems.append("  run.wandb: set, but the wandb package is missing: pip install wandb")
     if problems:
         raise RecipeError("invalid recipe:\n" + "\n".join(problems))
 
