@@ -164,7 +164,8 @@ class TrainerActor(Actor):
         self._last_heartbeat[info.actor_id] = (info.role, time.monotonic())
 
     async def _on_rollout_metrics(self, m: Metrics) -> None:
-        self._rollout_latest[m.actor_id] = dict(m.values)
+        # two kinds of record (progress, weight update): keep the latest of each value
+        self._rollout_latest.setdefault(m.actor_id, {}).update(m.values)
 
     def _fleet_stats(self) -> dict[str, float]:
         """Live actors per role, and each live rollout actor's generation rate and latest

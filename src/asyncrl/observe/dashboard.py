@@ -69,11 +69,13 @@ class DashboardState:
             rates = _ActorRates("eval", None, v.get("eval/tokens_per_s"), int(v.get("version", -1)))
             self.actors[m.actor_id] = rates
         elif m.role == "rollout":
+            # progress records carry the rates; weight-update records only some counters
+            before = self.actors.get(m.actor_id) or _ActorRates("rollout")
             self.actors[m.actor_id] = _ActorRates(
                 "rollout",
-                v.get("samples_per_s"),
-                v.get("gen_tokens_per_s"),
-                int(v.get("version", -1)),
+                v.get("samples_per_s", before.samples_per_s),
+                v.get("gen_tokens_per_s", before.tokens_per_s),
+                int(v.get("version", before.version)),
             )
             self.episodes[m.actor_id] = int(v.get("episodes", 0))
             self.leased[m.actor_id] = int(v.get("leased", 0))
