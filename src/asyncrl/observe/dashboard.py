@@ -70,12 +70,12 @@ class DashboardState:
             self.actors[m.actor_id] = rates
         elif m.role == "rollout":
             # progress records carry the rates; weight-update records only some counters
-            before = self.actors.get(m.actor_id) or _ActorRates("rollout")
+            prev = self.actors.get(m.actor_id) or _ActorRates("rollout")
             self.actors[m.actor_id] = _ActorRates(
                 "rollout",
-                v.get("samples_per_s", before.samples_per_s),
-                v.get("gen_tokens_per_s", before.tokens_per_s),
-                int(v.get("version", before.version)),
+                v.get("samples_per_s", prev.samples_per_s),
+                v.get("gen_tokens_per_s", prev.tokens_per_s),
+                int(v.get("version", prev.version)),
             )
             self.episodes[m.actor_id] = int(v.get("episodes", 0))
             self.leased[m.actor_id] = int(v.get("leased", 0))
