@@ -136,6 +136,7 @@ class TrainerActor(Actor):
         self.sinks: Any = None
         self._last_heartbeat: dict[str, tuple[str, float]] = {}
         self._rollout_latest: dict[str, dict[str, float]] = {}
+        self._rollout_seen: dict[str, tuple[float, float]] = {}
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.observe.sinks import open_sinks
@@ -165,12 +166,12 @@ class TrainerActor(Actor):
 
     async def _on_rollout_metrics(self, m: Metrics) -> None:
         # two kinds of record (progress, weight update): keep the latest of each value
-        self._rollout_latest.setdefault(m.actor_id, {}).update(m.values)
+        self._rollout_latest.setdefault(m.actor_id, {}).update(m.values, _time=m.time)
 
     def _fleet_stats(self) -> dict[str, float]:
-        """Live actors per role, and each live rollout actor's generation rate and latest
-        pause for a weight update (the pause of the previous version: this step's weights
-        are still on their way)."""
+        """Live actors per role, each live rollout actor's generation rate over the step,
+        and the rollout actors' latest pause for a weight update (the pause of the previous
+        version: this step's weights are still on their way)."""
         now = time.monotonic()
         alive: dict[str, int] = {}
         for actor_id, (role, seen) in list(self._last_heartbeat.items()):
@@ -179,9 +180,21 @@ class TrainerActor(Actor):
             else:
                 del self._last_heartbeat[actor_id]
                 self._rollout_latest.pop(actor_id, None)
+                self._rollout_seen.pop(actor_id, None)
         out: dict[str, float] = {f"actors/{role}": float(n) for role, n in sorted(alive.items())}
         out["actors/trainer"] = float(self.recipe.trainer.nproc)
-        rates = {a: v.get("gen_tokens_per_s", 0.0) for a, v in self._rollout_latest.items()}
+        rates = {}
+        for actor_id, v in self._rollout_latest.items():
+            # generated tokens over the time between this step's and the previous step's
+            # view of the actor's counter: its average rate over the step, idle time included
+            now_point = (v.get("_time", 0.0), v.get("tokens", 0.0))
+            before = self._rollout_seen.get(actor_id)
+            if before is not None and now_point[0] > before[0]:
+                rates[actor_id] = (now_point[1] - before[1]) / (now_point[0] - before[0])
+            else:
+                rates[actor_id] = v.get("gen_tokens_per_s_total", 0.0)
+            if before is None or now_point[0] > before[0]:
+                self._rollout_seen[actor_id] = now_point
         for actor_id, rate in sorted(rates.items()):
             out[f"rollout/{actor_id}/tokens_per_s"] = rate
         out["rollout/tokens_per_s"] = sum(rates.values())

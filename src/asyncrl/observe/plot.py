@@ -199,7 +199,7 @@ def plot_throughput(runs: list[RunData], path: Path) -> Path:
         ax.legend(fontsize=8)
     samples_ax.set_ylabel("samples / s")
     gen_ax.set_ylabel("tokens / s")
-    fig.suptitle("throughput per role (per step; rollout: last 2 s before the step)")
+    fig.suptitle("throughput per role (average over each step)")
     return _save(fig, path)
 
 
