@@ -77,13 +77,17 @@ async def test_a_finished_ci_run_has_eval_plots_tensorboard_and_a_trace(tmp_path
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for rows in (metrics, evals):
-        for key in {k for r in rows for k, v in r.items() if isinstance(v, int | float)} - {"time"}:
+        numeric = {k for r in rows for k, v in r.items() if isinstance(v, int | float)}
+        for key in numeric - {"time", "step"}:  # the events' wall time and step
             assert key in tags, key
             logged = {e.step: e.value for e in acc.Scalars(key)}
             expected = {
                 r["step"]: float(r[key]) for r in rows if isinstance(r.get(key), int | float)
             }
-            assert logged == pytest.approx(expected, rel=1e-6, abs=1e-6), key
+            # "version" is logged by both writers: every record's value must be there
+            got = {s: logged.get(s) for s in expected}
+            assert got == pytest.approx(expected, rel=1e-6, abs=1e-6), key
+    assert {e.step for e in acc.Scalars("reward_mean")} == {m["step"] for m in metrics}
 
     # the timeline: valid Chrome-trace JSON with spans of every role
     trace = json.loads((run_dir / "trace.json").read_text())

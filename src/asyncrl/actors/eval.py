@@ -153,7 +153,7 @@ class EvalActor(Actor):
                 continue
             if msg.version != self.engine.version:
                 try:
-                    with self.tracer.span("load weights", version=msg.version):
+                    with self.tracer.span("load weights", to_version=msg.version):
                         await load_published_weights(
                             self.engine, self.bus, self.subjects.weights_bucket, msg
                         )

@@ -207,7 +207,7 @@ class RolloutActor(Actor):
             t0 = time.monotonic()
             await self.engine.pause()
             try:
-                with self.tracer.span("load weights", version=msg.version):
+                with self.tracer.span("load weights", to_version=msg.version):
                     await load_published_weights(
                         self.engine, self.bus, self.subjects.weights_bucket, msg
                     )

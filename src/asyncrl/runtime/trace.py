@@ -66,18 +66,22 @@ class Tracer:
             yield
             return
         lane = self._take_lane()
-        start = now_us()
+        version = self.version()  # the version the span started under (a weight load ends
+        start = now_us()  # under the next one)
         try:
             yield
         finally:
             self._busy.discard(lane)
-            self._write(name, start, now_us() - start, lane, args)
+            self._write(name, start, now_us() - start, lane, {"version": version, **args})
 
     def complete(self, name: str, start_us: float, **args: Any) -> None:
         """A span that started at ``start_us`` (from :func:`now_us`) and ends now: for
         handlers where a ``with`` block would re-indent the code."""
         if self.active():
-            self._write(name, start_us, now_us() - start_us, self._take_lane(release=True), args)
+            lane = self._take_lane(release=True)
+            self._write(
+                name, start_us, now_us() - start_us, lane, {"version": self.version(), **args}
+            )
 
     def _take_lane(self, release: bool = False) -> int:
         lane = 0
@@ -99,7 +103,7 @@ class Tracer:
             "lane": lane,
             "actor": self.actor_id,
             "role": self.role,
-            "args": {"version": self.version(), **args},
+            "args": args,
         }
         self._file.write(json.dumps(event) + "\n")
 
