@@ -90,4 +90,4 @@ async def test_attach_names_the_roles_that_may_join(run_dir: Path, bus: Bus) -> 
     code, err, started = await attach(run_dir, "critic", bus)
     assert not started
     assert code == 2, err
-    assert "the roles that can join a run are rollout, reward" in err, err
+    assert "the roles that can join a run are rollout, reward, eval" in err, err

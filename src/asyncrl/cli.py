@@ -38,7 +38,7 @@ ATTACH_REFUSED = {
 }
 """Roles a run has exactly one of, and why one more cannot join it."""
 
-ATTACHABLE = ("rollout", "reward")
+ATTACHABLE = ("rollout", "reward", "eval")
 
 
 def attach_refusal(role: str) -> str | None:
@@ -66,12 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace an existing run folder of that name"
     )
     up.add_argument("--quiet", action="store_true", help="no progress lines")
+    up.add_argument(
+        "--trace",
+        action="store_true",
+        help="record every actor's spans and write <run>/trace.json (Chrome trace, Perfetto)",
+    )
+    up.add_argument(
+        "--trace-steps",
+        default="2:6",
+        metavar="A:B",
+        help="policy versions whose spans --trace records (default 2:6)",
+    )
 
     check = sub.add_parser("check", help="validate a recipe and print the resolved config")
     _add_recipe_args(check)
 
     attach = sub.add_parser("attach", help="join a live run with one more actor process")
-    attach.add_argument("role", help="rollout or reward (a run has one buffer and one trainer)")
+    attach.add_argument(
+        "role", help="rollout, reward or eval (a run has one buffer and one trainer)"
+    )
     attach.add_argument("--run", type=Path, required=True, help="the run folder")
     attach.add_argument("--actor-id", default="", help="defaults to <role>-<random>")
 
@@ -80,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument("--json", action="store_true", help="one JSON object per line")
     metrics.add_argument("--role", default="*", help="only this role's metrics")
     metrics.add_argument("--count", type=int, default=0, help="stop after N records")
+    metrics.add_argument(
+        "--lines", action="store_true", help="plain lines even on a terminal (no dashboard)"
+    )
+
+    plot = sub.add_parser("plot", help="draw a run's curves as PNG files")
+    plot.add_argument("--run", type=Path, required=True, help="the run folder")
+    plot.add_argument("--vs", type=Path, default=None, help="a second run on the same axes")
+    plot.add_argument("--out", type=Path, default=None, help="folder for the PNGs (<run>/plots)")
 
     status = sub.add_parser("status", help="list a run's live actors from their heartbeats")
     status.add_argument("--run", type=Path, required=True, help="the run folder")
@@ -97,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_recipe(recipe), end="")
             return 0
         if args.command == "up":
+            if args.trace:
+                args.overrides.append(f"run.trace_steps={args.trace_steps}")
             recipe = load_recipe(args.recipe, args.overrides)
             from asyncrl.up import up
 
@@ -112,7 +135,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "metrics":
             from asyncrl.watch import stream_metrics
 
-            return stream_metrics(args.run, as_json=args.json, role=args.role, count=args.count)
+            return stream_metrics(
+                args.run, as_json=args.json, role=args.role, count=args.count, lines=args.lines
+            )
+        if args.command == "plot":
+            from asyncrl.observe.plot import plot_run
+
+            try:
+                paths = plot_run(args.run, vs=args.vs, out=args.out)
+            except FileNotFoundError as exc:
+                print(f"asyncrl plot: {exc}", file=sys.stderr)
+                return 1
+            for path in paths:
+                print(path)
+            return 0
         if args.command == "status":
             from asyncrl.watch import show_status
 

@@ -18,6 +18,25 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+class WandbConfig(_Section):
+    project: str = "asyncrl"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); None uses the account's default."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """``offline`` writes the run under ``<run>/wandb`` for a later ``wandb sync``."""
+    name: str | None = None
+    """Display name; defaults to the run name (the eval actor adds ``-eval``)."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags of the W&B run."""
+
+
 class RunConfig(_Section):
     name: str = "run"
     """Run name: the run folder is ``<dir>/<name>`` and subjects are ``asyncrl.<name>.*``."""
@@ -31,10 +50,37 @@ class RunConfig(_Section):
     """Largest message the embedded server accepts, in MiB."""
     startup_timeout: float = Field(600.0, gt=0)
     """Seconds every actor has to report ``started`` before ``up`` gives up."""
+    tensorboard: bool = Field(default_factory=lambda: _importable("tensorboard"))
+    """Write TensorBoard event files under ``<run>/tensorboard`` (on by default when the
+    ``tensorboard`` package is installed)."""
+    wandb: WandbConfig | None = None
+    """Log to Weights & Biases as well (needs the ``wandb`` package); absent: off."""
+    trace_steps: str = ""
+    """``a:b``: every actor records its spans (generate, score, lease, train, load weights)
+    while its policy version is in [a, b], and ``up`` merges them into ``<run>/trace.json``
+    (Chrome-trace JSON, for Perfetto). Empty: off. ``asyncrl up --trace`` sets it."""
+
+    @model_validator(mode="after")
+    def _trace_window(self) -> RunConfig:
+        if self.trace_steps:
+            trace_window(self.trace_steps)
+        return self
 
     @property
     def path(self) -> Path:
         return Path(self.dir) / self.name
+
+
+def trace_window(text: str) -> tuple[int, int]:
+    """``"a:b"`` as ``(a, b)``; ``"a"`` alone is ``(a, a)``. Raises naming ``run.trace_steps``."""
+    first, _, last = text.partition(":")
+    try:
+        lo, hi = int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"run.trace_steps must look like 2:6, got {text!r}") from None
+    if lo < 0 or hi < lo:
+        raise ValueError(f"run.trace_steps: need 0 <= a <= b, got {text!r}")
+    return lo, hi
 
 
 class ModelConfig(_Section):
@@ -331,6 +377,33 @@ class TrainerConfig(_Section):
     """Checkpoint every k steps (0: only at the end)."""
 
 
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0)
+    """Evaluate every k policy versions (trainer steps), at version 0 and at the last one;
+    0 turns evaluation off."""
+    data: DataConfig | None = None
+    """Where the held-out prompts come from (any ``data`` source). None: ``max_prompts``
+    records carved out of the run's own data, which the buffer then never leases."""
+    max_prompts: int = Field(64, ge=1)
+    """Prompts per evaluation (and the size of the carved-out split when ``data`` is None)."""
+    greedy: bool = True
+    """Score one greedy completion per prompt (``eval/accuracy``)."""
+    k: int = Field(0, ge=0)
+    """Samples per prompt at ``temperature`` for ``eval/pass@k`` and ``eval/mean@k``; 0: none."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the k samples."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Token budget per completion; None: ``rollout.sampling.max_new_tokens``."""
+    threads: int = Field(0, ge=0)
+    """CPU threads for torch in the eval process; 0 leaves torch's default."""
+
+    @model_validator(mode="after")
+    def _something_to_score(self) -> EvalConfig:
+        if self.every and not self.greedy and not self.k:
+            raise ValueError("eval: greedy is false and k is 0, so nothing would be scored")
+        return self
+
+
 class Recipe(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     """Run identity and infrastructure."""
@@ -346,6 +419,8 @@ class Recipe(_Section):
     """The buffer and the staleness rule."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """The trainer."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Periodic evaluation on held-out prompts (its own actor, role ``eval``)."""
 
 
 class RecipeError(ValueError):
@@ -436,6 +511,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     rollout = data.get("rollout")
     if isinstance(rollout, dict) and isinstance(rollout.get("engine"), dict):
         rollout["engine"].setdefault("type", "hf")  # the default engine's type
+    eval_node = data.get("eval")
+    if isinstance(eval_node, dict) and isinstance(eval_node.get("data"), dict):
+        eval_node["data"].setdefault("type", "arithmetic")
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
@@ -465,8 +543,19 @@ def _check_paths(recipe: Recipe) -> None:
     looks_local = model_path.startswith((".", "/", "~")) or Path(model_path).exists()
     if looks_local and not Path(model_path).expanduser().is_dir():
         problems.append(f"  model.path: directory {model_path!r} does not exist")
-    if isinstance(recipe.data, JsonlData) and not Path(recipe.data.path).expanduser().is_file():
-        problems.append(f"  data.path: file {recipe.data.path!r} does not exist")
+    for key, source in (("data", recipe.data), ("eval.data", recipe.eval.data)):
+        if isinstance(source, JsonlData) and not Path(source.path).expanduser().is_file():
+            problems.append(f"  {key}.path: file {source.path!r} does not exist")
+    if (
+        recipe.eval.every
+        and recipe.eval.data is None
+        and isinstance(recipe.data, ArithmeticData)
+        and recipe.data.size <= recipe.eval.max_prompts
+    ):
+        problems.append(
+            f"  eval.max_prompts: {recipe.eval.max_prompts} held-out prompts would leave none "
+            f"of data.size={recipe.data.size} to train on"
+        )
     for key, spec in (
         ("rollout.workflow", recipe.rollout.workflow),
         ("reward.fn", recipe.reward.fn),
@@ -474,6 +563,13 @@ def _check_paths(recipe: Recipe) -> None:
         file_part = spec.split(":", 1)[0]
         if ":" in spec and file_part.endswith(".py") and not Path(file_part).is_file():
             problems.append(f"  {key}: file {file_part!r} does not exist")
+    # checked where a run starts, not where an actor reads the run's recipe: a rollout
+    # actor on another machine needs neither package
+    if recipe.run.tensorboard and not _importable("tensorboard"):
+        problems.append("  run.tensorboard: true, but the tensorboard package is missing")
+    wandb = recipe.run.wandb
+    if wandb is not None and wandb.mode != "disabled" and not _importable("wandb"):
+        problems.append("  run.wandb: set, but the wandb package is missing: pip install wandb")
     if problems:
         raise RecipeError("invalid recipe:\n" + "\n".join(problems))
 

@@ -2,8 +2,11 @@
 
 Writes the run folder (resolved recipe, NATS connection info, a log per actor), starts an
 embedded nats-server unless the recipe names one, creates the durable trajectory stream,
-spawns every actor, shows a progress line per trainer step, and exits 0 when the trainer
-reached ``trainer.max_steps`` and every process is gone.
+spawns every actor (the eval actor too when ``eval.every`` is set), shows the live
+dashboard on a terminal or a progress line per trainer step and per evaluation otherwise,
+and exits 0 when the trainer reached ``trainer.max_steps``, the eval actor scored the last
+version, and every process is gone. At the end it draws the plots into ``<run>/plots`` and,
+with ``--trace``, merges the actors' spans into ``<run>/trace.json``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from asyncrl.checks import enforce_recipe
 from asyncrl.config import Recipe, RecipeError, dump_recipe
@@ -63,6 +67,17 @@ def actor_specs(recipe: Recipe, run_dir: Path) -> list:
         specs.append(
             ActorSpec("rollout", aid, actor_argv("rollout", run_dir, aid), restarts=RESTARTS)
         )
+    if recipe.eval.every:
+        # primary: the run ends only once the last version is evaluated too
+        specs.append(
+            ActorSpec(
+                "eval",
+                "eval-0",
+                actor_argv("eval", run_dir, "eval-0"),
+                primary=True,
+                restarts=RESTARTS,
+            )
+        )
     trainer_argv = actor_argv("trainer", run_dir, "trainer-0")
     if recipe.trainer.nproc > 1:
         trainer_argv = [
@@ -83,12 +98,47 @@ def format_progress(recipe: Recipe, m: Metrics) -> str:
     def g(key: str, fmt: str = ".3f") -> str:
         return format(v[key], fmt) if key in v else "-"
 
+    if m.role == "eval":
+        scores = "  ".join(
+            f"{k.removeprefix('eval/')} {g(k)}" for k in v if k == "eval/accuracy" or "@" in k
+        )
+        return f"eval v{int(v.get('version', 0))}  {scores}  ({g('eval/seconds', '.1f')} s)"
     return (
         f"step {m.step}/{recipe.trainer.max_steps}  v{int(v.get('version', 0))}  "
         f"reward {g('reward_mean')}  staleness {g('staleness_mean', '.2f')}/{g('staleness_max', '.0f')}"
         f"  accepted {g('accepted', '.0f')} rejected {g('rejected', '.0f')}  "
         f"{g('samples_per_s', '.2f')} samples/s  loss {g('loss', '.4f')}"
     )
+
+
+def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
+    """What ``up`` leaves after the actors are gone: the merged timeline (with
+    ``--trace``) and the plots. Returns lines to print; a failure here never fails a run
+    that trained."""
+    lines = []
+    if recipe.run.trace_steps:
+        from asyncrl.runtime.trace import merge_traces
+
+        trace = merge_traces(run_dir)
+        lines.append(
+            f"timeline: {trace} (open in https://ui.perfetto.dev)"
+            if trace
+            else "timeline: no spans recorded"
+        )
+    if recipe.run.tensorboard:
+        lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    try:
+        from asyncrl.observe.plot import plot_run
+
+        pngs = plot_run(run_dir)
+        if pngs:
+            lines.append(f"plots: {pngs[0].parent}/ ({', '.join(p.name for p in pngs)})")
+    except ImportError as exc:
+        lines.append(f"plots skipped: {exc}")
+    except Exception as exc:  # plotting must not turn a finished run into a failed one
+        get_logger(role="up").warning("plotting failed", error=repr(exc))
+        lines.append(f"plots failed: {exc!r}")
+    return lines
 
 
 async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
@@ -123,20 +173,40 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
                 retention="workqueue",
             )
 
-            async def show(m: Metrics) -> None:
-                if not quiet:
-                    print(format_progress(recipe, m), flush=True)
+            live = None
+            if not quiet and sys.stdout.isatty():
+                live = await start_dashboard(bus, subjects, recipe)
+            else:
 
-            await bus.subscribe(subjects.metrics("trainer"), Metrics, show)
+                async def show(m: Metrics) -> None:
+                    if not quiet:
+                        print(format_progress(recipe, m), flush=True)
+
+                await bus.subscribe(subjects.metrics("trainer"), Metrics, show)
+                await bus.subscribe(subjects.metrics("eval"), Metrics, show)
+
+            def started() -> None:
+                if not quiet and live is None:
+                    print("all actors started", flush=True)
+
             sup = Supervisor(
                 bus,
                 subjects,
                 run_dir,
                 actor_specs(recipe, run_dir),
                 startup_timeout=recipe.run.startup_timeout,
-                on_started=lambda: None if quiet else print("all actors started", flush=True),
+                on_started=started,
             )
-            code = await sup.run()
+            try:
+                code = await sup.run()
+            finally:
+                if live is not None:
+                    live.stop()
+            if code == 0 and not quiet:
+                for line in finish_run_folder(run_dir, recipe):
+                    print(line, flush=True)
+            elif code == 0 or recipe.run.trace_steps:
+                finish_run_folder(run_dir, recipe)
             print(
                 f"asyncrl up: {sup.reason or 'done'} (exit {code}); run folder {run_dir}",
                 file=sys.stderr if code else sys.stdout,
@@ -149,6 +219,33 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
     finally:
         if server is not None:
             await server.stop()
+
+
+async def start_dashboard(bus: Any, subjects: Subjects, recipe: Recipe) -> Any:
+    """Subscribes a :class:`DashboardState` to the run and starts redrawing it; returns
+    the rich ``Live`` to stop at the end."""
+    from rich.live import Live
+
+    from asyncrl.messages import ActorInfo
+    from asyncrl.observe.dashboard import DashboardState
+
+    state = DashboardState(
+        run=recipe.run.name,
+        max_steps=recipe.trainer.max_steps,
+        batch_size=recipe.buffer.batch_size,
+    )
+    live = Live(state.render(), refresh_per_second=2, get_renderable=state.render)
+
+    async def on_metrics(m: Metrics) -> None:
+        state.on_metrics(m)
+
+    async def on_heartbeat(info: ActorInfo) -> None:
+        state.on_heartbeat(info)
+
+    await bus.subscribe(subjects.metrics("*"), Metrics, on_metrics)
+    await bus.subscribe(subjects.heartbeat("*"), ActorInfo, on_heartbeat)
+    live.start()
+    return live
 
 
 def up(

@@ -1,4 +1,7 @@
-"""``asyncrl metrics`` and ``asyncrl status``: read a live run from its NATS subjects."""
+"""``asyncrl metrics`` and ``asyncrl status``: read a live run from its NATS subjects.
+
+``asyncrl metrics`` on a terminal shows the live dashboard (:mod:`asyncrl.observe.dashboard`);
+in a pipe, or with ``--json``/``--lines``, it prints one record per line."""
 
 from __future__ import annotations
 
@@ -21,6 +24,23 @@ def _run_name(run_dir: Path) -> str:
 def format_metrics(m: Metrics) -> str:
     parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.values.items()]
     return f"[{m.role} {m.actor_id} step {m.step}] " + " ".join(parts)
+
+
+async def _dashboard(run_dir: Path) -> int:
+    from asyncrl.config import Recipe
+    from asyncrl.runtime.bus import Bus
+    from asyncrl.runtime.nats_server import nats_info_for_run
+    from asyncrl.up import start_dashboard
+
+    recipe = Recipe.model_validate(json.loads((run_dir / "recipe.json").read_text()))
+    bus = await Bus.connect(nats_info_for_run(run_dir), name="asyncrl-metrics")
+    live = await start_dashboard(bus, Subjects(recipe.run.name), recipe)
+    try:
+        await asyncio.Event().wait()  # until Ctrl-C
+    finally:
+        live.stop()
+        await bus.close()
+    return 0
 
 
 async def _stream(run_dir: Path, as_json: bool, role: str, count: int) -> int:
@@ -54,9 +74,16 @@ async def _stream(run_dir: Path, as_json: bool, role: str, count: int) -> int:
     return 0
 
 
-def stream_metrics(run_dir: Path, *, as_json: bool, role: str = "*", count: int = 0) -> int:
-    """Prints metrics records as they arrive until Ctrl-C (or ``count`` records)."""
+def stream_metrics(
+    run_dir: Path, *, as_json: bool, role: str = "*", count: int = 0, lines: bool = False
+) -> int:
+    """On a terminal, the live dashboard until Ctrl-C; otherwise (or with ``--json``,
+    ``--lines``, ``--role`` or ``--count``) prints metrics records as they arrive until
+    Ctrl-C (or ``count`` records)."""
+    plain = as_json or lines or role != "*" or count or not sys.stdout.isatty()
     try:
+        if not plain:
+            return run_async(_dashboard(run_dir))
         return run_async(_stream(run_dir, as_json, role, count))
     except KeyboardInterrupt:
         return 0

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 ACTORS: dict[str, str] = {
     "buffer": "asyncrl.actors.buffer:BufferActor",
+    "eval": "asyncrl.actors.eval:EvalActor",
     "reward": "asyncrl.actors.reward:RewardActor",
     "rollout": "asyncrl.actors.rollout:RolloutActor",
     "trainer": "asyncrl.actors.trainer:TrainerActor",

@@ -40,7 +40,11 @@ def run_actor(role: str, run_dir: Path, actor_id: str = "") -> int:
 
     configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"))
     ctx = build_context(run_dir, actor_id)
-    threads = {"rollout": ctx.recipe.rollout.threads, "trainer": ctx.recipe.trainer.threads}
+    threads = {
+        "rollout": ctx.recipe.rollout.threads,
+        "trainer": ctx.recipe.trainer.threads,
+        "eval": ctx.recipe.eval.threads,
+    }
     if threads.get(role):
         # before torch is imported, so its thread pools start at this size
         os.environ["OMP_NUM_THREADS"] = str(threads[role])

@@ -64,7 +64,10 @@ class RewardActor(Actor):
     async def on_trajectory(self, traj: Trajectory) -> None:
         if traj.reward is None:
             t0 = time.monotonic()
-            result = await self.pool.score(traj.completion, traj.data)
+            # the newest version in the sample: what the tracer's window compares with
+            self.version = int(traj.versions.numpy().max(initial=-1))
+            with self.tracer.span("score", sample=traj.uid):
+                result = await self.pool.score(traj.completion, traj.data)
             self.counters["score_seconds_x1000"] += int(1000 * (time.monotonic() - t0))
             traj = traj.model_copy(
                 update={

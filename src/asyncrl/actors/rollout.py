@@ -18,14 +18,12 @@ Three loops share one TaskGroup:
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 import uuid
 from collections import Counter, deque
-from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.weights import get_weights
+from asyncrl.actors.weights import staged_weights
 from asyncrl.messages import (
     Ack,
     EpisodeAborted,
@@ -48,6 +46,10 @@ before asking again."""
 
 RETRY_PAUSE = 0.5
 """Seconds between a request to the buffer that timed out and its repeat."""
+
+METRICS_EVERY = 2.0
+"""Seconds between progress records (generation rate, episodes done): often enough for
+the dashboard's "generating" line, rare enough to cost nothing."""
 
 
 class EpisodeProducedNothing(RuntimeError):
@@ -73,6 +75,7 @@ class RolloutActor(Actor):
         # Several heartbeats name each delivered prompt while at most this many episodes
         # end between two of them; the buffer needs to see it only once.
         self.delivered: deque[str] = deque(maxlen=4 * self.recipe.rollout.max_concurrent)
+        self._last_pause: float | None = None
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
@@ -94,6 +97,7 @@ class RolloutActor(Actor):
             await self.bus.subscribe(self.subjects.memory, MemoryControl, self.on_memory)
         await self._query_weights()
         tg.create_task(self._weights_loop(), name="weights")
+        tg.create_task(self._report(), name="metrics")
 
     def _known_version(self) -> int:
         pending = self._pending_weights.version if self._pending_weights is not None else -1
@@ -139,9 +143,10 @@ class RolloutActor(Actor):
         req = LeaseRequest(actor_id=self.actor_id, max_episodes=n, request_id=uuid.uuid4().hex)
         while True:
             try:
-                lease = await self.bus.request(
-                    self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT
-                )
+                with self.tracer.span("lease", max_episodes=n):
+                    lease = await self.bus.request(
+                        self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT
+                    )
             except BusTimeout:
                 self.counters["lease_timeouts"] += 1
                 await asyncio.sleep(RETRY_PAUSE)
@@ -192,9 +197,10 @@ class RolloutActor(Actor):
                     pass
 
     async def _episode(self, prompt: Prompt, lease_id: str) -> list[Trajectory]:
-        trajectories = await self.workflow.arun_episode(
-            self.engine, {**prompt.data, "uid": prompt.uid}
-        )
+        with self.tracer.span("generate", prompt=prompt.uid):
+            trajectories = await self.workflow.arun_episode(
+                self.engine, {**prompt.data, "uid": prompt.uid}
+            )
         if not trajectories:
             raise EpisodeProducedNothing("the workflow returned no trajectory")
         stamped = [
@@ -266,21 +272,19 @@ class RolloutActor(Actor):
             msg = self._pending_weights
             if msg is None or msg.version <= self.engine.version:
                 continue
-            with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
-                t0 = time.monotonic()
-                source: Any = Path(msg.location)
-                if msg.kind != "dir":
-                    source = Path(tmp)
-                    await get_weights(self.bus, self.subjects.weights_bucket, msg.location, source)
-                staged = await self.engine.stage_weights(source)
+            t0 = time.monotonic()
+            async with staged_weights(
+                self.engine, self.bus, self.subjects.weights_bucket, msg
+            ) as staged:
                 fetch_s = time.monotonic() - t0
                 t1 = time.monotonic()
                 await self.engine.pause()
                 try:
-                    await self.engine.update_weights(staged, msg.version)
+                    with self.tracer.span("load weights", to_version=msg.version):
+                        await self.engine.update_weights(staged, msg.version)
                 finally:
                     await self.engine.resume()
-                pause_s = time.monotonic() - t1
+                pause_s = self._last_pause = time.monotonic() - t1
             self.version = msg.version
             self._version_changed.set()
             self.log.info(
@@ -299,6 +303,28 @@ class RolloutActor(Actor):
                 },
                 step=msg.version,
             )
+
+    def _rates(self) -> dict[str, float]:
+        return {
+            "version": float(self.engine.version),
+            **{k: float(v) for k, v in self.counters.items()},
+            "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
+        }
+
+    async def _report(self) -> None:
+        """Progress every few seconds: ``gen_tokens_per_s`` is the generated tokens of
+        the episodes finished in the last interval over its length."""
+        last_tokens, last_t = 0, time.monotonic()
+        while True:
+            await asyncio.sleep(METRICS_EVERY)
+            now, tokens = time.monotonic(), self.counters["tokens"]
+            values = self._rates()
+            values["gen_tokens_per_s"] = (tokens - last_tokens) / (now - last_t)
+            values["gen_tokens_per_s_total"] = tokens / (now - self._t0)
+            last_tokens, last_t = tokens, now
+            if self._last_pause is not None:
+                values["weight_update_s"] = self._last_pause
+            await self.emit_metrics(values, step=int(self.engine.version))
 
 
 def _versions_spanned(t: Trajectory) -> int:

@@ -20,6 +20,7 @@ import asyncio
 import json
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from asyncrl.messages import (
     BatchRequest,
     MemoryControl,
     MemoryReleased,
+    Metrics,
     TrainBatchRef,
     Trajectory,
     WeightsUpdated,
@@ -51,6 +53,44 @@ BATCH_WAIT_LOG_EVERY = 30.0
 RELEASE_TIMEOUT = 60.0
 """Seconds a colocated trainer waits for the rollout actors it knows to release their
 memory before it steps anyway (an actor that died meanwhile never answers)."""
+
+ALIVE_WINDOW = 3.0
+"""An actor counts as live (``actors/<role>``) if its last heartbeat is this recent
+(heartbeats come every second)."""
+
+
+def batch_stats(
+    trajectories: list[Trajectory], group_size: int, max_new_tokens: int
+) -> dict[str, float]:
+    """Response lengths and per-group reward shape of one training batch.
+
+    - ``response_length/mean``, ``/max``: generated tokens per sample (loss-mask sum);
+    - ``response_length/clip_ratio``: share of samples that stopped on the token budget;
+    - ``reward_groups/all_zero``, ``/all_one``: share of groups whose rewards are all <= 0,
+      or all >= 1 (no GRPO signal either way);
+    - ``reward_groups/std_mean``: mean over groups of the within-group reward std
+      (population std: the spread GRPO normalises by).
+    """
+    lengths = [int(t.loss_mask.numpy().sum()) for t in trajectories]
+    clipped = [
+        t.finish_reason == "length" or n >= max_new_tokens
+        for t, n in zip(trajectories, lengths, strict=True)
+    ]
+    rewards = [float(t.reward or 0.0) for t in trajectories]
+    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
+    stds = []
+    for g in groups:
+        mu = sum(g) / len(g)
+        stds.append((sum((r - mu) ** 2 for r in g) / len(g)) ** 0.5)
+    n_groups = max(1, len(groups))
+    return {
+        "response_length/mean": sum(lengths) / max(1, len(lengths)),
+        "response_length/max": float(max(lengths, default=0)),
+        "response_length/clip_ratio": sum(clipped) / max(1, len(clipped)),
+        "reward_groups/all_zero": sum(all(r <= 0 for r in g) for g in groups) / n_groups,
+        "reward_groups/all_one": sum(all(r >= 1 for r in g) for g in groups) / n_groups,
+        "reward_groups/std_mean": sum(stds) / n_groups,
+    }
 
 
 def build_samples(
@@ -119,18 +159,29 @@ class TrainerActor(Actor):
         self.version = 0
         self.published_version = 0  # rollouts start from the initial weights, version 0
         self.data_state: dict[str, Any] = {}
-        self.metrics_file = ctx.run_dir / "metrics.jsonl"
         self.samples_file = ctx.run_dir / "trained_samples.jsonl"
         self.weights_dir = ctx.run_dir / "weights"
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self._t_start = time.monotonic()
         self._samples_total = 0
         self._tokens_total = 0
-        self._rollout_seen: dict[str, float] = {}  # actor id -> last heartbeat (colocation)
+        self._colocated_seen: dict[str, float] = {}  # rollout actor id -> last heartbeat
         self._released: dict[str, MemoryReleased] = {}
         self._release_answered = asyncio.Event()
 
+        self.sinks: Any = None
+        self._last_heartbeat: dict[str, tuple[str, float]] = {}
+        self._rollout_latest: dict[str, dict[str, float]] = {}
+        self._rollout_seen: dict[str, tuple[float, float]] = {}
+
     async def setup(self, tg: asyncio.TaskGroup) -> None:
+        from asyncrl.observe.sinks import open_sinks
+
+        self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl="metrics.jsonl", job="trainer")
+        await self.bus.subscribe(self.subjects.heartbeat("*"), ActorInfo, self._on_heartbeat)
+        await self.bus.subscribe(
+            self.subjects.metrics("rollout"), Metrics, self._on_rollout_metrics
+        )
         if self.recipe.rollout.colocate:
             await self.bus.subscribe(
                 self.subjects.heartbeat("rollout"), ActorInfo, self._on_rollout
@@ -150,6 +201,51 @@ class TrainerActor(Actor):
     async def teardown(self) -> None:
         if self.engine is not None:
             await asyncio.to_thread(self._broadcast, ("stop", None))
+        if self.sinks is not None:
+            self.sinks.close()
+
+    async def _on_heartbeat(self, info: ActorInfo) -> None:
+        self._last_heartbeat[info.actor_id] = (info.role, time.monotonic())
+
+    async def _on_rollout_metrics(self, m: Metrics) -> None:
+        # two kinds of record (progress, weight update): keep the latest of each value
+        self._rollout_latest.setdefault(m.actor_id, {}).update(m.values, _time=m.time)
+
+    def _fleet_stats(self) -> dict[str, float]:
+        """Live actors per role, each live rollout actor's generation rate over the step,
+        and the rollout actors' latest pause for a weight update (the pause of the previous
+        version: this step's weights are still on their way)."""
+        now = time.monotonic()
+        alive: dict[str, int] = {}
+        for actor_id, (role, seen) in list(self._last_heartbeat.items()):
+            if now - seen <= ALIVE_WINDOW:
+                alive[role] = alive.get(role, 0) + 1
+            else:
+                del self._last_heartbeat[actor_id]
+                self._rollout_latest.pop(actor_id, None)
+                self._rollout_seen.pop(actor_id, None)
+        out: dict[str, float] = {f"actors/{role}": float(n) for role, n in sorted(alive.items())}
+        out["actors/trainer"] = float(self.recipe.trainer.nproc)
+        rates = {}
+        for actor_id, v in self._rollout_latest.items():
+            # generated tokens over the time between this step's and the previous step's
+            # view of the actor's counter: its average rate over the step, idle time included
+            now_point = (v.get("_time", 0.0), v.get("tokens", 0.0))
+            before = self._rollout_seen.get(actor_id)
+            if before is not None and now_point[0] > before[0]:
+                rates[actor_id] = (now_point[1] - before[1]) / (now_point[0] - before[0])
+            else:
+                rates[actor_id] = v.get("gen_tokens_per_s_total", 0.0)
+            if before is None or now_point[0] > before[0]:
+                self._rollout_seen[actor_id] = now_point
+        for actor_id, rate in sorted(rates.items()):
+            out[f"rollout/{actor_id}/tokens_per_s"] = rate
+        out["rollout/tokens_per_s"] = sum(rates.values())
+        pauses = [
+            v["weight_update_s"] for v in self._rollout_latest.values() if "weight_update_s" in v
+        ]
+        out["time_gen_pause_s"] = max(pauses, default=0.0)
+        return out
 
     # -- the step loop ----------------------------------------------------------------------
 
@@ -157,13 +253,15 @@ class TrainerActor(Actor):
         cfg = self.recipe.trainer
         while self.step < cfg.max_steps:
             t0 = time.monotonic()
-            batch = await self._fetch_batch(self.step)
+            with self.tracer.span("wait batch", step=self.step + 1):
+                batch = await self._fetch_batch(self.step)
             t_batch = time.monotonic() - t0
             samples, stats = build_samples(batch.trajectories, self.recipe)
             if self.recipe.rollout.colocate:
                 stats["rollout_freed_bytes"] = await self._release_rollout_memory()
             t1 = time.monotonic()
-            train_stats = await asyncio.to_thread(self._broadcast, ("train", samples))
+            with self.tracer.span("train", step=self.step + 1, samples=len(samples)):
+                train_stats = await asyncio.to_thread(self._broadcast, ("train", samples))
             t_train = time.monotonic() - t1
             self.step += 1
             self.version += 1
@@ -171,7 +269,8 @@ class TrainerActor(Actor):
             t2 = time.monotonic()
             last = self.step == cfg.max_steps
             if self.step % cfg.update_every == 0 or last:
-                await self._publish_weights()
+                with self.tracer.span("publish weights", step=self.step):
+                    await self._publish_weights()
             elif self.recipe.rollout.colocate:  # no new weights to bring the memory back
                 await self.bus.publish(
                     self.subjects.memory, MemoryControl(action="resume", step=self.step)
@@ -186,9 +285,9 @@ class TrainerActor(Actor):
 
     async def _on_rollout(self, info: ActorInfo) -> None:
         if info.status == "running":
-            self._rollout_seen[info.actor_id] = time.monotonic()
+            self._colocated_seen[info.actor_id] = time.monotonic()
         else:
-            self._rollout_seen.pop(info.actor_id, None)
+            self._colocated_seen.pop(info.actor_id, None)
         self._release_answered.set()  # a release wait re-counts who is alive
 
     async def _on_released(self, msg: MemoryReleased) -> None:
@@ -209,7 +308,7 @@ class TrainerActor(Actor):
             async with asyncio.timeout(RELEASE_TIMEOUT):
                 while True:
                     now = time.monotonic()
-                    live = {a for a, t in self._rollout_seen.items() if now - t < ttl}
+                    live = {a for a, t in self._colocated_seen.items() if now - t < ttl}
                     if live <= self._released.keys():
                         break
                     self._release_answered.clear()
@@ -261,8 +360,8 @@ class TrainerActor(Actor):
         t_train: float,
         t_weights: float,
     ) -> dict[str, float]:
-        """Appends the step's line to metrics.jsonl and its samples to
-        trained_samples.jsonl; returns the numeric metrics."""
+        """Logs the step's record to every sink (``metrics.jsonl`` always) and its samples
+        to trained_samples.jsonl; returns the numeric metrics."""
         trained_at = self.version - 1  # the weights these samples updated
         staleness = []
         with open(self.samples_file, "a") as f:
@@ -296,6 +395,7 @@ class TrainerActor(Actor):
             "rejected": batch.counters.get("rejected", 0),
             "staleness_mean": sum(staleness) / max(1, len(staleness)),
             "staleness_max": max(staleness, default=0),
+            **{f"staleness/{s}": n for s, n in sorted(Counter(staleness).items())},
             "samples": len(batch.trajectories),
             "samples_per_s": self._samples_total / elapsed,
             "tokens_per_s": self._tokens_total / elapsed,
@@ -307,6 +407,12 @@ class TrainerActor(Actor):
             "time_wait_batch_s": t_batch,
             "time_train_s": t_train,
             "time_weights_s": t_weights,
+            **batch_stats(
+                batch.trajectories,
+                self.recipe.rollout.group_size,
+                self.recipe.rollout.sampling.max_new_tokens,
+            ),
+            **self._fleet_stats(),
             **{
                 f"train/{k}": v
                 for k, v in train_stats.items()
@@ -314,8 +420,7 @@ class TrainerActor(Actor):
             },
             "time": time.time(),
         }
-        with open(self.metrics_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.sinks.log(record, self.step)
         return {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
 
     # -- weights and checkpoints -----------------------------------------------------------------

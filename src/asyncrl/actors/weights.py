@@ -8,9 +8,14 @@ newest few versions are kept, so the object store does not grow with the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
 
 KEEP_VERSIONS = 3
@@ -57,3 +62,25 @@ async def get_weights(bus: Bus, bucket: str, key: str, dest_dir: Path) -> None:
     await bus.get_blob(bucket, key, buf)
     for name in json.loads(buf.getvalue())["files"]:
         await bus.get_blob(bucket, f"{key}/{name}", dest_dir / name)
+
+
+@contextlib.asynccontextmanager
+async def staged_weights(
+    engine: Any, bus: Bus, bucket: str, msg: WeightsUpdated
+) -> AsyncIterator[Any]:
+    """The weights ``msg`` announces, fetched (from the object store, into a temporary
+    directory that lives as long as the context) and staged by the engine, all while it
+    keeps generating; yields what ``engine.update_weights`` then takes."""
+    with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
+        source = Path(msg.location)
+        if msg.kind != "dir":
+            source = Path(tmp)
+            await get_weights(bus, bucket, msg.location, source)
+        yield await engine.stage_weights(source)
+
+
+async def load_published_weights(engine: Any, bus: Bus, bucket: str, msg: WeightsUpdated) -> None:
+    """Loads the weights ``msg`` announces into an inference engine (it pauses around the
+    load itself unless the caller paused it)."""
+    async with staged_weights(engine, bus, bucket, msg) as staged:
+        await engine.update_weights(staged, msg.version)

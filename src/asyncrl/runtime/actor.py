@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from asyncrl import __version__
 from asyncrl.messages import ActorExit, ActorInfo, Control, Message, Metrics
 from asyncrl.runtime.log import get_logger
+from asyncrl.runtime.trace import Tracer
 from asyncrl.subjects import Subjects
 
 if TYPE_CHECKING:
@@ -71,6 +72,14 @@ class Actor:
         self._stop = asyncio.Event()
         self._stop_reason = ""
         self._bus: Bus | None = None
+        self.tracer = self._make_tracer()
+
+    def _make_tracer(self) -> Tracer:
+        from asyncrl.config import trace_window
+
+        steps = self.recipe.run.trace_steps
+        window = trace_window(steps) if steps else None
+        return Tracer(self.ctx.run_dir, self.actor_id, self.role, window, lambda: self.version)
 
     @property
     def bus(self) -> Bus:
@@ -172,6 +181,7 @@ class Actor:
         except Exception as exc:
             ok, reason = False, reason or f"teardown: {type(exc).__name__}: {exc}"
             self.log.error("teardown failed", exc_info=exc)
+        self.tracer.close()
         try:
             exit_msg = ActorExit(role=self.role, actor_id=self.actor_id, ok=ok, reason=reason)
             await self.bus.publish(self.subjects.exited, exit_msg)

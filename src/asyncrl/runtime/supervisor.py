@@ -220,7 +220,8 @@ class Supervisor:
                     missing = [a for a, p in self.procs.items() if not p.started]
                     self.reason = f"actors did not start within {self.startup_timeout}s: {missing}"
                     return 1
-            primaries = [p for p in self.procs.values() if p.spec.primary]
+            # a replaced primary (a restarted eval actor) is represented by its replacement
+            primaries = [p for p in self.procs.values() if p.spec.primary and not p.replaced]
             if primaries and all(p.exit_code == 0 for p in primaries):
                 self.reason = "finished"
                 return 0

@@ -371,6 +371,7 @@ class TrainEngine:
         total_units = max(1, sum(units))
         self.optimizer.zero_grad(set_to_none=True)
         t_fb = time.perf_counter()
+        self.module.entropy_sum = torch.zeros((), device=self.device)
         for mb in self._micro_batches(batch):
             lp_BT = self._logprobs_BT(mb)
             behav_BT = mb.behav_logprobs_BT
@@ -406,6 +407,7 @@ class TrainEngine:
                 loss_tokens=mb.loss_mask_BT.sum(),
                 input_tokens=mb.num_input_tokens if mb.seq_index else 0,
             )
+        totals.add_entropy(self.module.entropy_sum)
         self._sync()
         t_opt = time.perf_counter()
         grad_norm = self._clip_grad_norm()

@@ -81,6 +81,18 @@ def _chunk_logprobs(
     return picked_M - torch.logsumexp(logits_MV, dim=-1)
 
 
+def _chunk_entropy(
+    hidden_MH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """Entropy of ``softmax(z / T)`` per row: ``H = logsumexp(z/T) − Σ p·z/T``."""
+    logits_MV = F.linear(hidden_MH, weight_VH, bias_V).float() / temperature
+    lse_M = torch.logsumexp(logits_MV, dim=-1)
+    return lse_M - (torch.softmax(logits_MV, dim=-1) * logits_MV).sum(-1)
+
+
 class TokenLogprobs(nn.Module):
     """``forward(...) -> logprobs [M]`` of chosen tokens under a causal LM.
 
@@ -92,6 +104,9 @@ class TokenLogprobs(nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        self.entropy_sum: torch.Tensor | float = 0.0
+        """Sum of the policy's token entropy over the targets of the gradient-enabled
+        forwards since the caller last reset it (a statistic; no gradient)."""
 
     def forward(
         self,
@@ -145,6 +160,9 @@ class TokenLogprobs(nn.Module):
             if torch.is_grad_enabled():
                 # Recomputed in backward, so only one chunk of logits is ever alive.
                 pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+                with torch.no_grad():
+                    entropy_M = _chunk_entropy(*args[:3], temperature)
+                    self.entropy_sum = self.entropy_sum + entropy_M.sum()
             else:
                 pieces.append(_chunk_logprobs(*args))
         if not pieces:

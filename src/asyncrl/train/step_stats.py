@@ -56,6 +56,11 @@ class StepTotals:
         self.micro_batches += 1
         self.input_tokens += input_tokens
 
+    def add_entropy(self, entropy_sum: torch.Tensor) -> None:
+        """The policy's token entropy summed over a minibatch's loss tokens (the training
+        forwards'); reported as ``entropy``, the mean over the batch's loss tokens."""
+        self._add("entropy", entropy_sum)
+
     def _add(self, key: str, value: torch.Tensor) -> None:
         self.sums[key] = self.sums[key] + value if key in self.sums else value
 
@@ -74,8 +79,9 @@ class StepTotals:
             dist.all_reduce(counts)
             dist.all_reduce(stat_max, op=dist.ReduceOp.MAX)
         out = dict(zip(keys, packed.tolist(), strict=True))
-        for key in MEAN_STATS:
-            out[key] /= max(1, loss_tokens)
+        for key in (*MEAN_STATS, "entropy"):
+            if key in out:
+                out[key] /= max(1, loss_tokens)
         for key in ("loss", "pg_loss"):
             out[key] /= max(1, minibatches)
         # low (A < 0), high (A > 0) and dual (A < 0, ratio above c_clip) are disjoint

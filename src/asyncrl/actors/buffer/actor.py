@@ -42,6 +42,7 @@ from asyncrl.messages import (
 )
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.staleness import StalenessManager
+from asyncrl.runtime.trace import now_us
 
 BATCH_WAIT = 5.0
 """Seconds a batch request waits for enough groups before answering "not ready"; well
@@ -138,7 +139,10 @@ class BufferActor(Actor):
     # -- leases ----------------------------------------------------------------------------
 
     async def on_lease(self, req: LeaseRequest) -> Message:
-        return self.leases.grant(req, time.monotonic())
+        t0 = now_us()
+        lease = self.leases.grant(req, time.monotonic())
+        self.tracer.complete("grant lease", t0, actor=req.actor_id, prompts=len(lease.prompts))
+        return lease
 
     async def on_heartbeat(self, info: ActorInfo) -> None:
         # what an actor holds is settled only while it runs (not while it starts or stops)
@@ -185,6 +189,7 @@ class BufferActor(Actor):
 
     async def on_batch_request(self, req: BatchRequest) -> Message:
         batch = self.batcher.served.get(req.step)
+        t_request = now_us()
         if batch is None:
             published = req.published_version if req.published_version >= 0 else req.version
             self.version = published
@@ -198,6 +203,7 @@ class BufferActor(Actor):
                     step=req.step, version=self.version, waiting=self.batcher.waiting()
                 )
             batch = self.batcher.take(req.step, self.leases.source.state())
+            self.tracer.complete("serve batch", t_request, step=req.step)
             await self.emit_metrics({k: float(v) for k, v in batch.counters.items()}, step=req.step)
         data = encode(batch)
         if len(data) <= BLOB_FRACTION * self.bus.max_payload:

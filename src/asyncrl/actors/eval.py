@@ -1,0 +1,260 @@
+"""EvalActor: scores the published policy on held-out prompts every ``eval.every`` versions.
+
+It holds its own inference engine and reward pool, listens to ``WeightsUpdated`` like a
+rollout actor and loads weights with the same helper, but only the versions it evaluates:
+0 (the starting policy; on resume, the restored one), every multiple of ``eval.every``,
+and ``trainer.max_steps``. When it falls behind, it evaluates the newest due version and
+skips the ones in between (counted in ``eval/skipped``). After the last version it
+returns, so ``up`` (which waits for it like for the trainer) ends the run only once the
+final evaluation is written.
+
+Per evaluation, over ``eval.max_prompts`` held-out prompts (see
+:func:`asyncrl.actors.common.load_eval_records`), with rewards r in [0, 1]:
+
+- ``eval/accuracy``: mean reward of one greedy completion per prompt;
+- ``eval/mean@k``: mean reward of k sampled completions, averaged over prompts;
+- ``eval/pass@k``: share of prompts whose best of k samples scored at least 0.5 (for
+  binary rewards, the usual pass@k with n = k);
+- ``eval/response_length``, ``eval/clip_ratio`` (share that hit the token budget),
+  ``eval/seconds``, ``eval/tokens_per_s``.
+
+Generation is single-turn (the prompt record's chat, as the ``rlvr`` workflow builds it),
+whatever the run's workflow. Each record goes to ``eval.jsonl`` (and TensorBoard / W&B) and to the ``metrics.eval``
+subject, with ``version`` the policy version it evaluated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+from asyncrl.actors.weights import load_published_weights
+from asyncrl.messages import WeightsQuery, WeightsUpdated
+from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.bus import BusTimeout, RemoteError
+
+WEIGHTS_QUERY_TIMEOUT = 5.0
+"""Seconds to wait for the buffer's answer to "which weights are the latest?"."""
+
+EVAL_FILE = "eval.jsonl"
+
+PASS_THRESHOLD = 0.5
+"""A sample with at least this reward counts as solved for pass@k."""
+
+
+def pass_at_k(rewards_PK: list[list[float]], threshold: float = PASS_THRESHOLD) -> float:
+    """Share of prompts with at least one of their k rewards >= ``threshold``."""
+    if not rewards_PK:
+        return 0.0
+    return sum(max(r) >= threshold for r in rewards_PK if r) / len(rewards_PK)
+
+
+def mean_at_k(rewards_PK: list[list[float]]) -> float:
+    """Mean over prompts of the mean of their k rewards."""
+    rows = [sum(r) / len(r) for r in rewards_PK if r]
+    return sum(rows) / len(rows) if rows else 0.0
+
+
+def is_due(version: int, every: int, last: int) -> bool:
+    """Whether a policy version is one the eval actor evaluates."""
+    return version == 0 or version == last or (every > 0 and version % every == 0)
+
+
+class EvalActor(Actor):
+    role = "eval"
+
+    def __init__(self, ctx: ActorContext) -> None:
+        super().__init__(ctx)
+        self.engine: Any = None
+        self.reward_pool: Any = None
+        self.records: list[dict[str, Any]] = []
+        self.counters: Counter[str] = Counter()
+        self.sinks: Any = None
+        self._due: WeightsUpdated | None = None
+        self._due_arrived = asyncio.Event()
+        self.evaluated: list[int] = []
+        self._baseline = True
+
+    async def setup(self, tg: asyncio.TaskGroup) -> None:
+        from asyncrl.actors.common import (
+            build_engine,
+            build_reward_pool,
+            latest_checkpoint_meta,
+            load_eval_records,
+        )
+        from asyncrl.observe.sinks import open_sinks
+
+        self.records = load_eval_records(self.recipe)
+        if not self.records:
+            raise ValueError(
+                "eval: no held-out prompts: this run has eval.every = 0 and no eval.data, so "
+                "none of its data was set aside (every prompt may have been trained on)"
+                if not self.recipe.eval.every and self.recipe.eval.data is None
+                else "eval: eval.data has no records"
+            )
+        self.engine = build_engine(self.recipe)
+        await self.engine.start()
+        self.reward_pool = build_reward_pool(self.recipe)
+        await self.reward_pool.start()
+        self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl=EVAL_FILE, job="eval")
+        await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
+        latest = await self._query_weights()
+        # a fresh run's engine holds its starting policy, version 0: the baseline is scored
+        # first even if the trainer has moved on; a resumed run's starting policy is the
+        # restored one, which arrives as the latest weights
+        self._baseline = latest_checkpoint_meta(self.ctx.run_dir) is None
+        if latest is not None and (not self._baseline or self._is_due(latest.version)):
+            self._due = latest
+            self._due_arrived.set()
+        self.log.info("eval ready", prompts=len(self.records))
+
+    def _is_due(self, version: int) -> bool:
+        return is_due(version, self.recipe.eval.every, self.recipe.trainer.max_steps)
+
+    async def teardown(self) -> None:
+        if self.reward_pool is not None:
+            await self.reward_pool.aclose()
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.sinks is not None:
+            self.sinks.close()
+
+    async def _query_weights(self) -> WeightsUpdated | None:
+        try:
+            return await self.bus.request(
+                self.subjects.weights_query,
+                WeightsQuery(actor_id=self.actor_id),
+                WeightsUpdated,
+                timeout=WEIGHTS_QUERY_TIMEOUT,
+            )
+        except (BusTimeout, RemoteError):
+            return None  # nothing published yet: the engine holds version 0
+
+    async def on_weights(self, msg: WeightsUpdated) -> None:
+        if not self._is_due(msg.version):
+            return
+        if self._due is not None and msg.version > self._due.version:
+            self.counters["skipped"] += 1
+        if self._due is None or msg.version > self._due.version:
+            self._due = msg
+            self._due_arrived.set()
+
+    async def run(self) -> None:
+        last = self.recipe.trainer.max_steps
+        if self._baseline:
+            await self._evaluate_and_record(int(self.engine.version))
+        while not self.evaluated or self.evaluated[-1] < last:
+            await self._due_arrived.wait()
+            self._due_arrived.clear()
+            msg, self._due = self._due, None
+            if msg is None or (self.evaluated and msg.version <= self.evaluated[-1]):
+                continue
+            if msg.version != self.engine.version:
+                try:
+                    with self.tracer.span("load weights", to_version=msg.version):
+                        await load_published_weights(
+                            self.engine, self.bus, self.subjects.weights_bucket, msg
+                        )
+                except (FileNotFoundError, OSError) as exc:
+                    # the trainer keeps only a few versions: this one is already gone
+                    self.counters["skipped"] += 1
+                    self.log.warning("weights gone, skipping", version=msg.version, error=str(exc))
+                    continue
+            self.version = msg.version
+            await self._evaluate_and_record(msg.version)
+
+    async def _evaluate_and_record(self, version: int) -> None:
+        self.version = version
+        t0 = time.monotonic()
+        with self.tracer.span("eval", version=version, prompts=len(self.records)):
+            values = await self.evaluate()
+        seconds = time.monotonic() - t0
+        values["eval/seconds"] = seconds
+        values["eval/tokens_per_s"] = values.pop("_tokens", 0.0) / max(seconds, 1e-9)
+        values["eval/skipped"] = float(self.counters["skipped"])
+        record = {"step": version, "version": version, **values, "time": time.time()}
+        self.sinks.log(record, version)
+        await self.emit_metrics({k: float(v) for k, v in record.items()}, step=version)
+        self.evaluated.append(version)
+        self.log.info("evaluated", **{k: round(v, 4) for k, v in values.items()})
+
+    async def evaluate(self) -> dict[str, float]:
+        """Generates and scores every held-out prompt at the engine's current weights."""
+        from asyncrl.actors.common import eval_sampling_params
+
+        cfg = self.recipe.eval
+        jobs: list[tuple[int, Any]] = []
+        if cfg.greedy:
+            jobs.append((1, eval_sampling_params(self.recipe, greedy=True)))
+        if cfg.k:
+            jobs.append((cfg.k, eval_sampling_params(self.recipe, greedy=False)))
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                [
+                    tg.create_task(self._complete(i, rec, sampling, n))
+                    for i, rec in enumerate(self.records)
+                ]
+                for n, sampling in jobs
+            ]
+        out: dict[str, float] = {"eval/prompts": float(len(self.records)), "_tokens": 0.0}
+        lengths: list[int] = []
+        clipped = 0
+        for (n, sampling), row in zip(jobs, tasks, strict=True):
+            results = [t.result() for t in row]
+            rewards_PK = [[r for r, _, _ in res] for res in results]
+            for res in results:
+                for _, length, hit_max in res:
+                    lengths.append(length)
+                    clipped += hit_max
+            if sampling.temperature == 0:
+                out["eval/accuracy"] = mean_at_k(rewards_PK)
+            else:
+                out[f"eval/mean@{n}"] = mean_at_k(rewards_PK)
+                out[f"eval/pass@{n}"] = pass_at_k(rewards_PK)
+        out["_tokens"] = float(sum(lengths))
+        out["eval/response_length"] = sum(lengths) / max(1, len(lengths))
+        out["eval/clip_ratio"] = clipped / max(1, len(lengths))
+        return out
+
+    async def _complete(
+        self, index: int, record: dict[str, Any], sampling: Any, n: int
+    ) -> list[tuple[float, int, bool]]:
+        """``n`` completions of one prompt as (reward, length, hit the token budget).
+
+        Sample j of prompt i has a seed fixed by the run's seed, i and j: every version
+        is scored on the same draws, so a change between versions is the policy's."""
+        from asyncrl.engines.base import GenerateRequest
+        from asyncrl.workflows.base import chat_messages, encode_chat
+        from asyncrl.workflows.rlvr import sample_seed
+
+        tokenizer = self.engine.tokenizer
+        prompt_ids = encode_chat(tokenizer, chat_messages(record))
+        with self.tracer.span("generate", n=n):
+            async with asyncio.TaskGroup() as tg:
+                gens = [
+                    tg.create_task(
+                        self.engine.agenerate(
+                            GenerateRequest(
+                                input_ids=prompt_ids,
+                                sampling=sampling.model_copy(
+                                    update={
+                                        "seed": sample_seed(
+                                            self.recipe.run.seed, f"eval/{index}", j
+                                        )
+                                    }
+                                ),
+                            )
+                        )
+                    )
+                    for j in range(n)
+                ]
+        out = []
+        for g in gens:
+            resp = g.result()
+            text = tokenizer.decode(resp.output_ids, skip_special_tokens=True)
+            with self.tracer.span("score"):
+                scored = await self.reward_pool.score(text, record)
+            out.append((float(scored.reward), len(resp.output_ids), resp.finish_reason == "length"))
+        return out
