@@ -126,9 +126,15 @@ async def test_ppo_minibatches_clip_and_still_learn(tmp_path: Path) -> None:
     """Four optimizer steps per batch: the later ones see a policy that moved away from the
     proximal one, so the clip acts; the version still advances once per batch. A small KL
     penalty to the initial policy rides along (the trainer holds the reference model)."""
-    steps = 16
+    steps = 24  # more than the ci recipe's 16: a run whose first steps go sideways has time
     code, out = await run(
-        up_args(tmp_path, "mb4", "trainer.ppo_minibatches=4", "trainer.loss.kl_coef=0.001")
+        up_args(
+            tmp_path,
+            "mb4",
+            f"trainer.max_steps={steps}",
+            "trainer.ppo_minibatches=4",
+            "trainer.loss.kl_coef=0.001",
+        )
     )
     assert code == 0, out
     metrics = read_jsonl(tmp_path / "mb4" / "metrics.jsonl")
@@ -148,7 +154,15 @@ async def test_ppo_minibatches_clip_and_still_learn(tmp_path: Path) -> None:
 async def test_an_attached_rollout_actor_gets_leases_and_is_trained_on(tmp_path: Path) -> None:
     run_dir = tmp_path / "attach"
     up = await asyncio.create_subprocess_exec(
-        *up_args(tmp_path, "attach", "trainer.max_steps=30", "rollout.max_concurrent=4"),
+        # long enough that the extra actor joins while the run is live (a step takes
+        # well under a second here)
+        *up_args(
+            tmp_path,
+            "attach",
+            "trainer.max_steps=200",
+            "rollout.max_concurrent=4",
+            "rollout.sampling.max_new_tokens=32",
+        ),
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
         cwd=REPO,

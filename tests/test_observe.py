@@ -118,6 +118,12 @@ def test_batch_stats_by_hand() -> None:
     assert stats["reward_groups/all_zero"] == pytest.approx(1 / 3)
     assert stats["reward_groups/all_one"] == pytest.approx(1 / 3)
     assert stats["reward_groups/std_mean"] == pytest.approx(0.5 / 3)
+    assert stats["versions/mixed_samples"] == 0
+    # an update landed mid-sequence: the prompt's -1s do not count as a version
+    mixed = batch[0].model_copy(update={"versions": Array.of([-1, -1, 3, 3, 4], "int32")})
+    assert mixed.versions_spanned == 2 and batch[0].versions_spanned == 1
+    stats = batch_stats([mixed, *batch[1:]], group_size=2, max_new_tokens=8)
+    assert stats["versions/mixed_samples"] == 1
 
 
 def test_chunk_entropy_by_hand() -> None:

@@ -247,6 +247,13 @@ class Trajectory(Message):
         return f"{stage}/{self.attempt}/{self.uid}"
 
     @property
+    def versions_spanned(self) -> int:
+        """How many policy versions produced the generated tokens: more than one when a
+        weight update landed while this sample was being generated."""
+        v = self.versions.numpy()
+        return len(set(v[v >= 0].tolist()))
+
+    @property
     def head_version(self) -> int:
         """The oldest policy version that produced a token of this sample (-1 if none)."""
         v = self.versions.numpy()

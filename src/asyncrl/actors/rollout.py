@@ -235,7 +235,7 @@ class RolloutActor(Actor):
             # samples whose generated tokens came from more than one policy version: a
             # weight update landed while they were being generated
             self.counters["mixed_version_samples"] += sum(
-                _versions_spanned(t) > 1 for t in result.value
+                t.versions_spanned > 1 for t in result.value
             )
             return
         self.counters["failed_episodes"] += 1
@@ -325,9 +325,3 @@ class RolloutActor(Actor):
             if self._last_pause is not None:
                 values["weight_update_s"] = self._last_pause
             await self.emit_metrics(values, step=int(self.engine.version))
-
-
-def _versions_spanned(t: Trajectory) -> int:
-    """How many policy versions produced the generated tokens of ``t``."""
-    versions = t.versions.numpy()[t.loss_mask.numpy().astype(bool)]
-    return len(set(versions.tolist()))

@@ -69,7 +69,8 @@ def batch_stats(
     - ``reward_groups/all_zero``, ``/all_one``: share of groups whose rewards are all <= 0,
       or all >= 1 (no GRPO signal either way);
     - ``reward_groups/std_mean``: mean over groups of the within-group reward std
-      (population std: the spread GRPO normalises by).
+      (population std: the spread GRPO normalises by);
+    - ``versions/mixed_samples``: samples whose tokens span two policy versions or more.
     """
     lengths = [int(t.loss_mask.numpy().sum()) for t in trajectories]
     clipped = [
@@ -90,6 +91,8 @@ def batch_stats(
         "reward_groups/all_zero": sum(all(r <= 0 for r in g) for g in groups) / n_groups,
         "reward_groups/all_one": sum(all(r >= 1 for r in g) for g in groups) / n_groups,
         "reward_groups/std_mean": sum(stds) / n_groups,
+        # samples whose tokens came from two versions or more (an update mid-generation)
+        "versions/mixed_samples": float(sum(t.versions_spanned > 1 for t in trajectories)),
     }
 
 
