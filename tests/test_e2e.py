@@ -152,14 +152,17 @@ async def test_ppo_minibatches_clip_and_still_learn(tmp_path: Path) -> None:
 
 
 async def test_an_attached_rollout_actor_gets_leases_and_is_trained_on(tmp_path: Path) -> None:
+    """A rollout actor attached to a live run gets leases and its samples are trained on.
+
+    The run has no step budget worth the name: the test stops it (SIGTERM, as Ctrl-C in a
+    terminal) once the attached actor's samples reached the trainer, so the outcome does not
+    hang on how fast this machine steps compared with how fast the extra actor starts."""
     run_dir = tmp_path / "attach"
     up = await asyncio.create_subprocess_exec(
-        # long enough that the extra actor joins while the run is live (a step takes
-        # well under a second here)
         *up_args(
             tmp_path,
             "attach",
-            "trainer.max_steps=200",
+            "trainer.max_steps=100000",
             "rollout.max_concurrent=4",
             "rollout.sampling.max_new_tokens=32",
         ),
@@ -167,30 +170,65 @@ async def test_an_attached_rollout_actor_gets_leases_and_is_trained_on(tmp_path:
         stderr=asyncio.subprocess.DEVNULL,
         cwd=REPO,
     )
-    await wait_for_file(run_dir / "nats.json", up)
-    bus = await connect(run_dir)
+    extra: asyncio.subprocess.Process | None = None
     try:
-        await wait_for_step(bus, run_dir, 2)
+        await wait_for_file(run_dir / "nats.json", up)
+        bus = await connect(run_dir)
+        try:
+            await wait_for_step(bus, run_dir, 2)
+            code, status = await run(cli("status", "--run", str(run_dir)), limit=60)
+            assert code == 0, status
+            for actor in ("buffer-0", "reward-0", "rollout-0", "trainer-0"):
+                assert actor in status
+            code, out = await run(
+                cli(
+                    "metrics", "--run", str(run_dir), "--json", "--role", "trainer", "--count", "1"
+                ),
+                limit=120,
+            )
+            assert code == 0, out
+            record = json.loads(out.strip().splitlines()[-1])
+            assert record["role"] == "trainer" and "reward_mean" in record
+            extra = await asyncio.create_subprocess_exec(
+                *cli("attach", "rollout", "--run", str(run_dir), "--actor-id", "extra"),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                cwd=REPO,
+            )
+            await wait_until_trained_from(bus, run_dir, "extra", extra)
+        finally:
+            await bus.close()
+        up.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(up.wait(), 120) == 0
+        out_b, _ = await asyncio.wait_for(extra.communicate(), 120)
+        assert extra.returncode == 0, out_b.decode()  # it stops with the run, cleanly
     finally:
-        await bus.close()
-    code, status = await run(cli("status", "--run", str(run_dir)), limit=60)
-    assert code == 0, status
-    for actor in ("buffer-0", "reward-0", "rollout-0", "trainer-0"):
-        assert actor in status
-    code, out = await run(
-        cli("metrics", "--run", str(run_dir), "--json", "--role", "trainer", "--count", "1"),
-        limit=120,
-    )
-    assert code == 0, out
-    record = json.loads(out.strip().splitlines()[-1])
-    assert record["role"] == "trainer" and "reward_mean" in record
-    code, out = await run(cli("attach", "rollout", "--run", str(run_dir), "--actor-id", "extra"))
-    assert code == 0, out  # it stops with the run, cleanly
-    assert await asyncio.wait_for(up.wait(), RUN_TIMEOUT) == 0
+        for proc in (up, extra):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()
     events = read_jsonl(run_dir / "buffer_events.jsonl")
     assert any(e["event"] == "lease" and e["actor"] == "extra" for e in events)
     trained = check_staleness_and_uniqueness(run_dir, eta=1)
     assert any(t["actor_id"] == "extra" for t in trained)
+
+
+async def wait_until_trained_from(
+    bus: Bus, run_dir: Path, actor: str, proc: asyncio.subprocess.Process
+) -> None:
+    """Returns once a trained sample came from ``actor``; checked after every trainer step."""
+    stepped = asyncio.Event()
+
+    async def on_metrics(m: Metrics) -> None:
+        stepped.set()
+
+    await bus.subscribe(Subjects(run_dir.name).metrics("trainer"), Metrics, on_metrics)
+    samples = run_dir / "trained_samples.jsonl"
+    async with asyncio.timeout(RUN_TIMEOUT):
+        while not any(t["actor_id"] == actor for t in read_jsonl(samples)):
+            assert proc.returncode is None, f"{actor} exited with code {proc.returncode}"
+            stepped.clear()
+            await stepped.wait()
 
 
 def outstanding_leases(run_dir: Path, actor: str) -> set[str]:
