@@ -227,8 +227,17 @@ class SGLangEngineConfig(_ServerEngineConfig):
     None leaves SGLang's default. Lower it when a trainer shares the GPU."""
 
 
+class InstantEngineConfig(_Section):
+    type: Literal["instant"] = "instant"
+    """No model: instant, fixed-length responses (benchmarks and protocol tests of the
+    actors around generation; ``bench/scale.py``). Nothing it trains on means anything."""
+    response_tokens: int = Field(16, ge=1)
+    """Tokens in every response (fewer when ``rollout.sampling.max_new_tokens`` is smaller)."""
+
+
 EngineConfig = Annotated[
-    HFEngineConfig | VLLMEngineConfig | SGLangEngineConfig, Field(discriminator="type")
+    HFEngineConfig | VLLMEngineConfig | SGLangEngineConfig | InstantEngineConfig,
+    Field(discriminator="type"),
 ]
 
 

@@ -104,6 +104,10 @@ def sampling_params(recipe: Recipe) -> Any:
 def build_engine(recipe: Recipe) -> Any:
     """The rollout engine (not started)."""
     cfg = recipe.rollout.engine
+    if cfg.type == "instant":
+        from asyncrl.engines.instant import InstantEngine
+
+        return InstantEngine(response_tokens=cfg.response_tokens)
     if cfg.type != "hf":
         return build_server_engine(recipe)
     from asyncrl.engines.hf import HFEngine
@@ -121,7 +125,7 @@ def build_server_engine(recipe: Recipe) -> Any:
     """A ``vllm`` or ``sglang`` engine: its servers are started (or joined) by ``start()``,
     their logs go to ``<run>/logs``."""
     cfg = recipe.rollout.engine
-    assert cfg.type != "hf"
+    assert cfg.type in ("vllm", "sglang")
     options: dict[str, Any] = {
         "urls": cfg.urls,
         "command": cfg.command,

@@ -22,6 +22,7 @@ BACKENDS = {
     "hf": "asyncrl.engines.hf:HFEngine",
     "vllm": "asyncrl.engines.vllm:VLLMEngine",
     "sglang": "asyncrl.engines.sglang:SGLangEngine",
+    "instant": "asyncrl.engines.instant:InstantEngine",
 }
 """Engine kinds (the recipe's ``rollout.engine.type``) and the class that implements each."""
 

@@ -86,6 +86,8 @@ class Admission:
         self.refused: set[tuple[str, str]] = set()
         """(attempt, prompt uid) of groups abandoned for an invalid sample."""
         self.ready: deque[list[Trajectory]] = deque()
+        self._fresh_at = -1
+        """The version at which every ready group was last found admissible."""
 
     def reported(self, prompt_uid: str) -> bool:
         """Whether a scored sample of this prompt has arrived (its group is under way)."""
@@ -147,7 +149,12 @@ class Admission:
 
     def drop_stale(self) -> int:
         """Rejects the ready groups that became too stale at the current version (their
-        budget returns); how many."""
+        budget returns); how many. A group is admitted only if admissible at the version
+        of its admission, so only a newer version can make one stale: the scan (a look
+        at every token's version) runs once per version, not once per admitted group."""
+        if self.staleness.version == self._fresh_at:
+            return 0
+        self._fresh_at = self.staleness.version
         fresh: deque[list[Trajectory]] = deque()
         dropped = 0
         for group in self.ready:
