@@ -62,13 +62,6 @@ BLOB_CHUNK_BYTES = 1024 * 1024
 
 RECONNECT_WAIT_S = 2  # nats-py's default pause between reconnect attempts
 
-# JetStream acks wait this long to leave together. nats-py writes to the socket once per
-# event-loop turn that published something, and a consumer handles one message per turn,
-# so acks sent at once cost one write each: on loopback the sender also pays for the
-# server's receive, about half the buffer's CPU per sample (bench/scale.py). A few
-# milliseconds gather a burst into one write; next to ack_wait (seconds) they are nothing.
-ACK_GATHER_S = 0.002
-
 _STREAM_IN_USE = 10058  # JetStream: "stream name already in use with a different configuration"
 
 
@@ -644,10 +637,6 @@ class JsConsumer(Generic[M]):
         self._queue: asyncio.Queue[Msg] = asyncio.Queue()
         # Keyed by id(): nats-py's Msg is an unhashable dataclass.
         self._held: dict[int, Msg] = {}
-        # Handled messages whose acks wait for ACK_GATHER_S (at most `batch`: each one
-        # held its room until handled, and they leave at least every ACK_GATHER_S).
-        self._acks: list[Msg] = []
-        self._acks_due = asyncio.Event()
         self._stop = asyncio.Event()
         self._done = asyncio.Event()
         self._started = False
@@ -664,13 +653,10 @@ class JsConsumer(Generic[M]):
                 for _ in range(self.concurrency):
                     tg.create_task(self._work())
                 tg.create_task(self._keep_alive())
-                tg.create_task(self._send_acks())
                 tg.create_task(self._raise_on_stop())
         except* _Stopped:
             pass
         finally:
-            with contextlib.suppress(nats.errors.Error):
-                await self._flush_acks()
             await self._hand_back()
             self._done.set()
 
@@ -770,22 +756,8 @@ class JsConsumer(Generic[M]):
             self.bus._count_handler(self.msg_type, raw.subject, exc)
             await raw.nak(delay=self.nak_delay)
             return
-        self._acks.append(raw)
-        self._acks_due.set()
-
-    async def _send_acks(self) -> None:
-        while True:
-            await self._acks_due.wait()
-            await asyncio.sleep(ACK_GATHER_S)
-            self._acks_due.clear()
-            await self._flush_acks()
-
-    async def _flush_acks(self) -> None:
-        """Acks what was handled; the publishes do not yield, so they share one write."""
-        acks, self._acks = self._acks, []
-        for raw in acks:
-            await raw.ack()
-        self.acked += len(acks)
+        await raw.ack()
+        self.acked += 1
 
     async def _keep_alive(self) -> None:
         while True:
