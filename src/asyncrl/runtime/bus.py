@@ -258,10 +258,14 @@ class Bus:
         data = encode(msg)
         self._check_size(subject, len(data))
         try:
-            raw = await self.nc.request(subject, data, timeout=timeout)
+            # The deadline is ours, not nats-py's: it waits with asyncio.wait_for, which on
+            # Python 3.11 swallows a cancellation that arrives as the reply does, and an
+            # actor told to stop then went on forever. With no timeout it awaits plainly.
+            async with asyncio.timeout(timeout):
+                raw = await self.nc.request(subject, data, timeout=None)  # type: ignore[arg-type]
         except nats.errors.NoRespondersError:
             raise BusTimeout(f"no responders on {subject!r}") from None
-        except nats.errors.TimeoutError:
+        except TimeoutError:
             raise BusTimeout(f"no reply on {subject!r} within {timeout} s") from None
         try:
             return decode(raw.data, reply_type)
