@@ -284,16 +284,21 @@ def alive(pid: int) -> bool:
 
 PARENT = textwrap.dedent(
     """
-    import asyncio, sys
+    import asyncio, os, signal, sys, time
     from pathlib import Path
     from asyncrl.engines.server import ServerProcess
 
     async def main():
-        out = Path(sys.argv[1])
+        out, hostile = Path(sys.argv[1]), sys.argv[2] == "hostile"
+        if hostile:  # the guard inherits this mask: the parent-death SIGTERM stays pending
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         # the "server" starts a grandchild, as vLLM starts its engine core
         code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"
         server = ServerProcess([sys.executable, "-c", code], url="http://x", log_path=out / "server.log")
         server.start()
+        if hostile and os.fork() == 0:  # a forked child holds the pipe's write end on
+            time.sleep(60)
+            os._exit(0)
         out.joinpath("guard.pid").write_text(str(server.proc.pid))
         await asyncio.sleep(600)
 
@@ -302,8 +307,11 @@ PARENT = textwrap.dedent(
 )
 
 
-def test_no_server_survives_kill_9_of_its_parent(tmp_path: Path) -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)])
+@pytest.mark.parametrize("parent_kind", ["plain", "hostile"])
+def test_no_server_survives_kill_9_of_its_parent(tmp_path: Path, parent_kind: str) -> None:
+    """``hostile``: the parent blocked SIGTERM before starting the guard and a forked child
+    of it keeps the pipe open, so only the guard's watch on its parent id is left."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), parent_kind])
     try:
         guard_file = tmp_path / "guard.pid"
         deadline = time.monotonic() + 30

@@ -13,6 +13,9 @@ The guard ends the whole group â€” SIGTERM, then SIGKILL after a grace period â€
   (``kill -9`` included: the kernel closes a dead process's descriptors);
 - it gets SIGTERM, also from ``PR_SET_PDEATHSIG``, the kernel's notice that the parent
   died (a second line, for a pipe end that leaked into a forked child of the engine);
+- its parent process id is no longer the engine's (a third line, checked every second: a
+  run once left a guard behind whose pipe end had leaked and whose SIGTERM had come
+  blocked with the signal mask it inherited, so the guard also unblocks its signals);
 - the server exits by itself: whatever it left running in the group goes too; the
   server's status is written to the log first.
 """
@@ -45,6 +48,9 @@ def _die_with_parent(parent: int) -> None:
 def main() -> int:
     parent = int(sys.argv[1])
     command = sys.argv[sys.argv.index("--") + 1 :]
+    # A signal mask survives fork and exec: a thread of the engine that blocked SIGTERM
+    # would otherwise leave the parent-death signal pending forever.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     _die_with_parent(parent)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -65,7 +71,8 @@ def main() -> int:
     threading.Thread(target=watch_stdin, daemon=True).start()
     threading.Thread(target=watch_server, daemon=True).start()
     while not done.wait(1.0):
-        pass
+        if os.getppid() != parent:  # orphaned: adopted by init or a subreaper
+            break
     code = server.poll()
     if code is not None:
         print(f"[server_guard] the server exited with status {code}", file=sys.stderr, flush=True)
