@@ -140,8 +140,12 @@ async def test_ppo_minibatches_clip_and_still_learn(tmp_path: Path) -> None:
     metrics = read_jsonl(tmp_path / "mb4" / "metrics.jsonl")
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     assert all(m["train/optimizer_steps"] == 4 for m in metrics)
-    clip = [m["clip_frac"] for m in metrics]
-    assert sum(c > 0 for c in clip) >= steps // 2, f"the clip hardly acted: {clip}"
+    # The clip can act only where some advantage is non-zero: once every group scores all
+    # ones (this run may converge within a dozen steps) there is nothing left to clip.
+    with_signal = [m["clip_frac"] for m in metrics if m["adv_abs_mean"] > 0]
+    assert len(with_signal) >= 4, f"hardly a step with a learning signal: {with_signal}"
+    clipped = sum(c > 0 for c in with_signal)
+    assert clipped >= len(with_signal) / 2, f"the clip hardly acted: {with_signal}"
     assert all(0 <= m["clip_frac"] <= 1 for m in metrics)
     # k3 is never negative; it is 0 only until the first optimizer step moves the policy
     assert all(m["kl"] >= 0 for m in metrics) and max(m["kl"] for m in metrics) > 0
