@@ -410,10 +410,7 @@ def decode(payload: bytes, expected: type[M]) -> M:
     ):
         kind, _ = _open_envelope(envelope)
         raise DecodeError("kind", f"expected {expected.KIND!r}, got {kind!r}")
-    try:
-        return expected.__pydantic_validator__.validate_python(envelope["d"])  # type: ignore[no-any-return]
-    except ValidationError as exc:
-        raise DecodeError("invalid", f"{expected.KIND}: {exc}") from None
+    return _validate(expected, envelope["d"])
 
 
 def decode_any(payload: bytes) -> Message:
@@ -422,10 +419,7 @@ def decode_any(payload: bytes) -> Message:
     cls = MESSAGE_TYPES.get(kind)
     if cls is None:
         raise DecodeError("kind", f"unknown message kind {kind!r}")
-    try:
-        return cls.__pydantic_validator__.validate_python(body)  # type: ignore[no-any-return]
-    except ValidationError as exc:
-        raise DecodeError("invalid", f"{cls.KIND}: {exc}") from None
+    return _validate(cls, body)
 
 
 def _unpack(payload: bytes) -> Any:
@@ -446,3 +440,10 @@ def _open_envelope(envelope: Any) -> tuple[str, Any]:
     if not isinstance(envelope["k"], str):
         raise DecodeError("kind", f"message kind {envelope['k']!r} is not a string")
     return envelope["k"], envelope["d"]
+
+
+def _validate(cls: type[M], body: Any) -> M:
+    try:
+        return cls.__pydantic_validator__.validate_python(body)  # type: ignore[no-any-return]
+    except ValidationError as exc:
+        raise DecodeError("invalid", f"{cls.KIND}: {exc}") from None

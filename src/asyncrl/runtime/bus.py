@@ -206,9 +206,7 @@ class Bus:
     async def publish(self, subject: str, msg: Message) -> None:
         """Sends ``msg``; raises :class:`PayloadTooLarge` before sending if it is too big."""
         data = encode(msg)
-        # _check_size inlined: this is the per-message path, where the extra call showed.
-        if len(data) > self.nc.max_payload:
-            raise PayloadTooLarge(subject, len(data), self.nc.max_payload)
+        self._check_size(subject, len(data))
         await self.nc.publish(subject, data)
 
     async def subscribe(
