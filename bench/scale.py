@@ -75,17 +75,17 @@ from asyncrl.runtime.log import configure_logging
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
 from asyncrl.subjects import Subjects
+from asyncrl.up import ensure_trajectory_stream
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results"
 RUN = "scale"
-STREAM_MAX_BYTES = 2 * 1024**3  # as `asyncrl up`: a bound far above what is in flight
 STOP_GRACE = 15.0
-"""Seconds an actor process has to stop after the level's ``stop``; then it is killed.
-Now and then a trainer or reward actor misses its stop: its TaskGroup's cancellation
-is swallowed by ``asyncio.wait_for`` inside nats-py's request (Python 3.11 returns the
-reply instead of raising when the reply and the cancellation arrive together), and
-the actor goes on. The figures are taken before the stop, so a kill costs nothing."""
+"""Seconds an actor process has to stop after the level's ``stop``; then it is killed and
+named in ``killed_at_stop``. Before ``Bus.request`` kept its own deadline, actors now and
+then missed their stop (nats-py's ``asyncio.wait_for`` swallowed the cancellation on
+Python 3.11); the kill stays as a safety net. The figures are taken before the stop, so
+a kill costs nothing."""
 
 
 def contains_answer(completion: str, data: dict[str, Any]) -> float:
@@ -312,12 +312,7 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
                 "null_reward": null_reward,
             }
             bus = await Bus.connect(info, name="bench-scale")
-            await bus.ensure_stream(
-                subjects.stream,
-                [subjects.trajectories, subjects.scored],
-                max_bytes=STREAM_MAX_BYTES,
-                retention="workqueue",
-            )
+            await ensure_trajectory_stream(bus, subjects)
             started: Counter[str] = Counter()
             changed = asyncio.Event()
 
@@ -391,7 +386,7 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
             for name, p in procs.items():
                 await asyncio.to_thread(p.join, STOP_GRACE)
                 if p.exitcode is None:
-                    # see STOP_GRACE: a lost cancellation, not a failure of the level
+                    # see STOP_GRACE: a missed stop, not a failure of the level
                     p.kill()
                     p.join()
                     killed.append(name)

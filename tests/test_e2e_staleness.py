@@ -30,7 +30,7 @@ from asyncrl.messages import Trajectory, decode
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.subjects import Subjects
-from asyncrl.up import TRAJECTORY_STREAM_MAX_BYTES
+from asyncrl.up import ensure_trajectory_stream
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,7 @@ MIRROR_LIMIT_S = 30.0
 async def mirror_run_stream(bus: Bus, subjects: Subjects) -> str:
     """Creates the run's trajectory stream as ``asyncrl up`` will, and a mirror of it;
     returns the mirror's name once the mirror is copying."""
-    await bus.ensure_stream(
-        subjects.stream,
-        [subjects.trajectories, subjects.scored],
-        max_bytes=TRAJECTORY_STREAM_MAX_BYTES,
-        retention="workqueue",
-    )
+    await ensure_trajectory_stream(bus, subjects)
     mirror = f"{subjects.stream}_MIRROR"
     config = api.StreamConfig(
         name=mirror, mirror=api.StreamSource(name=subjects.stream), storage=api.StorageType.FILE

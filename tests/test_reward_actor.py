@@ -21,6 +21,7 @@ from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.subjects import Subjects
+from asyncrl.up import ensure_trajectory_stream
 
 GATE_REWARD = Path(__file__).parent / "actor_helpers" / "gate_reward.py"
 
@@ -70,9 +71,7 @@ def socket_dir() -> Iterator[Path]:
 async def stream(bus: Bus) -> AsyncIterator[Subjects]:
     """The run's trajectory stream, configured as ``asyncrl up`` configures it."""
     subjects = Subjects("t")
-    await bus.ensure_stream(
-        subjects.stream, [subjects.trajectories, subjects.scored], retention="workqueue"
-    )
+    await ensure_trajectory_stream(bus, subjects)
     yield subjects
 
 

@@ -30,6 +30,17 @@ queue: a message leaves the stream once its consumer acknowledged it, and a full
 refuses new messages (the publisher sees an error) rather than dropping unread ones."""
 
 
+async def ensure_trajectory_stream(bus: Any, subjects: Subjects) -> None:
+    """Creates the run's trajectory stream (raw and scored trajectories, a work queue
+    bounded by ``TRAJECTORY_STREAM_MAX_BYTES``), or checks the one that exists."""
+    await bus.ensure_stream(
+        subjects.stream,
+        [subjects.trajectories, subjects.scored],
+        max_bytes=TRAJECTORY_STREAM_MAX_BYTES,
+        retention="workqueue",
+    )
+
+
 RESTARTS = 3
 """Replacements per stateless actor before its deaths end the run."""
 
@@ -166,12 +177,7 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
                 # what was in flight when the run stopped is discarded, exactly as the
                 # accounting assumes (accepted = v·B): a resumed run starts clean
                 await bus.delete_stream(subjects.stream)
-            await bus.ensure_stream(
-                subjects.stream,
-                [subjects.trajectories, subjects.scored],
-                max_bytes=TRAJECTORY_STREAM_MAX_BYTES,
-                retention="workqueue",
-            )
+            await ensure_trajectory_stream(bus, subjects)
 
             live = None
             if not quiet and sys.stdout.isatty():
