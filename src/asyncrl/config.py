@@ -50,6 +50,13 @@ class RunConfig(_Section):
     """Largest message the embedded server accepts, in MiB."""
     startup_timeout: float = Field(600.0, gt=0)
     """Seconds every actor has to report ``started`` before ``up`` gives up."""
+    max_restarts: int = Field(3, ge=0)
+    """How many times ``up`` starts a replacement for one actor that died in mid-run (any
+    role: rollout, reward and eval are stateless, the buffer restores its durable state,
+    the trainer its latest checkpoint) before the next death ends the run."""
+    restart_backoff: float = Field(1.0, ge=0)
+    """Seconds before the first replacement of an actor; doubled for each further one (at
+    most 30 s), so a crash loop does not spin."""
     tensorboard: bool = Field(default_factory=lambda: _importable("tensorboard"))
     """Write TensorBoard event files under ``<run>/tensorboard`` (on by default when the
     ``tensorboard`` package is installed)."""
@@ -290,6 +297,10 @@ class BufferConfig(_Section):
     """C: episodes in flight across all rollout actors."""
     dynamic_filter: bool = False
     """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
+    durable: bool = True
+    """Keep the buffer's state (leases, groups, served batches, dataset position) in the
+    run's JetStream object store, written before a lease, an admission or a batch is
+    acknowledged, so a buffer killed in mid-run restarts where it stood."""
 
 
 class OptimConfig(_Section):

@@ -196,6 +196,7 @@ class Lease(Message):
     prompts: list[Prompt] = Field(default_factory=list)
     retry_after: float = 0.0
     done: bool = Field(default=False, description="the run has ended; the actor should stop asking")
+    epoch: int = Field(default=0, description="the trainer epoch the buffer knows")
 
 
 class EpisodeAborted(Message):
@@ -238,6 +239,11 @@ class Trajectory(Message):
         default="", description="the generated text, decoded by the rollout actor"
     )
     finish_reason: str = ""
+    epoch: int = Field(
+        default=0,
+        description="the trainer epoch (restarts of the trainer) of the weights it was "
+        "generated with; a sample of an older epoch comes from a lineage that was rolled back",
+    )
 
     @model_validator(mode="after")
     def _same_lengths(self) -> Trajectory:
@@ -317,6 +323,7 @@ class BatchRequest(Message):
         description="the newest version the trainer published (what rollouts can have); "
         "-1: the same as ``version``",
     )
+    epoch: int = Field(default=0, description="the trainer's epoch: its restarts in this run")
 
 
 class WeightsQuery(Message):
@@ -335,6 +342,12 @@ class WeightsUpdated(Message):
     kind: Literal["dir", "object_store"]
     location: str
     step: int = 0
+    epoch: int = Field(
+        default=0,
+        description="the trainer's epoch (its restarts in this run): weights of a newer "
+        "epoch replace any held version, even a higher one (a trainer that restarted from "
+        "its last checkpoint rolled back the versions after it)",
+    )
 
 
 class MemoryControl(Message):

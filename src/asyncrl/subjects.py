@@ -105,6 +105,11 @@ class Subjects:
         return f"asyncrl_{run_token(self.run)}_weights"
 
     @property
+    def buffer_bucket(self) -> str:
+        """Object-store bucket holding the buffer's durable state (one snapshot)."""
+        return f"asyncrl_{run_token(self.run)}_buffer"
+
+    @property
     def batch_bucket(self) -> str:
         """Object-store bucket for training batches too large for one message; the
         trainer deletes each blob once it has decoded the batch."""

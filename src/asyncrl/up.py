@@ -41,10 +41,6 @@ async def ensure_trajectory_stream(bus: Any, subjects: Subjects) -> None:
     )
 
 
-RESTARTS = 3
-"""Replacements per stateless actor before its deaths end the run."""
-
-
 def prepare_run_dir(recipe: Recipe, *, resume: bool, overwrite: bool) -> Path:
     run_dir = recipe.run.path
     if run_dir.exists() and any(run_dir.iterdir()) and not resume:
@@ -63,32 +59,23 @@ def prepare_run_dir(recipe: Recipe, *, resume: bool, overwrite: bool) -> Path:
 
 
 def actor_specs(recipe: Recipe, run_dir: Path) -> list:
+    """One spec per actor process. Every role is replaced when it dies in mid-run (up to
+    ``run.max_restarts`` times each): rollout, reward and eval actors hold nothing that is
+    not also on the stream or in the buffer's leases, the buffer restores its durable
+    state, and the trainer its latest checkpoint."""
     from asyncrl.runtime.supervisor import ActorSpec, actor_argv
 
-    specs = [ActorSpec("buffer", "buffer-0", actor_argv("buffer", run_dir, "buffer-0"))]
-    # reward and rollout actors hold nothing that is not also on the stream or in the
-    # buffer's leases, so one that dies is simply replaced
-    for i in range(recipe.reward.actors):
-        aid = f"reward-{i}"
-        specs.append(
-            ActorSpec("reward", aid, actor_argv("reward", run_dir, aid), restarts=RESTARTS)
-        )
-    for i in range(recipe.rollout.actors):
-        aid = f"rollout-{i}"
-        specs.append(
-            ActorSpec("rollout", aid, actor_argv("rollout", run_dir, aid), restarts=RESTARTS)
-        )
+    def spec(role: str, actor_id: str, argv: list[str] | None = None, **kw: Any) -> ActorSpec:
+        argv = argv or actor_argv(role, run_dir, actor_id)
+        restarts, backoff = recipe.run.max_restarts, recipe.run.restart_backoff
+        return ActorSpec(role, actor_id, argv, restarts=restarts, backoff=backoff, **kw)
+
+    specs = [spec("buffer", "buffer-0")]
+    specs += [spec("reward", f"reward-{i}") for i in range(recipe.reward.actors)]
+    specs += [spec("rollout", f"rollout-{i}") for i in range(recipe.rollout.actors)]
     if recipe.eval.every:
         # primary: the run ends only once the last version is evaluated too
-        specs.append(
-            ActorSpec(
-                "eval",
-                "eval-0",
-                actor_argv("eval", run_dir, "eval-0"),
-                primary=True,
-                restarts=RESTARTS,
-            )
-        )
+        specs.append(spec("eval", "eval-0", primary=True))
     trainer_argv = actor_argv("trainer", run_dir, "trainer-0")
     if recipe.trainer.nproc > 1:
         trainer_argv = [
@@ -99,7 +86,7 @@ def actor_specs(recipe: Recipe, run_dir: Path) -> list:
             f"--nproc-per-node={recipe.trainer.nproc}",
             *trainer_argv[1:],
         ]
-    specs.append(ActorSpec("trainer", "trainer-0", trainer_argv, primary=True))
+    specs.append(spec("trainer", "trainer-0", trainer_argv, primary=True))
     return specs
 
 
@@ -153,6 +140,7 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
 
 
 async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
+    from asyncrl.actors.buffer.durable import forget as forget_buffer_state
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
     from asyncrl.runtime.supervisor import Supervisor
@@ -177,6 +165,8 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
                 # what was in flight when the run stopped is discarded, exactly as the
                 # accounting assumes (accepted = v·B): a resumed run starts clean
                 await bus.delete_stream(subjects.stream)
+            # the buffer's durable state is for replacements within this run only
+            await forget_buffer_state(bus, subjects.buffer_bucket)
             await ensure_trajectory_stream(bus, subjects)
 
             live = None

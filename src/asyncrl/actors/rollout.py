@@ -66,6 +66,8 @@ class RolloutActor(Actor):
         self.reward_pool: Any = None
         self.counters: Counter[str] = Counter()
         self._pending_weights: WeightsUpdated | None = None
+        self.weights_epoch = 0
+        """The trainer epoch of the loaded weights; samples carry it."""
         self._weights_arrived = asyncio.Event()
         self._version_changed = asyncio.Event()
         self._slot_freed = asyncio.Event()
@@ -180,7 +182,10 @@ class RolloutActor(Actor):
                 await self._slot_freed.wait()
                 continue
             lease = await self._ask_for_lease(free)
-            if lease.version > self._known_version() + self.recipe.buffer.max_head_offpolicyness:
+            if (
+                lease.epoch > self.weights_epoch
+                or lease.version > self._known_version() + self.recipe.buffer.max_head_offpolicyness
+            ):
                 # the run is ahead of our weights (a missed broadcast, a resume): ask for them
                 await self._query_weights()
             for prompt in lease.prompts:
@@ -197,6 +202,7 @@ class RolloutActor(Actor):
                     pass
 
     async def _episode(self, prompt: Prompt, lease_id: str) -> list[Trajectory]:
+        epoch = self.weights_epoch  # the buffer refuses samples of a rolled-back lineage
         with self.tracer.span("generate", prompt=prompt.uid):
             trajectories = await self.workflow.arun_episode(
                 self.engine, {**prompt.data, "uid": prompt.uid}
@@ -210,6 +216,7 @@ class RolloutActor(Actor):
                     "prompt_uid": prompt.uid,
                     "data": prompt.data,
                     "attempt": lease_id,
+                    "epoch": epoch,
                 }
             )
             for t in trajectories
@@ -246,7 +253,10 @@ class RolloutActor(Actor):
     # -- weights --------------------------------------------------------------------------------
 
     async def on_weights(self, msg: WeightsUpdated) -> None:
-        if self._pending_weights is None or msg.version > self._pending_weights.version:
+        # a newer trainer epoch (a trainer restarted from its checkpoint) wins over a
+        # higher version of the lineage it rolled back
+        pending = self._pending_weights
+        if pending is None or (msg.epoch, msg.version) > (pending.epoch, pending.version):
             self._pending_weights = msg
             self._weights_arrived.set()
 
@@ -270,7 +280,7 @@ class RolloutActor(Actor):
             await self._weights_arrived.wait()
             self._weights_arrived.clear()
             msg = self._pending_weights
-            if msg is None or msg.version <= self.engine.version:
+            if msg is None or (msg.epoch, msg.version) <= (self.weights_epoch, self.engine.version):
                 continue
             t0 = time.monotonic()
             async with staged_weights(
@@ -285,6 +295,7 @@ class RolloutActor(Actor):
                 finally:
                     await self.engine.resume()
                 pause_s = self._last_pause = time.monotonic() - t1
+            self.weights_epoch = msg.epoch
             self.version = msg.version
             self._version_changed.set()
             self.log.info(

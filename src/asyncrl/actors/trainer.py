@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import time
 from collections import Counter
@@ -43,6 +44,7 @@ from asyncrl.messages import (
 )
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
+from asyncrl.runtime.supervisor import RESTART_ENV
 
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
@@ -162,6 +164,10 @@ class TrainerActor(Actor):
         self.version = 0
         self.published_version = 0  # rollouts start from the initial weights, version 0
         self.data_state: dict[str, Any] = {}
+        self.epoch = int(os.environ.get(RESTART_ENV, "0"))
+        """How many times ``up`` restarted the trainer in this run: its weights and batch
+        requests carry it, so the buffer and the rollouts know the versions after the
+        checkpoint it restarted from were rolled back."""
         self.samples_file = ctx.run_dir / "trained_samples.jsonl"
         self.weights_dir = ctx.run_dir / "weights"
         self.ckpt_dir = ctx.run_dir / "checkpoints"
@@ -180,6 +186,12 @@ class TrainerActor(Actor):
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.observe.sinks import open_sinks
 
+        meta = latest_checkpoint_meta(self.ctx.run_dir)
+        if self.epoch:
+            # what the dead trainer recorded after its last checkpoint did not happen
+            kept = int(meta["step"]) if meta is not None else 0
+            for name in (self.samples_file.name, "metrics.jsonl"):
+                drop_records_after(self.ctx.run_dir / name, kept)
         self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl="metrics.jsonl", job="trainer")
         await self.bus.subscribe(self.subjects.heartbeat("*"), ActorInfo, self._on_heartbeat)
         await self.bus.subscribe(
@@ -193,12 +205,13 @@ class TrainerActor(Actor):
                 self.subjects.memory_released, MemoryReleased, self._on_released
             )
         self.engine = await asyncio.to_thread(build_train_engine, self.recipe)
-        meta = latest_checkpoint_meta(self.ctx.run_dir)
         if meta is not None:
             await asyncio.to_thread(self._broadcast, ("load", meta["path"]))
             self.step, self.version = int(meta["step"]), int(meta["version"])
             self.data_state = meta.get("data_state", {})
-            self.log.info("resumed", step=self.step, version=self.version)
+            self.log.info("resumed", step=self.step, version=self.version, epoch=self.epoch)
+        if meta is not None or self.epoch:
+            # the rollouts may hold weights of versions this trainer never reached
             await self._publish_weights()
 
     async def teardown(self) -> None:
@@ -327,7 +340,10 @@ class TrainerActor(Actor):
         against the weights rollouts can have, not against steps whose weights were never
         sent (``update_every`` > 1)."""
         req = BatchRequest(
-            step=step, version=self.version, published_version=self.published_version
+            step=step,
+            version=self.version,
+            published_version=self.published_version,
+            epoch=self.epoch,
         )
         last_log = -BATCH_WAIT_LOG_EVERY
         while True:
@@ -440,7 +456,13 @@ class TrainerActor(Actor):
             )
         await self.bus.publish(
             self.subjects.weights,
-            WeightsUpdated(version=self.version, kind=kind, location=location, step=self.step),
+            WeightsUpdated(
+                version=self.version,
+                kind=kind,
+                location=location,
+                step=self.step,
+                epoch=self.epoch,
+            ),
         )
         self.published_version = self.version
         for old in sorted(self.weights_dir.glob("v*"))[:-KEEP_VERSIONS]:
@@ -497,4 +519,26 @@ def follower_loop(recipe: Any) -> int:
             return 0
 
 
-__all__ = ["TrainerActor", "follower_loop"]
+def drop_records_after(path: Path, step: int) -> int:
+    """Rewrites a JSON-lines file without the records of steps after ``step`` (written
+    under a temporary name, then renamed); returns how many were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped += 1  # a line torn by the killed writer
+            continue
+        if record_step > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+    return dropped
+
+
+__all__ = ["TrainerActor", "drop_records_after", "follower_loop"]

@@ -10,7 +10,10 @@ It spawns one OS process per actor, waits until every actor has said ``started``
   naming the actor and its log file; except that an actor with ``restarts`` left (the
   stateless roles: rollout, reward) that dies after the run is up is started again under
   a new id (``<id>-r<n>``), so the buffer sees a new actor and returns the dead one's
-  leases;
+  leases. Each role has ``run.max_restarts`` replacements, each after a back-off that
+  doubles (``run.restart_backoff``): the buffer restores its durable state, the trainer
+  its latest checkpoint (its replacement's ``ASYNCRL_RESTART`` makes it a new epoch),
+  the other roles hold nothing of their own;
 - Ctrl-C / SIGTERM to the supervisor becomes a graceful stop of every actor (children run
   in their own session, so the terminal's SIGINT reaches only the supervisor).
 """
@@ -18,6 +21,7 @@ It spawns one OS process per actor, waits until every actor has said ``started``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -32,6 +36,12 @@ from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.subjects import Subjects
 
+RESTART_ENV = "ASYNCRL_RESTART"
+"""Set in a replacement actor's environment: the run's restart count when it started (the
+trainer takes it as its epoch)."""
+
+MAX_BACKOFF = 30.0
+
 
 @dataclass
 class ActorSpec:
@@ -45,10 +55,28 @@ class ActorSpec:
     restarts: int = 0
     """How many times this actor is started again if it dies once the run is up."""
 
+    backoff: float = 1.0
+    """Seconds before the first replacement; doubled for each later one."""
+    generation: int = 0
+    """How many replacements came before this one."""
+
     def restarted(self, n: int) -> ActorSpec:
         new_id = f"{re.sub(r'-r[0-9]+$', '', self.actor_id)}-r{n}"
         argv = [new_id if a == self.actor_id else a for a in self.argv]
-        return replace(self, actor_id=new_id, argv=argv, restarts=self.restarts - 1)
+        return replace(
+            self,
+            actor_id=new_id,
+            argv=argv,
+            restarts=self.restarts - 1,
+            env={**self.env, RESTART_ENV: str(n)},
+            generation=self.generation + 1,
+        )
+
+    def delay(self) -> float:
+        """How long to wait before starting this replacement."""
+        if self.generation == 0:
+            return 0.0
+        return min(MAX_BACKOFF, self.backoff * 2 ** (self.generation - 1))
 
 
 @dataclass
@@ -93,6 +121,7 @@ class Supervisor:
         self._event = asyncio.Event()  # anything changed: a start, an exit
         self._tg: asyncio.TaskGroup | None = None
         self.restarts = 0
+        self._pending = 0  # replacements waiting out their back-off
 
     async def run(self) -> int:
         """Runs the actors to the end; 0 when every primary actor finished cleanly."""
@@ -166,12 +195,16 @@ class Supervisor:
         return p.exit_code != 0 or not p.started
 
     async def _restart_crashed(self) -> None:
-        """Starts a fresh copy of each restartable actor that died after the run was up."""
+        """Starts a fresh copy of each restartable actor that died after the run was up,
+        after its back-off delay."""
         if not self._all_started.is_set():
             return  # a death during start-up is a broken set-up, not bad luck
         for p in list(self.procs.values()):
             if self._crashed(p) and p.spec.restarts > 0:
                 p.replaced = True
+                # whatever the dead actor started (torchrun's ranks, an inference server)
+                # goes with it: its session is its process group
+                _kill_group(p.proc.pid)
                 self.restarts += 1
                 spec = p.spec.restarted(self.restarts)
                 self.log.warning(
@@ -179,8 +212,21 @@ class Supervisor:
                     actor=p.spec.actor_id,
                     code=p.exit_code,
                     replacement=spec.actor_id,
+                    delay_s=spec.delay(),
+                    restarts_left=spec.restarts,
                 )
+                self._pending += 1
+                assert self._tg is not None
+                self._tg.create_task(self._spawn_later(spec), name=f"respawn-{spec.actor_id}")
+
+    async def _spawn_later(self, spec: ActorSpec) -> None:
+        try:
+            await asyncio.sleep(spec.delay())
+            if not self._stopping and not self._stop_request.is_set():
                 await self._spawn(spec)
+        finally:
+            self._pending -= 1
+            self._event.set()
 
     def _failure(self) -> str | None:
         for p in self.procs.values():
@@ -189,9 +235,11 @@ class Supervisor:
             crashed = p.exit_code != 0 or (not p.started and not self._stopping)
             if crashed and not self._stopping:
                 detail = self.reason if p.spec.actor_id in self.reason else ""
+                gen = p.spec.generation
                 return (
                     f"actor {p.spec.actor_id} ({p.spec.role}) exited with code {p.exit_code}"
                     f"{' before it started' if not p.started else ''}"
+                    f"{f' after {gen} restarts' if gen and self._all_started.is_set() else ''}"
                     f"{': ' + detail if detail else ''}; see {p.log_path}"
                 )
         return None
@@ -222,7 +270,7 @@ class Supervisor:
                     return 1
             # a replaced primary (a restarted eval actor) is represented by its replacement
             primaries = [p for p in self.procs.values() if p.spec.primary and not p.replaced]
-            if primaries and all(p.exit_code == 0 for p in primaries):
+            if primaries and all(p.exit_code == 0 for p in primaries) and not self._pending:
                 self.reason = "finished"
                 return 0
             timeout = None if self._all_started.is_set() else max(0.0, deadline - loop.time())
@@ -255,6 +303,11 @@ class Supervisor:
                 if p.proc.returncode is None:
                     self.log.warning("killing", actor=p.spec.actor_id)
                     _signal(p.proc, signal.SIGKILL)
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
+from asyncrl.actors.buffer.durable import DurableState, capture, restore
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.actors.common import latest_checkpoint_meta, load_prompt_records
@@ -43,6 +44,10 @@ from asyncrl.messages import (
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.runtime.trace import now_us
+
+SCORED_CONCURRENCY = 64
+"""Scored samples handled at once: each waits for the state write that holds it before
+its ack, and the waits of many share one write."""
 
 BATCH_WAIT = 5.0
 """Seconds a batch request waits for enough groups before answering "not ready"; well
@@ -81,6 +86,7 @@ class BufferActor(Actor):
         )
         self.ready_changed = asyncio.Event()
         self.weights: WeightsUpdated | None = None
+        self.durable: DurableState | None = None
         meta = latest_checkpoint_meta(ctx.run_dir)
         if meta is not None:
             self.staleness.restore(int(meta["version"]))
@@ -105,8 +111,45 @@ class BufferActor(Actor):
     def counters(self) -> Counter[str]:
         return self.journal.counters
 
+    @property
+    def epoch(self) -> int:
+        """The trainer's epoch: how often it restarted from its checkpoint in this run."""
+        return self.admission.epoch
+
+    def _snapshot(self) -> Any:
+        return capture(
+            self.leases, self.admission, self.batcher, epoch=self.epoch, weights=self.weights
+        )
+
+    def _changed(self) -> None:
+        if self.durable is not None:  # None before setup()
+            self.durable.touch()
+
+    async def _persisted(self) -> None:
+        """Waits until the state as it is now is written (see :mod:`.durable`)."""
+        if self.durable is not None:
+            await self.durable.persisted()
+
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         s = self.subjects
+        self.durable = DurableState(
+            self.bus, s.buffer_bucket, self._snapshot, enabled=self.recipe.buffer.durable
+        )
+        if self.durable.enabled:
+            snap = await self.durable.load()
+            if snap is not None:
+                restore(snap, self.leases, self.admission, self.batcher, time.monotonic())
+                self.admission.epoch = snap.epoch
+                self.weights = snap.weights
+                self.log.info(
+                    "restored",
+                    version=self.version,
+                    epoch=self.epoch,
+                    leased=len(self.leases.leased),
+                    ready_groups=len(self.admission.ready),
+                    served=sorted(self.batcher.served),
+                )
+            tg.create_task(self.durable.run(), name="state-writer")
         await self.bus.serve(s.lease, LeaseRequest, self.on_lease)
         await self.bus.serve(s.batch, BatchRequest, self.on_batch_request)
         await self.bus.serve(s.weights_query, WeightsQuery, self.on_weights_query)
@@ -115,7 +158,14 @@ class BufferActor(Actor):
         await self.bus.subscribe(s.heartbeat("rollout"), ActorInfo, self.on_heartbeat)
         await self.bus.subscribe(s.exited, ActorExit, self.on_exit)
         consumer = await self.bus.js_consume(
-            s.stream, s.scored, "buffer", Trajectory, self.on_scored, ack_wait=30.0
+            s.stream,
+            s.scored,
+            "buffer",
+            Trajectory,
+            self.on_scored,
+            ack_wait=10.0,  # a dead buffer's unacked samples reach its replacement soon
+            batch=2 * SCORED_CONCURRENCY,
+            concurrency=SCORED_CONCURRENCY,
         )
         tg.create_task(consumer.run(), name="scored-consumer")
         tg.create_task(self._expire_leases(), name="lease-expiry")
@@ -133,6 +183,10 @@ class BufferActor(Actor):
             "leased": sorted(self.leases.leased),
             "pool": [p.uid for p in self.leases.source.pool],
             "ready_groups": len(self.admission.ready),
+            "ready": [g[0].prompt_uid for g in self.admission.ready],
+            "partial": sorted(self.admission.groups),
+            "epoch": self.epoch,
+            "state_writes": self.durable.writes if self.durable else 0,
             **{f"n_{k}": v for k, v in self.journal.counters.items()},
         }
 
@@ -141,8 +195,11 @@ class BufferActor(Actor):
     async def on_lease(self, req: LeaseRequest) -> Message:
         t0 = now_us()
         lease = self.leases.grant(req, time.monotonic())
+        if lease.prompts:
+            self._changed()
+            await self._persisted()
         self.tracer.complete("grant lease", t0, actor=req.actor_id, prompts=len(lease.prompts))
-        return lease
+        return lease.model_copy(update={"epoch": self.epoch}) if self.epoch else lease
 
     async def on_heartbeat(self, info: ActorInfo) -> None:
         # what an actor holds is settled only while it runs (not while it starts or stops)
@@ -151,12 +208,14 @@ class BufferActor(Actor):
             info.actor_id, holding, time.monotonic(), self.admission.reported, info.delivered
         )
         if freed:
+            self._changed()
             self.log.info("unheld leases returned", actor=info.actor_id, prompts=len(freed))
 
     async def on_exit(self, msg: ActorExit) -> None:
         if msg.role == "rollout":
             n = self.leases.release_actor(msg.actor_id, "actor exited")
             if n:
+                self._changed()
                 self.log.info("leases returned", actor=msg.actor_id, prompts=n)
 
     async def on_aborted(self, msg: EpisodeAborted) -> Message:
@@ -165,6 +224,8 @@ class BufferActor(Actor):
             msg.prompt_uid, f"aborted: {msg.reason}", lease_id=msg.lease_id
         ):
             self.journal.count("aborted")
+            self._changed()
+            await self._persisted()
         return Ack(ok=True)
 
     async def _expire_leases(self) -> None:
@@ -172,22 +233,29 @@ class BufferActor(Actor):
         while True:
             await asyncio.sleep(min(1.0, ttl / 4))
             for actor_id in self.leases.expire(time.monotonic()):
+                self._changed()
                 self.log.info("leases expired", actor=actor_id)
 
     # -- scored samples ----------------------------------------------------------------------
 
     async def on_scored(self, traj: Trajectory) -> None:
         outcome = self.admission.on_scored(traj)
+        self._changed()
         if outcome == "invalid":
             n = self.journal.counters["invalid_samples"]
             if n & (n - 1) == 0:  # the 1st, 2nd, 4th... : a flood cannot flood the log
                 self.log.warning("invalid trajectories refused", count=n, last=traj.uid)
         elif outcome == "admitted":
             self.ready_changed.set()
+        # acked on the stream only once written: a buffer killed now gets it again
+        await self._persisted()
 
     # -- batches and weights --------------------------------------------------------------------
 
     async def on_batch_request(self, req: BatchRequest) -> Message:
+        if req.epoch > self.epoch:  # it may come before the restarted trainer's weights
+            published = req.published_version if req.published_version >= 0 else req.version
+            self._roll_back(published, req.epoch)
         batch = self.batcher.served.get(req.step)
         t_request = now_us()
         if batch is None:
@@ -203,6 +271,8 @@ class BufferActor(Actor):
                     step=req.step, version=self.version, waiting=self.batcher.waiting()
                 )
             batch = self.batcher.take(req.step, self.leases.source.state())
+            self._changed()
+            await self._persisted()
             self.tracer.complete("serve batch", t_request, step=req.step)
             await self.emit_metrics({k: float(v) for k, v in batch.counters.items()}, step=req.step)
         data = encode(batch)
@@ -214,9 +284,48 @@ class BufferActor(Actor):
         return ref
 
     async def on_weights(self, msg: WeightsUpdated) -> None:
-        if self.weights is None or msg.version >= self.weights.version:
+        if msg.epoch < self.epoch:
+            return  # the rolled-back lineage's last word
+        if msg.epoch > self.epoch:
+            self._roll_back(msg.version, msg.epoch)
+        w = self.weights
+        if w is None or (msg.epoch, msg.version) >= (w.epoch, w.version):
             self.weights = msg
         self.version = msg.version
+        self._changed()
+
+    async def on_weights_query(self, q: WeightsQuery) -> Message:
+        return self.weights if self.weights is not None else Ack(ok=False, error="no weights yet")
+
+    def _roll_back(self, version: int, epoch: int) -> None:
+        """The trainer restarted from its checkpoint at ``version``: see
+        :meth:`Admission.roll_back`. The batches served for later steps are judged again
+        and forgotten; the restarted trainer asks for those steps anew."""
+        groups = [
+            group
+            for step, batch in sorted(self.batcher.served.items())
+            if step > version
+            for group in _split_groups(batch.trajectories, self.recipe.rollout.group_size)
+        ]
+        self.batcher.served = {}
+        before = self.version
+        dropped = self.admission.roll_back(version, epoch, groups)
+        self._changed()
+        self.ready_changed.set()
+        self.log.warning(
+            "trainer restarted: versions rolled back",
+            from_version=before,
+            to_version=version,
+            epoch=epoch,
+            dropped_groups=dropped,
+            kept_groups=len(self.admission.ready),
+        )
+
+
+def _split_groups(trajectories: list[Trajectory], group_size: int) -> list[list[Trajectory]]:
+    """A served batch's samples back into their groups (a batch holds whole groups, each
+    in group order)."""
+    return [trajectories[i : i + group_size] for i in range(0, len(trajectories), group_size)]
 
     async def on_weights_query(self, q: WeightsQuery) -> Message:
         return self.weights if self.weights is not None else Ack(ok=False, error="no weights yet")

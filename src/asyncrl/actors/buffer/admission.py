@@ -17,11 +17,13 @@ import numpy as np
 
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook
-from asyncrl.messages import Trajectory
+from asyncrl.messages import Prompt, Trajectory
 from asyncrl.runtime.staleness import StalenessManager
 
 
-def invalid_reason(traj: Trajectory, *, group_size: int, version: int) -> str | None:
+def invalid_reason(
+    traj: Trajectory, *, group_size: int, version: int, epoch: int = 0
+) -> str | None:
     """Why ``traj`` cannot be trained on, as a short countable tag, or None if it can.
 
     - ``length_mismatch``: the four arrays are not 1-d arrays of one length;
@@ -31,6 +33,9 @@ def invalid_reason(traj: Trajectory, *, group_size: int, version: int) -> str | 
     - ``no_generated_token``: an empty loss mask;
     - ``loss_on_prompt_token``: the loss mask covers the first token or a token that no
       policy produced (version −1: prompt or environment tokens);
+    - ``old_epoch`` / ``future_epoch``: generated with weights of another trainer epoch
+      than the buffer's ``epoch`` (a lineage the restarted trainer rolled back, or one the
+      buffer has not heard of yet);
     - ``future_version``: a token of a version newer than the buffer's ``version``;
     - ``bad_logprobs``: a behaviour logprob on a loss token that is NaN/inf or positive;
     - ``negative_token_id``.
@@ -52,6 +57,8 @@ def invalid_reason(traj: Trajectory, *, group_size: int, version: int) -> str | 
         return "no_generated_token"
     if mask[0] or bool((versions[mask] < 0).any()):
         return "loss_on_prompt_token"
+    if traj.epoch != epoch:
+        return "old_epoch" if traj.epoch < epoch else "future_epoch"
     if int(versions.max()) > version:
         return "future_version"
     logprobs = traj.logprobs.numpy()[mask].astype(np.float64)
@@ -88,6 +95,8 @@ class Admission:
         self.ready: deque[list[Trajectory]] = deque()
         self._fresh_at = -1
         """The version at which every ready group was last found admissible."""
+        self.epoch = 0
+        """The trainer's epoch: how many times it restarted from a checkpoint in this run."""
 
     def reported(self, prompt_uid: str) -> bool:
         """Whether a scored sample of this prompt has arrived (its group is under way)."""
@@ -102,7 +111,9 @@ class Admission:
         if (traj.attempt, traj.prompt_uid) in self.refused:
             self.journal.count("invalid_group_rest")
             return "invalid"
-        reason = invalid_reason(traj, group_size=self.group_size, version=self.staleness.version)
+        reason = invalid_reason(
+            traj, group_size=self.group_size, version=self.staleness.version, epoch=self.epoch
+        )
         if reason is not None:
             self._refuse(traj, reason)
             return "invalid"
@@ -169,4 +180,47 @@ class Admission:
                 "reject", prompt=group[0].prompt_uid, head=head, version=self.staleness.version
             )
         self.ready = fresh
+        return dropped
+
+    def roll_back(self, version: int, epoch: int, served: list[list[Trajectory]]) -> int:
+        """The trainer restarted from its checkpoint at ``version`` (a new ``epoch``): the
+        versions after it never happened. Judges again every group that was admitted or
+        served (``served``: the groups of batches for steps after ``version``, which the
+        restarted trainer will ask for again):
+
+        - a group whose every token comes from a version ≤ ``version`` is admitted again
+          (those weights are the restarted trainer's too);
+        - any other group is dropped (counted ``rolled_back_groups``) and its prompt goes
+          back to the pool to be run again;
+        - groups still in the making are abandoned like an invalid attempt; their later
+          samples, and every sample of the old epoch still in flight, are refused as
+          ``old_epoch`` and their prompts return through their leases.
+
+        ``accepted`` is recounted as ``version·B`` plus the groups kept. Returns how many
+        groups were dropped."""
+        self.epoch = epoch
+        self.staleness.version = version
+        self._fresh_at = -1
+        keep: deque[list[Trajectory]] = deque()
+        dropped = 0
+        for group in [*served, *self.ready]:
+            if max(int(t.versions.numpy().max()) for t in group) <= version:
+                keep.append(group)
+                continue
+            dropped += 1
+            uid = group[0].prompt_uid
+            self.completed.discard(uid)
+            self.seen_samples.difference_update(t.uid for t in group)
+            self.leases.rerun(Prompt(uid=uid, data=group[0].data))
+            self.journal.count("rolled_back_groups")
+            self.journal.count("rolled_back_samples", len(group))
+            self.journal.event("roll_back", prompt=uid, version=version, epoch=epoch)
+        self.ready = keep
+        for prompt_uid, partial in list(self.groups.items()):
+            for attempt in {t.attempt for t in partial.values()}:
+                self.refused.add((attempt, prompt_uid))
+                self.leases.return_prompt(prompt_uid, "rolled back", lease_id=attempt)
+            self.seen_samples.difference_update(partial)
+            del self.groups[prompt_uid]
+        self.staleness.accepted = version * self.staleness.batch_size + len(keep)
         return dropped

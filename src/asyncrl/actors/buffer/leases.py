@@ -94,20 +94,20 @@ class LeaseBook:
         self.attempts: Counter[str] = Counter()
         self.last_seen: dict[str, float] = {}
         # one request in flight per actor, so its last answer is all a retry can need
-        self._answers: dict[str, tuple[str, Lease]] = {}
-        self._issued = 0
+        self.answers: dict[str, tuple[str, Lease]] = {}
+        self.issued = 0
 
     def grant(self, req: LeaseRequest, now: float) -> Lease:
         """Up to ``req.max_episodes`` prompts, as many as the capacity allows; the same
         lease again for a repeated request id."""
         self.last_seen[req.actor_id] = now
-        answered = self._answers.get(req.actor_id)
+        answered = self.answers.get(req.actor_id)
         if req.request_id and answered is not None and answered[0] == req.request_id:
             self.journal.count("lease_repeats")
             return answered[1]
         n = min(req.max_episodes, self.staleness.capacity())
-        self._issued += 1
-        lease_id = f"{self.incarnation}:{req.actor_id}:{self._issued}"
+        self.issued += 1
+        lease_id = f"{self.incarnation}:{req.actor_id}:{self.issued}"
         prompts = [self.source.take() for _ in range(n)]
         for p in prompts:
             self.attempts[p.uid] += 1
@@ -123,7 +123,7 @@ class LeaseBook:
             retry_after=0.0 if n else 0.5,
         )
         if req.request_id:
-            self._answers[req.actor_id] = (req.request_id, lease)
+            self.answers[req.actor_id] = (req.request_id, lease)
         return lease
 
     def return_prompt(self, uid: str, why: str, lease_id: str = "") -> bool:
@@ -150,7 +150,7 @@ class LeaseBook:
         for uid in uids:
             self.return_prompt(uid, why)
         self.last_seen.pop(actor_id, None)
-        self._answers.pop(actor_id, None)
+        self.answers.pop(actor_id, None)
         return len(uids)
 
     def reconcile(
@@ -198,6 +198,12 @@ class LeaseBook:
             self.journal.count("expired_leases")
             self.release_actor(actor_id, f"no heartbeat for {self.ttl:.0f}s")
         return sorted(silent)
+
+    def rerun(self, prompt: Prompt) -> None:
+        """A prompt whose finished group was rolled back runs again; that run is not one
+        more failed attempt."""
+        self.attempts[prompt.uid] = max(0, self.attempts[prompt.uid] - 1)
+        self.source.give_back(prompt)
 
     def finish(self, uid: str) -> None:
         """A prompt's group is complete. If its lease had already been returned (a slow

@@ -1,0 +1,244 @@
+"""The buffer's durable state: one snapshot in the run's object store.
+
+What the buffer holds and nothing else has (the version, the counters, the leases, the
+groups in the making and the admitted ones, the batches already served, the dataset
+position) is captured as one :class:`BufferSnapshot` and put in the run's buffer bucket
+(JetStream, file storage in the run folder). The rule that makes it durable: nothing is
+acknowledged before the snapshot that holds it is written.
+
+- a lease reply, an abort's ``Ack`` and a batch go out only after the write;
+- a scored sample is acked on the stream only after the write, so a sample the buffer
+  took but never wrote is delivered again to its replacement (and one written but not
+  acked arrives again as a counted duplicate).
+
+Writes are group commits: :meth:`DurableState.touch` marks the state changed and
+:meth:`DurableState.persisted` waits for the first write that began after it, so a burst
+of changes shares one write. A buffer killed at any instant restarts from a snapshot that
+holds everything it ever acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, Field
+
+from asyncrl.messages import (
+    Lease,
+    Message,
+    Prompt,
+    TrainBatchRef,
+    Trajectory,
+    WeightsUpdated,
+    decode,
+    encode,
+)
+from asyncrl.runtime.log import get_logger
+
+if TYPE_CHECKING:
+    from asyncrl.actors.buffer.admission import Admission
+    from asyncrl.actors.buffer.batching import Batcher
+    from asyncrl.actors.buffer.leases import LeaseBook
+    from asyncrl.runtime.bus import Bus
+
+SNAPSHOT_KEY = "state"
+RETRY_PAUSE = 0.5
+"""Seconds between tries of a write that failed (the server is restarting, say)."""
+
+log = get_logger(role="buffer")
+
+
+class LeasedRecord(BaseModel):
+    prompt: Prompt
+    actor_id: str
+    lease_id: str
+    delivered: bool = False
+
+
+class AnswerRecord(BaseModel):
+    actor_id: str
+    request_id: str
+    lease: Lease
+
+
+class BufferSnapshot(Message):
+    """Everything a restarted buffer needs to go on where the dead one stood."""
+
+    KIND: ClassVar[str] = "buffer_snapshot"
+    epoch: int = 0
+    version: int = 0
+    accepted: int = 0
+    running: int = 0
+    rejected: int = 0
+    counters: dict[str, int] = Field(default_factory=dict)
+    sampler: dict[str, Any] = Field(default_factory=dict)
+    pool: list[Prompt] = Field(default_factory=list)
+    leased: list[LeasedRecord] = Field(default_factory=list)
+    attempts: dict[str, int] = Field(default_factory=dict)
+    issued: int = 0
+    answers: list[AnswerRecord] = Field(default_factory=list)
+    partial: list[Trajectory] = Field(default_factory=list)
+    """Samples of the groups still in the making."""
+    completed: list[str] = Field(default_factory=list)
+    refused: list[tuple[str, str]] = Field(default_factory=list)
+    ready: list[list[Trajectory]] = Field(default_factory=list)
+    served: list[TrainBatchRef] = Field(default_factory=list)
+    weights: WeightsUpdated | None = None
+
+
+def capture(
+    leases: LeaseBook,
+    admission: Admission,
+    batcher: Batcher,
+    *,
+    epoch: int,
+    weights: WeightsUpdated | None,
+) -> BufferSnapshot:
+    """The state as it is now (synchronous: nothing changes while it is taken)."""
+    sm = leases.staleness
+    return BufferSnapshot(
+        epoch=epoch,
+        version=sm.version,
+        accepted=sm.accepted,
+        running=sm.running,
+        rejected=sm.rejected,
+        counters=dict(leases.journal.counters),
+        sampler=leases.source.state(),
+        pool=list(leases.source.pool),
+        leased=[
+            LeasedRecord(
+                prompt=e.prompt, actor_id=e.actor_id, lease_id=e.lease_id, delivered=e.delivered
+            )
+            for e in leases.leased.values()
+        ],
+        attempts=dict(leases.attempts),
+        issued=leases.issued,
+        answers=[
+            AnswerRecord(actor_id=a, request_id=rid, lease=lease)
+            for a, (rid, lease) in leases.answers.items()
+        ],
+        partial=[t for group in admission.groups.values() for t in group.values()],
+        completed=sorted(admission.completed),
+        refused=sorted(admission.refused),
+        ready=list(admission.ready),
+        served=list(batcher.served.values()),
+        weights=weights,
+    )
+
+
+def restore(
+    snap: BufferSnapshot,
+    leases: LeaseBook,
+    admission: Admission,
+    batcher: Batcher,
+    now: float,
+) -> None:
+    """Puts ``snap`` back into the buffer's parts. Lease clocks start again at ``now``: an
+    actor that died with the buffer is found out by the usual heartbeat timeout."""
+    from asyncrl.actors.buffer.leases import Leased
+
+    sm = leases.staleness
+    sm.version, sm.accepted, sm.running, sm.rejected = (
+        snap.version,
+        snap.accepted,
+        snap.running,
+        snap.rejected,
+    )
+    leases.journal.counters = Counter(snap.counters)
+    leases.source.restore(snap.sampler)
+    leases.source.pool = deque(snap.pool)
+    leases.leased = {
+        r.prompt.uid: Leased(r.prompt, r.actor_id, r.lease_id, delivered=r.delivered)
+        for r in snap.leased
+    }
+    leases.last_seen = {r.actor_id: now for r in snap.leased}
+    leases.attempts = Counter(snap.attempts)
+    leases.issued = snap.issued
+    leases.answers = {a.actor_id: (a.request_id, a.lease) for a in snap.answers}
+    admission.groups = {}
+    for t in snap.partial:
+        admission.groups.setdefault(t.prompt_uid, {})[t.uid] = t
+    admission.seen_samples = {t.uid for t in snap.partial}
+    admission.completed = set(snap.completed)
+    admission.refused = {(a, p) for a, p in snap.refused}
+    admission.ready = deque(snap.ready)
+    batcher.served = {b.step: b for b in snap.served}
+
+
+class DurableState:
+    """Group-committed writes of one snapshot; with ``enabled`` False, a no-op."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        bucket: str,
+        take: Callable[[], BufferSnapshot],
+        *,
+        enabled: bool = True,
+    ) -> None:
+        self.bus = bus
+        self.bucket = bucket
+        self.take = take
+        self.enabled = enabled
+        self.writes = 0
+        self.write_failures = 0
+        self.bytes_written = 0
+        self._changes = 0
+        self._written = 0
+        self._changed = asyncio.Event()
+        self._cond = asyncio.Condition()
+
+    def touch(self) -> None:
+        """The state changed: the next write holds the change."""
+        if self.enabled:
+            self._changes += 1
+            self._changed.set()
+
+    async def persisted(self) -> None:
+        """Returns once a write that includes every change so far has finished."""
+        if not self.enabled:
+            return
+        target = self._changes
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._written >= target)
+
+    async def load(self) -> BufferSnapshot | None:
+        """The last snapshot written in this run, or None."""
+        buf = io.BytesIO()
+        try:
+            await self.bus.get_blob(self.bucket, SNAPSHOT_KEY, buf)
+        except FileNotFoundError:
+            return None
+        return decode(buf.getvalue(), BufferSnapshot)
+
+    async def run(self) -> None:
+        """Writes whenever something changed, one write at a time, until cancelled."""
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            target = self._changes
+            data = encode(self.take())
+            while True:
+                try:
+                    await self.bus.put_blob(self.bucket, SNAPSHOT_KEY, data)
+                    break
+                except Exception as exc:  # the server may be restarting: try again
+                    self.write_failures += 1
+                    n = self.write_failures
+                    if n & (n - 1) == 0:
+                        log.warning("buffer state write failed", error=repr(exc), count=n)
+                    await asyncio.sleep(RETRY_PAUSE)
+            self.writes += 1
+            self.bytes_written += len(data)
+            async with self._cond:
+                self._written = target
+                self._cond.notify_all()
+
+
+async def forget(bus: Bus, bucket: str) -> None:
+    """Deletes the snapshot: a run that starts (or resumes from a checkpoint) starts clean."""
+    await bus.delete_blob(bucket, SNAPSHOT_KEY)
