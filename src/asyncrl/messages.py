@@ -324,6 +324,9 @@ class BatchRequest(Message):
         "-1: the same as ``version``",
     )
     epoch: int = Field(default=0, description="the trainer's epoch: its restarts in this run")
+    checkpoint_step: int = Field(
+        default=0, description="the step of the trainer's latest checkpoint (0: none)"
+    )
 
 
 class WeightsQuery(Message):

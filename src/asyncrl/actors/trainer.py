@@ -168,6 +168,8 @@ class TrainerActor(Actor):
         """How many times ``up`` restarted the trainer in this run: its weights and batch
         requests carry it, so the buffer and the rollouts know the versions after the
         checkpoint it restarted from were rolled back."""
+        self.checkpoint_step = 0
+        """The step of the latest checkpoint: a restarted trainer goes on from there."""
         self.samples_file = ctx.run_dir / "trained_samples.jsonl"
         self.weights_dir = ctx.run_dir / "weights"
         self.ckpt_dir = ctx.run_dir / "checkpoints"
@@ -208,6 +210,7 @@ class TrainerActor(Actor):
         if meta is not None:
             await asyncio.to_thread(self._broadcast, ("load", meta["path"]))
             self.step, self.version = int(meta["step"]), int(meta["version"])
+            self.checkpoint_step = self.step
             self.data_state = meta.get("data_state", {})
             self.log.info("resumed", step=self.step, version=self.version, epoch=self.epoch)
         if meta is not None or self.epoch:
@@ -344,6 +347,7 @@ class TrainerActor(Actor):
             version=self.version,
             published_version=self.published_version,
             epoch=self.epoch,
+            checkpoint_step=self.checkpoint_step,
         )
         last_log = -BATCH_WAIT_LOG_EVERY
         while True:
@@ -476,6 +480,7 @@ class TrainerActor(Actor):
         # --resume, before the trainer has published anything
         await asyncio.to_thread(self._broadcast, ("export", str(path / "hf")))
         write_checkpoint_meta(self.ctx.run_dir, path, extra)
+        self.checkpoint_step = self.step
         self.log.info("checkpoint", step=self.step, path=str(path))
 
     # -- collective work (rank 0 leads, the other ranks follow) -----------------------------------

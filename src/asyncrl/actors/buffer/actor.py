@@ -256,6 +256,7 @@ class BufferActor(Actor):
         if req.epoch > self.epoch:  # it may come before the restarted trainer's weights
             published = req.published_version if req.published_version >= 0 else req.version
             self._roll_back(published, req.epoch)
+        self.batcher.checkpointed(req.checkpoint_step)
         batch = self.batcher.served.get(req.step)
         t_request = now_us()
         if batch is None:
@@ -304,12 +305,20 @@ class BufferActor(Actor):
         groups = [
             group
             for step, batch in sorted(self.batcher.served.items())
-            if step > version
+            if step >= version  # the batch of step s is trained as step s + 1
             for group in _split_groups(batch.trajectories, self.recipe.rollout.group_size)
         ]
+        # older batches since the checkpoint: only their prompts are kept, to run again
+        rerun = [
+            prompt
+            for step, prompts in sorted(self.batcher.since_checkpoint.items())
+            if step >= version and step not in self.batcher.served
+            for prompt in prompts
+        ]
         self.batcher.served = {}
+        self.batcher.since_checkpoint = {}
         before = self.version
-        dropped = self.admission.roll_back(version, epoch, groups)
+        dropped = self.admission.roll_back(version, epoch, groups, rerun)
         self._changed()
         self.ready_changed.set()
         self.log.warning(

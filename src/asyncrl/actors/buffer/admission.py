@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -89,6 +90,7 @@ class Admission:
         self.dynamic_filter = dynamic_filter
         self.groups: dict[str, dict[str, Trajectory]] = {}
         self.seen_samples: set[str] = set()
+        """Sample ids of the groups in the making (a finished group is known by its prompt)."""
         self.completed: set[str] = set()
         self.refused: set[tuple[str, str]] = set()
         """(attempt, prompt uid) of groups abandoned for an invalid sample."""
@@ -123,7 +125,8 @@ class Admission:
         if len(group) < self.group_size:
             return "pending"
         del self.groups[traj.prompt_uid]
-        self.completed.add(traj.prompt_uid)
+        self.completed.add(traj.prompt_uid)  # from now on the prompt tells duplicates
+        self.seen_samples.difference_update(group)
         self.leases.finish(traj.prompt_uid)
         samples = sorted(group.values(), key=lambda t: t.group_index)
         head = min(t.head_version for t in samples)
@@ -182,7 +185,13 @@ class Admission:
         self.ready = fresh
         return dropped
 
-    def roll_back(self, version: int, epoch: int, served: list[list[Trajectory]]) -> int:
+    def roll_back(
+        self,
+        version: int,
+        epoch: int,
+        served: list[list[Trajectory]],
+        rerun: Sequence[Prompt] = (),
+    ) -> int:
         """The trainer restarted from its checkpoint at ``version`` (a new ``epoch``): the
         versions after it never happened. Judges again every group that was admitted or
         served (``served``: the groups of batches for steps after ``version``, which the
@@ -190,6 +199,8 @@ class Admission:
 
         - a group whose every token comes from a version ≤ ``version`` is admitted again
           (those weights are the restarted trainer's too);
+        - the prompts of ``rerun`` (batches served earlier since the checkpoint, whose
+          samples are no longer held) go back to the pool, counted like dropped groups;
         - any other group is dropped (counted ``rolled_back_groups``) and its prompt goes
           back to the pool to be run again;
         - groups still in the making are abandoned like an invalid attempt; their later
@@ -210,11 +221,16 @@ class Admission:
             dropped += 1
             uid = group[0].prompt_uid
             self.completed.discard(uid)
-            self.seen_samples.difference_update(t.uid for t in group)
             self.leases.rerun(Prompt(uid=uid, data=group[0].data))
             self.journal.count("rolled_back_groups")
             self.journal.count("rolled_back_samples", len(group))
             self.journal.event("roll_back", prompt=uid, version=version, epoch=epoch)
+        for prompt in rerun:
+            dropped += 1
+            self.completed.discard(prompt.uid)
+            self.leases.rerun(prompt)
+            self.journal.count("rolled_back_groups")
+            self.journal.event("roll_back", prompt=prompt.uid, version=version, epoch=epoch)
         self.ready = keep
         for prompt_uid, partial in list(self.groups.items()):
             for attempt in {t.attempt for t in partial.values()}:

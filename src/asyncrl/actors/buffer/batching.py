@@ -11,7 +11,7 @@ from typing import Any
 
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.journal import Journal
-from asyncrl.messages import BatchWaiting, TrainBatchRef
+from asyncrl.messages import BatchWaiting, Prompt, TrainBatchRef
 from asyncrl.runtime.staleness import StalenessManager
 
 BLOB_FRACTION = 0.9
@@ -34,6 +34,15 @@ class Batcher:
         self.batch_size = batch_size
         self.served: dict[int, TrainBatchRef] = {}
         """Batches served, inline, by step: the current step and the one before."""
+        self.since_checkpoint: dict[int, list[Prompt]] = {}
+        """The prompts of every batch served after the trainer's latest checkpoint: a
+        trainer that restarts from it trains those steps again, so they run again."""
+
+    def checkpointed(self, step: int) -> None:
+        """The trainer's latest checkpoint is at ``step``: it holds what the batches of
+        steps 0 … step − 1 taught (the batch of step s is trained as step s + 1)."""
+        for s in [s for s in self.since_checkpoint if s < step]:
+            del self.since_checkpoint[s]
 
     def counters(self) -> dict[str, int]:
         sm = self.staleness
@@ -72,6 +81,7 @@ class Batcher:
         )
         self.served = {s: b for s, b in self.served.items() if s >= step - 1}
         self.served[step] = batch
+        self.since_checkpoint[step] = [Prompt(uid=g[0].prompt_uid, data=g[0].data) for g in groups]
         for g in groups:
             self.journal.event("batch", prompt=g[0].prompt_uid, step=step)
         return batch

@@ -87,6 +87,8 @@ class BufferSnapshot(Message):
     refused: list[tuple[str, str]] = Field(default_factory=list)
     ready: list[list[Trajectory]] = Field(default_factory=list)
     served: list[TrainBatchRef] = Field(default_factory=list)
+    since_checkpoint: list[tuple[int, list[Prompt]]] = Field(default_factory=list)
+    """(step, its prompts): pairs, as the wire takes only string keys."""
     weights: WeightsUpdated | None = None
 
 
@@ -126,6 +128,7 @@ def capture(
         refused=sorted(admission.refused),
         ready=list(admission.ready),
         served=list(batcher.served.values()),
+        since_checkpoint=sorted(batcher.since_checkpoint.items()),
         weights=weights,
     )
 
@@ -167,6 +170,7 @@ def restore(
     admission.refused = {(a, p) for a, p in snap.refused}
     admission.ready = deque(snap.ready)
     batcher.served = {b.step: b for b in snap.served}
+    batcher.since_checkpoint = dict(snap.since_checkpoint)
 
 
 class DurableState:
