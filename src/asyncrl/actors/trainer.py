@@ -182,6 +182,8 @@ class TrainerActor(Actor):
         self._last_heartbeat: dict[str, tuple[str, float]] = {}
         self._rollout_latest: dict[str, dict[str, float]] = {}
         self._rollout_seen: dict[str, tuple[float, float]] = {}
+        # each actor's latest drop counters, kept after it dies: they are totals of the run
+        self._dropped: dict[str, dict[str, int]] = {}
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.observe.sinks import open_sinks
@@ -222,6 +224,19 @@ class TrainerActor(Actor):
 
     async def _on_heartbeat(self, info: ActorInfo) -> None:
         self._last_heartbeat[info.actor_id] = (info.role, time.monotonic())
+        if info.dropped:
+            self._dropped[info.actor_id] = info.dropped
+
+    def _drop_stats(self) -> dict[str, float]:
+        """The messages the run's actors received and could not handle, summed over the
+        actors by ``dropped/<subject>/<reason>``: bad input shows in the metrics stream.
+        The trainer's own count is current; the others' as of their last heartbeat."""
+        self._dropped[self.actor_id] = self.dropped()
+        out: dict[str, float] = {}
+        for counts in self._dropped.values():
+            for key, n in counts.items():
+                out[f"dropped/{key}"] = out.get(f"dropped/{key}", 0.0) + n
+        return out
 
     async def _on_rollout_metrics(self, m: Metrics) -> None:
         # two kinds of record (progress, weight update): keep the latest of each value
@@ -432,6 +447,7 @@ class TrainerActor(Actor):
                 self.recipe.rollout.sampling.max_new_tokens,
             ),
             **self._fleet_stats(),
+            **self._drop_stats(),
             **{
                 f"train/{k}": v
                 for k, v in train_stats.items()

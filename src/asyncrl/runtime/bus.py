@@ -12,8 +12,9 @@
   through the object store.
 
 Fault tolerance is the point of the receive paths, so they never die of one bad message:
-a payload that does not decode, or a handler that raises, is counted in ``Bus.errors``
-(``decode:<reason>``, ``handler:<MessageType>``), logged, and the subscription goes on.
+a payload that does not decode, or a handler that raises, is counted in ``Bus.drops`` (by
+subscription and reason) and ``Bus.errors`` (by kind), logged, and the subscription goes
+on.
 The send paths raise: a message over the server's ``max_payload`` is refused with
 :class:`PayloadTooLarge` before anything is sent, never dropped on the floor.
 """
@@ -80,12 +81,12 @@ class Bus(JetStreamMixin, BlobMixin):
             try:
                 msg = decode(raw.data, msg_type)
             except DecodeError as exc:
-                self._count_decode(exc, raw.subject)
+                self._count_decode(exc, raw.subject, subject)
                 return
             try:
                 await handler(msg)
             except Exception as exc:
-                self._count_handler(msg_type, raw.subject, exc)
+                self._count_handler(msg_type, raw.subject, exc, subject)
 
         return await self._subscribe_raw(subject, queue, on_msg)
 
@@ -145,21 +146,23 @@ class Bus(JetStreamMixin, BlobMixin):
 
         async def on_request(raw: Msg) -> None:
             if not raw.reply:
+                self.drop(subject, "no_reply")
                 self.count("serve:no_reply", subject=raw.subject)
                 return
             try:
                 req = decode(raw.data, request_type)
             except DecodeError as exc:
-                self._count_decode(exc, raw.subject)
+                self._count_decode(exc, raw.subject, subject)
                 data = encode(Ack(ok=False, error=f"bad request: {exc}"))
             else:
                 try:
                     data = encode(await handler(req))
                 except Exception as exc:  # encode too: a handler that returns no Message
-                    self._count_handler(request_type, raw.subject, exc)
+                    self._count_handler(request_type, raw.subject, exc, subject)
                     data = encode(Ack(ok=False, error=f"{type(exc).__name__}: {exc}"))
             if len(data) > self.nc.max_payload:
                 too_large = PayloadTooLarge(raw.subject + " (reply)", len(data), self.max_payload)
+                self.drop(subject, "reply_too_large")
                 self.count("serve:too_large", subject=raw.subject, error=str(too_large))
                 data = encode(Ack(ok=False, error=str(too_large)))
             await self.nc.publish(raw.reply, data)

@@ -57,15 +57,30 @@ def _worth_logging(count: int) -> bool:
 class Connection:
     """One process's NATS connection and the bookkeeping every part of the bus shares.
 
-    ``nc`` is the raw nats-py client for special needs; ``errors`` counts what the
-    receive paths swallowed. :class:`~asyncrl.runtime.bus.Bus` is the class to use; this
-    base exists so that the JetStream and object-store parts can be typed against it.
+    ``nc`` is the raw nats-py client for special needs. Two counters tell what the
+    receive paths swallowed:
+
+    - ``drops``: each received message that was not handled, by subscription and reason,
+      keyed ``<subject>/<reason>``. The subject is the one subscribed to, wildcards and
+      all, never the concrete subject a sender chose, so a flood of made-up subjects
+      cannot grow the keys: there are at most (subscriptions x reasons) of them. The
+      reasons: ``garbage``, ``schema_version``, ``kind``, ``invalid`` (the
+      :class:`~asyncrl.messages.DecodeError` reasons), ``handler`` (the handler raised),
+      ``no_reply`` (a request without a reply subject), ``reply_too_large`` (the answer
+      exceeded ``max_payload``; the requester got an error instead) and ``slow_consumer``
+      (NATS dropped it because the handler fell behind). Actors report them.
+    - ``errors``: every swallowed failure by kind (``decode:<reason>``,
+      ``handler:<MessageType>``, ``nats:<Error>``...), the requester's side included.
+
+    :class:`~asyncrl.runtime.bus.Bus` is the class to use; this base exists so that the
+    JetStream and object-store parts can be typed against it.
     """
 
     def __init__(self, nc: Client, info: NatsInfo) -> None:
         self.nc = nc
         self.info = info
         self.errors: collections.Counter[str] = collections.Counter()
+        self.drops: collections.Counter[str] = collections.Counter()
         self.js = nc.jetstream()
         self._stores: dict[str, ObjectStore] = {}
 
@@ -140,10 +155,25 @@ class Connection:
         if _worth_logging(n):
             log.warning("bus error", key=key, count=n, **context)
 
-    def _count_decode(self, exc: DecodeError, subject: str) -> None:
+    def drop(self, pattern: str, reason: str) -> None:
+        """Counts one received message of the subscription to ``pattern`` that was not
+        handled (logged by whoever calls this, under its ``errors`` key)."""
+        self.drops[f"{pattern}/{reason}"] += 1
+
+    def _count_decode(self, exc: DecodeError, subject: str, pattern: str | None = None) -> None:
+        """A payload that did not decode; ``pattern`` is the subscription it came in by
+        (None for a reply to our own request, which is raised, not dropped)."""
+        if pattern is not None:
+            self.drop(pattern, exc.reason)
         self.count(f"decode:{exc.reason}", subject=subject, detail=exc.detail[:500])
 
-    def _count_handler(self, msg_type: type[Message], subject: str, exc: Exception) -> None:
+    def _count_handler(
+        self, msg_type: type[Message], subject: str, exc: Exception, pattern: str | None
+    ) -> None:
+        """A handler that raised; ``pattern`` is the subscription that lost the message
+        (None where it is not lost: a JetStream message is redelivered)."""
+        if pattern is not None:
+            self.drop(pattern, "handler")
         key = f"handler:{msg_type.__name__}"
         self.errors[key] += 1
         if _worth_logging(self.errors[key]):
@@ -156,6 +186,8 @@ class Connection:
             raise PayloadTooLarge(subject, size, self.nc.max_payload)
 
     async def _on_client_error(self, exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            self.drop(exc.sub.subject, "slow_consumer")
         self.count(f"nats:{type(exc).__name__}", error=str(exc))
 
     async def _on_disconnected(self) -> None:

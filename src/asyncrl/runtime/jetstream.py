@@ -138,6 +138,7 @@ class JetStreamMixin(Connection):
             durable,
             msg_type,
             handler,
+            subject=subject,
             ack_wait=ack_wait,
             batch=batch,
             concurrency=concurrency,
@@ -156,8 +157,8 @@ class JsConsumer(Generic[M]):
     for as many messages as it has room for (``batch``: fetched but not yet acked),
     hands them to up to ``concurrency`` handler calls at once, and acks each one after
     its handler returns. A handler exception naks the message (redelivered after
-    ``nak_delay`` seconds) and is counted; a payload that does not decode is terminated
-    (never redelivered) and counted. While a message is held, the consumer tells the
+    ``nak_delay`` seconds) and is counted in ``errors``; a payload that does not decode is
+    terminated (never redelivered) and counted as a drop under ``subject``. While a message is held, the consumer tells the
     server every ``ack_wait / 3`` seconds that it is still in progress, so a slow handler
     keeps its message and only a dead consumer's messages go to others. On cancellation
     the messages it holds are nak'ed so that they go to others at once.
@@ -171,6 +172,7 @@ class JsConsumer(Generic[M]):
         msg_type: type[M],
         handler: Callable[[M], Awaitable[None]],
         *,
+        subject: str,
         ack_wait: float,
         batch: int,
         concurrency: int,
@@ -180,6 +182,7 @@ class JsConsumer(Generic[M]):
         self.bus = bus
         self.stream = stream
         self.durable = durable
+        self.subject = subject  # the consumer's filter: what its drops are counted under
         self.msg_type = msg_type
         self.handler = handler
         self.ack_wait = ack_wait
@@ -301,7 +304,7 @@ class JsConsumer(Generic[M]):
         try:
             msg = decode(raw.data, self.msg_type)
         except DecodeError as exc:
-            self.bus._count_decode(exc, raw.subject)
+            self.bus._count_decode(exc, raw.subject, self.subject)
             await raw.term()
             return
         try:
@@ -311,7 +314,8 @@ class JsConsumer(Generic[M]):
                 await raw.nak()
             raise
         except Exception as exc:
-            self.bus._count_handler(self.msg_type, raw.subject, exc)
+            # not a drop: the message is redelivered, to this consumer or another
+            self.bus._count_handler(self.msg_type, raw.subject, exc, None)
             await raw.nak(delay=self.nak_delay)
             return
         await raw.ack()
