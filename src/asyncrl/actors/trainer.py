@@ -27,8 +27,8 @@ from typing import Any
 
 from asyncrl.actors.common import (
     build_train_engine,
+    commit_checkpoint,
     latest_checkpoint_meta,
-    write_checkpoint_meta,
 )
 from asyncrl.actors.weights import KEEP_VERSIONS, put_weights
 from asyncrl.messages import (
@@ -487,11 +487,16 @@ class TrainerActor(Actor):
     async def _checkpoint(self) -> None:
         path = self.ckpt_dir / f"step_{self.step:06d}"
         extra = {"step": self.step, "version": self.version, "data_state": self.data_state}
-        await asyncio.to_thread(self._broadcast, ("save", (str(path), extra)))
-        # the policy of this checkpoint as plain HF weights: what rollout actors load on
-        # --resume, before the trainer has published anything
-        await asyncio.to_thread(self._broadcast, ("export", str(path / "hf")))
-        write_checkpoint_meta(self.ctx.run_dir, path, extra)
+
+        def write(folder: Path) -> None:
+            self._broadcast(("save", (str(folder), extra)))
+            # the policy of this checkpoint as plain HF weights: what rollout actors load
+            # on --resume, before the trainer has published anything
+            self._broadcast(("export", str(folder / "hf")))
+
+        # a failure (a full disk) ends the trainer with a CheckpointError that names the
+        # checkpoint still in place: training on past it would risk more than it saves
+        await asyncio.to_thread(commit_checkpoint, self.ctx.run_dir, path, extra, write)
         self.log.info("checkpoint", step=self.step, path=str(path))
 
     # -- collective work (rank 0 leads, the other ranks follow) -----------------------------------
