@@ -4,11 +4,14 @@ handled is counted under the subscription it came in by and a reason (``Bus.drop
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import msgpack
 import nats.errors
 import pytest
 
+from asyncrl.actors.buffer.journal import Journal
 from asyncrl.messages import SCHEMA_VERSION, Ack, LeaseRequest, Metrics, Prompt, encode
 from asyncrl.runtime import bus as bus_module
 from asyncrl.runtime.bus import Bus, PayloadTooLarge, RemoteError
@@ -174,3 +177,16 @@ async def test_an_oversized_publish_raises_and_nothing_arrives(bus: Bus) -> None
     async with asyncio.timeout(WAIT):
         await last.wait()
     assert got == [5] and not bus.drops
+
+
+def test_the_buffer_journal_counts_what_arrives_after_it_closed(tmp_path: Path) -> None:
+    """The buffer closes its journal in teardown, while its bus may still deliver: such an
+    event is counted, not an I/O error on a closed file."""
+    journal = Journal(tmp_path / "events.jsonl")
+    journal.event("lease", prompt="p0")
+    journal.close()
+    journal.event("return", prompt="p0")
+    journal.close()
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    assert [json.loads(x)["event"] for x in lines] == ["lease"]
+    assert journal.counters["events_after_close"] == 1
