@@ -95,11 +95,41 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
     return errors, warnings
 
 
+def data_problems(recipe: Recipe) -> list[str]:
+    """Rows of the run's local JSONL data (``data``, ``eval.data``) that lack the field
+    the recipe reads the question or the answer from: found here, each is an error
+    before anything starts rather than a buffer or eval actor that dies at its start.
+    Hub datasets are left to the actors: reading one here could mean a download."""
+    from asyncrl.config import JsonlData
+    from asyncrl.data import missing_fields, read_jsonl
+
+    errors: list[str] = []
+    for section, source in (("data", recipe.data), ("eval.data", recipe.eval.data)):
+        if not isinstance(source, JsonlData):
+            continue
+        try:
+            rows = read_jsonl(source.path)
+        except (OSError, ValueError) as exc:
+            errors.append(f"{section}.path: {exc}")
+            continue
+        keys = {source.prompt_key: "prompt_key", source.answer_key: "answer_key"}
+        for key, name in keys.items():
+            lacking = [i for i, _ in missing_fields(rows, [key])]
+            if lacking:
+                shown = ", ".join(map(str, lacking[:5])) + (", ..." if len(lacking) > 5 else "")
+                errors.append(
+                    f"{section}.{name} = {key!r}: {len(lacking)} of the {len(rows)} rows of "
+                    f"{source.path} lack it (rows {shown})"
+                )
+    return errors
+
+
 def enforce_recipe(recipe: Recipe) -> list[str]:
-    """Raises :class:`RecipeError` listing :func:`recipe_problems`' errors; returns the
-    warnings for the caller to print. ``asyncrl check`` and ``asyncrl up`` both call it
-    before anything starts."""
+    """Raises :class:`RecipeError` listing :func:`recipe_problems`' and
+    :func:`data_problems`' errors; returns the warnings for the caller to print.
+    ``asyncrl check`` and ``asyncrl up`` both call it before anything starts."""
     errors, warnings = recipe_problems(recipe)
+    errors += data_problems(recipe)
     if errors:
         raise RecipeError("recipe cannot run:\n" + "\n".join(f"  {e}" for e in errors))
     return warnings

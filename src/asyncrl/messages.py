@@ -121,6 +121,11 @@ class ActorInfo(Message):
         description="prompt uids whose trajectories the actor recently put on the stream: "
         "their scores are on the way, so the buffer keeps their leases",
     )
+    dropped: dict[str, int] = Field(
+        default_factory=dict,
+        description="received messages the actor's bus did not handle, since it started, "
+        "by ``<subject>/<reason>`` (the subscription's subject without the run prefix)",
+    )
 
 
 class Control(Message):

@@ -6,7 +6,9 @@
   and blocks until the test's gate answers; the gate answers only once ``n`` calls are
   waiting at the same time, so the call proves that ``n`` trajectories were being scored
   at once. Scores 1.0; if the gate never opens within ``data["wait_s"]`` it raises.
-- ``raise``, ``nan``, ``hang``: a reward that fails in each way the actor must survive.
+- ``raise``, ``nan``, ``inf``, ``text``, ``hang``: a reward that fails in each way the
+  actor must survive.
+- ``one``: scores 1.0 at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ def gate_reward(completion: str, data: dict[str, Any]) -> float:
         raise ValueError(f"cannot score {completion!r}")
     if behaviour == "nan":
         return float("nan")
+    if behaviour == "inf":
+        return float("-inf")
+    if behaviour == "text":
+        return "1.0"  # type: ignore[return-value]  # a number's text is still not a number
+    if behaviour == "one":
+        return 1.0
     if behaviour == "hang":
         time.sleep(3600)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

@@ -27,8 +27,8 @@ from typing import Any
 
 from asyncrl.actors.common import (
     build_train_engine,
+    commit_checkpoint,
     latest_checkpoint_meta,
-    write_checkpoint_meta,
 )
 from asyncrl.actors.weights import KEEP_VERSIONS, put_weights
 from asyncrl.messages import (
@@ -184,6 +184,8 @@ class TrainerActor(Actor):
         self._last_heartbeat: dict[str, tuple[str, float]] = {}
         self._rollout_latest: dict[str, dict[str, float]] = {}
         self._rollout_seen: dict[str, tuple[float, float]] = {}
+        # each actor's latest drop counters, kept after it dies: they are totals of the run
+        self._dropped: dict[str, dict[str, int]] = {}
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.observe.sinks import open_sinks
@@ -225,6 +227,19 @@ class TrainerActor(Actor):
 
     async def _on_heartbeat(self, info: ActorInfo) -> None:
         self._last_heartbeat[info.actor_id] = (info.role, time.monotonic())
+        if info.dropped:
+            self._dropped[info.actor_id] = info.dropped
+
+    def _drop_stats(self) -> dict[str, float]:
+        """The messages the run's actors received and could not handle, summed over the
+        actors by ``dropped/<subject>/<reason>``: bad input shows in the metrics stream.
+        The trainer's own count is current; the others' as of their last heartbeat."""
+        self._dropped[self.actor_id] = self.dropped()
+        out: dict[str, float] = {}
+        for counts in self._dropped.values():
+            for key, n in counts.items():
+                out[f"dropped/{key}"] = out.get(f"dropped/{key}", 0.0) + n
+        return out
 
     async def _on_rollout_metrics(self, m: Metrics) -> None:
         # two kinds of record (progress, weight update): keep the latest of each value
@@ -436,6 +451,7 @@ class TrainerActor(Actor):
                 self.recipe.rollout.sampling.max_new_tokens,
             ),
             **self._fleet_stats(),
+            **self._drop_stats(),
             **{
                 f"train/{k}": v
                 for k, v in train_stats.items()
@@ -475,11 +491,15 @@ class TrainerActor(Actor):
     async def _checkpoint(self) -> None:
         path = self.ckpt_dir / f"step_{self.step:06d}"
         extra = {"step": self.step, "version": self.version, "data_state": self.data_state}
-        await asyncio.to_thread(self._broadcast, ("save", (str(path), extra)))
-        # the policy of this checkpoint as plain HF weights: what rollout actors load on
-        # --resume, before the trainer has published anything
-        await asyncio.to_thread(self._broadcast, ("export", str(path / "hf")))
-        write_checkpoint_meta(self.ctx.run_dir, path, extra)
+        def write(folder: Path) -> None:
+            self._broadcast(("save", (str(folder), extra)))
+            # the policy of this checkpoint as plain HF weights: what rollout actors load
+            # on --resume, before the trainer has published anything
+            self._broadcast(("export", str(folder / "hf")))
+
+        # a failure (a full disk) ends the trainer with a CheckpointError that names the
+        # checkpoint still in place: training on past it would risk more than it saves
+        await asyncio.to_thread(commit_checkpoint, self.ctx.run_dir, path, extra, write)
         self.checkpoint_step = self.step
         self.log.info("checkpoint", step=self.step, path=str(path))
 

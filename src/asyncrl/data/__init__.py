@@ -11,7 +11,14 @@ from asyncrl.data.gsm8k import (
     gsm8k_records,
     load_gsm8k,
 )
-from asyncrl.data.loaders import Record, read_hf_dataset, read_jsonl, to_prompt_records
+from asyncrl.data.loaders import (
+    MissingFieldError,
+    Record,
+    missing_fields,
+    read_hf_dataset,
+    read_jsonl,
+    to_prompt_records,
+)
 from asyncrl.data.sampler import ShardSampler, epoch_permutation
 from asyncrl.data.synthetic import arithmetic_records
 
@@ -35,8 +42,10 @@ def load_records(cfg: Any, seed: int = 0) -> list[Record]:
         )
     if kind == "jsonl":
         rows = read_jsonl(cfg.path)
+        source = str(cfg.path)
     elif kind == "hf":
         rows = read_hf_dataset(cfg.name, cfg.subset, cfg.split)
+        source = f"dataset {cfg.name} ({cfg.split})"
     else:
         raise ValueError(f"data type {kind!r} is not one of arithmetic, jsonl, hf")
     records = to_prompt_records(
@@ -45,6 +54,7 @@ def load_records(cfg: Any, seed: int = 0) -> list[Record]:
         cfg.answer_key,
         instruction=BOXED_INSTRUCTION,
         transform=_final_answer,
+        source=source,
     )
     for rec, row in zip(records, rows, strict=True):
         rec.setdefault("solution", row[cfg.answer_key])
@@ -53,6 +63,7 @@ def load_records(cfg: Any, seed: int = 0) -> list[Record]:
 
 __all__ = [
     "BOXED_INSTRUCTION",
+    "MissingFieldError",
     "Record",
     "ShardSampler",
     "arithmetic_records",
@@ -61,6 +72,7 @@ __all__ = [
     "gsm8k_records",
     "load_gsm8k",
     "load_records",
+    "missing_fields",
     "read_hf_dataset",
     "read_jsonl",
     "to_prompt_records",

@@ -61,19 +61,40 @@ def read_hf_dataset(
     return [dict(row) for row in ds]
 
 
+class MissingFieldError(KeyError):
+    """A data row without a field the recipe names (``prompt_key``, ``answer_key``)."""
+
+    def __str__(self) -> str:  # KeyError's own quotes the whole message
+        return str(self.args[0])
+
+
+def missing_fields(rows: Iterable[Record], keys: Iterable[str]) -> list[tuple[int, str]]:
+    """``(row number from 1, key)`` for every row that lacks one of ``keys``, in order."""
+    wanted = list(keys)
+    return [(i, k) for i, row in enumerate(rows, 1) for k in wanted if k not in row]
+
+
 def to_prompt_records(
     rows: Iterable[Record],
     prompt_key: str = "question",
     answer_key: str = "answer",
     instruction: str = "",
     transform: Callable[[str], str] | None = None,
+    source: str = "data",
 ) -> list[Record]:
     """Rows with ``prompt`` (the text under ``prompt_key`` plus ``instruction``) and
-    ``answer`` (``transform`` of the text under ``answer_key``) added; other fields kept."""
+    ``answer`` (``transform`` of the text under ``answer_key``) added; other fields kept.
+
+    A row without either key raises :class:`MissingFieldError` naming ``source`` (the
+    file or dataset), the row and the key: a reward cannot score without the answer."""
     out: list[Record] = []
     for i, row in enumerate(rows):
-        if prompt_key not in row or answer_key not in row:
-            raise KeyError(f"row {i} lacks {prompt_key!r} or {answer_key!r}: keys {sorted(row)}")
+        for key, name in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+            if key not in row:
+                raise MissingFieldError(
+                    f"{source}: row {i + 1} lacks {key!r} (the recipe's {name}); "
+                    f"its fields are {sorted(row)}"
+                )
         question = str(row[prompt_key])
         answer = str(row[answer_key])
         out.append(

@@ -48,6 +48,8 @@ class DashboardState:
     staleness: Counter[int] = field(default_factory=Counter)
     actors: dict[str, _ActorRates] = field(default_factory=dict)
     last_seen: dict[str, tuple[str, float]] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Per actor: received messages its bus could not handle (from its heartbeats)."""
     reward_history: list[float] = field(default_factory=list)
     episodes: dict[str, int] = field(default_factory=dict)
     leased: dict[str, int] = field(default_factory=dict)
@@ -90,6 +92,8 @@ class DashboardState:
 
     def on_heartbeat(self, info: ActorInfo, now: float | None = None) -> None:
         self.last_seen[info.actor_id] = (info.role, time.time() if now is None else now)
+        if info.dropped:
+            self.dropped[info.actor_id] = sum(info.dropped.values())
 
     def alive(self, now: float | None = None) -> Counter[str]:
         now = time.time() if now is None else now
@@ -191,6 +195,8 @@ class DashboardState:
             )
         live = ", ".join(f"{role} {n}" for role, n in sorted(alive.items())) or "-"
         table.title = f"actors alive: {live}"
+        if dropped := sum(self.dropped.values()):
+            table.title += f"  (bad messages dropped: {dropped})"
         return table
 
     def plain_line(self) -> str:

@@ -6,7 +6,8 @@ Lifecycle of :meth:`Actor.main`:
 2. ``setup()``: the subclass makes its subscriptions (and whatever else must exist
    before others may talk to it);
 3. publish ``started`` (only now, so a peer that sees it can rely on the subscriptions);
-4. run ``run()`` and the heartbeat loop side by side in one ``asyncio.TaskGroup``;
+4. run ``run()`` and the heartbeat loop side by side in one ``asyncio.TaskGroup``; each
+   heartbeat carries the bus's drop counters (:meth:`Actor.dropped`);
 5. stop when ``run()`` returns, on SIGTERM/SIGINT, or on a ``stop`` control message:
    the group is cancelled, ``teardown()`` runs, ``ActorExit`` is published, the bus drains.
 
@@ -129,8 +130,18 @@ class Actor:
             asyncrl_version=__version__,
             status=self.status,
             time=time.time(),
+            dropped=self.dropped(),
             **self.lease_report(),
         )
+
+    def dropped(self) -> dict[str, int]:
+        """What this actor's bus received and did not handle, by ``<subject>/<reason>``
+        with the run's prefix cut off the subject (``control/garbage``). Every heartbeat
+        carries it, so a run's bad input shows without anyone asking."""
+        if self._bus is None:
+            return {}
+        prefix = self.subjects.prefix + "."
+        return {key.removeprefix(prefix): n for key, n in self.bus.drops.items()}
 
     async def emit_metrics(self, values: dict[str, float | int], step: int = -1) -> None:
         """Publishes a metrics record on ``asyncrl.<run>.metrics.<role>``."""

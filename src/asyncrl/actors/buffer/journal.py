@@ -18,6 +18,11 @@ class Journal:
         self._file = open(path, "a", buffering=1)  # open for the actor's life
 
     def event(self, kind: str, **fields: Any) -> None:
+        """Writes one event line; after :meth:`close` only counts ``events_after_close``:
+        the bus may still hand the stopping actor a message while it drains."""
+        if self._file.closed:
+            self.counters["events_after_close"] += 1
+            return
         self._file.write(json.dumps({"t": time.time(), "event": kind, **fields}) + "\n")
 
     def count(self, key: str, n: int = 1) -> int:
@@ -25,4 +30,5 @@ class Journal:
         return self.counters[key]
 
     def close(self) -> None:
+        """Closes the log; idempotent."""
         self._file.close()
