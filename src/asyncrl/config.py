@@ -7,6 +7,7 @@ full path. This module imports no torch: ``asyncrl check`` and ``--help`` stay i
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -497,8 +498,13 @@ def _format_validation(exc: ValidationError) -> str:
             parent = _model_at(err["loc"][:-1])
             if parent is not None:
                 msg += f" (allowed: {', '.join(sorted(parent.model_fields))})"
-        lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
+        got = _URL_CREDENTIALS.sub("://***@", repr(err.get("input")))
+        lines.append(f"  {key}: {msg} (got {got})")
     return "invalid recipe:\n" + "\n".join(lines)
+
+
+_URL_CREDENTIALS = re.compile(r"://[^/@\s'\"]+@")
+"""The ``user:password@`` of a URL, kept out of error messages (a terminal, a CI log)."""
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:

@@ -31,6 +31,7 @@ from asyncrl.runtime.nats_server import (
     EmbeddedNats,
     NatsInfo,
     advertised_host,
+    external_info,
     take_credentials,
 )
 from asyncrl.subjects import Subjects
@@ -237,8 +238,10 @@ async def test_tls_with_a_self_signed_certificate(tmp_path: Path) -> None:
 
 
 def test_credentials_in_the_recipe_are_refused() -> None:
-    with pytest.raises(RecipeError, match="ASYNCRL_NATS_TOKEN"):
-        load_recipe(None, ["run.nats_url=nats://me:pw@nats.example:4222"])
+    with pytest.raises(RecipeError, match="ASYNCRL_NATS_TOKEN") as refused_url:
+        load_recipe(None, ["run.nats_url=nats://me:pw-42@nats.example:4222"])
+    assert "pw-42" not in str(refused_url.value)  # the error quotes the URL without them
+    assert "nats://***@nats.example:4222" in str(refused_url.value)
     with pytest.raises(RecipeError, match=r"run.listen must look like 0.0.0.0:4222"):
         load_recipe(None, ["run.listen=nats.example"])
     with pytest.raises(RecipeError, match=r"run.tls_cert and run.tls_key go together"):
@@ -258,6 +261,25 @@ def test_credentials_from_the_environment_are_taken_out_of_it() -> None:
         take_credentials({"ASYNCRL_NATS_TOKEN": "t", "ASYNCRL_NATS_USER": "u"})
     with pytest.raises(ValueError, match="ASYNCRL_NATS_USER is not"):
         take_credentials({"ASYNCRL_NATS_PASSWORD": "pw"})
+
+
+async def test_an_external_server_gets_its_credentials_from_the_environment(
+    embedded_nats: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run.nats_url`` without credentials, the token in ``ASYNCRL_NATS_TOKEN``."""
+    token = embedded_nats.info.token
+    assert token
+    monkeypatch.setenv("ASYNCRL_NATS_TOKEN", token)
+    recipe = load_recipe(None, [f"run.nats_url={embedded_nats.info.url}"])
+    info = external_info(recipe.run)
+    assert "ASYNCRL_NATS_TOKEN" not in os.environ
+    assert info == NatsInfo(url=embedded_nats.info.url, token=token)
+    b = await Bus.connect(info)
+    await b.close()
+    with pytest.raises(RecipeError, match=r"run.tls_ca: 'nowhere.pem' is not a file"):
+        external_info(
+            load_recipe(None, ["run.nats_url=tls://x:4222", "run.tls_ca=nowhere.pem"]).run
+        )
 
 
 # -- a real run ---------------------------------------------------------------------------
