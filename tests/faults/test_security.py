@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -232,6 +233,24 @@ async def test_tls_with_a_self_signed_certificate(tmp_path: Path) -> None:
         )
         assert server_info["tls_required"] is True
         assert b"PONG" not in said, said
+
+
+async def test_a_certificate_the_clients_would_not_trust_fails_start_at_once(
+    tmp_path: Path,
+) -> None:
+    cert, key = self_signed_cert(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    other_cert, _ = self_signed_cert(other)
+    server = EmbeddedNats(
+        tmp_path / "run", listen="127.0.0.1:0", tls_cert=cert, tls_key=key, tls_ca=other_cert
+    )
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"TLS to tls://127.0.0.1:\d+ failed .*run.tls_ca"):
+        await server.start()
+    assert time.monotonic() - t0 < server.start_timeout / 2  # no retrying what cannot work
+    assert server.returncode is not None  # and the server is stopped
+    assert not (tmp_path / "run" / NATS_JSON).exists()
 
 
 # -- credentials in the recipe and the environment ------------------------------------------

@@ -51,7 +51,7 @@ MAX_MAX_PAYLOAD = 64 * 1024 * 1024
 TOKEN_ENV = "ASYNCRL_NATS_TOKEN"
 USER_ENV = "ASYNCRL_NATS_USER"
 PASSWORD_ENV = "ASYNCRL_NATS_PASSWORD"
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 
 
 @dataclass(frozen=True)
