@@ -313,6 +313,7 @@ class EmbeddedNats:
         self._proc: subprocess.Popen[bytes] | None = None
         self._exe = ""
         self._info: NatsInfo | None = None
+        self._login: NatsInfo | None = None
 
     @classmethod
     def for_run(cls, run: RunConfig, run_dir: Path, *, log_file: Path) -> EmbeddedNats:
@@ -349,11 +350,15 @@ class EmbeddedNats:
         return self._proc.poll() if self._proc is not None else None
 
     def _credentials(self) -> NatsInfo:
-        """The login of this start (a URL comes later): the given one, or fresh."""
-        if self.user is not None:
-            password = self.password or secrets.token_urlsafe(32)
-            return NatsInfo(url="", user=self.user, password=password)
-        return NatsInfo(url="", token=self.token or secrets.token_urlsafe(32))
+        """The login (a URL comes later): the given one, or one made at the first start
+        and kept, so that clients of a restarted server log in again with what they hold."""
+        if self._login is None:
+            if self.user is not None:
+                password = self.password or secrets.token_urlsafe(32)
+                self._login = NatsInfo(url="", user=self.user, password=password)
+            else:
+                self._login = NatsInfo(url="", token=self.token or secrets.token_urlsafe(32))
+        return self._login
 
     def _write_config(self, login: NatsInfo) -> Path:
         conf = self.store_dir / "nats-server.conf"
