@@ -90,13 +90,15 @@ def generated_versions(t: Trajectory) -> np.ndarray:
 
 @pytest.mark.timeout(600)  # generation here is slow on purpose
 async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = "stale"
     subjects = Subjects(name)
     async with EmbeddedNats(tmp_path / "nats") as server:
-        host = server.info.url.removeprefix("nats://")
-        url = f"nats://{server.info.token}@{host}"
+        url = server.info.url
+        assert server.info.token
+        # the credentials of an external server come from up's environment, never the recipe
+        monkeypatch.setenv("ASYNCRL_NATS_TOKEN", server.info.token)
         bus = await Bus.connect(server.info, name="test")
         try:
             mirror = await mirror_run_stream(bus, subjects)

@@ -92,6 +92,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             "sampled, so the loss's importance weights (decoupled PPO, "
             "trainer.loss.proximal) are biased"
         )
+    warnings.extend(listen_warnings(recipe))
     return errors, warnings
 
 
@@ -122,6 +123,30 @@ def data_problems(recipe: Recipe) -> list[str]:
                     f"{source.path} lack it (rows {shown})"
                 )
     return errors
+
+
+LOOPBACK_HOSTS = ("127.", "::1", "localhost")
+
+
+def listen_warnings(recipe: Recipe) -> list[str]:
+    """What an embedded server open to other machines (``run.listen``) probably lacks."""
+    run = recipe.run
+    if not run.listen or run.listen.startswith(LOOPBACK_HOSTS) or run.listen.startswith("[::1]"):
+        return []
+    warnings = []
+    if not run.tls_cert:
+        warnings.append(
+            f"run.listen = {run.listen!r} without run.tls_cert: the run's token and messages "
+            "cross the network in clear text; give --tls-cert/--tls-key on a network you "
+            "do not trust"
+        )
+    if recipe.trainer.weights_transport == "dir":
+        warnings.append(
+            f'run.listen = {run.listen!r} with trainer.weights_transport = "dir": actors on '
+            "other machines can load new weights only if they see the run folder at the "
+            'same path (a shared file system); "object_store" sends weights through NATS'
+        )
+    return warnings
 
 
 def enforce_recipe(recipe: Recipe) -> list[str]:

@@ -8,6 +8,7 @@ instant.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -77,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A:B",
         help="policy versions whose spans --trace records (default 2:6)",
     )
+    up.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="open the embedded NATS server to other machines (run.listen), e.g. "
+        "0.0.0.0:4222; clients need the credentials in <run>/nats.json",
+    )
+    up.add_argument("--tls-cert", metavar="PEM", help="server certificate: TLS only (run.tls_cert)")
+    up.add_argument("--tls-key", metavar="PEM", help="its private key (run.tls_key)")
+    up.add_argument(
+        "--tls-ca", metavar="PEM", help="what clients trust for the certificate (run.tls_ca)"
+    )
 
     check = sub.add_parser("check", help="validate a recipe and print the resolved config")
     _add_recipe_args(check)
@@ -87,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attach.add_argument("--run", type=Path, required=True, help="the run folder")
     attach.add_argument("--actor-id", default="", help="defaults to <role>-<random>")
+    attach.add_argument(
+        "--nats",
+        type=Path,
+        default=None,
+        help="the run's nats.json (default <run>/nats.json): on another machine, a copy of it",
+    )
 
     metrics = sub.add_parser("metrics", help="stream a run's metrics from NATS")
     metrics.add_argument("--run", type=Path, required=True, help="the run folder")
@@ -120,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             if args.trace:
                 args.overrides.append(f"run.trace_steps={args.trace_steps}")
+            for key in ("listen", "tls_cert", "tls_key", "tls_ca"):
+                if getattr(args, key) is not None:
+                    # quoted: an address is no TOML literal, and a path may look like one
+                    args.overrides.append(f"run.{key}={json.dumps(getattr(args, key))}")
             recipe = load_recipe(args.recipe, args.overrides)
             from asyncrl.up import up
 
@@ -131,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             from asyncrl.actors.launch import run_actor
 
-            return run_actor(args.role, args.run, args.actor_id)
+            return run_actor(args.role, args.run, args.actor_id, nats_file=args.nats)
         if args.command == "metrics":
             from asyncrl.watch import stream_metrics
 

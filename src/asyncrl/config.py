@@ -7,6 +7,7 @@ full path. This module imports no torch: ``asyncrl check`` and ``--help`` stay i
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -45,7 +46,23 @@ class RunConfig(_Section):
     seed: int = 1
     """Seed for data order, sampling and initialisation."""
     nats_url: str = ""
-    """An external NATS server (``nats://user:pass@host:4222``); empty starts an embedded one."""
+    """An external NATS server (``nats://host:4222``, ``tls://host:4222``); empty starts an
+    embedded one. Credentials never go in the recipe (it is copied into the run folder):
+    ``up`` reads them from ``ASYNCRL_NATS_TOKEN`` or ``ASYNCRL_NATS_USER`` and
+    ``ASYNCRL_NATS_PASSWORD`` and keeps them only in ``<run>/nats.json`` (mode 0600)."""
+    listen: str = ""
+    """``HOST:PORT`` the embedded server listens on, so that actors on other machines can
+    attach (``asyncrl up --listen``); port 0 picks a free one. Empty: 127.0.0.1 and a free
+    port, this machine only. Clients always need the run's credentials."""
+    tls_cert: str = ""
+    """PEM certificate of the embedded server (``--tls-cert``); with ``tls_key`` it speaks
+    TLS only."""
+    tls_key: str = ""
+    """PEM private key of ``tls_cert`` (``--tls-key``)."""
+    tls_ca: str = ""
+    """PEM certificate(s) clients trust for the server's certificate (``--tls-ca``): the
+    signing CA, or a self-signed certificate itself. Copied into ``nats.json``, so a copy
+    of that file is all an actor elsewhere needs. Empty: the system's trusted CAs."""
     max_payload_mb: int = Field(8, ge=1, le=64)
     """Largest message the embedded server accepts, in MiB."""
     startup_timeout: float = Field(600.0, gt=0)
@@ -73,9 +90,44 @@ class RunConfig(_Section):
             trace_window(self.trace_steps)
         return self
 
+    @model_validator(mode="after")
+    def _server_options(self) -> RunConfig:
+        if "@" in self.nats_url.partition("://")[2].partition("/")[0]:
+            raise ValueError(
+                "run.nats_url carries credentials, which would be copied into the run "
+                "folder's recipe: give the bare URL and set ASYNCRL_NATS_TOKEN, or "
+                "ASYNCRL_NATS_USER and ASYNCRL_NATS_PASSWORD, in the environment of up"
+            )
+        if self.listen:
+            listen_address(self.listen)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("run.tls_cert and run.tls_key go together: give both or neither")
+        if self.nats_url and (self.listen or self.tls_cert):
+            raise ValueError(
+                "run.listen and run.tls_cert/tls_key configure the embedded server; with "
+                "run.nats_url the run uses an external one"
+            )
+        return self
+
     @property
     def path(self) -> Path:
         return Path(self.dir) / self.name
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) as ``(host, port)``. Raises naming
+    ``run.listen``."""
+    host, sep, port = text.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # a bare IPv6 address: ambiguous without brackets
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(
+            f"run.listen must look like 0.0.0.0:4222, my-host:4222 or [::]:4222 "
+            f"(port 0: a free one), got {text!r}"
+        )
+    return host, int(port)
 
 
 def trace_window(text: str) -> tuple[int, int]:
@@ -457,8 +509,13 @@ def _format_validation(exc: ValidationError) -> str:
             parent = _model_at(err["loc"][:-1])
             if parent is not None:
                 msg += f" (allowed: {', '.join(sorted(parent.model_fields))})"
-        lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
+        got = _URL_CREDENTIALS.sub("://***@", repr(err.get("input")))
+        lines.append(f"  {key}: {msg} (got {got})")
     return "invalid recipe:\n" + "\n".join(lines)
+
+
+_URL_CREDENTIALS = re.compile(r"://[^/@\s'\"]+@")
+"""The ``user:password@`` of a URL, kept out of error messages (a terminal, a CI log)."""
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:

@@ -142,22 +142,22 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
 async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
     from asyncrl.actors.buffer.durable import forget as forget_buffer_state
     from asyncrl.runtime.bus import Bus
-    from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
+    from asyncrl.runtime.nats_server import EmbeddedNats, external_info
     from asyncrl.runtime.supervisor import Supervisor
 
     log = get_logger(role="up", run=recipe.run.name)
     subjects = Subjects(recipe.run.name)
     server: EmbeddedNats | None = None
+    # credentials come from the environment or are made here, and live in nats.json only
     if recipe.run.nats_url:
-        info = NatsInfo(url=recipe.run.nats_url, token=None)
+        info = external_info(recipe.run)
         info.write(run_dir / "nats.json")
     else:
-        server = EmbeddedNats(
-            run_dir,
-            max_payload=recipe.run.max_payload_mb * 1024 * 1024,
-            log_file=run_dir / "logs" / "nats-server.log",
+        server = EmbeddedNats.for_run(
+            recipe.run, run_dir, log_file=run_dir / "logs" / "nats-server.log"
         )
         info = await server.start()
+    log.info("NATS", url=info.redacted_url, tls=info.tls)
     try:
         bus = await Bus.connect(info, name="asyncrl-up")
         try:

@@ -2,7 +2,8 @@
 
 ``asyncrl up`` spawns this for every actor; ``asyncrl attach`` runs the same code in the
 foreground. The recipe comes from ``<run>/recipe.json`` and NATS from ``<run>/nats.json``,
-so an attached actor joins exactly the run it names."""
+so an attached actor joins exactly the run it names. On another machine, a folder with
+copies of those two files is enough (``nats.json`` may also be given apart, ``--nats``)."""
 
 from __future__ import annotations
 
@@ -19,27 +20,33 @@ from asyncrl.runtime.log import configure_logging
 from asyncrl.runtime.loop import run_async
 
 
-def build_context(run_dir: Path, actor_id: str = "") -> ActorContext:
-    from asyncrl.runtime.nats_server import nats_info_for_run
+def build_context(run_dir: Path, actor_id: str = "", nats_file: Path | None = None) -> ActorContext:
+    from asyncrl.runtime.nats_server import NatsInfo, nats_info_for_run
 
     recipe_path = run_dir / "recipe.json"
     if not recipe_path.is_file():
         raise SystemExit(f"{run_dir} is not a run folder (no recipe.json)")
     recipe = Recipe.model_validate(json.loads(recipe_path.read_text()))
+    try:
+        nats = nats_info_for_run(run_dir) if nats_file is None else NatsInfo.read(nats_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"no connection info for the run: {exc}") from None
     return ActorContext(
         run_name=recipe.run.name,
         run_dir=run_dir,
-        nats=nats_info_for_run(run_dir),
+        nats=nats,
         recipe=recipe,
         actor_id=actor_id,
     )
 
 
-def run_actor(role: str, run_dir: Path, actor_id: str = "") -> int:
+def run_actor(
+    role: str, run_dir: Path, actor_id: str = "", *, nats_file: Path | None = None
+) -> int:
     from asyncrl.actors import actor_class
 
     configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"))
-    ctx = build_context(run_dir, actor_id)
+    ctx = build_context(run_dir, actor_id, nats_file)
     threads = {
         "rollout": ctx.recipe.rollout.threads,
         "trainer": ctx.recipe.trainer.threads,

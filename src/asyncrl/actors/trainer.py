@@ -491,6 +491,7 @@ class TrainerActor(Actor):
     async def _checkpoint(self) -> None:
         path = self.ckpt_dir / f"step_{self.step:06d}"
         extra = {"step": self.step, "version": self.version, "data_state": self.data_state}
+
         def write(folder: Path) -> None:
             self._broadcast(("save", (str(folder), extra)))
             # the policy of this checkpoint as plain HF weights: what rollout actors load

