@@ -11,6 +11,8 @@ with ``--trace``, merges the actors' spans into ``<run>/trace.json``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -193,9 +195,16 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
                 startup_timeout=recipe.run.startup_timeout,
                 on_started=started,
             )
+            watcher = None
+            if server is not None:
+                watcher = asyncio.create_task(keep_server_alive(server, sup, quiet))
             try:
                 code = await sup.run()
             finally:
+                if watcher is not None:
+                    watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watcher
                 if live is not None:
                     live.stop()
             if code == 0 and not quiet:
@@ -215,6 +224,23 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
     finally:
         if server is not None:
             await server.stop()
+
+
+async def keep_server_alive(server: Any, sup: Any, quiet: bool) -> None:
+    """Starts the embedded nats-server again whenever it dies (same port, credentials and
+    JetStream store): the actors reconnect and go on. A server that cannot be started
+    again ends the run with the reason."""
+    log = get_logger(role="up")
+
+    def died(code: int | None) -> None:
+        log.warning("nats-server died, starting it again", code=code)
+        if not quiet:
+            print(f"asyncrl up: nats-server exited ({code}); restarting it", file=sys.stderr)
+
+    try:
+        await server.keep_alive(died)
+    except RuntimeError as exc:
+        sup.fail(f"the embedded nats-server died and could not be started again: {exc}")
 
 
 async def start_dashboard(bus: Any, subjects: Subjects, recipe: Recipe) -> Any:

@@ -423,7 +423,37 @@ class EmbeddedNats:
             raise
         info.write(self.run_dir / NATS_JSON)
         self._info = info
+        # a restart listens where clients already look (they reconnect to this URL)
+        self.port = urlsplit(url).port or self.port
         return info
+
+    async def keep_alive(
+        self,
+        on_restart: Callable[[int | None], Any] | None = None,
+        *,
+        every: float = 0.5,
+        attempts: int = 5,
+    ) -> None:
+        """Watches the started server until cancelled and starts it again, on the same
+        port with the same credentials and JetStream store, whenever it exits: clients
+        reconnect by themselves and the streams, consumers and buckets are all still there.
+        ``on_restart`` gets the exit status of each death. Raises RuntimeError when
+        ``attempts`` starts in a row fail (the port was taken, say)."""
+        while True:
+            await asyncio.sleep(every)
+            code = self.returncode
+            if code is None:
+                continue
+            if on_restart is not None:
+                on_restart(code)
+            for attempt in range(1, attempts + 1):
+                try:
+                    await self.start()
+                    break
+                except RuntimeError:
+                    if attempt == attempts:
+                        raise
+                    await asyncio.sleep(min(2.0**attempt, 10.0))
 
     async def _check_resolves(self, url: str) -> None:
         """Fails at once, and says what to do, when this machine cannot resolve the host

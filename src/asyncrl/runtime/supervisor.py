@@ -122,6 +122,7 @@ class Supervisor:
         self._tg: asyncio.TaskGroup | None = None
         self.restarts = 0
         self._pending = 0  # replacements waiting out their back-off
+        self._failed = False
 
     async def run(self) -> int:
         """Runs the actors to the end; 0 when every primary actor finished cleanly."""
@@ -148,6 +149,11 @@ class Supervisor:
                     loop.remove_signal_handler(sig)
                 except (NotImplementedError, RuntimeError):
                     pass
+
+    def fail(self, reason: str) -> None:
+        """Ends the run as failed (exit 1) for a reason outside the actors."""
+        self._failed = True
+        self.request_stop(reason)
 
     def request_stop(self, reason: str = "stop requested") -> None:
         if not self._stop_request.is_set():
@@ -257,6 +263,8 @@ class Supervisor:
                 return 1
             if self._stop_request.is_set():
                 self.log.info("stopping", reason=self.reason)
+                if self._failed:
+                    return 1
                 return 130 if "SIGINT" in self.reason else 0
             if not self._all_started.is_set():
                 if all(p.started for p in self.procs.values() if not p.replaced):

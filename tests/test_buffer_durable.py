@@ -1,0 +1,148 @@
+"""The buffer's durable state and the trainer-restart roll-back.
+
+- a buffer started again in the same run goes on where the last one stood (real
+  nats-server, state in the run's object store);
+- :meth:`Admission.roll_back` by hand-computed cases: which groups are kept, which
+  prompts run again, and the recounted budget;
+- the trainer's records after its checkpoint are dropped; restart back-off doubles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from actor_helpers.buffer_kit import recipe, running_buffer
+from test_buffer_actor import S, score, take_lease
+
+from asyncrl.actors.buffer.admission import Admission
+from asyncrl.actors.buffer.journal import Journal
+from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
+from asyncrl.actors.trainer import drop_records_after
+from asyncrl.messages import Array, BatchRequest, TrainBatchRef, Trajectory
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.nats_server import NatsInfo
+from asyncrl.runtime.staleness import StalenessManager
+from asyncrl.runtime.supervisor import RESTART_ENV, ActorSpec
+
+
+def traj(prompt: str, i: int, version: int, *, attempt: str = "L1", epoch: int = 0) -> Trajectory:
+    return Trajectory(
+        uid=f"{prompt}/{i}",
+        prompt_uid=prompt,
+        group_index=i,
+        group_size=2,
+        attempt=attempt,
+        input_ids=Array.of([5, 6, 7], "int32"),
+        loss_mask=Array.of([False, True, True], "bool"),
+        logprobs=Array.of([0.0, -1.0, -1.0], "float32"),
+        versions=Array.of([-1, version, version], "int32"),
+        reward=float(i),
+        data={"question": prompt},
+        epoch=epoch,
+    )
+
+
+async def test_a_restarted_buffer_goes_on_where_the_last_one_stood(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus
+) -> None:
+    r = recipe()
+    async with running_buffer(tmp_path, nats_server, bus, r) as first:
+        got = await take_lease(bus, 4)  # (v + η + 1)·B = 4 prompts
+        g = [[traj(p.uid, i, 0, attempt=got.lease_id) for i in range(2)] for p in got.prompts]
+        await score(bus, *g[0], *g[1], *g[2], g[3][0])  # three groups and half of one
+        req = BatchRequest(step=0, version=0)
+        batch = await bus.request(S.batch, req, TrainBatchRef, timeout=30)
+        assert batch.waiting is None
+        stood = (
+            first.version,
+            sorted(first.leases.leased),
+            dict(first.counters),
+            first.leases.source.state(),  # the dataset position
+        )
+    async with running_buffer(tmp_path, nats_server, bus, r) as second:
+        assert (
+            second.version,
+            sorted(second.leases.leased),
+            dict(second.counters),
+            second.leases.source.state(),
+        ) == stood
+        assert [len(g) for g in second.admission.groups.values()] == [1]  # the half group
+        assert len(second.admission.ready) == 1  # three groups, two of them served
+        again = await bus.request(S.batch, req, TrainBatchRef, timeout=30)
+        assert [t.uid for t in again.trajectories] == [t.uid for t in batch.trajectories]
+        await score(bus, g[3][1])  # the rest of the half group completes it
+        async with asyncio.timeout(30):
+            while len(second.admission.ready) < 2:
+                second.ready_changed.clear()
+                await second.ready_changed.wait()
+        assert second.durable is not None and second.durable.writes > 0
+
+
+def admission(tmp_path: Path, version: int) -> Admission:
+    sm = StalenessManager(batch_size=2, max_concurrent=16, max_head_offpolicyness=1)
+    sm.version = version
+    journal = Journal(tmp_path / "events.jsonl")
+    records = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
+    leases = LeaseBook(PromptSource(records, 1), sm, journal, ttl=30, incarnation="x")
+    return Admission(sm, leases, journal, group_size=2, dynamic_filter=False)
+
+
+def test_roll_back_keeps_the_groups_of_the_versions_that_remain(tmp_path: Path) -> None:
+    a = admission(tmp_path, version=3)
+    a.ready.extend([[traj("r1", i, 2) for i in range(2)], [traj("r3", i, 3) for i in range(2)]])
+    a.completed |= {"r1", "r3", "s1", "s3"}
+    served = [[traj("s1", i, 1) for i in range(2)], [traj("s3", i, 3) for i in range(2)]]
+    # a group in the making, of a lease still out
+    a.leases.leased["p"] = a.leases.leased.get("p") or _lease(a, "p", "L9")
+    a.groups["p"] = {"p/0": traj("p", 0, 3, attempt="L9")}
+    a.seen_samples.add("p/0")
+    a.staleness.running = 1
+
+    dropped = a.roll_back(2, epoch=1, served=served)
+
+    # restarted from version 2: versions ≤ 2 stay (served first, then ready), 3 is gone
+    assert [g[0].prompt_uid for g in a.ready] == ["s1", "r1"]
+    assert dropped == 2 and a.journal.counters["rolled_back_groups"] == 2
+    assert a.journal.counters["rolled_back_samples"] == 4
+    assert {p.uid for p in a.leases.source.pool} >= {"s3", "r3"}  # they run again
+    assert not {"s3", "r3"} & a.completed
+    # the group in the making is abandoned and its prompt returned through its lease
+    assert not a.groups and "p" not in a.leases.leased and ("L9", "p") in a.refused
+    assert a.staleness.running == 0
+    # accepted = v·B + groups kept = 2·2 + 2; the version went back
+    assert (a.staleness.version, a.staleness.accepted) == (2, 6)
+    # a late sample of the old epoch is refused; one of the new epoch is taken
+    assert a.on_scored(traj("q", 0, 2, attempt="L2", epoch=0)) == "invalid"
+    assert a.journal.counters["invalid_old_epoch"] == 1
+    assert a.on_scored(traj("s3", 0, 2, attempt="L3", epoch=1)) == "pending"
+
+
+def _lease(a: Admission, uid: str, lease_id: str) -> object:
+    from asyncrl.actors.buffer.leases import Leased
+    from asyncrl.messages import Prompt
+
+    a.leases.attempts[uid] += 1
+    return Leased(Prompt(uid=uid, data={"question": uid}), "r0", lease_id)
+
+
+def test_records_after_the_checkpoint_are_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "trained_samples.jsonl"
+    lines = [json.dumps({"step": s, "uid": f"u{s}"}) for s in range(1, 6)]
+    path.write_text("\n".join(lines) + '\n{"step": 6, "ui')  # torn by a kill
+    assert drop_records_after(path, 3) == 3
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    assert drop_records_after(tmp_path / "absent.jsonl", 3) == 0
+
+
+def test_restart_back_off_doubles_and_the_replacement_knows_its_number() -> None:
+    spec = ActorSpec("trainer", "trainer-0", ["x", "trainer-0"], restarts=8, backoff=1.0)
+    assert spec.delay() == 0.0
+    delays, s = [], spec
+    for n in range(1, 8):
+        s = s.restarted(n)
+        delays.append(s.delay())
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert s.actor_id == "trainer-0-r7" and s.argv == ["x", "trainer-0-r7"]
+    assert s.env[RESTART_ENV] == "7" and s.restarts == 1
