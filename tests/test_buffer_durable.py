@@ -77,7 +77,9 @@ async def test_a_restarted_buffer_goes_on_where_the_last_one_stood(
             while len(second.admission.ready) < 2:
                 second.ready_changed.clear()
                 await second.ready_changed.wait()
-        assert second.durable is not None and second.durable.writes > 0
+        assert second.durable is not None
+        await second.durable.persisted()
+        assert second.durable.writes > 0
 
 
 def admission(tmp_path: Path, version: int) -> Admission:
