@@ -497,10 +497,10 @@ def plot(result: dict[str, Any], out: Path) -> None:
     x = range(len(labels))
     right.bar([i - 0.2 for i in x], [runs[k]["trainer_idle_frac"] for k in labels], 0.4)
     right.bar([i + 0.2 for i in x], [runs[k]["gen_idle_frac"] or 0.0 for k in labels], 0.4)
-    right.legend(["trainer idle", "generation idle"])
+    right.legend(["trainer idle", "generation idle"], loc="upper center", ncol=2)
     right.set_xticks(list(x), labels)
-    right.set_ylim(0, 1)
-    right.set_ylabel("idle fraction")
+    right.set_ylim(0, 1.15)
+    right.set_ylabel("idle fraction" if simulated_run else "idle fraction, steps 2..N")
     title = f"async (η = {runs['async']['eta']}) vs sync: {result['speedup']:.2f}x the steps/h"
     fig.suptitle(("SIMULATED " if simulated_run else "") + title)
     fig.tight_layout()
