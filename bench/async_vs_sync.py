@@ -127,13 +127,14 @@ def run_up(args: argparse.Namespace, name: str, eta: int) -> float:
     """One ``asyncrl up`` in a subprocess; returns its wall seconds. Its output goes to
     ``<runs>/<name>.log``; a failed run stops the bench naming that log."""
     RUNS.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "asyncrl.cli", "up", str(args.recipe), "--overwrite", "--quiet"]
+    recipe = str(args.recipe)
+    cmd = [sys.executable, "-m", "asyncrl.cli", "up", recipe, "--overwrite", "--quiet"]
     for s in run_sets(args, name, eta):
         cmd += ["--set", s]
     log = RUNS / f"{name}.log"
     t0 = time.monotonic()
     with open(log, "w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     seconds = time.monotonic() - t0
     if code != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
@@ -147,7 +148,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarise_run(run_dir: Path, process_s: float) -> dict[str, Any]:
+def summarise_run(run_dir: Path, process_s: float | None) -> dict[str, Any]:
     """The figures of one finished run, from its run folder."""
     recipe = json.loads((run_dir / "recipe.json").read_text())
     steps = read_jsonl(run_dir / "metrics.jsonl")
@@ -191,7 +192,7 @@ def summarise_run(run_dir: Path, process_s: float) -> dict[str, Any]:
         "reward_last_quarter": sum(tail) / len(tail),
         "step_end_s": [s["time"] - start for s in steps],
         "accuracy": accuracy,
-        "accuracy_final": accuracy.get(max(accuracy)) if accuracy else None,
+        "accuracy_final": accuracy.get(len(steps)),  # None if version N was not scored
         "response_tokens": [
             s["response_tokens"]
             for s in read_jsonl(run_dir / "trained_samples.jsonl")
@@ -206,7 +207,7 @@ def fmt_frac(x: float | None) -> str:
 
 def print_run(label: str, r: dict[str, Any]) -> None:
     acc = ", ".join(f"v{v}: {a:.3f}" for v, a in sorted(r["accuracy"].items())) or "none"
-    process = "not run here" if math.isnan(r["process_s"]) else f"{r['process_s']:.0f} s"
+    process = "not run here" if r["process_s"] is None else f"{r['process_s']:.0f} s"
     print(
         f"{label:>5} (η = {r['eta']}): {r['steps']} steps in {r['wall_s']:.0f} s (step 1 "
         f"{r['step1_s']:.0f} s, steps 2-{r['steps']} {r['window_s']:.0f} s: "
@@ -261,7 +262,7 @@ def real(args: argparse.Namespace) -> dict[str, Any]:
     for label, eta in (("sync", 0), ("async", args.eta)):
         if not args.reuse:
             print(f"running {label} (η = {eta}, {args.steps} steps) ...", flush=True)
-        process_s = float("nan") if args.reuse else run_up(args, label, eta)
+        process_s = None if args.reuse else run_up(args, label, eta)
         runs[label] = summarise_run(RUNS / label, process_s)
     print_run("sync", runs["sync"])
     print_run("async", runs["async"])
