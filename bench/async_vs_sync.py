@@ -227,6 +227,7 @@ def print_run(label: str, r: dict[str, Any]) -> None:
 def verdict(sync: dict[str, Any], asyn: dict[str, Any]) -> str:
     """The speedup, with what it cost (reward, held-out accuracy) said beside it."""
     speedup = asyn["steps_per_hour"] / sync["steps_per_hour"]
+    sync_step = 3600 / sync["steps_per_hour"]
     costs = []
     if asyn["reward_last_quarter"] < sync["reward_last_quarter"]:
         costs.append(
@@ -252,7 +253,10 @@ def verdict(sync: dict[str, Any], asyn: dict[str, Any]) -> str:
             f"{fmt_frac(sync['gen_idle_frac'])}, async trainer "
             f"{fmt_frac(asyn['trainer_idle_frac'])} / generation "
             f"{fmt_frac(asyn['gen_idle_frac'])}: async can only hide the shorter of "
-            "generation and training behind the longer"
+            f"generation and training behind the longer; sync's steps took "
+            f"{sync_step:.1f} s, {sync['train_s_mean']:.1f} s of them training, so hiding "
+            f"all the rest gives at most {sync_step / sync['train_s_mean']:.2f}x at that "
+            f"training speed (async trained at {asyn['train_s_mean']:.1f} s/step)"
         )
     return line
 
