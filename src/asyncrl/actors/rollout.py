@@ -308,11 +308,10 @@ class RolloutActor(Actor):
             )
             await self.emit_metrics(
                 {
+                    **self._rates(),
                     "version": msg.version,
                     "rollout/pause_s": pause_s,
                     "rollout/weights_fetch_s": fetch_s,
-                    **{k: float(v) for k, v in self.counters.items()},
-                    "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
                 },
                 step=msg.version,
             )
