@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -130,3 +131,26 @@ def test_cli_check_reports_bad_key(tmp_path: Path) -> None:
         check=True,
     )
     assert "max_steps = 3" in ok.stdout
+
+
+def test_role_cpus_must_exist_on_the_machine() -> None:
+    count = os.cpu_count() or 1
+    r = load_recipe(None, ["rollout.cpus=[0]", f"trainer.cpus=[{count - 1}]"])
+    assert r.rollout.cpus == [0] and r.trainer.cpus == [count - 1] and r.eval.cpus == []
+    with pytest.raises(RecipeError, match=rf"trainer\.cpus: \[{count}\] not on this machine"):
+        load_recipe(None, ["rollout.cpus=[0]", f"trainer.cpus=[0, {count}]"])
+    with pytest.raises(RecipeError, match=r"eval\.cpus\.0"):
+        load_recipe(None, ["eval.cpus=[-1]"])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_pin_cpus_sets_the_affinity_or_names_the_key() -> None:
+    code = (
+        "import os; from asyncrl.actors.launch import pin_cpus; "
+        "pin_cpus('rollout', [0]); print(sorted(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[0]"
+    bad = "from asyncrl.actors.launch import pin_cpus; pin_cpus('trainer', [4096])"
+    out = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True)
+    assert out.returncode == 1 and "trainer.cpus = [4096]: cannot pin" in out.stderr

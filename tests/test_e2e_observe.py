@@ -30,7 +30,9 @@ async def test_a_finished_ci_run_has_eval_plots_tensorboard_and_a_trace(tmp_path
 
     from asyncrl.observe.plot import PIXELS
 
-    code, out = await run(ci_up(tmp_path, "ci", extra=("--trace", "--trace-steps", "2:6")))
+    code, out = await run(
+        ci_up(tmp_path, "ci", "rollout.cpus=[0]", extra=("--trace", "--trace-steps", "2:6"))
+    )
     assert code == 0, out
     run_dir = tmp_path / "ci"
     metrics = read_jsonl(run_dir / "metrics.jsonl")
@@ -60,6 +62,8 @@ async def test_a_finished_ci_run_has_eval_plots_tensorboard_and_a_trace(tmp_path
     ):
         assert all(key in m for m in metrics), key
     assert metrics[-1]["actors/rollout"] == 1 and metrics[-1]["actors/reward"] == 1
+    # the rollout actor's idle time (no episode running) reaches the trainer's records
+    assert 0 <= metrics[-1]["rollout/idle_frac"] <= 1 and metrics[-1]["rollout/idle_s"] >= 0
     assert all(m["train/entropy"] > 0 for m in metrics)
     assert (
         sum(v for k, v in metrics[-1].items() if k.startswith("staleness/"))

@@ -128,3 +128,27 @@ async def test_submit_outside_context_is_an_error() -> None:
     runner = AsyncTaskRunner[int](max_concurrent=1)
     with pytest.raises(RuntimeError):
         await runner.submit(_value, 1)
+
+
+async def test_idle_time_counts_only_stretches_with_no_task_running() -> None:
+    now = [0.0]
+    started = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def episode() -> int:
+        started.set()
+        await gate.wait()
+        return 1
+
+    async with AsyncTaskRunner[int](max_concurrent=2, clock=lambda: now[0]) as runner:
+        now[0] = 5.0  # nothing submitted yet: idle
+        assert runner.idle_s == 5.0
+        await runner.submit(episode)
+        await started.wait()
+        now[0] = 8.0  # a task runs: busy
+        assert runner.idle_s == 5.0
+        gate.set()
+        await runner.wait(1, timeout=5)
+        now[0] = 10.0  # idle again since the task ended at 8
+        assert runner.idle_s == 7.0
+        assert runner.age_s == 10.0

@@ -7,12 +7,17 @@ full path. This module imports no torch: ``asyncrl check`` and ``--help`` stay i
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CpuList = list[Annotated[int, Field(ge=0)]]
+"""CPU ids a role's processes are pinned to (``os.sched_setaffinity`` at process start);
+empty: no pinning. Checked against the machine where a run starts (:func:`load_recipe`)."""
 
 
 class _Section(BaseModel):
@@ -322,6 +327,9 @@ class RolloutConfig(_Section):
     threads: int = Field(0, ge=0)
     """CPU threads for torch in each rollout process; 0 leaves torch's default. On a small
     CPU, give generation and training their own cores: oversubscribed threads spin."""
+    cpus: CpuList = []
+    """CPU ids each rollout process (and its vLLM servers) may run on, e.g. ``[0]``; empty:
+    any. With ``threads`` and ``trainer.cpus`` this keeps generation and training apart."""
     colocate: bool = False
     """Rollout engines and the trainer take turns on one accelerator: before each trainer
     step the engines pause and release their weights and KV cache, and take them back
@@ -337,6 +345,8 @@ class RewardConfig(_Section):
     """Worker processes per reward actor."""
     timeout: float = Field(10.0, gt=0)
     """Seconds one reward call may take; past it the sample scores 0."""
+    cpus: CpuList = []
+    """CPU ids each reward actor and its worker processes may run on; empty: any."""
 
 
 class BufferConfig(_Section):
@@ -422,6 +432,8 @@ class TrainerConfig(_Section):
     """Trainer steps; the run ends after the last one."""
     threads: int = Field(0, ge=0)
     """CPU threads for torch in each trainer process; 0 leaves torch's default."""
+    cpus: CpuList = []
+    """CPU ids every trainer process may run on, e.g. ``[1]``; empty: any."""
     nproc: int = Field(1, ge=1)
     """Trainer processes (torchrun ranks, FSDP)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -468,6 +480,8 @@ class EvalConfig(_Section):
     """Token budget per completion; None: ``rollout.sampling.max_new_tokens``."""
     threads: int = Field(0, ge=0)
     """CPU threads for torch in the eval process; 0 leaves torch's default."""
+    cpus: CpuList = []
+    """CPU ids the eval process may run on; empty: any."""
 
     @model_validator(mode="after")
     def _something_to_score(self) -> EvalConfig:
@@ -596,6 +610,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     except ValidationError as exc:
         raise RecipeError(_format_validation(exc)) from None
     _check_paths(recipe)
+    _check_cpus(recipe)
     return recipe
 
 
@@ -647,6 +662,29 @@ def _check_paths(recipe: Recipe) -> None:
     wandb = recipe.run.wandb
     if wandb is not None and wandb.mode != "disabled" and not _importable("wandb"):
         problems.append("  run.wandb: set, but the wandb package is missing: pip install wandb")
+    if problems:
+        raise RecipeError("invalid recipe:\n" + "\n".join(problems))
+
+
+def role_cpus(recipe: Recipe) -> dict[str, list[int]]:
+    """The CPU ids each role is pinned to (``<role>.cpus``), for the roles that have the key."""
+    return {
+        "rollout": recipe.rollout.cpus,
+        "reward": recipe.reward.cpus,
+        "trainer": recipe.trainer.cpus,
+        "eval": recipe.eval.cpus,
+    }
+
+
+def _check_cpus(recipe: Recipe) -> None:
+    """Every pinned CPU id exists on this machine. Checked where a run starts: an actor
+    attached from another machine applies only its own role's key, at its own start."""
+    count = os.cpu_count() or 1
+    problems = [
+        f"  {role}.cpus: {bad} not on this machine (CPU ids 0-{count - 1})"
+        for role, ids in role_cpus(recipe).items()
+        if (bad := sorted(i for i in set(ids) if i >= count))
+    ]
     if problems:
         raise RecipeError("invalid recipe:\n" + "\n".join(problems))
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.actors.common import dist_rank
-from asyncrl.config import Recipe
+from asyncrl.config import Recipe, role_cpus
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.log import configure_logging
 from asyncrl.runtime.loop import run_async
@@ -40,6 +40,20 @@ def build_context(run_dir: Path, actor_id: str = "", nats_file: Path | None = No
     )
 
 
+def pin_cpus(role: str, cpus: list[int]) -> None:
+    """Pins this process to ``cpus`` (``<role>.cpus``; empty: leaves it be). Called before
+    torch starts its thread pools and before the actor starts workers or servers, which
+    inherit the affinity. A CPU this machine lacks fails naming the key."""
+    if not cpus:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit(f"{role}.cpus is set, but this platform cannot pin processes")
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        raise SystemExit(f"{role}.cpus = {cpus}: cannot pin this process ({exc})") from None
+
+
 def run_actor(
     role: str, run_dir: Path, actor_id: str = "", *, nats_file: Path | None = None
 ) -> int:
@@ -55,6 +69,7 @@ def run_actor(
     if threads.get(role):
         # before torch is imported, so its thread pools start at this size
         os.environ["OMP_NUM_THREADS"] = str(threads[role])
+    pin_cpus(role, role_cpus(ctx.recipe).get(role, []))
     if role == "trainer" and dist_rank() > 0:
         # torchrun ranks > 0 are not actors: they follow rank 0's collective commands
         from asyncrl.actors.trainer import follower_loop

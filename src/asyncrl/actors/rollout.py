@@ -78,6 +78,7 @@ class RolloutActor(Actor):
         # end between two of them; the buffer needs to see it only once.
         self.delivered: deque[str] = deque(maxlen=4 * self.recipe.rollout.max_concurrent)
         self._last_pause: float | None = None
+        self._runner: AsyncTaskRunner[list[Trajectory]] | None = None
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
@@ -130,6 +131,7 @@ class RolloutActor(Actor):
             max_concurrent=self.recipe.rollout.max_concurrent
         )
         async with runner, asyncio.TaskGroup() as tg:
+            self._runner = runner  # entered: its idle clock runs
             tg.create_task(self._lease_loop(runner), name="leases")
             tg.create_task(self._result_loop(runner), name="results")
 
@@ -306,21 +308,27 @@ class RolloutActor(Actor):
             )
             await self.emit_metrics(
                 {
+                    **self._rates(),
                     "version": msg.version,
                     "rollout/pause_s": pause_s,
                     "rollout/weights_fetch_s": fetch_s,
-                    **{k: float(v) for k, v in self.counters.items()},
-                    "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
                 },
                 step=msg.version,
             )
 
     def _rates(self) -> dict[str, float]:
-        return {
+        """Counters and rates; ``idle_s`` is the time with no episode running since the
+        actor began to lease (waiting on the staleness budget or for new weights), out of
+        ``run_s``. A pause to load weights does not count: its episodes are still running."""
+        values = {
             "version": float(self.engine.version),
             **{k: float(v) for k, v in self.counters.items()},
             "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
         }
+        if self._runner is not None:
+            values["idle_s"] = self._runner.idle_s
+            values["run_s"] = self._runner.age_s
+        return values
 
     async def _report(self) -> None:
         """Progress every few seconds: ``gen_tokens_per_s`` is the generated tokens of

@@ -247,8 +247,8 @@ class TrainerActor(Actor):
 
     def _fleet_stats(self) -> dict[str, float]:
         """Live actors per role, each live rollout actor's generation rate over the step,
-        and the rollout actors' latest pause for a weight update (the pause of the previous
-        version: this step's weights are still on their way)."""
+        the rollout actors' latest pause for a weight update (the pause of the previous
+        version: this step's weights are still on their way) and their idle time."""
         now = time.monotonic()
         alive: dict[str, int] = {}
         for actor_id, (role, seen) in list(self._last_heartbeat.items()):
@@ -279,6 +279,12 @@ class TrainerActor(Actor):
             v["weight_update_s"] for v in self._rollout_latest.values() if "weight_update_s" in v
         ]
         out["time_gen_pause_s"] = max(pauses, default=0.0)
+        idle = [(v["idle_s"], v["run_s"]) for v in self._rollout_latest.values() if "run_s" in v]
+        if idle:
+            # the live rollout actors' time with no episode running, and its share of their
+            # running time: generation starved by the staleness budget (η = 0 waits here)
+            out["rollout/idle_s"] = sum(i for i, _ in idle)
+            out["rollout/idle_frac"] = out["rollout/idle_s"] / max(sum(r for _, r in idle), 1e-9)
         return out
 
     # -- the step loop ----------------------------------------------------------------------
@@ -402,10 +408,13 @@ class TrainerActor(Actor):
         to trained_samples.jsonl; returns the numeric metrics."""
         trained_at = self.version - 1  # the weights these samples updated
         staleness = []
+        n_tokens = 0
         with open(self.samples_file, "a") as f:
             for t in batch.trajectories:
                 s = trained_at - t.head_version
                 staleness.append(s)
+                response_tokens = int(t.loss_mask.numpy().sum())
+                n_tokens += response_tokens
                 f.write(
                     json.dumps(
                         {
@@ -417,11 +426,11 @@ class TrainerActor(Actor):
                             "trained_version": trained_at,
                             "staleness": s,
                             "reward": t.reward,
+                            "response_tokens": response_tokens,
                         }
                     )
                     + "\n"
                 )
-        n_tokens = sum(int(t.loss_mask.numpy().sum()) for t in batch.trajectories)
         self._samples_total += len(batch.trajectories)
         self._tokens_total += n_tokens
         elapsed = time.monotonic() - self._t_start

@@ -18,12 +18,15 @@ Contract:
 - ``wait(count, timeout)`` returns ``count`` results in completion order, or raises
   ``TimeoutError`` leaving whatever had completed for the next call.
 - Leaving the context cancels queued and running tasks; it does not wait for them to finish.
+- ``idle_s`` is the time since entering the context during which no task ran (waiting
+  for work or for the capacity hook): how long the work this runner drives stood still.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -63,12 +66,14 @@ class AsyncTaskRunner(Generic[T]):
         *,
         max_queue: int | None = None,
         capacity: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``max_queue`` defaults to ``max_concurrent``: a submitter may run ahead by at most
         one full wave of tasks, so a producer never piles up work that admission will refuse.
         The result queue holds at most ``max_queue + max_concurrent`` results; a task whose
         result finds it full waits there, keeping its slot, which is the backpressure on a
-        consumer that stopped calling ``wait``."""
+        consumer that stopped calling ``wait``. ``clock`` times ``idle_s`` (a test
+        passes its own)."""
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")
         self.max_concurrent = max_concurrent
@@ -87,12 +92,17 @@ class AsyncTaskRunner(Generic[T]):
         self._dispatcher: asyncio.Task[None] | None = None
         self.started_total = 0
         self.failed_total = 0
+        self._clock = clock
+        self._entered_at = 0.0
+        self._idle_since: float | None = None  # None while a task runs
+        self._idle_total = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncTaskRunner[T]:
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
+        self._entered_at = self._idle_since = self._clock()
         self._dispatcher = self._tg.create_task(self._dispatch(), name="runner-dispatch")
         return self
 
@@ -119,6 +129,18 @@ class AsyncTaskRunner(Generic[T]):
     @property
     def queued(self) -> int:
         return self._pending.qsize()
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds since entering the context with no task running (the current stretch
+        included)."""
+        current = 0.0 if self._idle_since is None else self._clock() - self._idle_since
+        return self._idle_total + current
+
+    @property
+    def age_s(self) -> float:
+        """Seconds since entering the context: ``idle_s / age_s`` is the idle fraction."""
+        return self._clock() - self._entered_at
 
     @property
     def paused(self) -> bool:
@@ -180,6 +202,9 @@ class AsyncTaskRunner(Generic[T]):
             while not self._may_start():
                 self._changed.clear()
                 await self._changed.wait()
+            if self._running == 0 and self._idle_since is not None:
+                self._idle_total += self._clock() - self._idle_since
+                self._idle_since = None
             self._running += 1
             self.started_total += 1
             task = self._tg.create_task(self._run_one(item), name=f"runner-task-{item.task_id}")
@@ -199,4 +224,6 @@ class AsyncTaskRunner(Generic[T]):
             self._arrived.set()
         finally:
             self._running -= 1
+            if self._running == 0:
+                self._idle_since = self._clock()
             self._changed.set()
