@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 import annotated_types
 import msgpack
@@ -32,6 +32,7 @@ from asyncrl.messages import (
     TrainBatchRef,
     Trajectory,
     _decode_checked,
+    _encodes_directly,
     _FastDecoder,
     decode,
     decode_any,
@@ -469,17 +470,55 @@ def test_fast_and_careful_paths_agree_on_conversions(body: dict[str, Any]) -> No
 
 
 @pytest.mark.parametrize(
-    "array",
+    "fields",
     [
-        {"dtype": "int32", "shape": [2], "data": b"\0" * 4},  # too few bytes
-        {"dtype": "int32", "shape": [-1, -1], "data": b"\0" * 4},  # negative dims
-        {"dtype": "object", "shape": [1], "data": b"\0" * 8},
-        {"dtype": "int8", "shape": ["1"], "data": b"\0"},  # pydantic takes "1" as 1
-        {"dtype": "int8", "shape": [1], "data": "x"},  # pydantic takes a str as bytes
+        {"reward": 3},  # an int for float | None: 3.0 in both
+        {"reward_info": {1: "x"}},  # a non-string key in a field typed dict[str, Any]
+        {"data": [1]},
+        {"versions": {"dtype": "int32", "shape": [2], "data": b"\0" * 4}},  # too few bytes
+        {"versions": {"dtype": "int32", "shape": [-1, -1], "data": b"\0" * 4}},
+        {"versions": {"dtype": "object", "shape": [1], "data": b"\0" * 8}},
+        {"versions": {"dtype": "int8", "shape": ["1"], "data": b"\0"}},  # pydantic: "1" is 1
+        {"versions": {"dtype": "int8", "shape": [1], "data": "x"}},  # pydantic: str as bytes
     ],
 )
-def test_fast_and_careful_paths_agree_on_arrays(array: dict[str, Any]) -> None:
-    body = msgpack.unpackb(TRAJECTORY)["d"]
-    _paths_agree(
-        _pack({"k": "trajectory", "v": SCHEMA_VERSION, "d": body | {"versions": array}}), Trajectory
-    )
+def test_fast_and_careful_paths_agree_on_trajectory_fields(fields: dict[str, Any]) -> None:
+    body = msgpack.unpackb(TRAJECTORY)["d"] | fields
+    _paths_agree(_pack({"k": "trajectory", "v": SCHEMA_VERSION, "d": body}), Trajectory)
+
+
+class _Holder(Message):
+    """A type that encodes directly and holds a model (no registered type does yet)."""
+
+    KIND: ClassVar[str] = "test_holder"
+    arr: Array
+    n: int = 0
+
+
+class _WiderArray(Array):
+    note: str = "x"
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        _Holder(arr=Array.of([1, 2])),
+        _Holder(arr=_WiderArray(dtype="uint8", shape=(1,), data=b"\1")),  # Array's fields only
+        _Holder(arr=Array.of([1]), n=2**64),  # too large for msgpack
+        _Holder(arr=Array.of([1]), n=-(2**63)),
+    ],
+)
+def test_direct_encoding_writes_what_pydantic_and_msgpack_write(msg: _Holder) -> None:
+    def careful() -> Any:
+        body = msg.__pydantic_serializer__.to_python(msg)
+        return msgpack.Packer().pack({"k": msg.KIND, "v": SCHEMA_VERSION, "d": body})
+
+    assert _encodes_directly(_Holder)
+    try:
+        expected = careful()
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            encode(msg)
+    else:
+        assert encode(msg) == expected
+        _paths_agree(expected, _Holder)
