@@ -412,7 +412,7 @@ M = TypeVar("M", bound=Message)
 #
 # - the careful path: msgpack, then the envelope checks, then pydantic. It alone decides
 #   why a payload is refused (DecodeError reasons and details come from it only);
-# - a fast path, for the message types it can express (see _FastDecoder): msgspec decodes
+# - a fast path, for the message types it can express (see _fast_decoder): msgspec decodes
 #   and type-checks the whole payload in C against a schema derived from the pydantic
 #   model, and the model is assembled from that without validating it a second time.
 #
@@ -446,12 +446,13 @@ def encode(msg: Message) -> bytes:
 
 def decode(payload: bytes, expected: type[M]) -> M:
     """Decodes and validates ``payload`` as an ``expected``; raises :class:`DecodeError`."""
-    fast = _FAST.get(expected, _UNKNOWN)
-    if fast is _UNKNOWN:
-        fast = _FAST[expected] = _FastDecoder.build(expected)
+    try:
+        fast = _FAST[expected]
+    except KeyError:
+        fast = _FAST[expected] = _fast_decoder(expected)
     if fast is not None:
         try:
-            return fast.decode(payload)  # type: ignore[no-any-return, union-attr]
+            return fast(payload)  # type: ignore[no-any-return]
         except Exception:  # the careful path below gives the verdict
             pass
     return _decode_checked(payload, expected)
@@ -517,8 +518,7 @@ def _validate(cls: type[M], body: Any) -> M:
 # --- the fast path ---------------------------------------------------------------------------
 
 _DIRECT: dict[type[BaseModel], bool] = {}
-_UNKNOWN: Any = object()
-_FAST: dict[type[Message], _FastDecoder | None] = {}
+_FAST: dict[type[Message], Callable[[bytes], Any] | None] = {}
 
 # What a pydantic model instance holds besides its __dict__; set the way pydantic-core sets
 # them when it validates (the model types here have no extra fields and no private ones).
@@ -535,42 +535,40 @@ _SAME_LEAVES = (str, int, float, bool, bytes, type(None))
 _MODEL_CONFIG_KEYS = {"extra", "frozen"}  # settings that the fast path honours (or not need)
 
 
+# One field of a model for a builder: its name, the conversion of what msgspec gives (None:
+# as is), and its default as a function (None: the field is required).
+_Field = tuple[str, Callable[[Any], Any] | None, Callable[[], Any] | None]
+
+
 class _Unsupported(Exception):
     """A model the fast path cannot express exactly: it decodes on the careful path only."""
 
 
-class _FastDecoder:
-    """Decodes one message type: a msgspec schema for its envelope and a builder.
+def _fast_decoder(expected: type[Message]) -> Callable[[bytes], Any] | None:
+    """The fast path's decoder of one message type, or None if it cannot express the type.
 
     The schema is derived from the pydantic model once, when the type is first decoded.
     Each model type (the message and those nested in it) gets a msgspec Struct with the
     same fields, unknown fields forbidden (an unknown key must reach the careful path,
     which unpacks and judges it); a field with a default is optional. A field typed Any
     stays raw msgpack and is unpacked by msgpack itself, so it holds exactly what the
-    careful path would give. The builder makes the pydantic instances from the Structs
-    and runs the model's ``after`` validators; a type with anything else (field
-    constraints, other validators, aliases, other model settings) is not supported.
+    careful path would give. Builders make the pydantic instances from the Structs and
+    run the models' ``after`` validators; a type with anything else (field constraints,
+    other validators, aliases, other model settings) is not supported.
     """
-
-    def __init__(self, decoder: msgspec.msgpack.Decoder[Any], build: Callable[[Any], Any]):
-        self._decode = decoder.decode
-        self._build = build
-
-    def decode(self, payload: bytes) -> Any:
-        return self._build(self._decode(payload).d)
-
-    @classmethod
-    def build(cls, expected: type[Message]) -> _FastDecoder | None:
-        try:
-            struct, build = _Schema().model(expected)
-            envelope = msgspec.defstruct(
-                f"_Envelope_{expected.__name__}",
-                [("k", Literal[expected.KIND]), ("v", Literal[SCHEMA_VERSION]), ("d", struct)],  # type: ignore[valid-type]
-                forbid_unknown_fields=True,
-            )
-            return cls(msgspec.msgpack.Decoder(envelope), build)
-        except (_Unsupported, TypeError):  # TypeError: a type msgspec cannot decode
-            return None
+    schema = _Schema()
+    try:
+        struct, _ = schema.model(expected)
+        envelope = msgspec.defstruct(
+            f"_Envelope_{expected.__name__}",
+            [("k", Literal[expected.KIND]), ("v", Literal[SCHEMA_VERSION]), ("d", struct)],  # type: ignore[valid-type]
+            forbid_unknown_fields=True,
+        )
+        entry = msgspec.msgpack.Decoder(envelope).decode
+    except (_Unsupported, TypeError):  # TypeError: a type msgspec cannot decode
+        return None
+    # The message's own builder again, taking the payload: one call less per message.
+    return _builder(expected, *schema.plans[expected], entry=entry)
 
 
 class _Schema:
@@ -578,6 +576,7 @@ class _Schema:
 
     def __init__(self) -> None:
         self._models: dict[type[BaseModel], tuple[Any, Callable[[Any], Any]]] = {}
+        self.plans: dict[type[BaseModel], tuple[list[_Field], list[Callable[[Any], Any]]]] = {}
 
     def model(self, model: type[BaseModel]) -> tuple[Any, Callable[[Any], Any]]:
         if model in self._models:
@@ -598,7 +597,7 @@ class _Schema:
                 raise _Unsupported(f"{model.__name__}: a {dec.info.mode} model validator")
             after.append(dec.func)
         fields: list[tuple[str, Any, Any]] = []
-        plan: list[tuple[str, Callable[[Any], Any] | None, Any]] = []
+        plan: list[_Field] = []
         for name, info in model.model_fields.items():
             if info.metadata or info.alias or info.validation_alias:
                 raise _Unsupported(f"{model.__name__}.{name}")
@@ -626,6 +625,7 @@ class _Schema:
         )
         build = _builder(model, plan, after)
         self._models[model] = struct, build
+        self.plans[model] = plan, after
         return struct, build
 
     def value(self, annotation: Any) -> tuple[Any, Callable[[Any], Any] | None]:
@@ -731,15 +731,18 @@ def _unpack_raw_dict(raw: msgspec.Raw) -> dict[str, Any]:
 
 def _builder(
     model: type[BaseModel],
-    plan: list[tuple[str, Callable[[Any], Any] | None, Any]],
+    plan: list[_Field],
     after: list[Callable[[Any], Any]],
+    entry: Callable[[bytes], Any] | None = None,
 ) -> Callable[[Any], Any]:
-    """The function that makes a ``model`` from its Struct, as pydantic-core would.
+    """The function that makes a ``model`` from its Struct, as pydantic-core would; with
+    ``entry``, from a payload that ``entry`` decodes into an envelope Struct.
 
     Its source is written out for this model, the way dataclasses writes ``__init__``: a
     loop over the fields cost more than pydantic's own validation of a small message.
     """
     scope: dict[str, Any] = {
+        "entry": entry,
         "model": model,
         "UNSET": msgspec.UNSET,
         "new": _new,
@@ -783,6 +786,9 @@ def _builder(
     for i, check in enumerate(after):
         scope[f"after_{i}"] = check
         lines.append(f"    obj = after_{i}(obj)")
-    source = "def build(s):\n" + "\n".join([*lines, "    return obj"]) + "\n"
+    head = (
+        ["def build(s):"] if entry is None else ["def build(payload):", "    s = entry(payload).d"]
+    )
+    source = "\n".join([*head, *lines, "    return obj"]) + "\n"
     exec(source, scope)  # our own source, made of the model's field names
     return scope["build"]  # type: ignore[no-any-return]
