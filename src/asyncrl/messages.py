@@ -3,7 +3,9 @@
 Each message is a pydantic model. On the wire it is one msgpack map
 ``{"k": kind, "v": schema_version, "d": fields}``; ``decode`` checks the kind and the
 schema version before pydantic validates the fields, so a receiver can tell "garbage",
-"a message from a newer/older asyncrl" and "a field of the wrong type" apart.
+"a message from a newer/older asyncrl" and "a field of the wrong type" apart. Most
+types also decode through a faster path (msgspec, with a schema derived from the model)
+that accepts only what that careful path accepts; see the notes above :func:`encode`.
 
 Numeric arrays travel as :class:`Array` (raw bytes + dtype + shape), never as lists.
 This module imports numpy but no torch, so the schema loads fast anywhere.
