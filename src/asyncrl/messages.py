@@ -601,7 +601,7 @@ class _Schema:
         fields: list[tuple[str, Any, Any]] = []
         plan: list[_Field] = []
         for name, info in model.model_fields.items():
-            if info.metadata or info.alias or info.validation_alias:
+            if info.metadata or info.alias or info.validation_alias or info.validate_default:
                 raise _Unsupported(f"{model.__name__}.{name}")
             spec, convert = self.value(info.annotation)
             if info.default_factory is not None:
