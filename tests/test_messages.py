@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 import annotated_types
 import msgpack
@@ -23,11 +23,17 @@ from asyncrl.messages import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
     Ack,
+    ActorInfo,
     Array,
     DecodeError,
+    Lease,
     Message,
     Metrics,
+    TrainBatchRef,
     Trajectory,
+    _decode_checked,
+    _encodes_directly,
+    _fast_decoder,
     decode,
     decode_any,
     encode,
@@ -348,3 +354,171 @@ def test_corrupted_messages_decode_or_fail_cleanly(position: int, flip: int) -> 
         assert exc.reason in REASONS
     else:
         assert isinstance(msg, Metrics)  # a flip inside a string or number can stay valid
+
+
+# -- the fast path ------------------------------------------------------------------------------
+#
+# decode tries msgspec first and falls back to the careful path (msgpack + pydantic) on any
+# refusal, so a refused payload always gets the careful verdict. What must hold is the other
+# half: whatever the fast path accepts, the careful path accepts too, as the same model, with
+# the same types inside (1 and 1.0 are equal but not the same) and the same fields set.
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, BaseModel):
+        return a.model_fields_set == b.model_fields_set and all(
+            _same(getattr(a, name), getattr(b, name)) for name in type(a).model_fields
+        )
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b or (a != a and b != b))  # NaN is NaN
+
+
+def _outcome(decoder: Any, payload: bytes) -> Any:
+    try:
+        return decoder(payload)
+    except DecodeError as exc:
+        return (exc.reason, exc.detail)
+
+
+def _paths_agree(payload: bytes, cls: type[Message]) -> None:
+    fast, careful = (
+        _outcome(lambda p: decode(p, cls), payload),
+        _outcome(lambda p: _decode_checked(p, cls), payload),
+    )
+    assert _same(fast, careful), (fast, careful)
+
+
+def test_the_hot_message_types_take_the_fast_path() -> None:
+    for cls in (Trajectory, Metrics, Ack, TrainBatchRef, ActorInfo, Lease):
+        assert _fast_decoder(cls) is not None, cls
+
+
+@pytest.mark.parametrize("cls", list(MESSAGE_TYPES.values()), ids=list(MESSAGE_TYPES))
+@CODEC
+@given(data=st.data())
+def test_fast_and_careful_paths_build_the_same_message(
+    cls: type[Message], data: st.DataObject
+) -> None:
+    msg = data.draw(instances(cls))
+    payload = encode(msg)
+    # the bytes are those msgpack writes, whichever encoder wrote them
+    assert payload == msgpack.Packer().pack(
+        {"k": cls.KIND, "v": SCHEMA_VERSION, "d": msg.model_dump()}
+    )
+    _paths_agree(payload, cls)
+    fast = _fast_decoder(cls)
+    if fast is not None:  # it takes a valid message itself, not through the fallback
+        assert _same(fast(payload), msg)
+    # the same body with its optional fields left out: the defaults, and fields_set without them
+    body = msgpack.unpackb(payload)["d"]
+    required = {k: v for k, v in body.items() if cls.model_fields[k].is_required()}
+    _paths_agree(_pack({"k": cls.KIND, "v": SCHEMA_VERSION, "d": required}), cls)
+
+
+TRAJECTORY = encode(
+    Trajectory(
+        uid="p/1",
+        prompt_uid="p",
+        group_index=1,
+        group_size=2,
+        input_ids=Array.of(np.arange(3, dtype=np.int32)),
+        loss_mask=Array.of(np.ones(3, dtype=bool)),
+        logprobs=Array.of(np.zeros(3, dtype=np.float32)),
+        versions=Array.of(np.zeros(3, dtype=np.int32)),
+        reward=1.0,
+        reward_info={"f": 0.5, "n": [1, None, b"x"]},
+        data={"question": "q", "answer": 4},
+    )
+)
+
+
+@CODEC
+@given(position=st.integers(0, len(TRAJECTORY) - 1), flip=st.integers(1, 255))
+def test_fast_and_careful_paths_agree_on_corrupted_trajectories(position: int, flip: int) -> None:
+    corrupted = bytearray(TRAJECTORY)
+    corrupted[position] ^= flip
+    _paths_agree(bytes(corrupted), Trajectory)
+
+
+@CODEC
+@given(position=st.integers(0, len(GOOD) - 1), flip=st.integers(1, 255))
+def test_fast_and_careful_paths_agree_on_corrupted_metrics(position: int, flip: int) -> None:
+    corrupted = bytearray(GOOD)
+    corrupted[position] ^= flip
+    _paths_agree(bytes(corrupted), Metrics)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"role": "r", "actor_id": "a", "step": 1.0},  # pydantic takes a whole float as an int
+        {"role": "r", "actor_id": "a", "step": True},
+        {"role": "r", "actor_id": "a", "time": 3},  # an int for a float: 3.0 in both
+        {"role": "r", "actor_id": b"a"},  # bytes for str
+        {"role": "r", "actor_id": "a", "values": {"x": 1, "y": 2.5}},  # int stays int
+        {"role": "r", "actor_id": "a", "values": {b"x": 1}},
+        {"role": "r", "actor_id": "a", "x": 1},
+    ],
+)
+def test_fast_and_careful_paths_agree_on_conversions(body: dict[str, Any]) -> None:
+    _paths_agree(_pack({"k": "metrics", "v": SCHEMA_VERSION, "d": body}), Metrics)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"reward": 3},  # an int for float | None: 3.0 in both
+        {"reward_info": {1: "x"}},  # a non-string key in a field typed dict[str, Any]
+        {"data": [1]},
+        {"versions": {"dtype": "int32", "shape": [2], "data": b"\0" * 4}},  # too few bytes
+        {"versions": {"dtype": "int32", "shape": [-1, -1], "data": b"\0" * 4}},
+        {"versions": {"dtype": "object", "shape": [1], "data": b"\0" * 8}},
+        {"versions": {"dtype": "int8", "shape": ["1"], "data": b"\0"}},  # pydantic: "1" is 1
+        {"versions": {"dtype": "int8", "shape": [1], "data": "x"}},  # pydantic: str as bytes
+    ],
+)
+def test_fast_and_careful_paths_agree_on_trajectory_fields(fields: dict[str, Any]) -> None:
+    body = msgpack.unpackb(TRAJECTORY)["d"] | fields
+    _paths_agree(_pack({"k": "trajectory", "v": SCHEMA_VERSION, "d": body}), Trajectory)
+
+
+class _Holder(Message):
+    """A type that encodes directly and holds a model (no registered type does yet)."""
+
+    KIND: ClassVar[str] = "test_holder"
+    arr: Array
+    n: int = 0
+
+
+class _WiderArray(Array):
+    note: str = "x"
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        _Holder(arr=Array.of([1, 2])),
+        _Holder(arr=_WiderArray(dtype="uint8", shape=(1,), data=b"\1")),  # Array's fields only
+        _Holder(arr=Array.of([1]), n=2**64),  # too large for msgpack
+        _Holder(arr=Array.of([1]), n=-(2**63)),
+    ],
+)
+def test_direct_encoding_writes_what_pydantic_and_msgpack_write(msg: _Holder) -> None:
+    def careful() -> Any:
+        body = msg.__pydantic_serializer__.to_python(msg)
+        return msgpack.Packer().pack({"k": msg.KIND, "v": SCHEMA_VERSION, "d": body})
+
+    assert _encodes_directly(_Holder)
+    try:
+        expected = careful()
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            encode(msg)
+    else:
+        assert encode(msg) == expected
+        _paths_agree(expected, _Holder)
