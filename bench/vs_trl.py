@@ -74,6 +74,8 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -344,7 +346,7 @@ def trl_worker(spec_path: Path) -> None:
     out = Path(spec["out_dir"])
     steps: list[dict[str, float]] = []
 
-    class Clock(transformers.TrainerCallback):  # type: ignore[misc]
+    class Clock(transformers.TrainerCallback):
         """The wall time at the end of every optimizer step, and its logged reward (TRL
         logs after ``on_step_end``, so the record exists by then)."""
 
@@ -510,8 +512,11 @@ def main() -> None:
     print(f"held-out greedy accuracy of the starting weights: {accuracy['before']:.3f}", flush=True)
 
     result: dict[str, Any] = {"steps": args.steps, "heldout_prompts": len(heldout)}
-    for key, runner in (("asyncrl", lambda: run_asyncrl(args)),
-                        ("trl", lambda: run_trl(args, recipe, model_dir))):  # fmt: skip
+    runners: dict[str, Callable[[], dict[str, Any]]] = {
+        "asyncrl": partial(run_asyncrl, args),
+        "trl": partial(run_trl, args, recipe, model_dir),
+    }
+    for key, runner in runners.items():
         print(f"running {key} ({args.steps} steps) ...", flush=True)
         load_before = os.getloadavg()
         result[key] = runner()
