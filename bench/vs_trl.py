@@ -62,6 +62,14 @@ end of step N, so process start, model loading and the first generation are left
 greedy, one completion per prompt, ``eval.max_prompts`` prompts, scored with
 ``math_reward``, by asyncrl's hf engine in this process, for the starting weights (shared),
 asyncrl's final checkpoint (``checkpoints/step_N/hf``) and TRL's ``save_model`` folder.
+
+How long: on a quiet 2-core machine the quickstart trains at about 20 s/step (24 steps in
+about 8 minutes, README), so the defaults (16 steps each, three evaluations of 32 prompts)
+take about 15 minutes if TRL needs at most 1.5× asyncrl's time per step, which is what it
+needed in the runs so far; the venv adds 1 to 3 minutes once. That is an estimate, not a
+measurement: on a machine shared with other jobs (load average 8 to 12 on the 2 cores) a
+step of either system took minutes, so the script prints the load average around each
+system's run, and its figures compare the two systems within one run only.
 """
 
 from __future__ import annotations
