@@ -65,9 +65,9 @@ asyncrl's final checkpoint (``checkpoints/step_N/hf``) and TRL's ``save_model`` 
 
 How long: on a quiet 2-core machine the quickstart trains at about 20 s/step (24 steps in
 about 8 minutes, README), so the defaults (16 steps each, three evaluations of 32 prompts)
-take about 15 minutes if TRL needs at most 1.5× asyncrl's time per step, which is what it
-needed in the runs so far; the venv adds 1 to 3 minutes once. That is an estimate, not a
-measurement: on a machine shared with other jobs (load average 8 to 12 on the 2 cores) a
+take about 15 minutes if TRL needs at most 1.6× asyncrl's time per step, as it did in a
+6-step run at load average 2 (6.4 minutes in all); the venv adds 1 to 3 minutes once. The
+15 minutes are extrapolated, not measured: on a machine shared with other jobs (load average 8 to 12 on the 2 cores) a
 step of either system took minutes, so the script prints the load average around each
 system's run, and its figures compare the two systems within one run only.
 """
