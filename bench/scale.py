@@ -244,6 +244,7 @@ def level_recipe(args: argparse.Namespace) -> Recipe:
             f"buffer.batch_size={args.batch_size}",
             f"buffer.max_head_offpolicyness={args.eta}",
             f"buffer.max_concurrent={args.max_concurrent}",
+            f"buffer.durable={str(not args.volatile).lower()}",
             f"reward.fn={HERE}:contains_answer",
             f"reward.workers={args.reward_workers}",
         ],
@@ -462,6 +463,11 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32, help="groups per trainer step (B)")
     p.add_argument("--eta", type=int, default=2, help="buffer.max_head_offpolicyness")
     p.add_argument("--max-concurrent", type=int, default=4096, help="buffer.max_concurrent")
+    p.add_argument(
+        "--volatile",
+        action="store_true",
+        help="buffer.durable = false: no state writes (what durability costs, by difference)",
+    )
     p.add_argument("--episodes-per-actor", type=int, default=4, help="rollout.max_concurrent")
     p.add_argument("--reward-workers", type=int, default=2)
     p.add_argument("--prompts", type=int, default=20_000, help="dataset size")

@@ -23,7 +23,7 @@ from typing import Any
 
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
-from asyncrl.actors.buffer.durable import DurableState, capture, restore
+from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, restore
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.actors.common import latest_checkpoint_meta, load_prompt_records
@@ -87,6 +87,7 @@ class BufferActor(Actor):
         self.ready_changed = asyncio.Event()
         self.weights: WeightsUpdated | None = None
         self.durable: DurableState | None = None
+        self._encoded = EncodedParts()
         meta = latest_checkpoint_meta(ctx.run_dir)
         if meta is not None:
             self.staleness.restore(int(meta["version"]))
@@ -118,7 +119,12 @@ class BufferActor(Actor):
 
     def _snapshot(self) -> Any:
         return capture(
-            self.leases, self.admission, self.batcher, epoch=self.epoch, weights=self.weights
+            self.leases,
+            self.admission,
+            self.batcher,
+            epoch=self.epoch,
+            weights=self.weights,
+            parts=self._encoded,
         )
 
     def _changed(self) -> None:
@@ -196,8 +202,9 @@ class BufferActor(Actor):
         t0 = now_us()
         lease = self.leases.grant(req, time.monotonic())
         if lease.prompts:
+            # not awaited: a lease the buffer forgets in a crash only runs its prompts once
+            # more (the dataset position rewinds), and the duplicate samples are dropped
             self._changed()
-            await self._persisted()
         self.tracer.complete("grant lease", t0, actor=req.actor_id, prompts=len(lease.prompts))
         return lease.model_copy(update={"epoch": self.epoch}) if self.epoch else lease
 
@@ -224,8 +231,9 @@ class BufferActor(Actor):
             msg.prompt_uid, f"aborted: {msg.reason}", lease_id=msg.lease_id
         ):
             self.journal.count("aborted")
+            # not awaited: a forgotten return leaves the lease out until the actor's
+            # heartbeats, which no longer list it, free it
             self._changed()
-            await self._persisted()
         return Ack(ok=True)
 
     async def _expire_leases(self) -> None:

@@ -6,14 +6,21 @@ position) is captured as one :class:`BufferSnapshot` and put in the run's buffer
 (JetStream, file storage in the run folder). The rule that makes it durable: nothing is
 acknowledged before the snapshot that holds it is written.
 
-- a lease reply, an abort's ``Ack`` and a batch go out only after the write;
+- a batch goes out only after the write (a buffer that forgot it could serve its samples
+  again in another batch);
 - a scored sample is acked on the stream only after the write, so a sample the buffer
   took but never wrote is delivered again to its replacement (and one written but not
   acked arrives again as a counted duplicate).
 
-Writes are group commits: :meth:`DurableState.touch` marks the state changed and
-:meth:`DurableState.persisted` waits for the first write that began after it, so a burst
-of changes shares one write. A buffer killed at any instant restarts from a snapshot that
+A lease and an abort's ``Ack`` do not wait: a restarted buffer that never wrote a lease
+leases its prompts again (the samples of the run it forgot are dropped as duplicates),
+and a return it never wrote leaves that lease out until the actor's heartbeats free it.
+
+Writes are group commits, at most one per ``min_interval`` seconds:
+:meth:`DurableState.touch` marks the state changed and :meth:`DurableState.persisted`
+waits for the first write that began after it, so a burst of changes shares one write.
+Admitted groups and served batches never change, so each is encoded once
+(:class:`EncodedParts`). A buffer killed at any instant restarts from a snapshot that
 holds everything it ever acknowledged.
 """
 
@@ -22,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import io
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, Field
@@ -85,11 +92,44 @@ class BufferSnapshot(Message):
     """Samples of the groups still in the making."""
     completed: list[str] = Field(default_factory=list)
     refused: list[tuple[str, str]] = Field(default_factory=list)
-    ready: list[list[Trajectory]] = Field(default_factory=list)
-    served: list[TrainBatchRef] = Field(default_factory=list)
+    ready: list[bytes] = Field(default_factory=list)
+    """Each admitted group as an encoded :class:`Group` (see :class:`EncodedParts`)."""
+    served: list[bytes] = Field(default_factory=list)
+    """Each served batch as an encoded :class:`TrainBatchRef`."""
     since_checkpoint: list[tuple[int, list[Prompt]]] = Field(default_factory=list)
     """(step, its prompts): pairs, as the wire takes only string keys."""
     weights: WeightsUpdated | None = None
+
+
+class Group(Message):
+    """One admitted group, the unit the snapshot keeps encoded."""
+
+    KIND: ClassVar[str] = "buffer_group"
+    samples: list[Trajectory]
+
+
+class EncodedParts:
+    """The encodings of the snapshot's big parts, admitted groups and served batches,
+    which never change once made: each is encoded once, not at every write."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, str], bytes] = {}
+        self._batches: dict[tuple[int, str], bytes] = {}
+
+    def groups(self, groups: Iterable[list[Trajectory]]) -> list[bytes]:
+        cache, self._groups = self._groups, {}
+        for g in groups:
+            key = (g[0].uid, g[0].attempt)
+            self._groups[key] = cache.get(key) or encode(Group(samples=g))
+        return list(self._groups.values())
+
+    def batches(self, batches: Iterable[TrainBatchRef]) -> list[bytes]:
+        cache, self._batches = self._batches, {}
+        for b in batches:
+            first = b.trajectories[0] if b.trajectories else None
+            key = (b.step, f"{first.uid}@{first.attempt}" if first else "")
+            self._batches[key] = cache.get(key) or encode(b)
+        return list(self._batches.values())
 
 
 def capture(
@@ -99,8 +139,10 @@ def capture(
     *,
     epoch: int,
     weights: WeightsUpdated | None,
+    parts: EncodedParts | None = None,
 ) -> BufferSnapshot:
     """The state as it is now (synchronous: nothing changes while it is taken)."""
+    parts = parts or EncodedParts()
     sm = leases.staleness
     return BufferSnapshot(
         epoch=epoch,
@@ -126,8 +168,8 @@ def capture(
         partial=[t for group in admission.groups.values() for t in group.values()],
         completed=sorted(admission.completed),
         refused=sorted(admission.refused),
-        ready=list(admission.ready),
-        served=list(batcher.served.values()),
+        ready=parts.groups(admission.ready),
+        served=parts.batches(batcher.served.values()),
         since_checkpoint=sorted(batcher.since_checkpoint.items()),
         weights=weights,
     )
@@ -168,8 +210,9 @@ def restore(
     admission.seen_samples = {t.uid for t in snap.partial}
     admission.completed = set(snap.completed)
     admission.refused = {(a, p) for a, p in snap.refused}
-    admission.ready = deque(snap.ready)
-    batcher.served = {b.step: b for b in snap.served}
+    admission.ready = deque(decode(g, Group).samples for g in snap.ready)
+    served = [decode(b, TrainBatchRef) for b in snap.served]
+    batcher.served = {b.step: b for b in served}
     batcher.since_checkpoint = dict(snap.since_checkpoint)
 
 
@@ -183,8 +226,10 @@ class DurableState:
         take: Callable[[], BufferSnapshot],
         *,
         enabled: bool = True,
+        min_interval: float = 0.05,
     ) -> None:
         self.bus = bus
+        self.min_interval = min_interval
         self.bucket = bucket
         self.take = take
         self.enabled = enabled
@@ -229,8 +274,10 @@ class DurableState:
             while True:
                 try:
                     await self.bus.put_blob(self.bucket, SNAPSHOT_KEY, data)
+                    _raise_if_cancelled()
                     break
                 except Exception as exc:  # the server may be restarting: try again
+                    _raise_if_cancelled()
                     self.write_failures += 1
                     n = self.write_failures
                     if n & (n - 1) == 0:
@@ -241,6 +288,17 @@ class DurableState:
             async with self._cond:
                 self._written = target
                 self._cond.notify_all()
+            # what changes meanwhile waits for the next write: many changes, one write
+            await asyncio.sleep(self.min_interval)
+
+
+def _raise_if_cancelled() -> None:
+    """Re-raises a cancellation that nats-py swallowed: its requests wait with
+    ``asyncio.wait_for``, which on Python 3.11 drops a cancel that comes with the reply,
+    and a writer that went on would keep its actor from ever stopping."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def forget(bus: Bus, bucket: str) -> None:
