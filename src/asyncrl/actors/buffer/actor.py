@@ -45,7 +45,7 @@ from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.runtime.trace import now_us
 
-SCORED_CONCURRENCY = 64
+SCORED_CONCURRENCY = 256
 """Scored samples handled at once: each waits for the state write that holds it before
 its ack, and the waits of many share one write."""
 
