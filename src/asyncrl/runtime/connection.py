@@ -49,7 +49,7 @@ class RemoteError(RuntimeError):
     """The responder got the request but failed: it answered ``Ack(ok=False, error=...)``."""
 
 
-def _worth_logging(count: int) -> bool:
+def worth_logging(count: int) -> bool:
     """Log the 1st, 2nd, 4th, 8th... occurrence: a flood of bad input cannot flood the log."""
     return count & (count - 1) == 0
 
@@ -152,7 +152,7 @@ class Connection:
         """Counts one swallowed failure and logs it (rate-limited per key)."""
         self.errors[key] += 1
         n = self.errors[key]
-        if _worth_logging(n):
+        if worth_logging(n):
             log.warning("bus error", key=key, count=n, **context)
 
     def drop(self, pattern: str, reason: str) -> None:
@@ -176,7 +176,7 @@ class Connection:
             self.drop(pattern, "handler")
         key = f"handler:{msg_type.__name__}"
         self.errors[key] += 1
-        if _worth_logging(self.errors[key]):
+        if worth_logging(self.errors[key]):
             log.error(
                 "handler failed", key=key, count=self.errors[key], subject=subject, exc_info=exc
             )

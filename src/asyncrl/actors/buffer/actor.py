@@ -42,6 +42,7 @@ from asyncrl.messages import (
     encode,
 )
 from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.connection import worth_logging
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.runtime.trace import now_us
 
@@ -251,7 +252,7 @@ class BufferActor(Actor):
         self._changed()
         if outcome == "invalid":
             n = self.journal.counters["invalid_samples"]
-            if n & (n - 1) == 0:  # the 1st, 2nd, 4th... : a flood cannot flood the log
+            if worth_logging(n):
                 self.log.warning("invalid trajectories refused", count=n, last=traj.uid)
         elif outcome == "admitted":
             self.ready_changed.set()

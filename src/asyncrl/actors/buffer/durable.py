@@ -44,6 +44,7 @@ from asyncrl.messages import (
     decode,
     encode,
 )
+from asyncrl.runtime.connection import worth_logging
 from asyncrl.runtime.log import get_logger
 
 if TYPE_CHECKING:
@@ -280,7 +281,7 @@ class DurableState:
                     _raise_if_cancelled()
                     self.write_failures += 1
                     n = self.write_failures
-                    if n & (n - 1) == 0:
+                    if worth_logging(n):
                         log.warning("buffer state write failed", error=repr(exc), count=n)
                     await asyncio.sleep(RETRY_PAUSE)
             self.writes += 1
