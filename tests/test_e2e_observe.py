@@ -20,7 +20,9 @@ ROLES = {"trainer", "buffer", "rollout", "reward", "eval"}
 
 
 def ci_up(parent: Path, name: str, *sets: str, extra: tuple[str, ...] = ()) -> list[str]:
-    flags = [x for s in (f"run.dir={parent}", f"run.name={name}", *sets) for x in ("--set", s)]
+    """The ci recipe with its evaluation on (it is off there): versions 0, 4, 8, ..."""
+    sets = (f"run.dir={parent}", f"run.name={name}", "eval.every=4", *sets)
+    flags = [x for s in sets for x in ("--set", s)]
     return cli("up", str(CI_RECIPE), *flags, *extra)
 
 
