@@ -2,10 +2,13 @@
 
     python bench/logprob_gap.py                        # vllm and hf, SmolLM2 fp32, T = 0.7
     python bench/logprob_gap.py --engines vllm --temperature 1.0 --prompts 64
+    python bench/logprob_gap.py --engines hf --top-k 5 --top-p 0.9
 
 Each engine samples ``--new`` tokens for ``--prompts`` GSM8K questions (chat template) at
-``--temperature`` (no top-k/top-p cut); the train engine (:class:`asyncrl.train.TrainEngine`,
-fp32, same temperature) then scores prompt + completion in one forward pass. Printed per
+``--temperature``, cut by ``--top-k``/``--top-p`` (default: no cut); the train engine
+(:class:`asyncrl.train.TrainEngine`, fp32, same temperature and cut) then scores prompt +
+completion in one forward pass. Engines and trainer report the same distribution: the
+sampled one (temperature, then the cut, renormalised). Printed per
 engine: the mean and maximum absolute difference |engine − trainer| over all generated
 tokens, and the mean signed difference. The behaviour/proximal importance ratio of a token
 is exp(trainer − engine), so these bound how far from 1 it drifts on unchanged weights.
@@ -36,7 +39,13 @@ def build(kind: str, model: str) -> Any:
 async def generate(kind: str, args: argparse.Namespace) -> list[Any]:
     from asyncrl.engines import GenerateRequest, SamplingParams
 
-    sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=None)
+    sp = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.new,
+        seed=None,
+    )
     async with build(kind, args.model) as engine:
         prompts = chat_prompts(engine.tokenizer, args.prompts)
         return list(
@@ -78,6 +87,8 @@ async def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt (at most)")
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1: no top-p cut")
     args = ap.parse_args()
 
     from asyncrl.models import resolve_model_path
@@ -85,10 +96,16 @@ async def main() -> None:
 
     outputs = {kind: await generate(kind, args) for kind in args.engines}
     trainer = TrainEngine(
-        TrainConfig(model=resolve_model_path(args.model), temperature=args.temperature)
+        TrainConfig(
+            model=resolve_model_path(args.model),
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+        )
     )
     print(
-        f"# {args.model} fp32, T={args.temperature}, {args.prompts} GSM8K prompts, "
+        f"# {args.model} fp32, T={args.temperature}, top_k={args.top_k}, top_p={args.top_p}, "
+        f"{args.prompts} GSM8K prompts, "
         f"<= {args.new} new tokens; trainer: TrainEngine.compute_logprobs (fp32)"
     )
     print(f"{'engine':>8} {'tokens':>7} {'mean |d|':>10} {'max |d|':>10} {'mean d':>10}")

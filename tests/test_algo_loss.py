@@ -234,3 +234,54 @@ def test_bad_options_are_refused() -> None:
         policy_loss(logp, logp, row(1.0, 1.0), ones_mask(2), loss_agg="sum")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         policy_loss(logp[0], logp[0], row(1.0, 1.0)[0], ones_mask(2)[0])
+
+
+def test_entropy_bonus_goes_through_the_loss_aggregation() -> None:
+    logp = torch.zeros(2, 3, requires_grad=True)
+    entropy = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    adv = torch.zeros(2)
+    loss, stats = policy_loss(
+        logp,
+        logp.detach(),
+        adv,
+        mask,
+        entropy=entropy,
+        entropy_coef=0.1,
+        loss_agg="seq-mean-token-mean",
+    )
+    # seq-mean-token-mean of H: ((1 + 2)/2 + 4/1)/2 = 2.75; the loss loses 0.1 of it
+    assert loss.item() == pytest.approx(-0.275)
+    assert stats["entropy"].item() == pytest.approx(7 / 3)  # token mean, a statistic
+    loss.backward()
+    torch.testing.assert_close(
+        entropy.grad, torch.tensor([[-0.025, -0.025, 0.0], [-0.05, 0.0, 0.0]])
+    )
+    # without a coefficient the entropy is only reported
+    loss, stats = policy_loss(logp, logp.detach(), adv, mask, entropy=entropy.detach())
+    assert loss.item() == 0.0 and stats["entropy"].item() == pytest.approx(7 / 3)
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(logp, logp.detach(), adv, mask, entropy_coef=0.1)
+
+
+def test_entropy_bonus_gradient_step_raises_the_entropy() -> None:
+    from asyncrl.train.models import chunk_logprobs
+
+    hidden = torch.tensor([[1.0, 0.5]])
+    weight = torch.tensor([[2.0, 0.0], [0.0, 1.0], [-1.0, 0.0]], requires_grad=True)
+    for top_k in (0, 2):  # the bonus acts on the sampled (cut) distribution too
+        _, h = chunk_logprobs(hidden, weight, None, torch.tensor([0]), 1.0, top_k=top_k)
+        loss, _ = policy_loss(
+            torch.zeros(1, 1, requires_grad=True),
+            torch.zeros(1, 1),
+            torch.zeros(1),
+            torch.ones(1, 1, dtype=torch.bool),
+            entropy=h[None],
+            entropy_coef=1.0,
+        )
+        (grad,) = torch.autograd.grad(loss, weight)
+        with torch.no_grad():
+            _, h_after = chunk_logprobs(
+                hidden, weight - 0.1 * grad, None, torch.tensor([0]), 1.0, top_k=top_k
+            )
+        assert h_after.item() > h.item()

@@ -29,16 +29,17 @@ def make_buffer(tmp_path: Path, *overrides: str) -> BufferActor:
     return BufferActor(ctx)
 
 
-def sample(prompt_uid: str, i: int, version: int, reward: float) -> Trajectory:
+def sample(prompt_uid: str, i: int, version: int, reward: float, generated: int = 2) -> Trajectory:
+    n = 1 + generated
     return Trajectory(
         uid=f"{prompt_uid}/{i}",
         prompt_uid=prompt_uid,
         group_index=i,
         group_size=2,
-        input_ids=Array.of([1, 2, 3], "int32"),
-        loss_mask=Array.of([0, 1, 1], "bool"),
-        logprobs=Array.of([0, -1, -1], "float32"),
-        versions=Array.of([-1, version, version], "int32"),
+        input_ids=Array.of(list(range(1, n + 1)), "int32"),
+        loss_mask=Array.of([0] + [1] * generated, "bool"),
+        logprobs=Array.of([0] + [-1] * generated, "float32"),
+        versions=Array.of([-1] + [version] * generated, "int32"),
         reward=reward,
     )
 
@@ -85,6 +86,28 @@ async def test_dynamic_filter_drops_groups_without_signal(tmp_path: Path) -> Non
     await buf.on_scored(sample(b, 1, 0, 0.0))
     assert [g[0].prompt_uid for g in buf.admission.ready] == [b]
     assert buf.counters["filtered_groups"] == 1 and buf.staleness.accepted == 1
+
+
+async def test_dynamic_filter_judges_the_shaped_rewards_the_advantages_use(
+    tmp_path: Path,
+) -> None:
+    # budget 10, overlong buffer 4: 3 tokens are free, 9 tokens lose 0.75
+    buf = make_buffer(
+        tmp_path,
+        "buffer.dynamic_filter=true",
+        "rollout.sampling.max_new_tokens=10",
+        "trainer.shaping.overlong_buffer=4",
+    )
+    got = await lease(buf, 4)
+    a, b = got.prompts[0].uid, got.prompts[1].uid
+    # a: equal raw rewards, different lengths: the overlong penalty is a signal, kept
+    await buf.on_scored(sample(a, 0, 0, 1.0, generated=3))
+    await buf.on_scored(sample(a, 1, 0, 1.0, generated=9))
+    # b: equal raw rewards, both within the free zone: equal shaped rewards, dropped
+    await buf.on_scored(sample(b, 0, 0, 1.0, generated=2))
+    await buf.on_scored(sample(b, 1, 0, 1.0, generated=5))
+    assert [g[0].prompt_uid for g in buf.admission.ready] == [a]
+    assert buf.counters["filtered_groups"] == 1
 
 
 async def test_an_exited_actor_returns_its_prompts_first_in_line(tmp_path: Path) -> None:

@@ -301,3 +301,52 @@ async def test_other_architecture_qwen2(tmp_path: Path):
             atol=LOGPROB_ATOL,
             rtol=0,
         )
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.5), (5, 0.9)])
+async def test_engine_and_trainer_report_the_cut_distribution_that_sampled(
+    engine: HFEngine, top_k: int, top_p: float
+) -> None:
+    """One definition of a behaviour logprob: temperature, then the top-k/top-p cut,
+    renormalised. The engine reports it, the trainer recomputes it from its own logits."""
+    from asyncrl.algo.truncation import kept_mask
+    from asyncrl.train import Sample, TrainConfig, TrainEngine
+
+    temperature = 0.7
+    sp = sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=3)
+    prompts = [prompt_ids(engine, t) for t in ("hi", "What is 2+2?", "1+1=")]
+    outs = await asyncio.gather(
+        *(engine.agenerate(GenerateRequest(input_ids=p, sampling=sp)) for p in prompts)
+    )
+    trainer = TrainEngine(
+        TrainConfig(
+            model=str(tiny_model_dir()),
+            device="cpu",
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
+    )
+    samples = []
+    for o in outs:
+        ids = torch.tensor(o.input_ids + o.output_ids)
+        mask = torch.arange(len(ids)) >= len(o.input_ids)
+        behav = torch.zeros(len(ids))
+        behav[mask] = torch.tensor(o.output_logprobs)
+        samples.append(Sample(ids, mask, behav, 0.0))
+    for o, s, lp in zip(outs, samples, trainer.compute_logprobs(samples), strict=True):
+        got = torch.tensor(o.output_logprobs)
+        torch.testing.assert_close(lp[s.loss_mask], got, atol=LOGPROB_ATOL, rtol=0)
+        # by hand, from the model's logits: the cut and renormalised distribution
+        ids = torch.tensor([o.input_ids + o.output_ids])
+        with torch.no_grad():
+            logits = engine.model(ids).logits[0, len(o.input_ids) - 1 : -1].float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        n = len(o.output_ids)
+        keep = kept_mask(logp, torch.full((n,), top_k), torch.full((n,), top_p))
+        logq = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
+        chosen = torch.tensor(o.output_ids)[:, None]
+        torch.testing.assert_close(
+            got, logq.gather(-1, chosen).squeeze(-1), atol=LOGPROB_ATOL, rtol=0
+        )
+        assert (got > logp.gather(-1, chosen).squeeze(-1) + 1e-3).all()  # not the uncut one

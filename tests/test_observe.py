@@ -129,17 +129,22 @@ def test_batch_stats_by_hand() -> None:
 def test_chunk_entropy_by_hand() -> None:
     import torch
 
-    from asyncrl.train.models import _chunk_entropy
+    from asyncrl.train.models import chunk_logprobs
+
+    def entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+        return chunk_logprobs(hidden, weight, None, torch.zeros(2, dtype=torch.long), temperature)[
+            1
+        ]
 
     hidden = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
     weight = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]])  # V = 3
-    h = _chunk_entropy(hidden, weight, None, temperature=1.0)
+    h = entropy(hidden, weight, 1.0)
     assert h[0].item() == pytest.approx(math.log(3))  # uniform
     p = torch.softmax(torch.tensor([1.0, 0.0, 0.0]), 0)
     assert h[1].item() == pytest.approx(float(-(p * p.log()).sum()), rel=1e-6)
     # temperature 2 halves the logits
     p2 = torch.softmax(torch.tensor([0.5, 0.0, 0.0]), 0)
-    assert _chunk_entropy(hidden, weight, None, 2.0)[1].item() == pytest.approx(
+    assert entropy(hidden, weight, 2.0)[1].item() == pytest.approx(
         float(-(p2 * p2.log()).sum()), rel=1e-6
     )
 

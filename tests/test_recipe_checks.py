@@ -81,10 +81,61 @@ def test_other_combinations() -> None:
     assert len(warnings) == 2
     assert "rollout.actors = 0" in warnings[0] and "asyncrl attach rollout" in warnings[0]
     assert "reward.actors = 0" in warnings[1] and "asyncrl attach reward" in warnings[1]
+
+
+def test_a_top_k_top_p_cut_is_fine_where_engine_and_trainer_agree_and_refused_on_sglang() -> None:
     for sampling in ("rollout.sampling.top_p=0.9", "rollout.sampling.top_k=20"):
-        errors, warnings = problems(sampling)
-        assert errors == [] and len(warnings) == 1
-        assert "top_p" in warnings[0] and "untruncated" in warnings[0]
+        for engine in ("hf", "vllm"):
+            assert problems(sampling, f"rollout.engine.type={engine}") == ([], [])
+        errors, _ = problems(sampling, "rollout.engine.type=sglang")
+        assert len(errors) == 1
+        for key in ("rollout.engine.type", "top_p", "top_k", "before the cut"):
+            assert key in errors[0], errors[0]
+
+
+@pytest.mark.parametrize(
+    ("kl_type", "kl_in", "refused"),
+    [
+        ("k1", "loss", True),
+        ("k2", "loss", False),
+        ("k3", "loss", False),
+        ("k1", "reward", False),
+        ("k2", "reward", True),
+        ("k3", "reward", True),
+    ],
+)
+def test_kl_placements_without_a_kl_gradient_are_refused(
+    kl_type: str, kl_in: str, refused: bool
+) -> None:
+    sets = ["trainer.loss.kl_coef=0.1", f"trainer.loss.kl_type={kl_type}"]
+    errors, _ = problems(*sets, f"trainer.loss.kl_in={kl_in}")
+    if not refused:
+        assert errors == []
+        return
+    assert len(errors) == 1
+    assert "trainer.loss.kl_type" in errors[0] and "trainer.loss.kl_in" in errors[0]
+    assert ('kl_in = "reward"' if kl_type == "k1" else 'kl_type = "k1"') in errors[0]
+    # without a penalty the placement does not matter
+    assert problems("trainer.loss.kl_type=k1", "trainer.loss.kl_in=loss") == ([], [])
+
+
+def test_check_refuses_k1_in_the_loss_naming_both_keys_and_the_fix() -> None:
+    cmd = [sys.executable, "-m", "asyncrl.cli", "check"]
+    for key in ("kl_coef=0.1", "kl_type=k1", "kl_in=loss"):
+        cmd += ["--set", f"trainer.loss.{key}"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "trainer.loss.kl_type" in out.stderr and "trainer.loss.kl_in" in out.stderr
+    assert 'set kl_in = "reward"' in out.stderr
+
+
+def test_update_every_prints_the_effective_staleness_bound() -> None:
+    assert problems("trainer.update_every=1") == ([], [])
+    errors, warnings = problems("buffer.max_head_offpolicyness=2", "trainer.update_every=3")
+    assert errors == [] and len(warnings) == 1
+    assert "trainer.update_every = 3" in warnings[0]
+    assert "buffer.max_head_offpolicyness = 2" in warnings[0]
+    assert "η + k − 1 = 4" in warnings[0]
 
 
 def test_colocation_needs_an_engine_that_can_release_its_memory() -> None:
@@ -141,3 +192,31 @@ def test_dr_grpo_divides_by_the_generation_budget() -> None:
     assert engine.ref_module is not None
     token_mean = build_train_engine(load_recipe(None, sets[:2]))
     assert token_mean.config.loss.norm_len is None
+
+
+def test_new_loss_and_sampling_keys_reach_the_train_engine() -> None:
+    from asyncrl.actors.common import build_train_engine
+
+    recipe = load_recipe(
+        None,
+        [
+            "model.path=tiny-random-llama",
+            "trainer.device=cpu",
+            "trainer.loss.kl_coef=0.05",
+            "trainer.loss.kl_type=k1",
+            "trainer.loss.kl_in=reward",
+            "trainer.loss.entropy_coef=0.01",
+            "rollout.sampling.top_k=20",
+            "rollout.sampling.top_p=0.95",
+        ],
+    )
+    assert recipe_problems(recipe) == ([], [])
+    config = build_train_engine(recipe).config
+    assert (config.loss.kl_in, config.loss.entropy_coef) == ("reward", 0.01)
+    assert (config.top_k, config.top_p) == (20, 0.95)
+    # one truth per setting: the engine's defaults are the recipe's
+    from asyncrl.config import LossConfig as RecipeLoss
+    from asyncrl.train import LossConfig as EngineLoss
+
+    for key in ("kl_in", "entropy_coef", "kl_type", "kl_coef"):
+        assert RecipeLoss().model_dump()[key] == EngineLoss().model_dump()[key], key

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from train_helpers.tiny import (
+    VOCAB,
     full_weights,
     one_torch_thread,
     random_batch,
@@ -286,3 +287,48 @@ def test_config_is_strict() -> None:
         TrainConfig(model="x", learning_rate=1.0)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="model must be"):
         TrainConfig(model=3)
+
+
+def test_bf16_compute_still_takes_logits_in_fp32() -> None:
+    """With bf16 compute the LM head runs in float32: logprobs equal an fp32 head on the
+    decoder's own (bf16) hidden states, not logits rounded to bf16 first (~1e-2 off)."""
+    engine = TrainEngine(train_config(param_dtype="bfloat16", max_tokens_per_microbatch=4096))
+    with torch.no_grad():
+        engine.lm.lm_head.weight.mul_(30.0)  # logits of a few units, where bf16 rounds by ~1e-2
+    captured: list[torch.Tensor] = []
+    hook = engine.lm.get_decoder().register_forward_hook(
+        lambda _m, _i, out: captured.append(out.last_hidden_state.detach())
+    )
+    batch = random_batch(5, lengths=(9, 14))
+    got = engine.compute_logprobs(batch)
+    hook.remove()
+    assert len(captured) == 1  # one packed row
+    hidden = captured[0][0].float()
+    logp = torch.log_softmax(hidden @ engine.lm.lm_head.weight.float().T, dim=-1)
+    start = 0
+    for s, lp in zip(batch, got, strict=True):
+        ids = s.input_ids
+        positions = torch.nonzero(s.loss_mask).squeeze(-1)
+        want = logp[start + positions - 1, ids[positions]]
+        torch.testing.assert_close(lp[positions], want, atol=2e-5, rtol=0)
+        start += len(ids)
+
+
+def test_the_training_forward_runs_the_lm_head_once_per_chunk() -> None:
+    """Entropy (statistic and bonus) comes from the training forward's logits: the forward
+    runs the LM head once per chunk, not a second time for the entropy."""
+    from torch.overrides import TorchFunctionMode
+
+    class CountHead(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.nn.functional.linear and args[1].shape[0] == VOCAB:
+                CountHead.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    engine = TrainEngine(train_config(max_tokens_per_microbatch=4096))
+    with CountHead():
+        stats = engine.train_step(random_batch(6, lengths=(9, 14)))
+    assert stats["micro_batches"] == 1 and stats["entropy"] > 0
+    assert CountHead.calls == 1

@@ -62,3 +62,17 @@ def test_no_shaping_by_default() -> None:
     samples, stats = build_samples(BATCH, load_recipe(None, SHAPING[:3]))
     assert advantages(samples) == pytest.approx([0.0, 0.0, 0.0, 0.0])
     assert stats["reward_shaped_mean"] == stats["reward_mean"] == pytest.approx(0.5)
+
+
+def test_mask_truncated_clears_the_loss_of_samples_cut_by_the_budget() -> None:
+    batch = [t.model_copy(update={"finish_reason": "stop"}) for t in BATCH]
+    batch[1] = batch[1].model_copy(update={"finish_reason": "length"})
+    masked, stats = build_samples(
+        batch, load_recipe(None, [*SHAPING, "trainer.loss.mask_truncated=true"])
+    )
+    kept, _ = build_samples(batch, load_recipe(None, SHAPING))
+    assert [int(s.loss_mask.sum()) for s in kept] == [3, 9, 10, 5]
+    assert [int(s.loss_mask.sum()) for s in masked] == [3, 0, 10, 5]
+    assert stats["truncated_masked"] == 1.0
+    # the truncated sample still counts in its group's baseline: advantages are unchanged
+    assert advantages(masked) == advantages(kept)

@@ -85,15 +85,47 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             'cannot release its memory for a trainer step; use "sglang" or "hf"'
         )
     s = r.sampling
-    if s.top_p < 1 or s.top_k > 0:
+    if (s.top_p < 1 or s.top_k > 0) and r.engine.type == "sglang":
+        errors.append(
+            f'rollout.engine.type = "sglang" with rollout.sampling.top_p = {s.top_p:g} / '
+            f"top_k = {s.top_k}: SGLang reports the logprob of the temperature-scaled "
+            "distribution before the cut, while the trainer (like the hf and vllm engines) "
+            "uses the cut, renormalised distribution that sampled, so every importance "
+            'weight would be biased; set top_p = 1 and top_k = 0, or use "vllm" or "hf"'
+        )
+    errors.extend(kl_problems(recipe))
+    k, eta = t.update_every, recipe.buffer.max_head_offpolicyness
+    if k > 1:
         warnings.append(
-            f"rollout.sampling.top_p = {s.top_p:g} / top_k = {s.top_k}: the behaviour "
-            "logprobs are of the untruncated distribution, not of the truncated one that "
-            "sampled, so the loss's importance weights (decoupled PPO, "
-            "trainer.loss.proximal) are biased"
+            f"trainer.update_every = {k} with buffer.max_head_offpolicyness = {eta}: "
+            "staleness is judged against the published weights, which lag the trainer by "
+            f"up to {k - 1} steps, so a trained sample may be up to η + k − 1 = {eta + k - 1} "
+            f"trainer versions old (η = {eta} bounds published versions)"
         )
     warnings.extend(listen_warnings(recipe))
     return errors, warnings
+
+
+def kl_problems(recipe: Recipe) -> list[str]:
+    """KL placements whose expected gradient is no KL's (see
+    :func:`asyncrl.algo.loss.kl_penalty`): k1 in the loss (zero), k2 or k3 in the reward."""
+    loss = recipe.trainer.loss
+    if loss.kl_coef == 0:
+        return []
+    keys = f'trainer.loss.kl_type = "{loss.kl_type}" with trainer.loss.kl_in = "{loss.kl_in}"'
+    if loss.kl_type == "k1" and loss.kl_in == "loss":
+        return [
+            f"{keys}: k1's expected gradient in the loss is 0 (E_π[∇log π] = 0), so the "
+            'penalty does nothing; set kl_in = "reward" (k1 as a reward gives '
+            '∇KL(π ‖ π_ref)) or kl_type = "k2" (exact in the loss)'
+        ]
+    if loss.kl_type != "k1" and loss.kl_in == "reward":
+        return [
+            f"{keys}: as a reward only k1's policy gradient is that of KL(π ‖ π_ref) "
+            f"({loss.kl_type}'s is biased; k3's nearly vanishes near π_ref); set "
+            'kl_type = "k1", or kl_in = "loss" (k2: ∇KL(π ‖ π_ref), k3: ∇KL(π_ref ‖ π))'
+        ]
+    return []
 
 
 def data_problems(recipe: Recipe) -> list[str]:

@@ -353,8 +353,11 @@ class BufferConfig(_Section):
     batch_size: int = Field(8, ge=1)
     """B: episodes (prompt groups) per training batch."""
     max_head_offpolicyness: int = Field(2, ge=0)
-    """η: the oldest token of a trained episode may come from at most η versions ago.
-    0 is synchronous RL."""
+    """η: the oldest token of a trained episode may come from at most η *published*
+    versions before the newest published one. With ``trainer.update_every = k`` the
+    trainer runs up to k − 1 unpublished steps ahead, so a trained episode is at most
+    η + k − 1 trainer versions old (``asyncrl check`` prints that bound). 0 with k = 1 is
+    synchronous RL."""
     max_concurrent: int = Field(64, ge=1)
     """C: episodes in flight across all rollout actors."""
     dynamic_filter: bool = False
@@ -408,6 +411,22 @@ class LossConfig(_Section):
     (above 0 the trainer holds that second model)."""
     kl_type: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator, with d = log π_ref − log π: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d."""
+    kl_in: Literal["reward", "loss"] = "loss"
+    """Where the KL penalty goes. ``loss``: ``kl_coef · k`` is added to each token's loss
+    and differentiated; its expected gradient is ∇KL(π ‖ π_ref) for k2 and ∇KL(π_ref ‖ π)
+    (the reverse KL, as in GRPO) for k3, and 0 for k1, which is refused. ``reward``:
+    ``−kl_coef · k`` (detached) is a per-token reward, each token's advantage taking the KL
+    still to come in its sequence; exact ∇KL(π ‖ π_ref) for k1 only (k2 and k3 are refused).
+    The default suits the default k3; for the forward KL use k2 here, or k1 with
+    ``reward`` (AReaL's placement)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: the loss loses ``entropy_coef`` times the entropy of the sampled
+    distribution over the trained tokens, aggregated like the policy loss
+    (``loss_agg``); 0: off."""
+    mask_truncated: bool = False
+    """Overlong filtering (DAPO): samples that stopped on the token budget
+    (``finish_reason = "length"``) carry no loss; they still count in their group's
+    advantage baseline."""
 
 
 class ShapingConfig(_Section):
@@ -456,7 +475,9 @@ class TrainerConfig(_Section):
     """How new weights reach rollout actors: a shared directory, or the NATS object store
     (works across machines without a shared disk)."""
     update_every: int = Field(1, ge=1)
-    """Publish new weights every k steps."""
+    """Publish new weights every k steps. Staleness is judged against the published
+    weights, so a trained sample may be up to η + k − 1 trainer versions old
+    (η = ``buffer.max_head_offpolicyness``)."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every k steps (0: only at the end)."""
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config import Recipe
+    from asyncrl.messages import Trajectory
 
 CHECKPOINT_POINTER = "latest.json"
 
@@ -299,6 +300,8 @@ def build_train_engine(recipe: Recipe) -> Any:
         gradient_checkpointing=t.gradient_checkpointing,
         max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         temperature=recipe.rollout.sampling.temperature,
+        top_k=recipe.rollout.sampling.top_k,
+        top_p=recipe.rollout.sampling.top_p,
         lr=t.optim.lr,
         weight_decay=t.optim.weight_decay,
         warmup_steps=t.optim.warmup_steps,
@@ -316,7 +319,29 @@ def build_train_engine(recipe: Recipe) -> Any:
             norm_len=norm_len,
             kl_coef=loss.kl_coef,
             kl_type=loss.kl_type,
+            kl_in=loss.kl_in,
+            entropy_coef=loss.entropy_coef,
             recompute_proximal=loss.proximal == "recompute",
         ),
     )
     return TrainEngine(config)
+
+
+def shaped_rewards(trajectories: Sequence[Trajectory], recipe: Recipe) -> list[float]:
+    """The rewards the trainer's advantages use (``trainer.shaping`` applied to each
+    sample's reward and generated length); the buffer's dynamic filter judges groups on
+    the same numbers. Imports no torch."""
+    from asyncrl.algo.shaping import shaped_rewards as shape
+    from asyncrl.checks import generation_budget
+
+    s = recipe.trainer.shaping
+    return shape(
+        [float(t.reward or 0.0) for t in trajectories],
+        [int(t.loss_mask.numpy().sum()) for t in trajectories],
+        max_len=generation_budget(recipe),
+        overlong_buffer=s.overlong_buffer,
+        overlong_penalty_at_max=s.overlong_penalty,
+        scale=s.scale,
+        bias=s.bias,
+        clip=s.clip,
+    )

@@ -103,32 +103,28 @@ def build_samples(
 ) -> tuple[list[Any], dict[str, float]]:
     """Train samples with group advantages from whole groups laid end to end.
 
-    The rewards are shaped first (``trainer.shaping``), with ``L`` the generated tokens of
-    a sample (its loss-mask sum)::
+    The rewards are shaped first (``trainer.shaping``, :func:`shaped_rewards`: the numbers
+    the buffer's dynamic filter judges too), with ``L`` the generated tokens of a sample
+    (its loss-mask sum)::
 
         r' = clamp((r + overlong(L) + bias) · scale, −clip, clip)
 
     where ``overlong`` is DAPO's soft penalty over the last ``overlong_buffer`` tokens of
     the generation budget (0 when the buffer is 0). ``reward_mean`` stays the raw reward.
+
+    With ``trainer.loss.mask_truncated`` (DAPO's overlong filtering), a sample that stopped
+    on its token budget (``finish_reason == "length"``) keeps its place in its group's
+    baseline but carries no loss: its loss mask is cleared.
     """
     import torch
 
-    from asyncrl.algo import group_advantages, overlong_penalty, shape_rewards
-    from asyncrl.checks import generation_budget
+    from asyncrl.actors.common import shaped_rewards
+    from asyncrl.algo import group_advantages
     from asyncrl.train import Sample
 
-    loss_cfg, shaping = recipe.trainer.loss, recipe.trainer.shaping
+    loss_cfg = recipe.trainer.loss
     rewards = torch.tensor([float(t.reward or 0.0) for t in trajectories], dtype=torch.float32)
-    lengths = torch.tensor([int(t.loss_mask.numpy().sum()) for t in trajectories])
-    shaped = rewards
-    if shaping.overlong_buffer > 0:
-        shaped = shaped + overlong_penalty(
-            lengths,
-            max_len=generation_budget(recipe),
-            buffer_len=shaping.overlong_buffer,
-            penalty=shaping.overlong_penalty,
-        )
-    shaped = shape_rewards(shaped, scale=shaping.scale, bias=shaping.bias, clip=shaping.clip)
+    shaped = torch.tensor(shaped_rewards(trajectories, recipe), dtype=torch.float32)
     adv = group_advantages(
         shaped,
         recipe.rollout.group_size,
@@ -136,11 +132,16 @@ def build_samples(
         leave_one_out=loss_cfg.leave_one_out,
     )
     samples = []
+    masked = 0
     for t, a in zip(trajectories, adv.tolist(), strict=True):
+        loss_mask = torch.from_numpy(t.loss_mask.numpy().astype(bool))
+        if loss_cfg.mask_truncated and t.finish_reason == "length":
+            loss_mask = torch.zeros_like(loss_mask)
+            masked += 1
         samples.append(
             Sample(
                 input_ids=torch.from_numpy(t.input_ids.numpy().astype("int64")),
-                loss_mask=torch.from_numpy(t.loss_mask.numpy().astype(bool)),
+                loss_mask=loss_mask,
                 behav_logprobs=torch.from_numpy(t.logprobs.numpy().astype("float32")),
                 advantages=float(a),
             )
@@ -151,6 +152,8 @@ def build_samples(
         "reward_shaped_mean": float(shaped.mean()),
         "adv_abs_mean": float(adv.abs().mean()),
     }
+    if loss_cfg.mask_truncated:
+        stats["truncated_masked"] = float(masked)
     return samples, stats
 
 

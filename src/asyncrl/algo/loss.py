@@ -15,10 +15,12 @@ import torch
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 ImportanceLevel = Literal["token", "sequence"]
 KLType = Literal["k1", "k2", "k3"]
+KLPlacement = Literal["reward", "loss"]
 
 LOSS_AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")
 KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3")
+KL_PLACEMENTS: tuple[str, ...] = ("reward", "loss")
 
 
 def kl_penalty(
@@ -29,6 +31,16 @@ def kl_penalty(
     k1 = −d                 (unbiased, high variance, can be negative)
     k2 = d² / 2             (biased, low variance)
     k3 = exp(d) − 1 − d     (unbiased, ≥ 0, low variance)
+
+    Unbiased *values* do not make unbiased *gradients*. With tokens drawn from π, the
+    expected gradient of the penalty is, per placement (see :func:`policy_loss`):
+
+    - in the loss (``∇k`` flows): k1 → 0 (E_π[∇log π] = 0: no penalty at all);
+      k2 → ∇KL(π ‖ π_ref); k3 → ∇KL(π_ref ‖ π) (the reverse KL, GRPO's choice);
+    - in the reward (``k`` detached, times ``∇log π``): k1 → ∇KL(π ‖ π_ref); k2, k3 →
+      no KL's gradient (k3's is ∇KL(π ‖ π_ref) − ∇KL(π_ref ‖ π), nearly 0 near π_ref).
+
+    ``asyncrl check`` refuses the placements that give no KL's gradient.
     """
     if kl_type not in KL_TYPES:
         raise ValueError(f"kl_type {kl_type!r}: allowed {list(KL_TYPES)}")
@@ -115,17 +127,32 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_type: KLType = "k3",
+    kl_in: KLPlacement = "loss",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate loss, to be minimised. Per token, with ``A`` the advantage::
+    """Clipped surrogate loss, to be minimised. Per token, with ``A`` the advantage and
+    ``k_t = KL_k(π ‖ π_ref)`` the per-token estimate of :func:`kl_penalty`::
 
+        A_t    = A_t − kl_coef · Σ_{s ≥ t} k_s (detached)   (kl_in = "reward", ref given)
         r      = exp(log π − log π_old)                             (token level)
         r      = exp(mean_{t∈seq} (log π − log π_old))              (sequence level, GSPO)
         ℓ      = max(−A·r, −A·clip(r, 1 − eps_clip, 1 + eps_clip_high))   (PPO; DAPO clip-higher)
         ℓ      = min(ℓ, −c_clip·A)                 where A < 0      (dual clip, c_clip > 1)
         w      = exp(log π_old − log π_behav)                       (decoupled PPO)
         ℓ      = w·ℓ,   and ℓ = 0 where w > behav_imp_weight_cap
-        ℓ     += kl_coef · KL_k(π ‖ π_ref)                          (if ref_logprobs given)
+        ℓ     += kl_coef · k_t,  0 where w > cap             (kl_in = "loss", ref given)
+        ℓ     −= entropy_coef · H_t                                 (entropy given)
         loss   = aggregate(ℓ, loss_mask, loss_agg)
+
+    ``kl_in = "reward"`` treats ``−kl_coef · k_t`` as a per-token reward: each token's
+    advantage takes the KL still to come in its sequence (the return with γ = 1; the
+    tokens before t cannot depend on the choice at t, so leaving them out only removes
+    variance). It adds to the task advantage as given (after group normalisation), so
+    ``kl_coef`` is in units of normalised advantage. The gradient then is the policy
+    gradient of the KL, exact for k1 (see :func:`kl_penalty`). ``kl_in = "loss"`` adds the
+    estimate to the loss with its gradient (exact for k2; k3 gives the reverse KL's).
+    Either way a token the behaviour-weight cap drops carries no KL term either.
 
     In the decoupled objective (AReaL) ``old_logprobs`` are the *proximal* policy's,
     recomputed by the trainer, and ``behav_logprobs`` those of the policy that sampled the
@@ -141,19 +168,26 @@ def policy_loss(
         loss_mask: ``[B, T]`` bool, True on tokens that carry a loss.
         eps_clip_high: upper clip ε; defaults to ``eps_clip`` (symmetric PPO).
         norm_len: the constant of ``seq-mean-token-sum-norm`` (see :func:`aggregate`).
+        entropy: ``[B, T]`` entropy of the policy's sampled distribution per token, with
+            gradient; the bonus needs it when ``entropy_coef`` ≠ 0.
 
     Returns:
         ``(loss, stats)``; stats are detached scalars over the masked tokens:
         ``clip_frac_low``/``clip_frac_high``/``clip_frac_dual`` (share of tokens where that
         clip is active), ``approx_kl`` (k3 estimate of KL(π_old ‖ π)), ``ratio_mean``,
         ``behav_imp_weight_mean``/``behav_imp_weight_max`` (before the cap),
-        ``behav_masked_frac`` (share dropped by the cap), ``pg_loss``, ``kl_ref``.
+        ``behav_masked_frac`` (share dropped by the cap), ``pg_loss``, ``kl_ref``,
+        ``entropy`` (mean over the masked tokens; 0 when none was given).
     """
     if importance_sampling_level not in IMPORTANCE_LEVELS:
         raise ValueError(
             f"importance_sampling_level {importance_sampling_level!r}: "
             f"allowed {list(IMPORTANCE_LEVELS)}"
         )
+    if kl_in not in KL_PLACEMENTS:
+        raise ValueError(f"kl_in {kl_in!r}: allowed {list(KL_PLACEMENTS)}")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef is set but no entropy was given")
     if c_clip is not None and c_clip <= 1.0:
         raise ValueError(f"c_clip must be > 1, got {c_clip}")
     if logprobs.ndim != 2:
@@ -168,6 +202,20 @@ def policy_loss(
     # Sanitised, not just masked later: a NaN left at a masked position turns into a NaN
     # gradient through the product (0 · NaN), even where the forward value is discarded.
     adv = torch.where(mask, adv.expand_as(logprobs), zero)
+
+    kl_ref = zero
+    kl_BT = None
+    if ref_logprobs is not None and kl_coef != 0.0:
+        kl_BT = kl_penalty(
+            torch.where(mask, logprobs, zero),
+            torch.where(mask, ref_logprobs.detach(), zero),
+            kl_type,
+        )
+        kl_BT = torch.where(mask, kl_BT, zero)
+        kl_ref = _masked_mean(kl_BT.detach(), mask)
+        if kl_in == "reward":
+            to_go_BT = kl_BT.detach().flip(-1).cumsum(-1).flip(-1)
+            adv = torch.where(mask, adv - kl_coef * to_go_BT, zero)
 
     token_log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), zero)
     if importance_sampling_level == "sequence":
@@ -197,15 +245,13 @@ def policy_loss(
         keep = mask
 
     per_token = pg
-    kl_ref = zero
-    if ref_logprobs is not None and kl_coef != 0.0:
-        kl_BT = kl_penalty(
-            torch.where(mask, logprobs, zero),
-            torch.where(mask, ref_logprobs.detach(), zero),
-            kl_type,
-        )
-        per_token = per_token + kl_coef * kl_BT
-        kl_ref = _masked_mean(kl_BT.detach(), mask)
+    if kl_BT is not None and kl_in == "loss":
+        per_token = per_token + kl_coef * torch.where(keep, kl_BT, zero)
+    entropy_mean = zero
+    if entropy is not None:
+        entropy_mean = _masked_mean(entropy.detach().to(logprobs.dtype), mask)
+        if entropy_coef != 0.0:
+            per_token = per_token - entropy_coef * torch.where(mask, entropy, zero)
 
     loss = aggregate(per_token, mask, loss_agg, norm_len=norm_len)
 
@@ -214,6 +260,7 @@ def policy_loss(
         stats = {
             "pg_loss": aggregate(pg.detach(), mask, loss_agg, norm_len=norm_len),
             "kl_ref": kl_ref,
+            "entropy": entropy_mean,
             "clip_frac_low": clip_low.sum() / n,
             "clip_frac_high": clip_high.sum() / n,
             "clip_frac_dual": dual.sum() / n,

@@ -1,38 +1,34 @@
-"""Reward shaping applied before advantages: affine scaling with a clip, and DAPO's
-soft overlong penalty."""
+"""Reward shaping applied before advantages: DAPO's soft overlong penalty, then an affine
+map with a clip.
+
+Plain Python on floats, no torch: the trainer shapes rewards with
+:func:`shaped_rewards` before advantages, and the buffer's dynamic filter judges a group on
+the very same numbers, so a group whose raw rewards are equal but whose shaped rewards
+differ (different lengths under the overlong penalty) still carries a signal and is kept.
+"""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
 
-def shape_rewards(
-    rewards: torch.Tensor,
-    *,
-    scale: float = 1.0,
-    bias: float = 0.0,
-    clip: float | None = None,
-) -> torch.Tensor:
+def shape_reward(
+    reward: float, *, scale: float = 1.0, bias: float = 0.0, clip: float | None = None
+) -> float:
     """``r' = clamp((r + bias) · scale, −clip, clip)``; no clamp when ``clip`` is None.
 
     The bias is added before scaling so that ``bias=-0.5, scale=2`` maps {0, 1} to {−1, 1}.
     """
     if clip is not None and clip <= 0:
         raise ValueError(f"clip must be positive, got {clip}")
-    shaped = (rewards.to(torch.float32) + bias) * scale
+    shaped = (float(reward) + bias) * scale
     if clip is not None:
-        shaped = shaped.clamp(-clip, clip)
+        shaped = min(max(shaped, -clip), clip)
     return shaped
 
 
-def overlong_penalty(
-    lengths: torch.Tensor,
-    *,
-    max_len: int,
-    buffer_len: int,
-    penalty: float = 1.0,
-) -> torch.Tensor:
-    """DAPO's soft overlong punishment, to be added to the rewards.
+def overlong_penalty(length: int, *, max_len: int, buffer_len: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment, to be added to the reward.
 
     With ``L`` the generated length, ``M = max_len`` and ``B = buffer_len``::
 
@@ -40,13 +36,43 @@ def overlong_penalty(
         ((M − B) − L) / B · penalty if M − B < L ≤ M      (linear ramp from 0 to −penalty)
         −penalty                   if L > M
 
-    Args:
-        lengths: ``[N]`` generated-token counts (the loss-mask sums, not prompt + answer).
+    ``length`` counts generated tokens (the loss-mask sum), not prompt + answer.
     """
     if not 0 < buffer_len <= max_len:
         raise ValueError(f"need 0 < buffer_len ({buffer_len}) <= max_len ({max_len})")
-    lengths_f = lengths.to(torch.float32)
     start = max_len - buffer_len
-    ramp = (start - lengths_f) / buffer_len * penalty
-    out = torch.where(lengths_f <= start, torch.zeros_like(lengths_f), ramp)
-    return torch.where(lengths_f > max_len, torch.full_like(lengths_f, -penalty), out)
+    if length <= start:
+        return 0.0
+    if length > max_len:
+        return -penalty
+    return (start - length) / buffer_len * penalty
+
+
+def shaped_rewards(
+    rewards: Sequence[float],
+    lengths: Sequence[int],
+    *,
+    max_len: int,
+    overlong_buffer: int = 0,
+    overlong_penalty_at_max: float = 1.0,
+    scale: float = 1.0,
+    bias: float = 0.0,
+    clip: float | None = None,
+) -> list[float]:
+    """The rewards advantages are computed from, one per sample::
+
+        r' = clamp((r + overlong(L) + bias) · scale, −clip, clip)
+
+    where ``overlong`` is :func:`overlong_penalty` over the last ``overlong_buffer`` tokens
+    of the generation budget ``max_len`` (0 when the buffer is 0).
+    """
+    if len(rewards) != len(lengths):
+        raise ValueError(f"{len(rewards)} rewards but {len(lengths)} lengths")
+    out = []
+    for r, n in zip(rewards, lengths, strict=True):
+        if overlong_buffer > 0:
+            r = float(r) + overlong_penalty(
+                n, max_len=max_len, buffer_len=overlong_buffer, penalty=overlong_penalty_at_max
+            )
+        out.append(shape_reward(r, scale=scale, bias=bias, clip=clip))
+    return out

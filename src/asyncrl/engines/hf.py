@@ -9,10 +9,10 @@ sequences that finished. Concurrent ``agenerate`` calls therefore share decode s
 sizes of the batches actually run are counted in :attr:`HFEngine.stats`. Requests that
 join together with the same prompt (a GRPO group) share one prefill.
 
-Logprobs follow :mod:`asyncrl.engines.sampling`: by default (``logprob_mode="scaled"``)
-the logprob of the sampled token under ``log_softmax(logits / T)``, before any top-k/top-p
-cut — at T = 1 without a cut, exactly a teacher-forced forward pass of the same tokens,
-and what the trainer recomputes at the same temperature.
+Logprobs follow :mod:`asyncrl.engines.sampling`: by default (``logprob_mode="processed"``)
+the logprob of the sampled token under the distribution that sampled it (temperature,
+then the top-k/top-p cut, renormalised), as vLLM reports and the trainer recomputes — at
+T = 1 without a cut, exactly a teacher-forced forward pass of the same tokens.
 
 Pausing takes effect between two steps: the running sequences end as ``abort`` with their
 partial tokens and the KV cache is dropped; :class:`~asyncrl.engines.base.InferenceEngine`
@@ -88,7 +88,7 @@ class HFEngine(InferenceEngine):
         device: str = "cpu",
         max_batch_size: int = 32,
         max_prefill_tokens: int = 8192,
-        logprob_mode: LogprobMode = "scaled",
+        logprob_mode: LogprobMode = "processed",
         version: int = 0,
         on_step: Callable[[StepResult], None] | None = None,
         memory_saver: bool = False,

@@ -143,7 +143,7 @@ class DecodeBatch:
         model: Any,
         *,
         max_positions: int,
-        logprob_mode: LogprobMode = "scaled",
+        logprob_mode: LogprobMode = "processed",
         max_prefill_padding: float = MAX_PREFILL_PADDING,
     ) -> None:
         cfg = model.config.get_text_config()

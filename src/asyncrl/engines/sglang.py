@@ -20,8 +20,10 @@ Endpoints used:
   engine adds when ``memory_saver`` is set).
 
 **Logprobs.** SGLang reports ``log_softmax(logits / T)`` of the sampled token, before any
-top-k/top-p cut — the trainer's convention — unless the server runs with
-``SGLANG_RETURN_ORIGINAL_LOGPROB`` set (then without the temperature); leave it unset.
+top-k/top-p cut, unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` set (then
+without the temperature; leave it unset). Without a cut that is the distribution that
+sampled, which the trainer scores; with a top-k/top-p cut it is not, and no SGLang option
+reports the cut one, so ``asyncrl check`` refuses a cut with this engine.
 """
 
 from __future__ import annotations

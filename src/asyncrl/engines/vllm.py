@@ -16,11 +16,11 @@ and ``--logprobs-mode processed_logprobs``. The endpoints used:
 
 **Logprobs.** vLLM's ``processed_logprobs`` are ``log_softmax`` of the logits after the
 sampling transforms: divided by the temperature and, when ``top_k``/``top_p`` cut the
-vocabulary, restricted to the kept tokens and renormalised. Without a cut (``top_k = 0``,
-``top_p = 1``) that is ``log_softmax(logits / T)``, the trainer's convention. With a cut it
-is the cut distribution, larger than the trainer's value by ``-log`` (kept mass) — the
-``"processed"`` mode of :mod:`asyncrl.engines.sampling`. Greedy requests (T = 0) report
-``log_softmax(logits)``. The default (``raw_logprobs``) would ignore the temperature.
+vocabulary, restricted to the kept tokens and renormalised: the distribution that sampled,
+the run's one definition of a behaviour logprob (the hf engine's default ``"processed"``
+mode of :mod:`asyncrl.engines.sampling`, and what the trainer scores with the same cut).
+Greedy requests (T = 0) report ``log_softmax(logits)``. The default (``raw_logprobs``)
+would ignore the temperature and the cut.
 """
 
 from __future__ import annotations

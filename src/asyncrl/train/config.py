@@ -47,6 +47,18 @@ class LossConfig(BaseModel):
         "ref_logprobs with it",
     )
     kl_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
+    kl_in: Literal["reward", "loss"] = Field(
+        "loss",
+        description="where the KL penalty goes: the loss (differentiated; exact "
+        "∇KL(π‖π_ref) for k2, the reverse KL's gradient for k3) or the per-token reward "
+        "(detached, as advantage still to come; exact for k1)",
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="entropy bonus: loss −= entropy_coef · entropy of the sampled "
+        "distribution, aggregated over the loss tokens like the policy loss; 0: off",
+    )
     recompute_proximal: bool = Field(
         True,
         description="decoupled PPO: when a sample has no old_logprobs, train_step takes them "
@@ -115,7 +127,23 @@ class TrainConfig(BaseModel):
         "[tokens, vocab] activation)",
     )
     temperature: float = Field(
-        1.0, gt=0, description="the sampler's temperature: logprobs are of softmax(logits / T)"
+        1.0,
+        gt=0,
+        description="the sampler's temperature: logprobs are of softmax(logits / T), then "
+        "cut by top_k/top_p",
+    )
+    top_k: int = Field(
+        0,
+        ge=0,
+        description="the sampler's top-k: logprobs are of the distribution cut to the k "
+        "likeliest tokens and renormalised, as sampled; 0: no cut",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="the sampler's top-p: logprobs are of the distribution cut to the "
+        "nucleus of this mass and renormalised, as sampled; 1: no cut",
     )
     lr: float = Field(1e-6, gt=0, description="peak learning rate of AdamW")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")

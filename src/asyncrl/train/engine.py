@@ -195,8 +195,17 @@ class TrainEngine:
     def _logprobs_BT(self, mb: MicroBatch, module: nn.Module | None = None) -> torch.Tensor:
         """``[B, T]`` float32 logprobs of the micro-batch's targets under ``module``
         (default: the policy), 0 elsewhere."""
+        lp_BT, _ = self._forward_BT(mb, module, with_entropy=False)
+        return lp_BT
+
+    def _forward_BT(
+        self, mb: MicroBatch, module: nn.Module | None = None, *, with_entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` float32 logprobs and entropies (0 without ``with_entropy``) of the
+        sampled distribution (temperature, then the top-k/top-p cut) at the micro-batch's
+        targets, 0 elsewhere; one LM-head pass gives both."""
         with self._autocast():
-            lp_M = (module or self.module)(
+            lp_M, ent_M = (module or self.module)(
                 mb.input_ids,
                 mb.position_ids,
                 mb.attention_mask,
@@ -204,9 +213,13 @@ class TrainEngine:
                 self.config.temperature,
                 mb.cu_seqlens,
                 max(mb.lengths, default=0),
+                self.config.top_k,
+                self.config.top_p,
+                with_entropy,
             )
         out = torch.zeros(mb.loss_mask_BT.shape, dtype=torch.float32, device=self.device)
-        return out.index_put((mb.target_row, mb.target_col), lp_M.float())
+        index = (mb.target_row, mb.target_col)
+        return out.index_put(index, lp_M.float()), out.index_put(index, ent_M.float())
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, all_positions: bool = False) -> list[torch.Tensor]:
@@ -371,9 +384,9 @@ class TrainEngine:
         total_units = max(1, sum(units))
         self.optimizer.zero_grad(set_to_none=True)
         t_fb = time.perf_counter()
-        self.module.entropy_sum = torch.zeros((), device=self.device)
+        entropy_sum = torch.zeros((), device=self.device)
         for mb in self._micro_batches(batch):
-            lp_BT = self._logprobs_BT(mb)
+            lp_BT, entropy_BT = self._forward_BT(mb)
             behav_BT = mb.behav_logprobs_BT
             # (A dummy micro-batch of an idle rank has no old logprobs; its mask is empty.)
             old_BT = mb.old_logprobs_BT if mode == "given" else None
@@ -395,7 +408,11 @@ class TrainEngine:
                 ref_logprobs=mb.ref_logprobs_BT,
                 kl_coef=loss_cfg.kl_coef,
                 kl_type=loss_cfg.kl_type,
+                kl_in=loss_cfg.kl_in,
+                entropy=entropy_BT,
+                entropy_coef=loss_cfg.entropy_coef,
             )
+            entropy_sum = entropy_sum + entropy_BT.detach().sum()
             share = sum(units[i] for i in mb.seq_index) / total_units
             # FSDP averages gradients over ranks; the world-size factor turns that average
             # back into the sum over the minibatch's parts.
@@ -407,7 +424,7 @@ class TrainEngine:
                 loss_tokens=mb.loss_mask_BT.sum(),
                 input_tokens=mb.num_input_tokens if mb.seq_index else 0,
             )
-        totals.add_entropy(self.module.entropy_sum)
+        totals.add_entropy(entropy_sum)
         self._sync()
         t_opt = time.perf_counter()
         grad_norm = self._clip_grad_norm()

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 # Importing the module registers "asyncrl_varlen" with transformers.
+from asyncrl.algo.truncation import cut_logprobs, kept_mask
 from asyncrl.train.attention import ATTN_IMPLEMENTATION
 
 DTYPES: dict[str, torch.dtype] = {
@@ -66,35 +67,60 @@ def load_causal_lm(
     return lm  # type: ignore[no-any-return]
 
 
-def _chunk_logprobs(
+def chunk_logprobs(
     hidden_MH: torch.Tensor,
     weight_VH: torch.Tensor,
     bias_V: torch.Tensor | None,
     targets_M: torch.Tensor,
     temperature: float,
-) -> torch.Tensor:
-    """With logits ``z = h·Wᵀ + b``: ``log_softmax(z / T)[y] = z[y]/T − logsumexp(z/T)``."""
-    logits_MV = F.linear(hidden_MH, weight_VH, bias_V).float()
+    top_k: int = 0,
+    top_p: float = 1.0,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each target and entropy per row, of the distribution a sampler with these
+    settings draws from. With logits ``z = h·Wᵀ + b`` computed in float32::
+
+        log p = log_softmax(z / T)
+        K     = kept_mask(log p, top_k, top_p) ∪ {y}        (no gradient through the choice)
+        log q = log p − logsumexp_{v∈K} log p    on K,  −inf elsewhere
+        returns  log q[y],  H(q) = −Σ_{v∈K} q·log q
+
+    Without a cut (``top_k = 0``, ``top_p = 1``), ``q = p``. ``entropy=False`` returns
+    zeros for ``H`` (no pass over the vocabulary for it). The target always belongs to
+    ``K``: it was sampled, so the sampler kept it, and a token at the cut's edge that the
+    trainer's slightly different logits would drop must not get logprob −inf.
+
+    The matmul runs in float32 whatever the compute dtype (hidden states and a bf16-gathered
+    weight are upcast, autocast is off): logits rounded to bf16 before the softmax would
+    err by up to ~1e-2 in every logprob.
+    """
+    with torch.autocast(hidden_MH.device.type, enabled=False):
+        logits_MV = F.linear(
+            hidden_MH.float(), weight_VH.float(), None if bias_V is None else bias_V.float()
+        )
     if temperature != 1.0:
         logits_MV = logits_MV / temperature
-    picked_M = logits_MV.gather(-1, targets_M[:, None]).squeeze(-1)
-    return picked_M - torch.logsumexp(logits_MV, dim=-1)
-
-
-def _chunk_entropy(
-    hidden_MH: torch.Tensor,
-    weight_VH: torch.Tensor,
-    bias_V: torch.Tensor | None,
-    temperature: float,
-) -> torch.Tensor:
-    """Entropy of ``softmax(z / T)`` per row: ``H = logsumexp(z/T) − Σ p·z/T``."""
-    logits_MV = F.linear(hidden_MH, weight_VH, bias_V).float() / temperature
-    lse_M = torch.logsumexp(logits_MV, dim=-1)
-    return lse_M - (torch.softmax(logits_MV, dim=-1) * logits_MV).sum(-1)
+    logq_MV = torch.log_softmax(logits_MV, dim=-1)
+    if top_k > 0 or top_p < 1.0:
+        rows = logits_MV.shape[0]
+        keep_MV = kept_mask(
+            logq_MV,
+            torch.full((rows,), top_k, dtype=torch.int64),
+            torch.full((rows,), top_p, dtype=torch.float64),
+        )
+        keep_MV = keep_MV.scatter(-1, targets_M[:, None], True)
+        logq_MV = cut_logprobs(logits_MV, keep_MV)
+    picked_M = logq_MV.gather(-1, targets_M[:, None]).squeeze(-1)
+    if not entropy:
+        return picked_M, torch.zeros_like(picked_M)
+    # log q set to 0 outside K before the product: 0·(−inf) would be NaN, in the value and
+    # in the gradient (where() after the product still sends 0·(−inf) backward)
+    finite_logq_MV = torch.where(torch.isfinite(logq_MV), logq_MV, torch.zeros_like(logq_MV))
+    return picked_M, -(logq_MV.exp() * finite_logq_MV).sum(dim=-1)
 
 
 class TokenLogprobs(nn.Module):
-    """``forward(...) -> logprobs [M]`` of chosen tokens under a causal LM.
+    """``forward(...) -> (logprobs [M], entropies [M])`` of chosen tokens under a causal LM.
 
     The LM is ``self.lm`` (a transformers ``*ForCausalLM``); its state-dict names, prefixed
     with ``lm.``, are those of the HF checkpoint.
@@ -104,9 +130,6 @@ class TokenLogprobs(nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
-        self.entropy_sum: torch.Tensor | float = 0.0
-        """Sum of the policy's token entropy over the targets of the gradient-enabled
-        forwards since the caller last reset it (a statistic; no gradient)."""
 
     def forward(
         self,
@@ -117,9 +140,17 @@ class TokenLogprobs(nn.Module):
         temperature: float = 1.0,
         cu_seqlens: torch.Tensor | None = None,
         max_len: int = 0,
-    ) -> torch.Tensor:
+        top_k: int = 0,
+        top_p: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprob of ``input_ids.flatten()[i]`` given what precedes it, for each ``i`` in
-        ``target_index`` (flat indices, never the first token of a sequence).
+        ``target_index`` (flat indices, never the first token of a sequence), under the
+        sampled distribution of :func:`chunk_logprobs`.
+
+        Returns ``(logprobs [M], entropy [M])``; the entropy is zeros unless
+        ``with_entropy``. Both come from the same logits, so the entropy (a statistic, or a
+        bonus in the loss with its gradient) costs no extra LM-head pass.
 
         Args:
             input_ids: ``[B, T]`` (``B = 1`` when packed).
@@ -130,6 +161,7 @@ class TokenLogprobs(nn.Module):
                 attention backends that take boundaries (``asyncrl_varlen``,
                 ``flash_attention_2``); others ignore it and read ``position_ids``.
             max_len: the longest packed sequence.
+            top_k, top_p: the sampler's cut (0 and 1: none).
         """
         decoder: Any = self.lm.get_decoder()  # type: ignore[operator]
         boundaries: dict[str, Any] = {}
@@ -153,24 +185,26 @@ class TokenLogprobs(nn.Module):
         targets_M = input_ids.flatten().index_select(0, target_index)
         head: Any = self.lm.get_output_embeddings()  # type: ignore[operator]
         weight_VH, bias_V = head.weight, getattr(head, "bias", None)
-        pieces = []
+        logprobs, entropies = [], []
         for start in range(0, targets_M.numel(), self.chunk_tokens):
             end = start + self.chunk_tokens
             args = (hidden_MH[start:end], weight_VH, bias_V, targets_M[start:end], temperature)
             if torch.is_grad_enabled():
                 # Recomputed in backward, so only one chunk of logits is ever alive.
-                pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-                with torch.no_grad():
-                    entropy_M = _chunk_entropy(*args[:3], temperature)
-                    self.entropy_sum = self.entropy_sum + entropy_M.sum()
+                lp_M, ent_M = checkpoint(
+                    chunk_logprobs, *args, top_k, top_p, with_entropy, use_reentrant=False
+                )
             else:
-                pieces.append(_chunk_logprobs(*args))
-        if not pieces:
+                lp_M, ent_M = chunk_logprobs(*args, top_k, top_p, with_entropy)
+            logprobs.append(lp_M)
+            entropies.append(ent_M)
+        if not logprobs:
             # Keep the graph connected to every parameter group: an idle rank must still
             # run a backward that reduce-scatters (zero) gradients like the others.
             zero = weight_VH.sum() * 0.0 + (0.0 if bias_V is None else bias_V.sum() * 0.0)
-            return hidden_MH.sum(dim=-1) * 0.0 + zero
-        return torch.cat(pieces)
+            empty = hidden_MH.sum(dim=-1).float() * 0.0 + zero
+            return empty, empty
+        return torch.cat(logprobs), torch.cat(entropies)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

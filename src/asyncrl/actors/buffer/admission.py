@@ -5,14 +5,16 @@ refused with a counted reason, its attempt's group is abandoned and the prompt g
 to the pool, so a bad message never reaches (and never kills) the trainer. Duplicates (by
 sample id) are dropped. A group is complete when ``group_size`` distinct samples are in;
 it is admitted if v − h ≤ η (h: its oldest token's version), else rejected without using
-the budget; with the dynamic filter, a group whose rewards are all equal is dropped.
+the budget; with the dynamic filter, a group whose rewards are all equal is dropped: the
+rewards the advantages use (shaped, :func:`asyncrl.actors.common.shaped_rewards`), not the
+raw ones, so a group of equal raw rewards that shaping tells apart keeps its signal.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -82,12 +84,16 @@ class Admission:
         *,
         group_size: int,
         dynamic_filter: bool,
+        rewards_of: Callable[[Sequence[Trajectory]], Sequence[float]] | None = None,
     ) -> None:
+        """``rewards_of`` gives the rewards the dynamic filter compares (those the
+        advantages are computed from); None: the raw rewards."""
         self.staleness = staleness
         self.leases = leases
         self.journal = journal
         self.group_size = group_size
         self.dynamic_filter = dynamic_filter
+        self.rewards_of = rewards_of or (lambda samples: [float(t.reward or 0.0) for t in samples])
         self.groups: dict[str, dict[str, Trajectory]] = {}
         self.seen_samples: set[str] = set()
         """Sample ids of the groups in the making (a finished group is known by its prompt)."""
@@ -135,7 +141,7 @@ class Admission:
             self.journal.count("rejected_samples", len(samples))
             self.journal.event("reject", prompt=traj.prompt_uid, head=head, version=version)
             return "rejected"
-        if self.dynamic_filter and len({t.reward for t in samples}) == 1:
+        if self.dynamic_filter and len(set(self.rewards_of(samples))) == 1:
             self.staleness.drop_accepted(1)
             self.journal.count("filtered_groups")
             self.journal.event("filter", prompt=traj.prompt_uid)
