@@ -115,13 +115,19 @@ def test_kl_placements_without_a_kl_gradient_are_refused(
     assert len(errors) == 1
     assert "trainer.loss.kl_type" in errors[0] and "trainer.loss.kl_in" in errors[0]
     assert ('kl_in = "reward"' if kl_type == "k1" else 'kl_type = "k1"') in errors[0]
-    # without a penalty the placement does not matter
-    assert problems("trainer.loss.kl_type=k1", "trainer.loss.kl_in=loss") == ([], [])
+    # refused with the penalty off too: raising kl_coef later must not be the surprise
+    assert len(problems(f"trainer.loss.kl_type={kl_type}", f"trainer.loss.kl_in={kl_in}")[0]) == 1
+
+
+def test_k3_in_the_loss_warns_that_its_gradient_is_the_reverse_kl() -> None:
+    errors, warnings = problems("trainer.loss.kl_coef=0.1", "trainer.loss.kl_type=k3")
+    assert errors == [] and any("KL(π_ref ‖ π)" in w for w in warnings)
+    assert problems("trainer.loss.kl_coef=0.1") == ([], [])  # the default, k2 in the loss
 
 
 def test_check_refuses_k1_in_the_loss_naming_both_keys_and_the_fix() -> None:
     cmd = [sys.executable, "-m", "asyncrl.cli", "check"]
-    for key in ("kl_coef=0.1", "kl_type=k1", "kl_in=loss"):
+    for key in ("kl_type=k1", "kl_in=loss"):
         cmd += ["--set", f"trainer.loss.{key}"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 2

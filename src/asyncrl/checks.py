@@ -94,6 +94,13 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             'weight would be biased; set top_p = 1 and top_k = 0, or use "vllm" or "hf"'
         )
     errors.extend(kl_problems(recipe))
+    loss = t.loss
+    if loss.kl_coef > 0 and loss.kl_type == "k3" and loss.kl_in == "loss":
+        warnings.append(
+            'trainer.loss.kl_type = "k3" with trainer.loss.kl_in = "loss": the expected '
+            "gradient is that of the reverse KL, KL(π_ref ‖ π) (as in GRPO), not of "
+            'KL(π ‖ π_ref); kl_type = "k2" gives the latter'
+        )
     k, eta = t.update_every, recipe.buffer.max_head_offpolicyness
     if k > 1:
         warnings.append(
@@ -108,10 +115,10 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
 
 def kl_problems(recipe: Recipe) -> list[str]:
     """KL placements whose expected gradient is no KL's (see
-    :func:`asyncrl.algo.loss.kl_penalty`): k1 in the loss (zero), k2 or k3 in the reward."""
+    :func:`asyncrl.algo.loss.kl_penalty`): k1 in the loss (zero), k2 or k3 in the reward.
+    Refused with the penalty off too: a recipe that names a placement that cannot work is
+    a mistake waiting for ``kl_coef`` to be raised."""
     loss = recipe.trainer.loss
-    if loss.kl_coef == 0:
-        return []
     keys = f'trainer.loss.kl_type = "{loss.kl_type}" with trainer.loss.kl_in = "{loss.kl_in}"'
     if loss.kl_type == "k1" and loss.kl_in == "loss":
         return [

@@ -409,16 +409,18 @@ class LossConfig(_Section):
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the per-token KL penalty to a frozen copy of the initial policy; 0: off
     (above 0 the trainer holds that second model)."""
-    kl_type: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator, with d = log π_ref − log π: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d."""
+    kl_type: Literal["k1", "k2", "k3"] = "k2"
+    """KL estimator, with d = log π_ref − log π: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d.
+    The default, k2 in the loss, is the one placement whose expected gradient is exactly
+    ∇KL(π ‖ π_ref) there."""
     kl_in: Literal["reward", "loss"] = "loss"
     """Where the KL penalty goes. ``loss``: ``kl_coef · k`` is added to each token's loss
     and differentiated; its expected gradient is ∇KL(π ‖ π_ref) for k2 and ∇KL(π_ref ‖ π)
     (the reverse KL, as in GRPO) for k3, and 0 for k1, which is refused. ``reward``:
     ``−kl_coef · k`` (detached) is a per-token reward, each token's advantage taking the KL
     still to come in its sequence; exact ∇KL(π ‖ π_ref) for k1 only (k2 and k3 are refused).
-    The default suits the default k3; for the forward KL use k2 here, or k1 with
-    ``reward`` (AReaL's placement)."""
+    k3 in the loss (GRPO's choice) is allowed with a warning; for KL(π ‖ π_ref) use the
+    default k2 here, or k1 with ``reward`` (AReaL's placement)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: the loss loses ``entropy_coef`` times the entropy of the sampled
     distribution over the trained tokens, aggregated like the policy loss

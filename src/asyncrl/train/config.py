@@ -46,7 +46,7 @@ class LossConfig(BaseModel):
         "engine keeps a frozen copy of the initial weights and scores samples that carry no "
         "ref_logprobs with it",
     )
-    kl_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
+    kl_type: Literal["k1", "k2", "k3"] = Field("k2", description="KL estimator")
     kl_in: Literal["reward", "loss"] = Field(
         "loss",
         description="where the KL penalty goes: the loss (differentiated; exact "
