@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from asyncrl.endpoint import Call, OpenAIAgentWorkflow, OpenAIEndpoint, episode_samples
+from asyncrl.endpoint.chat import ChatRenderer, TemplateTraits, normalize_message
 from asyncrl.engines import GenerateRequest, GenerateResponse, InferenceEngine, SamplingParams
 from asyncrl.engines.base import WeightSource
 from asyncrl.engines.hf import HFEngine
@@ -430,3 +431,83 @@ async def test_a_continued_prompt_keeps_sampled_tokens_that_the_text_loses():
     assert c2.prompt_ids != fresh
     assert c3.continued_from is None
     assert c3.prompt_ids == encode(ep, "<|assistant|>ab cd\n<|user|>again\n<|assistant|>")
+
+
+def smollm2_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from asyncrl.models import resolve_model_path
+
+    path = Path(resolve_model_path("smollm2-135m-instruct"))
+    if not (path / "tokenizer_config.json").is_file():
+        pytest.skip("the offline SmolLM2-135M copy is absent")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_smollm2_continuation_skips_the_im_end_the_model_generated():
+    tok = smollm2_tokenizer()
+    renderer = ChatRenderer(tok)
+    assert renderer.traits == TemplateTraits(
+        renders_tools=False, renders_tool_calls=False, has_tool_role=True
+    )
+    previous = [normalize_message({"role": "user", "content": "2+3?"})]
+    new = [normalize_message({"role": "tool", "tool_call_id": "c", "content": "5"})]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    generated = [*tok.encode("Hi", add_special_tokens=False), im_end]
+    tail = "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    delta = renderer.continuation_ids(previous, new, None, generated, stopped=True)
+    assert delta == tok.encode(tail, add_special_tokens=False)
+    # cut by length, the model wrote no <|im_end|>: the whole end of turn is added
+    cut = renderer.continuation_ids(previous, new, None, generated[:1], stopped=False)
+    assert cut == tok.encode("<|im_end|>" + tail, add_special_tokens=False)
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>TOOLS {% for t in tools %}{{ t['function']['name'] }} "
+    "{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}CALL {{ c['function']['name'] }}"
+    "{{ c['function']['arguments'] | tojson }}{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_template_that_renders_tools_gets_them_through_its_own_argument():
+    tok = build_tokenizer()
+    tok.chat_template = TOOLS_TEMPLATE
+    renderer = ChatRenderer(tok)
+    assert renderer.traits == TemplateTraits(True, True, True)
+    reply = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+        ],
+    }
+    messages = [normalize_message(m) for m in ({"role": "user", "content": "q"}, reply)]
+    text = renderer.render(messages, [ADD_TOOL], generation_prompt=True)
+    # (HF renders templates with trim_blocks: no newline after a block tag)
+    assert text == '<|system|>TOOLS add <|user|>q<|assistant|>CALL add{"a": 2}<|assistant|>'
+    # the tiny template renders neither: the listing goes to the system turn, calls to text
+    plain = ChatRenderer(build_tokenizer())
+    text = plain.render(messages, [ADD_TOOL], generation_prompt=False)
+    listing = tools_system_text([ADD_TOOL["function"]])
+    assert text == (
+        f"<|system|>{listing}\n<|user|>q\n"
+        '<|assistant|><tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>\n'
+    )
+
+
+async def test_a_stopped_engine_answers_503_and_the_workflow_drops_the_group(
+    scripted_endpoint, tmp_path: Path
+):
+    ep = scripted_endpoint
+    await ep.engine.stop()
+    path = tmp_path / "agent.py"
+    path.write_text(AGENT_FILE.format(TOOL=json.dumps(ADD_TOOL)))
+    workflow = OpenAIAgentWorkflow(ep, f"{path}:agent", group_size=2)
+    assert await workflow.arun_episode(ep.engine, {"uid": "p", "question": "?"}) is None
+    async with ep.episode() as rec, client(rec.base_url) as c:
+        with pytest.raises(openai.InternalServerError, match="503"):
+            await c.completions.create(model="tiny", prompt="x")
+    assert rec.aborted and rec.calls == []

@@ -58,11 +58,13 @@ class Call:
 class EpisodeRecorder:
     """The calls of one episode, in the order their generations finished.
 
-    ``base_url`` is what an OpenAI client of this episode is given."""
+    ``base_url`` is what an OpenAI client of this episode is given; ``aborted`` is set
+    when the engine stopped during one of its calls (the episode is then incomplete)."""
 
     episode_id: str
     base_url: str
     calls: list[Call] = field(default_factory=list)
+    aborted: bool = False
 
     def add(self, call: Call) -> None:
         self.calls.append(call)

@@ -210,10 +210,15 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, stops: list[str]
+        self,
+        recorder: EpisodeRecorder | None,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        stops: list[str],
     ) -> tuple[GenerateResponse, str, float]:
         """The engine's response (cut after a stop string, if one appears), its text, and
-        the engine's time."""
+        the engine's time. A generation the stopping engine aborts marks the episode
+        aborted (its samples are incomplete) and answers 503."""
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         t0 = time.perf_counter()
@@ -223,8 +228,14 @@ class OpenAIEndpoint:
             )
         except ValueError as exc:  # engines refuse requests they cannot serve this way
             raise RequestError(f"the engine refused the request: {exc}") from exc
+        except EngineStopped:
+            if recorder is not None:
+                recorder.aborted = True
+            raise
         engine_s = time.perf_counter() - t0
         if resp.finish_reason == "abort":
+            if recorder is not None:
+                recorder.aborted = True
             raise EngineStopped("generation aborted")
         text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
         if stops:
@@ -295,7 +306,9 @@ class OpenAIEndpoint:
         tools = _check_tools(req.tools)
         sampling = req.sampling(self.sampling, self.max_new_tokens_cap)
         prompt_ids, continued = self._chat_prompt(recorder, messages, tools)
-        resp, text, engine_s = await self._generate(prompt_ids, sampling, req.stop_strings())
+        resp, text, engine_s = await self._generate(
+            recorder, prompt_ids, sampling, req.stop_strings()
+        )
 
         calls: list[ToolCall] = []
         malformed = 0
@@ -353,7 +366,9 @@ class OpenAIEndpoint:
                 raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
             prompt_ids = list(prompt)
         sampling = req.sampling(self.sampling, self.max_new_tokens_cap)
-        resp, text, engine_s = await self._generate(prompt_ids, sampling, req.stop_strings())
+        resp, text, engine_s = await self._generate(
+            recorder, prompt_ids, sampling, req.stop_strings()
+        )
         if recorder is not None:
             recorder.add(
                 Call(

@@ -47,7 +47,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     discounted). An agent that raises scores 0 with the error in ``reward_info['reason']``;
     an episode that made no call has no tokens and is left out of the group (the group
     shrinks; no trajectory at all returns None). Any call aborted by a stopping engine
-    drops the group (None), as in the other workflows.
+    drops the group (None), as in the other workflows: the prompt goes back to the pool.
 
     The ``engine`` passed to :meth:`arun_episode` is not used: the endpoint holds its own.
     """
@@ -76,11 +76,11 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(self._run_agent(record)) for _ in range(self.group_size)]
         episodes = [t.result() for t in tasks]
-        if any(c.finish_reason == "abort" for calls, *_ in episodes for c in calls):
+        if any(aborted for *_, aborted in episodes):
             return None
         kept = [e for e in episodes if e[0]]
         trajectories = []
-        for index, (calls, reward, reason, metrics) in enumerate(kept):
+        for index, (calls, reward, reason, metrics, _) in enumerate(kept):
             samples = episode_samples(calls, reward, turn_discount=self.turn_discount)
             last = samples[-1]
             reply = calls[-1].reply or {}
@@ -104,8 +104,10 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             )
         return trajectories or None
 
-    async def _run_agent(self, record: dict[str, Any]) -> tuple[list[Call], float, str, dict]:
-        """One episode: ``(calls, reward, failure reason or "", recorder metrics)``."""
+    async def _run_agent(
+        self, record: dict[str, Any]
+    ) -> tuple[list[Call], float, str, dict[str, float], bool]:
+        """One episode: ``(calls, reward, failure reason or "", metrics, aborted)``."""
         import openai
 
         async with self.endpoint.episode() as recorder:
@@ -119,7 +121,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 reward, reason = await self._reward(client, record, recorder)
             finally:
                 await client.close()
-            return recorder.calls, reward, reason, recorder.metrics()
+            return recorder.calls, reward, reason, recorder.metrics(), recorder.aborted
 
     async def _reward(
         self, client: Any, record: dict[str, Any], recorder: EpisodeRecorder
