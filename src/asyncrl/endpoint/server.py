@@ -16,7 +16,10 @@ port unless one is given, and refuses any request without ``Authorization: Beare
 Tool calls are read from the generated text by the named parser (``hermes`` by default).
 A reply with a call the parser cannot read is returned whole as plain ``content`` with no
 ``tool_calls`` (the agent then sees what the model wrote) and counted in
-:attr:`Call.malformed_tool_calls`.
+:attr:`Call.malformed_tool_calls`. ``tool_choice="none"`` keeps the tools in the prompt (so
+the prompt is the one an ``auto`` call would get) and returns the text unparsed; other
+choices (``required``, a named function) are refused, since sampling cannot be forced.
+The request's ``model`` is not checked: there is one model, the engine's.
 """
 
 from __future__ import annotations
