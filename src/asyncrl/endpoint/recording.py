@@ -1,0 +1,132 @@
+"""What the endpoint records of an episode's calls, and how the calls become samples.
+
+An episode is the stretch of agent code run for one prompt; every call it makes through
+its episode URL is a :class:`Call` holding the exact token ids the engine saw and made.
+:func:`episode_samples` turns the calls into training sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.engines.base import GenerateResponse
+from asyncrl.workflows.base import TokenTrace
+
+
+@dataclass
+class Call:
+    """One completion request of an episode, as the engine served it.
+
+    ``messages``/``tools`` are the normalized chat request (None for ``/v1/completions``),
+    ``reply`` the assistant message returned (normalized), ``continued_from`` the index of
+    the call whose tokens this prompt extends (None: rendered fresh). ``handling_s`` is the
+    request's time in the endpoint, ``engine_s`` the part spent in the engine."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    reply: dict[str, Any] | None = None
+    continued_from: int | None = None
+    tool_calls: int = 0
+    malformed_tool_calls: int = 0
+    handling_s: float = 0.0
+    engine_s: float = 0.0
+
+    @property
+    def added_latency_s(self) -> float:
+        """What the endpoint added to the engine's time: parsing, templating, encoding."""
+        return max(self.handling_s - self.engine_s, 0.0)
+
+    @property
+    def response(self) -> GenerateResponse:
+        return GenerateResponse(
+            input_ids=self.prompt_ids,
+            output_ids=self.completion_ids,
+            output_logprobs=self.logprobs,
+            output_versions=self.versions,
+            finish_reason="stop" if self.finish_reason == "stop" else "length",
+        )
+
+
+@dataclass
+class EpisodeRecorder:
+    """The calls of one episode, in the order their generations finished.
+
+    ``base_url`` is what an OpenAI client of this episode is given; ``aborted`` is set
+    when the engine stopped during one of its calls (the episode is then incomplete)."""
+
+    episode_id: str
+    base_url: str
+    calls: list[Call] = field(default_factory=list)
+    aborted: bool = False
+
+    def add(self, call: Call) -> None:
+        self.calls.append(call)
+
+    def metrics(self) -> dict[str, float]:
+        """Per-episode counts for ``reward_info``: calls, tool calls, malformed tool calls,
+        continued prompts, and the endpoint's added latency per call (mean and max)."""
+        added = [c.added_latency_s for c in self.calls]
+        return {
+            "calls": len(self.calls),
+            "tool_calls": sum(c.tool_calls for c in self.calls),
+            "malformed_tool_calls": sum(c.malformed_tool_calls for c in self.calls),
+            "continued_calls": sum(c.continued_from is not None for c in self.calls),
+            "endpoint_added_latency_s_mean": sum(added) / len(added) if added else 0.0,
+            "endpoint_added_latency_s_max": max(added, default=0.0),
+        }
+
+
+@dataclass
+class EpisodeSample:
+    """One training sequence of an episode: ``calls`` are the indices it covers."""
+
+    trace: TokenTrace
+    reward: float
+    calls: list[int]
+    finish_reason: str
+
+
+def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
+    return len(ids) >= len(prefix) and list(ids[: len(prefix)]) == list(prefix)
+
+
+def episode_samples(
+    calls: Sequence[Call], reward: float, *, turn_discount: float = 1.0
+) -> list[EpisodeSample]:
+    """The episode's calls as token sequences, each with its reward.
+
+    Calls are taken in order. A call whose prompt ids start with the previous call's
+    prompt + completion ids joins that call's sample: the new prompt tokens are context
+    (mask 0, logprob 0, version -1), its completion tokens are generated (mask 1, with the
+    engine's logprobs and versions). Any other call starts a new sample. The check is on
+    token ids, so it holds whatever way the prompt was built.
+
+    Rewards: with ``n`` calls and a sample whose last call has index ``e``, the sample's
+    reward is ``reward · turn_discount ** (n - 1 - e)``; the sample holding the final call
+    gets ``reward`` itself, and one that ended ``k`` calls earlier gets ``reward · γ^k``.
+    """
+    samples: list[EpisodeSample] = []
+    previous: list[int] | None = None
+    for index, call in enumerate(calls):
+        if previous is not None and samples and _extends(call.prompt_ids, previous):
+            sample = samples[-1]
+            sample.trace.add_context(call.prompt_ids[len(previous) :])
+            sample.calls.append(index)
+        else:
+            sample = EpisodeSample(TokenTrace(), 0.0, [index], call.finish_reason)
+            sample.trace.add_context(call.prompt_ids)
+            samples.append(sample)
+        sample.trace.add_generated(call.response)
+        sample.finish_reason = call.finish_reason
+        previous = call.prompt_ids + call.completion_ids
+    last = len(calls) - 1
+    for sample in samples:
+        sample.reward = reward * turn_discount ** (last - sample.calls[-1])
+    return samples
