@@ -126,7 +126,7 @@ def policy_loss(
     norm_len: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_type: KLType = "k3",
+    kl_type: KLType = "k2",
     kl_in: KLPlacement = "loss",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
