@@ -16,6 +16,7 @@ is ``timeout``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
@@ -35,6 +36,7 @@ class MCPServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    start_timeout_s: float = 30.0
 
 
 class MCPTools:
@@ -57,13 +59,21 @@ class MCPTools:
             env=dict(self.spec.env),
             cwd=self.spec.cwd,
         )
+        command = " ".join([self.spec.command, *self.spec.args])
         try:
             read, write = await self._stack.enter_async_context(
                 stdio_client(params, errlog=self.errlog)
             )
             self._session = await self._stack.enter_async_context(ClientSession(read, write))
-            await self._session.initialize()
-            listed = await self._session.list_tools()
+            # A server that dies or hangs before answering would leave this waiting forever.
+            async with asyncio.timeout(self.spec.start_timeout_s):
+                await self._session.initialize()
+                listed = await self._session.list_tools()
+        except (Exception, TimeoutError) as exc:
+            await self._stack.aclose()
+            raise RuntimeError(
+                f"MCP server {command!r} did not start: {type(exc).__name__}: {exc}"
+            ) from exc
         except BaseException:
             await self._stack.aclose()
             raise
