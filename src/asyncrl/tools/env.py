@@ -17,7 +17,8 @@ one per sample from a factory.
 
 ``step(reply, last=True)`` tells the environment that no further turn will follow (the
 workflow ran out of turns or tokens): it must end the episode and give the reward without
-running the reply's calls.
+running the reply's calls. It may come for a reply that was just stepped without
+``last`` (its results did not fit the token budget): then it scores that reply again.
 """
 
 from __future__ import annotations
