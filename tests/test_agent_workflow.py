@@ -21,6 +21,7 @@ from asyncrl.tiny_model import tiny_model_dir
 from asyncrl.tools.base import function_tool
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import tools_system_text
+from asyncrl.workflows import make_workflow
 from asyncrl.workflows.agent import AgentWorkflow, ChatFormat, agent_metrics
 
 
@@ -271,3 +272,23 @@ async def test_the_tiny_model_runs_agent_episodes(engine: HFEngine) -> None:
         mask = traj.loss_mask.numpy().astype(bool)
         assert mask.sum() == 8 and mask[-8:].all()  # random text: no call, one turn
         assert traj.reward_info["turns"] == 1
+
+
+async def test_the_recipe_name_agent_builds_it_with_the_builtin_tools(tokenizer: Any) -> None:
+    wf = make_workflow(
+        "agent",
+        tokenizer=tokenizer,
+        sampling=SP,
+        reward=ExactAnswer(),
+        group_size=2,
+        max_turns=3,
+        turn_discount=0.9,
+    )
+    assert isinstance(wf, AgentWorkflow) and (wf.group_size, wf.max_turns) == (2, 3)
+    engine = ScriptedEngine(tokenizer, ["561741", "561741"])
+    out = await wf.arun_episode(engine, RECORD)
+    assert out is not None and [t.reward for t in out] == [1.0, 1.0]
+    prompt = tokenizer.decode(engine.requests[0].input_ids)
+    assert '"name": "calculator"' in prompt and '"name": "python"' in prompt
+    with pytest.raises(ValueError, match="unknown built-in tool 'shell'"):
+        AgentWorkflow(tokenizer, SP, reward=ExactAnswer(), tools=["shell"])

@@ -42,9 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-SANDBOX_UID_BASE = 0x5A000000
+SANDBOX_UID_BASE = 0x50000000
 """First uid (and gid) of the per-run users; far above any real account's id."""
-SANDBOX_UID_SPAN = 1 << 20
+RUNS_PER_PROCESS = 256
+"""Runs of one process whose uids differ: more concurrent runs than this would share."""
+SANDBOX_UID_SPAN = (1 << 22) * RUNS_PER_PROCESS
+"""Linux pids are below 2**22, so ``pid * RUNS_PER_PROCESS + run`` is unique per process."""
 
 LAUNCHER = r"""
 import ctypes, json, os, resource, sys
@@ -130,7 +133,8 @@ _uids = itertools.count()
 def _run_uid() -> int | None:
     if os.getuid() != 0:
         return None
-    return SANDBOX_UID_BASE + (os.getpid() * 4096 + next(_uids)) % SANDBOX_UID_SPAN
+    slot = (os.getpid() % (1 << 22)) * RUNS_PER_PROCESS + next(_uids) % RUNS_PER_PROCESS
+    return SANDBOX_UID_BASE + slot
 
 
 def _config(python: str, uid: int | None, limits: Limits, argv: list[str], netns: bool) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 from asyncrl.engines.base import GenerateRequest, InferenceEngine, SamplingParams
 from asyncrl.messages import Prompt, Trajectory
 from asyncrl.tools.base import Tool
+from asyncrl.tools.builtin import BUILTIN_TOOLS
 from asyncrl.tools.calls import get_parser, tools_system_text
 from asyncrl.tools.env import EnvFactory, Environment, RewardEnv, ToolEnv
 from asyncrl.workflows.base import RolloutWorkflow, Scorer, TokenTrace, split_item
@@ -132,14 +133,17 @@ class AgentWorkflow(RolloutWorkflow):
 
     The environment of each sample comes from ``env_factory``; without one, a
     :class:`~asyncrl.tools.env.ToolEnv` over ``tools`` scored by ``reward`` (a
-    :class:`~asyncrl.tools.env.RewardEnv` when there are no tools)."""
+    :class:`~asyncrl.tools.env.RewardEnv` when there are no tools). ``tools`` are
+    :class:`~asyncrl.tools.base.Tool` objects or names of built-in tools
+    (:data:`~asyncrl.tools.builtin.BUILTIN_TOOLS`); ``rollout.workflow = "agent"`` gets the
+    built-ins ``calculator`` and ``python``."""
 
     def __init__(
         self,
         tokenizer: Any,
         sampling: SamplingParams,
         reward: Scorer | None = None,
-        tools: Sequence[Tool] = (),
+        tools: Sequence[Tool | str] = ("calculator", "python"),
         env_factory: EnvFactory | None = None,
         group_size: int = 1,
         max_turns: int = 4,
@@ -152,7 +156,10 @@ class AgentWorkflow(RolloutWorkflow):
         if env_factory is None:
             if reward is None:
                 raise ValueError("the agent workflow needs a reward or an env_factory")
-            scorer, tool_list = reward, list(tools)
+            scorer, tool_list = (
+                reward,
+                [builtin_tool(t) if isinstance(t, str) else t for t in tools],
+            )
             env_factory = (
                 (lambda: ToolEnv(tool_list, scorer, system_prompt))
                 if tool_list
@@ -256,6 +263,13 @@ class AgentWorkflow(RolloutWorkflow):
                 "tool_latency_s": latency,
             },
         )
+
+
+def builtin_tool(name: str) -> Tool:
+    try:
+        return BUILTIN_TOOLS[name]()
+    except KeyError:
+        raise ValueError(f"unknown built-in tool {name!r}: known {sorted(BUILTIN_TOOLS)}") from None
 
 
 def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
