@@ -236,7 +236,7 @@ async def test_templates_that_render_tools_and_lack_a_tool_role(tokenizer: Any) 
 
 async def test_a_plain_reward_is_one_turn(tokenizer: Any) -> None:
     engine = ScriptedEngine(tokenizer, [f"561741 {CALL}"])
-    wf = AgentWorkflow(tokenizer, SP, reward=ExactAnswer(), system_prompt="Be brief.")
+    wf = AgentWorkflow(tokenizer, SP, reward=ExactAnswer(), tools=(), system_prompt="Be brief.")
     [traj] = await wf.arun_episode(engine, RECORD)  # type: ignore[misc]
     assert traj.reward == 1.0 and traj.reward_info["turns"] == 1
     assert traj.reward_info["tool_calls"] == 0
