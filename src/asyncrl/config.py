@@ -311,7 +311,8 @@ class RolloutConfig(_Section):
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
     """The inference backend."""
     workflow: str = "rlvr"
-    """``rlvr``, ``multi_turn``, or ``path/to/file.py:factory`` / ``module:factory``."""
+    """``rlvr``, ``multi_turn``, ``agent`` (tool calls, with the built-in ``calculator``
+    and ``python`` tools), or ``path/to/file.py:factory`` / ``module:factory``."""
     group_size: int = Field(4, ge=1)
     """Samples per prompt (one GRPO group)."""
     max_concurrent: int = Field(16, ge=1)

@@ -1,8 +1,9 @@
-"""Rollout workflows: the contract, RLVR, multi-turn, and loading a user's own.
+"""Rollout workflows: the contract, RLVR, multi-turn, agents with tools, and loading a
+user's own.
 
 ``make_workflow(spec, **options)`` builds the recipe's ``rollout.workflow``:
 
-- ``"rlvr"`` or ``"multi_turn"``: the built-in classes;
+- ``"rlvr"``, ``"multi_turn"`` or ``"agent"``: the built-in classes;
 - ``"path/to/file.py:name"`` or ``"module:name"``: a user's own, where ``name`` is a
   :class:`RolloutWorkflow` subclass, a factory returning one, or a bare
   ``async def arun_episode(engine, item)`` function.
@@ -20,6 +21,7 @@ from typing import Any
 
 from asyncrl.engines.base import InferenceEngine
 from asyncrl.messages import Prompt, Trajectory
+from asyncrl.workflows.agent import AgentWorkflow
 from asyncrl.workflows.base import (
     RolloutWorkflow,
     Scorer,
@@ -35,6 +37,7 @@ from asyncrl.workflows.rlvr import RLVRWorkflow
 WORKFLOWS: dict[str, type[RolloutWorkflow]] = {
     "rlvr": RLVRWorkflow,
     "multi_turn": MultiTurnWorkflow,
+    "agent": AgentWorkflow,
 }
 """Built-in workflows by the name a recipe uses."""
 
@@ -79,6 +82,7 @@ def make_workflow(spec: str, **options: Any) -> RolloutWorkflow:
 
 __all__ = [
     "WORKFLOWS",
+    "AgentWorkflow",
     "FunctionWorkflow",
     "MultiTurnWorkflow",
     "RLVRWorkflow",
