@@ -10,12 +10,12 @@ import json
 import os
 import re
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_kit import REPO, cli, running_up, up_args
 
 from asyncrl.messages import ActorInfo, Metrics
 from asyncrl.runtime.bus import Bus
@@ -24,18 +24,7 @@ from asyncrl.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-CI_RECIPE = REPO / "recipes" / "ci.toml"
 RUN_TIMEOUT = 420.0
-
-
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.cli", *args]
-
-
-def up_args(parent: Path, name: str, *sets: str) -> list[str]:
-    flags = [x for s in (f"run.dir={parent}", f"run.name={name}", *sets) for x in ("--set", s)]
-    return cli("up", str(CI_RECIPE), *flags, "--quiet")
 
 
 async def run(argv: list[str], limit: float = RUN_TIMEOUT) -> tuple[int, str]:
@@ -48,13 +37,6 @@ async def run(argv: list[str], limit: float = RUN_TIMEOUT) -> tuple[int, str]:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-async def wait_for_file(path: Path, proc: asyncio.subprocess.Process) -> None:
-    async with asyncio.timeout(120):
-        while not path.exists():  # noqa: ASYNC240 - a stat, while another process starts
-            assert proc.returncode is None, f"the run ended before {path.name} appeared"
-            await asyncio.sleep(0.1)
 
 
 async def connect(run_dir: Path) -> Bus:
@@ -161,22 +143,15 @@ async def test_an_attached_rollout_actor_gets_leases_and_is_trained_on(tmp_path:
     The run has no step budget worth the name: the test stops it (SIGTERM, as Ctrl-C in a
     terminal) once the attached actor's samples reached the trainer, so the outcome does not
     hang on how fast this machine steps compared with how fast the extra actor starts."""
-    run_dir = tmp_path / "attach"
-    up = await asyncio.create_subprocess_exec(
-        *up_args(
-            tmp_path,
-            "attach",
-            "trainer.max_steps=100000",
-            "rollout.max_concurrent=4",
-            "rollout.sampling.max_new_tokens=32",
-        ),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        cwd=REPO,
-    )
     extra: asyncio.subprocess.Process | None = None
-    try:
-        await wait_for_file(run_dir / "nats.json", up)
+    async with running_up(
+        tmp_path,
+        "attach",
+        "trainer.max_steps=100000",
+        "rollout.max_concurrent=4",
+        "rollout.sampling.max_new_tokens=32",
+    ) as up:
+        run_dir = up.run_dir
         bus = await connect(run_dir)
         try:
             await wait_for_step(bus, run_dir, 2)
@@ -202,15 +177,11 @@ async def test_an_attached_rollout_actor_gets_leases_and_is_trained_on(tmp_path:
             await wait_until_trained_from(bus, run_dir, "extra", extra)
         finally:
             await bus.close()
-        up.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(up.wait(), 120) == 0
+        up.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(up.proc.wait(), 120) == 0
         out_b, _ = await asyncio.wait_for(extra.communicate(), 120)
         assert extra.returncode == 0, out_b.decode()  # it stops with the run, cleanly
-    finally:
-        for proc in (up, extra):
-            if proc is not None and proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    # the attached actor names the run folder: a failed test kills it with the run
     events = read_jsonl(run_dir / "buffer_events.jsonl")
     assert any(e["event"] == "lease" and e["actor"] == "extra" for e in events)
     trained = check_staleness_and_uniqueness(run_dir, eta=1)
@@ -247,41 +218,35 @@ def outstanding_leases(run_dir: Path, actor: str) -> set[str]:
 
 
 async def test_kill_9_of_a_rollout_actor_loses_no_prompt(tmp_path: Path) -> None:
-    run_dir = tmp_path / "kill"
-    up = await asyncio.create_subprocess_exec(
-        *up_args(
-            tmp_path,
-            "kill",
-            "trainer.max_steps=20",
-            "rollout.actors=2",
-            "rollout.lease_ttl=3",
-            "rollout.sampling.max_new_tokens=48",  # episodes long enough to kill one mid-way
-            "buffer.max_head_offpolicyness=2",
-        ),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        cwd=REPO,
-    )
-    await wait_for_file(run_dir / "nats.json", up)
-    bus = await connect(run_dir)
-    victim: asyncio.Future[ActorInfo] = asyncio.get_running_loop().create_future()
+    async with running_up(
+        tmp_path,
+        "kill",
+        "trainer.max_steps=12",  # killed after step 2: ten more steps to re-lease its prompts
+        "rollout.actors=2",
+        "rollout.lease_ttl=3",
+        "rollout.sampling.max_new_tokens=48",  # episodes long enough to kill one mid-way
+        "buffer.max_head_offpolicyness=2",
+    ) as up:
+        run_dir = up.run_dir
+        bus = await connect(run_dir)
+        victim: asyncio.Future[ActorInfo] = asyncio.get_running_loop().create_future()
 
-    async def on_beat(info: ActorInfo) -> None:
-        if info.actor_id == "rollout-1" and not victim.done():
-            victim.set_result(info)
+        async def on_beat(info: ActorInfo) -> None:
+            if info.actor_id == "rollout-1" and not victim.done():
+                victim.set_result(info)
 
-    try:
-        await bus.subscribe(Subjects("kill").heartbeat("rollout"), ActorInfo, on_beat)
-        await wait_for_step(bus, run_dir, 2)
-        info = await asyncio.wait_for(victim, 30)
-    finally:
-        await bus.close()
-    async with asyncio.timeout(120):
-        # kill it while it holds episodes: the buffer's log says what it holds
-        while not outstanding_leases(run_dir, "rollout-1"):  # noqa: ASYNC110 - another process's log
-            await asyncio.sleep(0.02)
-    os.kill(info.pid, signal.SIGKILL)
-    assert await asyncio.wait_for(up.wait(), RUN_TIMEOUT) == 0
+        try:
+            await bus.subscribe(Subjects("kill").heartbeat("rollout"), ActorInfo, on_beat)
+            await wait_for_step(bus, run_dir, 2)
+            info = await asyncio.wait_for(victim, 30)
+        finally:
+            await bus.close()
+        async with asyncio.timeout(120):
+            # kill it while it holds episodes: the buffer's log says what it holds
+            while not outstanding_leases(run_dir, "rollout-1"):  # noqa: ASYNC110 - another process's log
+                await asyncio.sleep(0.02)
+        os.kill(info.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(up.proc.wait(), RUN_TIMEOUT) == 0
 
     events = read_jsonl(run_dir / "buffer_events.jsonl")
     finished = {e["prompt"] for e in events if e["event"] in ("admit", "reject", "filter")}

@@ -7,15 +7,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from test_e2e import (
-    REPO,
-    RUN_TIMEOUT,
-    check_staleness_and_uniqueness,
-    connect,
-    read_jsonl,
-    up_args,
-    wait_for_file,
-)
+from e2e_kit import running_up
+from test_e2e import RUN_TIMEOUT, check_staleness_and_uniqueness, connect, read_jsonl
 
 from asyncrl.messages import Metrics
 from asyncrl.subjects import Subjects
@@ -27,34 +20,28 @@ async def test_colocated_run_releases_memory_every_step_and_reports_update_pause
     tmp_path: Path,
 ) -> None:
     steps = 6
-    run_dir = tmp_path / "colo"
-    up = await asyncio.create_subprocess_exec(
-        *up_args(
-            tmp_path,
-            "colo",
-            f"trainer.max_steps={steps}",
-            "trainer.checkpoint_every=0",
-            "trainer.weights_transport=object_store",
-            "rollout.colocate=true",
-            "rollout.sampling.max_new_tokens=24",
-        ),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        cwd=REPO,
-    )
-    await wait_for_file(run_dir / "nats.json", up)
     updates: list[Metrics] = []
-    bus = await connect(run_dir)
-    try:
+    async with running_up(
+        tmp_path,
+        "colo",
+        f"trainer.max_steps={steps}",
+        "trainer.checkpoint_every=0",
+        "trainer.weights_transport=object_store",
+        "rollout.colocate=true",
+        "rollout.sampling.max_new_tokens=24",
+    ) as up:
+        run_dir = up.run_dir
+        bus = await connect(run_dir)
+        try:
 
-        async def on_metrics(m: Metrics) -> None:
-            if "rollout/pause_s" in m.values:
-                updates.append(m)
+            async def on_metrics(m: Metrics) -> None:
+                if "rollout/pause_s" in m.values:
+                    updates.append(m)
 
-        await bus.subscribe(Subjects("colo").metrics("rollout"), Metrics, on_metrics)
-        assert await asyncio.wait_for(up.wait(), RUN_TIMEOUT) == 0
-    finally:
-        await bus.close()
+            await bus.subscribe(Subjects("colo").metrics("rollout"), Metrics, on_metrics)
+            assert await asyncio.wait_for(up.proc.wait(), RUN_TIMEOUT) == 0
+        finally:
+            await bus.close()
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))

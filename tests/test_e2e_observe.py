@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_e2e import CI_RECIPE, REPO, RUN_TIMEOUT, cli, read_jsonl, run, wait_for_file
+from e2e_kit import CI_RECIPE, REPO, cli, running_up
+from test_e2e import RUN_TIMEOUT, read_jsonl, run
 
 from asyncrl.messages import Metrics
 from asyncrl.subjects import Subjects
@@ -117,15 +118,6 @@ async def test_an_eval_actor_attaches_to_a_live_run(tmp_path: Path) -> None:
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import nats_info_for_run
 
-    run_dir = tmp_path / "attach-eval"
-    up = await asyncio.create_subprocess_exec(
-        *ci_up(tmp_path, "attach-eval", "trainer.max_steps=40", extra=("--quiet",)),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        cwd=REPO,
-    )
-    await wait_for_file(run_dir / "nats.json", up)
-    bus = await Bus.connect(nats_info_for_run(run_dir), name="test")
     seen: list[Metrics] = []
     got = asyncio.Event()
 
@@ -134,19 +126,23 @@ async def test_an_eval_actor_attaches_to_a_live_run(tmp_path: Path) -> None:
             seen.append(m)
             got.set()
 
-    try:
-        await bus.subscribe(Subjects("attach-eval").metrics("eval"), Metrics, on_eval)
-        attached = await asyncio.create_subprocess_exec(
-            *cli("attach", "eval", "--run", str(run_dir), "--actor-id", "eval-extra"),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-            cwd=REPO,
-        )
-        await asyncio.wait_for(got.wait(), RUN_TIMEOUT)
-        assert await asyncio.wait_for(up.wait(), RUN_TIMEOUT) == 0
-        assert await asyncio.wait_for(attached.wait(), 60) == 0
-    finally:
-        await bus.close()
+    argv = ci_up(tmp_path, "attach-eval", "trainer.max_steps=40", extra=("--quiet",))
+    async with running_up(tmp_path, "attach-eval", argv=argv) as up:
+        run_dir = up.run_dir
+        bus = await Bus.connect(nats_info_for_run(run_dir), name="test")
+        try:
+            await bus.subscribe(Subjects("attach-eval").metrics("eval"), Metrics, on_eval)
+            attached = await asyncio.create_subprocess_exec(
+                *cli("attach", "eval", "--run", str(run_dir), "--actor-id", "eval-extra"),
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+                cwd=REPO,
+            )
+            await asyncio.wait_for(got.wait(), RUN_TIMEOUT)
+            assert await asyncio.wait_for(up.proc.wait(), RUN_TIMEOUT) == 0
+            assert await asyncio.wait_for(attached.wait(), 60) == 0
+        finally:
+            await bus.close()
     assert "eval/accuracy" in seen[0].values
     evals = read_jsonl(run_dir / "eval.jsonl")
     assert any(e["version"] == seen[0].step for e in evals)

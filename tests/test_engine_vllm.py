@@ -170,6 +170,8 @@ async def test_kill_9_of_a_rollout_actor_leaves_no_vllm_and_the_replacement_star
     import signal
     import sys
 
+    from e2e_kit import running_up
+
     from asyncrl.messages import ActorInfo
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import nats_info_for_run
@@ -194,14 +196,8 @@ async def test_kill_9_of_a_rollout_actor_leaves_no_vllm_and_the_replacement_star
     argv = [sys.executable, "-m", "asyncrl.cli", "up", str(REPO / "recipes" / "ci.toml"), "--quiet"]
     for s in sets:
         argv += ["--set", s]
-    up = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, cwd=REPO
-    )
-    try:
-        async with asyncio.timeout(300):
-            while not (run_dir / "nats.json").exists():
-                assert up.returncode is None, "the run ended before it started"
-                await asyncio.sleep(0.2)
+    async with running_up(tmp_path, "vkill", argv=argv) as run:
+        up = run.proc
         bus = await Bus.connect(nats_info_for_run(run_dir), name="test")
         first: asyncio.Future[ActorInfo] = asyncio.get_running_loop().create_future()
 
@@ -224,10 +220,6 @@ async def test_kill_9_of_a_rollout_actor_leaves_no_vllm_and_the_replacement_star
                 await asyncio.sleep(0.2)
         code = await asyncio.wait_for(up.wait(), 900)
         assert code == 0, (run_dir / "logs" / "up.log").read_text()[-3000:]
-    finally:
-        if up.returncode is None:
-            up.kill()
-            await up.wait()
     logs = run_dir / "logs"
     assert (logs / "rollout-0-r1.log").is_file(), "no replacement actor"
     vllm_logs = sorted(p.name for p in logs.glob("vllm-*.log"))

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.common import latest_checkpoint_meta
 from asyncrl.checks import enforce_recipe
 from asyncrl.config import Recipe, RecipeError, dump_recipe
 from asyncrl.messages import Metrics
@@ -52,8 +53,20 @@ def prepare_run_dir(recipe: Recipe, *, resume: bool, overwrite: bool) -> Path:
                 f"replace it, or --set run.name=<new name>"
             )
         shutil.rmtree(run_dir)
-    if resume and not (run_dir / "checkpoints").is_dir():
-        raise RecipeError(f"--resume: {run_dir} has no checkpoints/ folder to resume from")
+    if resume and latest_checkpoint_meta(run_dir) is None:
+        if not (run_dir / "recipe.json").is_file():
+            raise RecipeError(
+                f"--resume: {run_dir} is not the folder of a run (it has no recipe.json); "
+                f"check run.dir and run.name, or start a new run without --resume"
+            )
+        # killed before its first checkpoint: what it had done is dropped (the trainer
+        # drops its records after step 0) and it starts again from the initial weights
+        print(
+            f"asyncrl: warning: --resume: {run_dir} has no checkpoint yet; "
+            f"the run starts again from the initial weights",
+            file=sys.stderr,
+            flush=True,
+        )
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.json").write_text(recipe.model_dump_json(indent=2))
     (run_dir / "config.toml").write_text(dump_recipe(recipe))

@@ -19,7 +19,8 @@ from pathlib import Path
 import msgpack
 import nats.errors
 import pytest
-from test_e2e import REPO, connect, read_jsonl, up_args, wait_for_file
+from e2e_kit import running_up
+from test_e2e import connect, read_jsonl
 
 from asyncrl.messages import (
     SCHEMA_VERSION,
@@ -248,16 +249,17 @@ async def fuzz(bus: Bus, s: Subjects, reply_inbox: str) -> tuple[Counter[str], i
 async def test_ten_thousand_bad_messages_kill_nothing_and_are_all_counted(
     tmp_path: Path,
 ) -> None:
-    run_dir = tmp_path / "fuzz"
     s = Subjects("fuzz")
-    up = await asyncio.create_subprocess_exec(
-        *up_args(tmp_path, "fuzz", "trainer.max_steps=100000"),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        cwd=REPO,
-    )
-    try:
-        await wait_for_file(run_dir / "nats.json", up)
+    async with running_up(
+        tmp_path,
+        "fuzz",
+        "trainer.max_steps=100000",
+        # an eval actor too, for its subscriptions: it scores version 0 once, cheaply
+        "eval.every=100000",
+        "eval.k=0",
+        "eval.max_prompts=4",
+    ) as up:
+        run_dir = up.run_dir
         bus = await connect(run_dir)
         try:
             watch = Watch()
@@ -310,15 +312,11 @@ async def test_ten_thousand_bad_messages_kill_nothing_and_are_all_counted(
             )
         finally:
             await bus.close()
-        up.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(up.wait(), 120) == 0
+        up.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(up.proc.wait(), 120) == 0
         # the trainer's metrics carry the run's drops, summed over the actors
         last = read_jsonl(run_dir / "metrics.jsonl")[-1]
         assert last["step"] >= step_after_fuzz + 2
         reported = {k: v for k, v in last.items() if k.startswith("dropped/")}
         assert sum(reported.values()) == total
         assert reported["dropped/control/garbage"] > 0
-    finally:
-        if up.returncode is None:
-            up.kill()
-            await up.wait()

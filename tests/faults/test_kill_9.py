@@ -16,15 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_e2e import REPO, RUN_TIMEOUT, connect, read_jsonl, up_args, wait_for_file
+from e2e_kit import running_up
+from test_e2e import RUN_TIMEOUT, connect, read_jsonl
 
+from asyncrl.actors.weights import KEEP_VERSIONS
 from asyncrl.messages import ActorInfo, Metrics
 from asyncrl.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 
 STEPS = 10
-KILL_AFTER_STEP = 5  # between the checkpoints of steps 4 and 8
+CHECKPOINT_EVERY = 4
 
 
 def buffer_events(run_dir: Path) -> list[dict[str, Any]]:
@@ -48,25 +50,17 @@ def check_every_prompt_accounted_for(run_dir: Path) -> dict[str, Any]:
     return final
 
 
-async def kill_in_mid_run(tmp_path: Path, name: str, role: str) -> Path:
-    run_dir = tmp_path / name
-    up = await asyncio.create_subprocess_exec(
-        *up_args(
-            tmp_path,
-            name,
-            f"trainer.max_steps={STEPS}",
-            "trainer.checkpoint_every=4",
-            "eval.every=0",
-            "rollout.lease_ttl=5",
-            "run.restart_backoff=0.5",
-        ),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        cwd=REPO,
-    )
-    try:
-        await wait_for_file(run_dir / "nats.json", up)
-        bus = await connect(run_dir)
+async def kill_in_mid_run(tmp_path: Path, name: str, role: str, after_step: int) -> Path:
+    async with running_up(
+        tmp_path,
+        name,
+        f"trainer.max_steps={STEPS}",
+        f"trainer.checkpoint_every={CHECKPOINT_EVERY}",
+        "eval.every=0",
+        "rollout.lease_ttl=5",
+        "run.restart_backoff=0.5",
+    ) as run:
+        bus = await connect(run.run_dir)
         pids: dict[str, int] = {}
         reached = asyncio.Event()
 
@@ -74,7 +68,7 @@ async def kill_in_mid_run(tmp_path: Path, name: str, role: str) -> Path:
             pids.setdefault(info.actor_id, info.pid)
 
         async def on_metrics(m: Metrics) -> None:
-            if m.step >= KILL_AFTER_STEP:
+            if m.step >= after_step:
                 reached.set()
 
         subjects = Subjects(name)
@@ -85,19 +79,30 @@ async def kill_in_mid_run(tmp_path: Path, name: str, role: str) -> Path:
         finally:
             await bus.close()
         os.kill(pids[f"{role}-0"], signal.SIGKILL)
-        assert await asyncio.wait_for(up.wait(), RUN_TIMEOUT) == 0, "the run did not finish"
-    finally:
-        if up.returncode is None:
-            up.kill()
-            await up.wait()
+        assert await asyncio.wait_for(run.proc.wait(), RUN_TIMEOUT) == 0, "the run did not finish"
+    run_dir = run.run_dir
     assert (run_dir / "logs" / f"{role}-0-r1.log").is_file(), f"no replacement {role}"
     return run_dir
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("role", ["rollout", "reward", "buffer", "trainer"])
-async def test_kill_9_in_mid_run_and_the_run_finishes(tmp_path: Path, role: str) -> None:
-    run_dir = await kill_in_mid_run(tmp_path, f"kill-{role}", role)
+@pytest.mark.parametrize(
+    ("role", "after_step"),
+    [
+        # before the first checkpoint: for all but the trainer a checkpoint changes nothing
+        ("rollout", 2),
+        ("reward", 2),
+        ("buffer", 2),
+        # restarts from the initial weights, as version 0 of epoch 1, while the dead
+        # trainer's versions 1..3 (as many as are kept, or more) are still on disk
+        ("trainer", 3),
+        ("trainer", 5),  # restarts from step 4's checkpoint
+    ],
+)
+async def test_kill_9_in_mid_run_and_the_run_finishes(
+    tmp_path: Path, role: str, after_step: int
+) -> None:
+    run_dir = await kill_in_mid_run(tmp_path, f"kill-{role}-{after_step}", role, after_step)
     steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1)), f"steps recorded: {steps}"
     trained = read_jsonl(run_dir / "trained_samples.jsonl")
@@ -106,11 +111,18 @@ async def test_kill_9_in_mid_run_and_the_run_finishes(tmp_path: Path, role: str)
     final = check_every_prompt_accounted_for(run_dir)
     assert final["version"] == STEPS
     if role == "trainer":
-        # restarted from step 4's checkpoint: the versions after it were rolled back, and
-        # the trained records of the dead trainer's later steps are gone with them
+        # the versions after the checkpoint (or all of them) were rolled back, and the
+        # trained records of the dead trainer's later steps are gone with them
         assert final["epoch"] == 1
         restarted = (run_dir / "logs" / "trainer-0-r1.log").read_text()
-        assert "step=4" in restarted and "resumed" in restarted
+        kept = after_step // CHECKPOINT_EVERY * CHECKPOINT_EVERY
+        if kept:
+            assert f"step={kept}" in restarted and "resumed" in restarted
+        else:
+            assert "resumed" not in restarted
+        # the newest few published versions are kept, the run's last one among them
+        exported = sorted(p.name for p in (run_dir / "weights").iterdir())
+        assert len(exported) <= KEEP_VERSIONS and f"e1-v{STEPS:06d}" in exported, exported
     if role == "buffer":
         restored = (run_dir / "logs" / "buffer-0-r1.log").read_text()
         assert "restored" in restored, "the replacement buffer started empty"

@@ -12,13 +12,15 @@ sample trained twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_e2e import REPO, RUN_TIMEOUT, read_jsonl, up_args, wait_for_file
+from e2e_kit import UpRun, running_up
+from test_e2e import RUN_TIMEOUT, read_jsonl
 
 from asyncrl.runtime.nats_server import EmbeddedNats
 
@@ -49,30 +51,29 @@ def server_pid(run_dir: Path) -> int:
     return int(ports.stem.rsplit("_", 1)[1])
 
 
-async def start_up(tmp_path: Path, name: str, *sets: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        *up_args(tmp_path, name, f"trainer.max_steps={STEPS}", "eval.every=0", *sets),
+def start_up(
+    tmp_path: Path, name: str, *sets: str
+) -> contextlib.AbstractAsyncContextManager[UpRun]:
+    return running_up(
+        tmp_path,
+        name,
+        f"trainer.max_steps={STEPS}",
+        "eval.every=0",
+        *sets,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
-        cwd=REPO,
     )
 
 
 @pytest.mark.timeout(600)
 async def test_kill_9_of_the_embedded_server_and_the_run_finishes(tmp_path: Path) -> None:
-    run_dir = tmp_path / "nats-kill"
-    up = await start_up(tmp_path, "nats-kill")
-    try:
-        await wait_for_file(run_dir / "nats.json", up)
-        await wait_for_steps(run_dir, KILL_AT_STEP, up)
+    async with start_up(tmp_path, "nats-kill") as up:
+        run_dir = up.run_dir
+        await wait_for_steps(run_dir, KILL_AT_STEP, up.proc)
         pid = server_pid(run_dir)
         os.kill(pid, signal.SIGKILL)
-        out, _ = await asyncio.wait_for(up.communicate(), RUN_TIMEOUT)
-    finally:
-        if up.returncode is None:
-            up.kill()
-            await up.wait()
-    assert up.returncode == 0, out.decode()
+        out, _ = await asyncio.wait_for(up.proc.communicate(), RUN_TIMEOUT)
+    assert up.proc.returncode == 0, out.decode()
     assert "nats-server died, starting it again" in (run_dir / "logs" / "up.log").read_text()
     check_finished(run_dir)
 
@@ -87,18 +88,13 @@ async def test_an_external_server_that_goes_away_and_comes_back(
     try:
         assert server.info.token
         monkeypatch.setenv("ASYNCRL_NATS_TOKEN", server.info.token)
-        up = await start_up(tmp_path, "nats-away", f"run.nats_url={server.info.url}")
-        try:
-            await wait_for_steps(run_dir, KILL_AT_STEP, up)
+        async with start_up(tmp_path, "nats-away", f"run.nats_url={server.info.url}") as up:
+            await wait_for_steps(run_dir, KILL_AT_STEP, up.proc)
             await server.stop()
             await asyncio.sleep(5.0)  # an outage longer than one reconnect attempt
             await server.start()  # the same port, credentials and JetStream store
-            out, _ = await asyncio.wait_for(up.communicate(), RUN_TIMEOUT)
-        finally:
-            if up.returncode is None:
-                up.kill()
-                await up.wait()
-        assert up.returncode == 0, out.decode()
+            out, _ = await asyncio.wait_for(up.proc.communicate(), RUN_TIMEOUT)
+        assert up.proc.returncode == 0, out.decode()
     finally:
         await server.stop()
     check_finished(run_dir)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from e2e_kit import CI_RECIPE, running_up
 
 from asyncrl.checks import recipe_problems
 from asyncrl.config import RecipeError, load_recipe
@@ -36,9 +37,6 @@ from asyncrl.runtime.nats_server import (
     take_credentials,
 )
 from asyncrl.subjects import Subjects
-
-REPO = Path(__file__).resolve().parents[2]
-CI_RECIPE = REPO / "recipes" / "ci.toml"
 
 
 async def refused(info: NatsInfo) -> str:
@@ -338,86 +336,79 @@ async def test_a_listening_run_keeps_its_secret_and_a_copy_of_nats_json_attaches
     run_dir = tmp_path / "sec"
     env = {**os.environ, "ASYNCRL_NATS_USER": "trainer-box", "ASYNCRL_NATS_PASSWORD": password}
     sets = ["run.dir=" + str(tmp_path), "run.name=sec", "trainer.max_steps=100000", "eval.every=0"]
-    up = await asyncio.create_subprocess_exec(
-        *[sys.executable, "-m", "asyncrl.cli", "up", str(CI_RECIPE), "--quiet"],
-        *["--listen", f"127.0.0.1:{free_port()}"],
-        *[x for s in sets for x in ("--set", s)],
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=REPO,
-        env=env,
-    )
+    argv = [sys.executable, "-m", "asyncrl.cli", "up", str(CI_RECIPE), "--quiet"]
+    argv += ["--listen", f"127.0.0.1:{free_port()}", *[x for s in sets for x in ("--set", s)]]
     remote: asyncio.subprocess.Process | None = None
     elsewhere = tmp_path / "elsewhere"
-    try:
-        async with asyncio.timeout(120):
-            while not (run_dir / NATS_JSON).exists():
-                assert up.returncode is None, "up ended before nats.json appeared"
-                await asyncio.sleep(0.1)
-        assert mode(run_dir / NATS_JSON) == 0o600
-        info = NatsInfo.read(run_dir / NATS_JSON)
-        assert (info.user, info.password) == ("trainer-box", password)
-
-        (elsewhere / "keys").mkdir(parents=True)
-        shutil.copy(run_dir / "recipe.json", elsewhere / "recipe.json")
-        shutil.copy(run_dir / NATS_JSON, elsewhere / "keys" / NATS_JSON)
-        bus = await Bus.connect(NatsInfo.read(elsewhere / "keys" / NATS_JSON), name="test")
+    async with running_up(
+        tmp_path, "sec", argv=argv, env=env, stderr=asyncio.subprocess.PIPE
+    ) as run:
+        up = run.proc
         try:
-            started: set[str] = set()
-            remote_started = asyncio.Event()
+            assert mode(run_dir / NATS_JSON) == 0o600
+            info = NatsInfo.read(run_dir / NATS_JSON)
+            assert (info.user, info.password) == ("trainer-box", password)
 
-            async def on_started(a: ActorInfo) -> None:
-                started.add(a.actor_id)
-                if a.actor_id == "remote-0":
-                    remote_started.set()
+            (elsewhere / "keys").mkdir(parents=True)
+            shutil.copy(run_dir / "recipe.json", elsewhere / "recipe.json")
+            shutil.copy(run_dir / NATS_JSON, elsewhere / "keys" / NATS_JSON)
+            bus = await Bus.connect(NatsInfo.read(elsewhere / "keys" / NATS_JSON), name="test")
+            try:
+                started: set[str] = set()
+                remote_started = asyncio.Event()
 
-            stepped = asyncio.Event()
+                async def on_started(a: ActorInfo) -> None:
+                    started.add(a.actor_id)
+                    if a.actor_id == "remote-0":
+                        remote_started.set()
 
-            async def on_metrics(m: Metrics) -> None:
-                stepped.set()
+                stepped = asyncio.Event()
 
-            await bus.subscribe(Subjects("sec").started, ActorInfo, on_started)
-            await bus.subscribe(Subjects("sec").metrics("trainer"), Metrics, on_metrics)
-            remote = await asyncio.create_subprocess_exec(
-                *[sys.executable, "-m", "asyncrl.cli", "attach", "rollout", "--run", "."],
-                *["--nats", "keys/nats.json", "--actor-id", "remote-0"],
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                cwd=elsewhere,
-                env={k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_NATS")},
-            )
-            await asyncio.wait_for(remote_started.wait(), 180)
-            async with asyncio.timeout(180):  # the run's own actors, for the process scan
-                while not {"buffer-0", "reward-0", "rollout-0", "trainer-0"} <= started:
-                    assert up.returncode is None, "the run ended early"
-                    await asyncio.sleep(0.1)
+                async def on_metrics(m: Metrics) -> None:
+                    stepped.set()
 
-            await asyncio.wait_for(stepped.wait(), 180)  # so that metrics.jsonl exists
+                await bus.subscribe(Subjects("sec").started, ActorInfo, on_started)
+                await bus.subscribe(Subjects("sec").metrics("trainer"), Metrics, on_metrics)
+                remote = await asyncio.create_subprocess_exec(
+                    *[sys.executable, "-m", "asyncrl.cli", "attach", "rollout", "--run", "."],
+                    *["--nats", "keys/nats.json", "--actor-id", "remote-0"],
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    cwd=elsewhere,
+                    env={k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_NATS")},
+                )
+                await asyncio.wait_for(remote_started.wait(), 180)
+                async with asyncio.timeout(180):  # the run's own actors, for the process scan
+                    while not {"buffer-0", "reward-0", "rollout-0", "trainer-0"} <= started:
+                        assert up.returncode is None, "the run ended early"
+                        await asyncio.sleep(0.1)
 
-            procs = processes_mentioning([str(tmp_path), "remote-0"])
-            assert len(procs) >= 7, procs  # up, nats-server, 4 actors, the attached one
-            for pid, (cmdline, environ) in procs.items():
-                assert password.encode() not in cmdline, (pid, cmdline)
-                # up itself was started with the password in its environment (the user's
-                # choice, readable by that user only); no process it starts inherits it
-                assert pid == up.pid or password.encode() not in environ, (pid, cmdline)
-            ps = await asyncio.create_subprocess_exec(
-                "ps", "-eo", "args", stdout=asyncio.subprocess.PIPE
-            )
-            listing, _ = await ps.communicate()
-            assert b"nats-server" in listing and password.encode() not in listing
+                await asyncio.wait_for(stepped.wait(), 180)  # so that metrics.jsonl exists
+
+                procs = processes_mentioning([str(tmp_path), "remote-0"])
+                assert len(procs) >= 7, procs  # up, nats-server, 4 actors, the attached one
+                for pid, (cmdline, environ) in procs.items():
+                    assert password.encode() not in cmdline, (pid, cmdline)
+                    # up itself was started with the password in its environment (the user's
+                    # choice, readable by that user only); no process it starts inherits it
+                    assert pid == up.pid or password.encode() not in environ, (pid, cmdline)
+                ps = await asyncio.create_subprocess_exec(
+                    "ps", "-eo", "args", stdout=asyncio.subprocess.PIPE
+                )
+                listing, _ = await ps.communicate()
+                assert b"nats-server" in listing and password.encode() not in listing
+            finally:
+                await bus.close()
+            up.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(up.communicate(), 120)
+            assert up.returncode == 0, err.decode()
+            out, _ = await asyncio.wait_for(remote.communicate(), 120)
+            assert remote.returncode == 0, out.decode()  # it stops with the run, cleanly
         finally:
-            await bus.close()
-        up.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(up.communicate(), 120)
-        assert up.returncode == 0, err.decode()
-        out, _ = await asyncio.wait_for(remote.communicate(), 120)
-        assert remote.returncode == 0, out.decode()  # it stops with the run, cleanly
-    finally:
-        for proc in (up, remote):
-            if proc is not None and proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+            # it names no run folder (it runs elsewhere): not killed with the run
+            if remote is not None and remote.returncode is None:
+                remote.kill()
+                await remote.wait()
 
     keepers = {run_dir / NATS_JSON, run_dir / "nats" / "nats-server.conf"}
     keepers |= {elsewhere / "keys" / NATS_JSON}

@@ -135,9 +135,12 @@ class EvalActor(Actor):
     async def on_weights(self, msg: WeightsUpdated) -> None:
         if not self._is_due(msg.version):
             return
-        if self._due is not None and msg.version > self._due.version:
-            self.counters["skipped"] += 1
-        if self._due is None or msg.version > self._due.version:
+        due = self._due
+        # a newer trainer epoch wins over a higher version of the lineage it rolled back:
+        # that version's weights may be deleted, and the new lineage would wait behind it
+        if due is None or (msg.epoch, msg.version) > (due.epoch, due.version):
+            if due is not None:
+                self.counters["skipped"] += 1
             self._due = msg
             self._due_arrived.set()
 
@@ -163,9 +166,14 @@ class EvalActor(Actor):
                     self.log.warning("weights gone, skipping", version=msg.version, error=str(exc))
                     continue
             self.version = msg.version
-            await self._evaluate_and_record(msg.version)
+            await self._evaluate_and_record(msg.version, msg.epoch)
 
-    async def _evaluate_and_record(self, version: int) -> None:
+    async def _evaluate_and_record(self, version: int, epoch: int = 0) -> None:
+        """Scores ``version`` and appends its record to ``eval.jsonl``. Versions are
+        recorded in increasing order, each once (``run`` skips one not above the last
+        evaluated: after a trainer restart, the versions up to the last one evaluated are
+        not evaluated again); ``epoch`` says which trainer lineage a record's weights
+        came from."""
         self.version = version
         t0 = time.monotonic()
         with self.tracer.span("eval", version=version, prompts=len(self.records)):
@@ -174,7 +182,13 @@ class EvalActor(Actor):
         values["eval/seconds"] = seconds
         values["eval/tokens_per_s"] = values.pop("_tokens", 0.0) / max(seconds, 1e-9)
         values["eval/skipped"] = float(self.counters["skipped"])
-        record = {"step": version, "version": version, **values, "time": time.time()}
+        record = {
+            "step": version,
+            "version": version,
+            "epoch": epoch,
+            **values,
+            "time": time.time(),
+        }
         self.sinks.log(record, version)
         await self.emit_metrics({k: float(v) for k, v in record.items()}, step=version)
         self.evaluated.append(version)

@@ -30,7 +30,7 @@ from asyncrl.actors.common import (
     commit_checkpoint,
     latest_checkpoint_meta,
 )
-from asyncrl.actors.weights import KEEP_VERSIONS, put_weights
+from asyncrl.actors.weights import KeptExports, delete_weights, export_name, put_weights
 from asyncrl.messages import (
     ActorInfo,
     BatchRequest,
@@ -175,6 +175,7 @@ class TrainerActor(Actor):
         """The step of the latest checkpoint: a restarted trainer goes on from there."""
         self.samples_file = ctx.run_dir / "trained_samples.jsonl"
         self.weights_dir = ctx.run_dir / "weights"
+        self.exports = KeptExports(self.weights_dir)
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self._t_start = time.monotonic()
         self._samples_total = 0
@@ -194,11 +195,11 @@ class TrainerActor(Actor):
         from asyncrl.observe.sinks import open_sinks
 
         meta = latest_checkpoint_meta(self.ctx.run_dir)
-        if self.epoch:
-            # what the dead trainer recorded after its last checkpoint did not happen
-            kept = int(meta["step"]) if meta is not None else 0
-            for name in (self.samples_file.name, "metrics.jsonl"):
-                drop_records_after(self.ctx.run_dir / name, kept)
+        # what a dead trainer (of this run, or of the run before a --resume) recorded after
+        # the last checkpoint did not happen; a fresh run has nothing to drop
+        kept = int(meta["step"]) if meta is not None else 0
+        for name in (self.samples_file.name, "metrics.jsonl"):
+            drop_records_after(self.ctx.run_dir / name, kept)
         self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl="metrics.jsonl", job="trainer")
         await self.bus.subscribe(self.subjects.heartbeat("*"), ActorInfo, self._on_heartbeat)
         await self.bus.subscribe(
@@ -478,14 +479,15 @@ class TrainerActor(Actor):
 
     async def _publish_weights(self) -> None:
         kind = self.recipe.trainer.weights_transport
-        target = self.weights_dir / f"v{self.version:06d}"
+        target = self.weights_dir / export_name(self.epoch, self.version)
+        # only a --resume finds its name taken (epochs count the restarts of one ``up``),
+        # by an export of the run before it that nothing reads any more
+        await asyncio.to_thread(shutil.rmtree, target, ignore_errors=True)
         await asyncio.to_thread(self._broadcast, ("export", str(target)))
         if kind == "dir":
             location = str(target.resolve())
         else:
-            location = await put_weights(
-                self.bus, self.subjects.weights_bucket, target, self.version
-            )
+            location = await put_weights(self.bus, self.subjects.weights_bucket, target)
         await self.bus.publish(
             self.subjects.weights,
             WeightsUpdated(
@@ -497,7 +499,9 @@ class TrainerActor(Actor):
             ),
         )
         self.published_version = self.version
-        for old in sorted(self.weights_dir.glob("v*"))[:-KEEP_VERSIONS]:
+        for old in self.exports.published(target):
+            if kind == "object_store":
+                await delete_weights(self.bus, self.subjects.weights_bucket, old)
             shutil.rmtree(old, ignore_errors=True)
 
     async def _checkpoint(self) -> None:

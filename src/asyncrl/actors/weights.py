@@ -1,13 +1,21 @@
 """Moving exported weights between the trainer and rollout actors over the object store.
 
-A version is stored as one blob per safetensors file, ``weights-v<N>/<file>``, plus a
-manifest blob ``weights-v<N>`` listing the files; ``WeightsUpdated.location`` names the
-manifest. Sharded exports of large models therefore travel like single files. Only the
-newest few versions are kept, so the object store does not grow with the run.
+A version is exported to ``weights/<name>`` and, over the object store, stored as one blob
+per safetensors file, ``weights-<name>/<file>``, plus a manifest blob ``weights-<name>``
+listing the files; ``WeightsUpdated.location`` names the folder or the manifest. Sharded
+exports of large models therefore travel like single files.
+
+``<name>`` (:func:`export_name`) holds the trainer's epoch as well as the version: a
+trainer restarted from its checkpoint (or from the initial weights) publishes versions
+again that the dead one published too, and the two must not overwrite or delete each
+other's files. Only the newest few *published* versions are kept (:class:`KeptExports`),
+so neither the disk nor the object store grows with the run, and the newest is never
+among those deleted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import tempfile
@@ -23,8 +31,33 @@ KEEP_VERSIONS = 3
 fetching the previous one while the next is uploaded."""
 
 
-def manifest_key(version: int) -> str:
-    return f"weights-v{version}"
+def export_name(epoch: int, version: int) -> str:
+    """The folder (and object-store key) name of ``version`` published in ``epoch``."""
+    return f"e{epoch}-v{version:06d}"
+
+
+def manifest_key(name: str) -> str:
+    """The manifest blob of the export named ``name``."""
+    return f"weights-{name}"
+
+
+class KeptExports:
+    """The exported versions in ``weights_dir``, in the order they were published; the
+    newest :data:`KEEP_VERSIONS` are kept.
+
+    Exports left by earlier trainers of the run (a restarted one, or the run before a
+    ``--resume``) count as published before any of this trainer's, oldest first by
+    modification time: epochs restart their versions, so names do not order them."""
+
+    def __init__(self, weights_dir: Path) -> None:
+        found = [p for p in weights_dir.glob("*") if p.is_dir()] if weights_dir.is_dir() else []
+        self.order: list[Path] = sorted(found, key=lambda p: p.stat().st_mtime)
+
+    def published(self, export_dir: Path) -> list[Path]:
+        """Records ``export_dir`` as the newest; returns the exports no longer kept."""
+        self.order = [p for p in self.order if p != export_dir] + [export_dir]
+        stale, self.order = self.order[:-KEEP_VERSIONS], self.order[-KEEP_VERSIONS:]
+        return stale
 
 
 def safetensors_files(export_dir: Path) -> list[str]:
@@ -34,21 +67,22 @@ def safetensors_files(export_dir: Path) -> list[str]:
     return files
 
 
-async def put_weights(bus: Bus, bucket: str, export_dir: Path, version: int) -> str:
-    """Uploads an HF export's safetensors files; returns the manifest key."""
-    key = manifest_key(version)
+async def put_weights(bus: Bus, bucket: str, export_dir: Path) -> str:
+    """Uploads an HF export's safetensors files under the export's name; returns the
+    manifest key."""
+    key = manifest_key(export_dir.name)
     files = safetensors_files(export_dir)
     for name in files:
         await bus.put_blob(bucket, f"{key}/{name}", export_dir / name)
     await bus.put_blob(bucket, key, json.dumps({"files": files}).encode())
-    old = version - KEEP_VERSIONS
-    if old >= 0:
-        await delete_weights(bus, bucket, old, files)
     return key
 
 
-async def delete_weights(bus: Bus, bucket: str, version: int, files: list[str]) -> None:
-    key = manifest_key(version)
+async def delete_weights(bus: Bus, bucket: str, export_dir: Path) -> None:
+    """Deletes the object-store copy of an export (the manifest first, so that no reader
+    finds a manifest whose files are gone); blobs already gone are no error."""
+    key = manifest_key(export_dir.name)
+    files = await asyncio.to_thread(lambda: [p.name for p in export_dir.glob("*.safetensors")])
     await bus.delete_blob(bucket, key)
     for name in files:
         await bus.delete_blob(bucket, f"{key}/{name}")

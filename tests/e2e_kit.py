@@ -1,0 +1,118 @@
+"""One way for end-to-end tests to start ``asyncrl up`` and to leave nothing behind.
+
+``running_up`` starts ``asyncrl up`` (the ci recipe unless told otherwise) in a session of
+its own, waits until the run's ``nats.json`` exists, and yields the process and its run
+folder. However the test ends, whatever is left of the run is then killed: ``up``'s process
+group (its nats-server, the ``up`` process itself) and every actor of the run, each of
+which the supervisor started in a session of its own. A failed test thus leaves no actor
+holding a core for the tests after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CI_RECIPE = REPO / "recipes" / "ci.toml"
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "asyncrl.cli", *args]
+
+
+def up_args(parent: Path, name: str, *sets: str) -> list[str]:
+    """``asyncrl up`` of the ci recipe as the run ``parent/name``, with evaluation off
+    (its eval actor would hold a core the run needs) unless ``sets`` turn it on again."""
+    flags = [
+        x
+        for s in (f"run.dir={parent}", f"run.name={name}", "eval.every=0", *sets)
+        for x in ("--set", s)
+    ]
+    return cli("up", str(CI_RECIPE), *flags, "--quiet")
+
+
+async def wait_for_file(path: Path, proc: asyncio.subprocess.Process) -> None:
+    async with asyncio.timeout(120):
+        while not path.exists():  # noqa: ASYNC240 - a stat, while another process starts
+            assert proc.returncode is None, f"the run ended before {path.name} appeared"
+            await asyncio.sleep(0.1)
+
+
+@dataclass
+class UpRun:
+    proc: asyncio.subprocess.Process
+    run_dir: Path
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    """Pids of the processes whose command line names ``run_dir`` (a run's actors)."""
+    needle = str(run_dir).encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue  # gone already, or not ours to read
+        if needle in cmdline.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_run(proc: asyncio.subprocess.Process, run_dir: Path) -> None:
+    """SIGKILL to ``up``'s process group, to the group of each of the run's actors, and to
+    each process the test itself started for the run (``asyncrl attach``: it is in the
+    test's own group, which is spared)."""
+    groups, own = {proc.pid}, os.getpgrp()
+    for pid in run_processes(run_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) != own:
+                groups.add(os.getpgid(pid))
+            elif pid != os.getpid():
+                os.kill(pid, signal.SIGKILL)
+    groups.discard(own)
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+@contextlib.asynccontextmanager
+async def running_up(
+    parent: Path,
+    name: str,
+    *sets: str,
+    argv: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: Any = asyncio.subprocess.DEVNULL,
+    stderr: Any = asyncio.subprocess.DEVNULL,
+    cwd: Path = REPO,
+) -> AsyncIterator[UpRun]:
+    """``asyncrl up`` of the run ``parent/name`` with the given ``--set`` overrides (or the
+    whole command line ``argv``), once its ``nats.json`` exists. The run folder is
+    ``parent/name`` either way. Kills the run on exit if it is still going."""
+    run_dir = parent / name
+    proc = await asyncio.create_subprocess_exec(
+        *(argv if argv is not None else up_args(parent, name, *sets)),
+        stdout=stdout,
+        stderr=stderr,
+        cwd=cwd,
+        env=dict(env) if env is not None else None,
+        start_new_session=True,
+    )
+    try:
+        await wait_for_file(run_dir / "nats.json", proc)
+        yield UpRun(proc, run_dir)
+    finally:
+        # an actor that outlived a finished ``up`` is killed too
+        kill_run(proc, run_dir)
+        if proc.returncode is None:
+            await proc.wait()

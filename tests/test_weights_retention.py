@@ -1,0 +1,113 @@
+"""Published weights across trainer epochs: a restarted trainer publishes version numbers
+again (from its checkpoint, or from version 0), and neither its exports nor the dead
+trainer's may overwrite or delete the other's while they are among the newest; and
+``up --resume`` of a run that has no checkpoint yet; the eval actor across epochs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from asyncrl.actors.weights import (
+    KEEP_VERSIONS,
+    KeptExports,
+    delete_weights,
+    export_name,
+    manifest_key,
+    put_weights,
+)
+from asyncrl.config import RecipeError, load_recipe
+from asyncrl.messages import WeightsUpdated
+from asyncrl.runtime.actor import ActorContext
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.nats_server import NatsInfo
+from asyncrl.up import prepare_run_dir
+
+
+def export(weights_dir: Path, epoch: int, version: int, when: float) -> Path:
+    folder = weights_dir / export_name(epoch, version)
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(f"{epoch}/{version}".encode())
+    os.utime(folder, (when, when))
+    return folder
+
+
+def test_version_0_of_a_new_epoch_is_kept_and_the_dead_epochs_go_oldest_first(
+    tmp_path: Path,
+) -> None:
+    # the dead trainer published versions 1..6 of epoch 0; its last is the newest on disk
+    dead = [export(tmp_path, 0, v, when=1000.0 + v) for v in range(1, 7)]
+    kept = KeptExports(tmp_path)
+    new = [tmp_path / export_name(1, v) for v in range(3)]
+    assert export_name(1, 0) != export_name(0, 0)
+    # by name, e1-v000000 would sort first among them; by publication it is the newest
+    assert kept.published(new[0]) == dead[:4]
+    assert kept.published(new[1]) == [dead[4]]
+    assert kept.published(new[2]) == [dead[5]]
+    assert kept.order == new and len(kept.order) == KEEP_VERSIONS
+
+
+def test_a_republished_name_counts_once_as_the_newest(tmp_path: Path) -> None:
+    old = [export(tmp_path, 0, v, when=1000.0 + v) for v in (4, 5, 6)]
+    kept = KeptExports(tmp_path)
+    # a --resume from step 4's checkpoint publishes e0-v000004 again
+    assert kept.published(old[0]) == []
+    assert kept.order == [old[1], old[2], old[0]]
+
+
+async def test_object_store_keys_of_two_epochs_do_not_collide(tmp_path: Path, bus: Bus) -> None:
+    bucket = "weights-test"
+    a = export(tmp_path, 0, 3, when=1000.0)
+    b = export(tmp_path, 1, 3, when=1001.0)
+    key_a = await put_weights(bus, bucket, a)
+    key_b = await put_weights(bus, bucket, b)
+    assert (key_a, key_b) == (manifest_key("e0-v000003"), manifest_key("e1-v000003"))
+    await delete_weights(bus, bucket, a)
+    buf = io.BytesIO()
+    await bus.get_blob(bucket, key_b, buf)
+    assert json.loads(buf.getvalue()) == {"files": ["model.safetensors"]}
+    buf = io.BytesIO()
+    await bus.get_blob(bucket, f"{key_b}/model.safetensors", buf)
+    assert buf.getvalue() == b"1/3"
+    with pytest.raises(Exception):  # noqa: B017 - whichever not-found error the store raises
+        await bus.get_blob(bucket, key_a, io.BytesIO())
+
+
+def test_resume_without_a_checkpoint_starts_again_and_a_non_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = load_recipe(None, [f"run.dir={tmp_path}", "run.name=early"])
+    with pytest.raises(RecipeError, match="not the folder of a run"):
+        prepare_run_dir(recipe, resume=True, overwrite=False)
+    prepare_run_dir(recipe, resume=False, overwrite=False)  # a run killed at step 1
+    (tmp_path / "early" / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert prepare_run_dir(recipe, resume=True, overwrite=False) == tmp_path / "early"
+    assert "no checkpoint yet" in capsys.readouterr().err
+    assert (tmp_path / "early" / "metrics.jsonl").exists()  # the trainer drops its records
+
+
+async def test_the_eval_actor_takes_a_new_epochs_version_over_a_rolled_back_one(
+    tmp_path: Path, nats_server: NatsInfo
+) -> None:
+    from asyncrl.actors.eval import EvalActor
+
+    recipe = load_recipe(None, ["eval.every=4", "trainer.max_steps=10"])
+    ctx = ActorContext(run_name="t", run_dir=tmp_path, nats=nats_server, recipe=recipe)
+    actor = EvalActor(ctx)
+
+    def weights(epoch: int, version: int) -> WeightsUpdated:
+        name = export_name(epoch, version)
+        return WeightsUpdated(version=version, kind="dir", location=name, epoch=epoch)
+
+    await actor.on_weights(weights(0, 8))  # due, not evaluated yet: then the trainer dies
+    await actor.on_weights(weights(1, 0))  # restarted from the initial weights
+    assert actor._due == weights(1, 0)
+    await actor.on_weights(weights(1, 3))  # not due
+    await actor.on_weights(weights(1, 4))
+    await actor.on_weights(weights(0, 8))  # the dead lineage's late word changes nothing
+    assert actor._due == weights(1, 4)
+    assert actor.counters["skipped"] == 2
