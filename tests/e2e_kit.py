@@ -85,6 +85,40 @@ def kill_run(proc: asyncio.subprocess.Process, run_dir: Path) -> None:
             os.killpg(pgid, signal.SIGKILL)
 
 
+def run_dir_of(argv: list[str]) -> Path | None:
+    """The run folder an ``asyncrl up`` command line names with ``--set run.dir=`` and
+    ``--set run.name=``; None for any other command, or one that leaves either out."""
+    sets = dict(a.split("=", 1) for a in argv if a.startswith(("run.dir=", "run.name=")))
+    if "up" not in argv or len(sets) < 2:
+        return None
+    return Path(sets["run.dir"]) / sets["run.name"]
+
+
+async def run(argv: list[str], limit: float = 420.0) -> tuple[int, str]:
+    """A command to its end, with its exit code and output. If it has not ended within
+    ``limit`` seconds (or the test is cancelled) it is killed, with its process group and,
+    for an ``asyncrl up`` of a named run, every actor of that run."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), limit)
+    finally:
+        if proc.returncode is None:
+            run_dir = run_dir_of(argv)
+            if run_dir is not None:
+                kill_run(proc, run_dir)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    return proc.returncode or 0, out.decode()
+
+
 @contextlib.asynccontextmanager
 async def running_up(
     parent: Path,

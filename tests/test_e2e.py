@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kit import REPO, cli, running_up, up_args
+from e2e_kit import REPO, cli, run, running_up, up_args
 
 from asyncrl.messages import ActorInfo, Metrics
 from asyncrl.runtime.bus import Bus
@@ -25,14 +25,6 @@ from asyncrl.subjects import Subjects
 pytestmark = pytest.mark.slow
 
 RUN_TIMEOUT = 420.0
-
-
-async def run(argv: list[str], limit: float = RUN_TIMEOUT) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=REPO
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), limit)
-    return proc.returncode or 0, out.decode()
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
