@@ -12,6 +12,7 @@ import pytest
 from asyncrl.rewards import (
     RewardLoadError,
     RewardPool,
+    boxed_math_reward,
     extract_answer,
     last_boxed,
     math_reward,
@@ -85,6 +86,21 @@ GSM_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
 )
 def test_math_reward(completion: str, data: dict, reward: float):
     assert math_reward(completion, data) == reward
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("So \\boxed{72}.", 1.0),
+        ("48 + 24 = 72", 0.0),  # right, but not in the format asked for
+        ("72\n#### 72", 0.0),
+        ("\\boxed{72} or rather \\boxed{71}", 0.0),  # the last box is the answer
+        ("\\boxed{72", 0.0),  # cut before the box closed
+    ],
+)
+def test_boxed_math_reward_counts_only_a_boxed_answer(completion: str, reward: float):
+    assert boxed_math_reward(completion, {"answer": GSM_SOLUTION}) == reward
+    assert boxed_math_reward(completion, {"answer": "72"}) == reward
 
 
 def test_math_reward_without_reference_raises():

@@ -339,7 +339,9 @@ class RolloutConfig(_Section):
 
 class RewardConfig(_Section):
     fn: str = "math"
-    """``math`` (math-verify, for GSM8K and \\boxed{} answers) or ``path/to/file.py:fn``."""
+    """``math`` (math-verify, for GSM8K and \\boxed{} answers; an unboxed answer falls back
+    to the last number), ``math_boxed`` (the same, but only a \\boxed{} answer counts), or
+    ``path/to/file.py:fn``."""
     actors: int = Field(1, ge=0)
     """Reward actor processes (a queue group: more means more throughput)."""
     workers: int = Field(2, ge=1)

@@ -4,7 +4,7 @@ reward function under a hard timeout."""
 from __future__ import annotations
 
 from asyncrl.rewards.extract import extract_answer, last_boxed, to_number
-from asyncrl.rewards.math_reward import math_reward
+from asyncrl.rewards.math_reward import boxed_math_reward, math_reward
 from asyncrl.rewards.pool import (
     REWARDS,
     RewardLoadError,
@@ -18,6 +18,7 @@ __all__ = [
     "RewardLoadError",
     "RewardPool",
     "RewardResult",
+    "boxed_math_reward",
     "extract_answer",
     "last_boxed",
     "math_reward",

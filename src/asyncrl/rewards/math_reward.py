@@ -2,7 +2,9 @@
 
     reward(completion, data) = 1  if answer(completion) ≡ answer(data["answer"])  else 0
 
-``answer`` is :func:`asyncrl.rewards.extract.extract_answer`. Two plain numbers are
+``answer`` is :func:`asyncrl.rewards.extract.extract_answer` for ``math`` (a boxed answer,
+else a ``####`` one, else the last number), and the last ``\\boxed{}`` only for
+``math_boxed``, where an answer outside the format scores 0 however right it is. Two plain numbers are
 compared exactly (as fractions); anything else goes to math-verify's symbolic check.
 math-verify guards itself with ``signal.alarm``, which only works in a main thread: it
 is meant to run in :class:`asyncrl.rewards.pool.RewardPool` worker processes, which add
@@ -56,3 +58,12 @@ def math_reward(completion: str, data: dict[str, Any]) -> float:
     if predicted is None:
         return 0.0
     return 1.0 if answers_match(reference, predicted) else 0.0
+
+
+def boxed_math_reward(completion: str, data: dict[str, Any]) -> float:
+    """1.0 if the completion's last ``\\boxed{}`` holds the reference answer, else 0.0: the
+    format the prompt asks for is part of the task (no fallback to the last number)."""
+    predicted = last_boxed(completion)
+    if predicted is None:
+        return 0.0
+    return 1.0 if answers_match(reference_answer(data), predicted) else 0.0

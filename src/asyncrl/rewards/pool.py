@@ -39,6 +39,7 @@ from asyncrl.workflows.loader import SpecError, is_file_spec, split_spec
 
 REWARDS = {
     "math": "asyncrl.rewards.math_reward:math_reward",
+    "math_boxed": "asyncrl.rewards.math_reward:boxed_math_reward",
     "gsm8k": "asyncrl.rewards.math_reward:math_reward",
 }
 """Built-in reward functions by the name a recipe uses."""
