@@ -211,7 +211,13 @@ def test_kl_penalty_is_added_per_token() -> None:
     ref = torch.log(row(0.25, 0.5))
     k3 = 0.5 - 1 - math.log(0.5)
     loss, stats = policy_loss(
-        logp, logp.detach(), row(1.0, 1.0), ones_mask(2), ref_logprobs=ref, kl_coef=0.1
+        logp,
+        logp.detach(),
+        row(1.0, 1.0),
+        ones_mask(2),
+        ref_logprobs=ref,
+        kl_coef=0.1,
+        kl_type="k3",
     )
     assert loss.item() == pytest.approx(-1.0 + 0.1 * k3 / 2)
     assert stats["kl_ref"].item() == pytest.approx(k3 / 2)
