@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
 
-from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
-from asyncrl.engines.base import InferenceEngine, WeightSource
+from asyncrl.engines import SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.messages import Trajectory, decode, encode
 from asyncrl.tiny_model import tiny_model_dir
@@ -37,55 +37,10 @@ class ExactAnswer:
         return Outcome(1.0 if completion.strip() == data["answer"] else 0.0)
 
 
-class ScriptedEngine(InferenceEngine):
-    """Replies with the given texts in order (each ending in EOS, cut at the token budget),
-    logprob -0.25 per token; its version goes up after every reply, as if the weights were
-    updated between turns."""
-
-    def __init__(self, tokenizer: Any, replies: list[str]) -> None:
-        super().__init__()
-        self._tokenizer = tokenizer
-        self.replies = list(replies)
-        self.requests: list[GenerateRequest] = []
-        self.outputs: list[list[int]] = []
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        self._stopping = True
-
-    async def _generate_segment(self, request: GenerateRequest) -> GenerateResponse:
-        self.requests.append(request)
-        ids = self._tokenizer.encode(self.replies.pop(0), add_special_tokens=False)
-        ids = [*ids, self._tokenizer.eos_token_id]
-        budget = request.sampling.max_new_tokens
-        finish = "stop" if len(ids) <= budget else "length"
-        ids = ids[:budget]
-        self.outputs.append(ids)
-        response = GenerateResponse(
-            rid=request.rid,
-            input_ids=list(request.input_ids),
-            output_ids=ids,
-            output_logprobs=[-0.25] * len(ids),
-            output_versions=[self.version] * len(ids),
-            finish_reason=finish,
-        )
-        self._version += 1
-        return response
-
-    async def _interrupt(self) -> None:
-        pass
-
-    async def _continue(self) -> None:
-        pass
-
-    async def _load_weights(self, source: WeightSource) -> None:
-        pass
+def scripted(tokenizer: Any, replies: list[str]) -> ScriptedEngine:
+    """Replies with the given texts in order, logprob -0.25 per token; the version goes up
+    after every reply, as if the weights were updated between turns."""
+    return ScriptedEngine(tokenizer, replies, logprob=-0.25, advance_version=True)
 
 
 class ToolsTemplate:
@@ -140,7 +95,7 @@ def spans_check(traj: Trajectory, generated: list[tuple[int, int]], versions: li
 
 
 async def test_a_tool_call_trajectory_is_prompt_outputs_and_observations(tokenizer: Any) -> None:
-    engine = ScriptedEngine(tokenizer, [f"Let me compute. {CALL}", "561741"])
+    engine = scripted(tokenizer, [f"Let me compute. {CALL}", "561741"])
     tool = calculator_tool()
     wf = AgentWorkflow(tokenizer, SP, reward=ExactAnswer(), tools=[tool], max_turns=4)
     [traj] = await wf.arun_episode(engine, RECORD)  # type: ignore[misc]
@@ -175,7 +130,7 @@ async def test_bad_calls_are_observations_and_counted(tokenizer: Any) -> None:
         '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>',
         "42",
     ]
-    engine = ScriptedEngine(tokenizer, replies)
+    engine = scripted(tokenizer, replies)
     wf = AgentWorkflow(tokenizer, SP, reward=ExactAnswer(), tools=[calculator_tool()])
     [traj] = await wf.arun_episode(engine, RECORD)  # type: ignore[misc]
     info = traj.reward_info
@@ -192,7 +147,7 @@ async def test_bad_calls_are_observations_and_counted(tokenizer: Any) -> None:
 
 
 async def test_max_turns_ends_with_the_last_reply_scored(tokenizer: Any) -> None:
-    engine = ScriptedEngine(tokenizer, [CALL, CALL])
+    engine = scripted(tokenizer, [CALL, CALL])
     wf = AgentWorkflow(tokenizer, SP, reward=ExactAnswer(), tools=[calculator_tool()], max_turns=2)
     [traj] = await wf.arun_episode(engine, RECORD)  # type: ignore[misc]
     assert len(engine.requests) == 2
@@ -208,7 +163,7 @@ async def test_the_total_token_budget_bounds_the_sequence(tokenizer: Any) -> Non
         )
     )
     budget = prompt_len + len(enc(tokenizer, CALL)) + 1 + 5
-    engine = ScriptedEngine(tokenizer, [CALL, "561741 is the answer"])
+    engine = scripted(tokenizer, [CALL, "561741 is the answer"])
     wf = AgentWorkflow(
         tokenizer, SP, reward=ExactAnswer(), tools=[calculator_tool()], max_total_tokens=budget
     )
@@ -222,7 +177,7 @@ async def test_templates_that_render_tools_and_lack_a_tool_role(tokenizer: Any) 
     wrapped = ToolsTemplate(tokenizer)
     chat = ChatFormat(wrapped)
     assert chat.renders_tools and not chat.tool_role
-    engine = ScriptedEngine(tokenizer, [CALL, "561741"])
+    engine = scripted(tokenizer, [CALL, "561741"])
     wf = AgentWorkflow(wrapped, SP, reward=ExactAnswer(), tools=[calculator_tool()])
     [traj] = await wf.arun_episode(engine, RECORD)  # type: ignore[misc]
     text = tokenizer.decode(traj.input_ids.tolist())
@@ -235,7 +190,7 @@ async def test_templates_that_render_tools_and_lack_a_tool_role(tokenizer: Any) 
 
 
 async def test_a_plain_reward_is_one_turn(tokenizer: Any) -> None:
-    engine = ScriptedEngine(tokenizer, [f"561741 {CALL}"])
+    engine = scripted(tokenizer, [f"561741 {CALL}"])
     wf = AgentWorkflow(tokenizer, SP, reward=ExactAnswer(), tools=(), system_prompt="Be brief.")
     [traj] = await wf.arun_episode(engine, RECORD)  # type: ignore[misc]
     assert traj.reward == 1.0 and traj.reward_info["turns"] == 1
@@ -285,7 +240,7 @@ async def test_the_recipe_name_agent_builds_it_with_the_builtin_tools(tokenizer:
         turn_discount=0.9,
     )
     assert isinstance(wf, AgentWorkflow) and (wf.group_size, wf.max_turns) == (2, 3)
-    engine = ScriptedEngine(tokenizer, ["561741", "561741"])
+    engine = scripted(tokenizer, ["561741", "561741"])
     out = await wf.arun_episode(engine, RECORD)
     assert out is not None and [t.reward for t in out] == [1.0, 1.0]
     prompt = tokenizer.decode(engine.requests[0].input_ids)

@@ -13,11 +13,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from scripted_engine import ScriptedEngine
 
 from asyncrl.endpoint import Call, OpenAIAgentWorkflow, OpenAIEndpoint, episode_samples
 from asyncrl.endpoint.chat import ChatRenderer, TemplateTraits, normalize_message
-from asyncrl.engines import GenerateRequest, GenerateResponse, InferenceEngine, SamplingParams
-from asyncrl.engines.base import WeightSource
+from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.tiny_model import build_tokenizer, tiny_model_dir
 from asyncrl.tools.calls import tools_system_text
@@ -53,49 +53,10 @@ class SpyHF(HFEngine):
         return resp
 
 
-class ScriptedEngine(InferenceEngine):
+def scripted(reply: Callable[[str], str]) -> ScriptedEngine:
     """Replies with ``reply(prompt text)`` tokenized by the tiny tokenizer, then ``<eos>``;
-    logprob -0.5 per token. Keeps every response it returns."""
-
-    def __init__(self, reply: Callable[[str], str]) -> None:
-        super().__init__(version=3)
-        self.reply = reply
-        self._tokenizer = build_tokenizer()
-        self.seen: list[GenerateResponse] = []
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        self._stopping = True
-
-    async def _generate_segment(self, request: GenerateRequest) -> GenerateResponse:
-        tok = self._tokenizer
-        prompt = tok.decode(request.input_ids, skip_special_tokens=False)
-        ids = [*tok.encode(self.reply(prompt), add_special_tokens=False), tok.eos_token_id]
-        ids = ids[: request.sampling.max_new_tokens]
-        resp = GenerateResponse(
-            input_ids=list(request.input_ids),
-            output_ids=ids,
-            output_logprobs=[-0.5] * len(ids),
-            output_versions=[self.version] * len(ids),
-            finish_reason="stop" if ids[-1] == tok.eos_token_id else "length",
-        )
-        self.seen.append(resp)
-        return resp
-
-    async def _interrupt(self) -> None:
-        pass
-
-    async def _continue(self) -> None:
-        pass
-
-    async def _load_weights(self, source: WeightSource) -> None:
-        pass
+    logprob -0.5 per token, version 3."""
+    return ScriptedEngine(build_tokenizer(), reply, version=3)
 
 
 def tool_then_answer(prompt: str) -> str:
@@ -113,7 +74,7 @@ async def hf_endpoint() -> AsyncIterator[OpenAIEndpoint]:
 
 @pytest.fixture
 async def scripted_endpoint() -> AsyncIterator[OpenAIEndpoint]:
-    async with ScriptedEngine(tool_then_answer) as engine:
+    async with scripted(tool_then_answer) as engine:
         async with OpenAIEndpoint(engine, model_name="tiny", token=TOKEN) as ep:
             yield ep
 
@@ -222,7 +183,7 @@ async def test_tool_calls_in_openais_shape_and_malformed_ones_as_content():
     def reply(prompt: str) -> str:
         return replies["bad" if "BAD" in prompt else "good"]
 
-    async with ScriptedEngine(reply) as engine:
+    async with scripted(reply) as engine:
         async with OpenAIEndpoint(engine, model_name="tiny", token=TOKEN) as ep:
             async with ep.episode() as rec, client(rec.base_url) as c:
                 good = await c.chat.completions.create(
@@ -301,7 +262,7 @@ async def test_auth_and_bad_requests_get_openai_errors(scripted_endpoint):
 
 
 async def test_a_stop_string_cuts_text_and_tokens():
-    async with ScriptedEngine(lambda _: "hello STOP world") as engine:
+    async with scripted(lambda _: "hello STOP world") as engine:
         async with OpenAIEndpoint(engine, model_name="tiny", token=TOKEN) as ep:
             rec = ep.open_episode("ep-1")
             async with client(rec.base_url) as c:
@@ -408,7 +369,7 @@ async def test_an_openai_agents_sdk_agent_runs_against_the_endpoint(scripted_end
 
 async def test_a_continued_prompt_keeps_sampled_tokens_that_the_text_loses():
     # the reply holds a special token: the client sees "ab cd", whose encoding lacks it
-    async with ScriptedEngine(lambda _: "ab<|system|> cd") as engine:
+    async with scripted(lambda _: "ab<|system|> cd") as engine:
         async with OpenAIEndpoint(engine, model_name="tiny", token=TOKEN) as ep:
             async with ep.episode() as rec, client(rec.base_url) as c:
                 messages: list[Any] = [{"role": "user", "content": "q"}]
