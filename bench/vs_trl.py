@@ -25,18 +25,18 @@ Matched (asyncrl's key = TRL's argument):
 - reward: ``asyncrl.rewards.math_reward.math_reward`` itself, loaded by path in the TRL
   venv (without the ``asyncrl.rewards`` package ``__init__``, whose reward pool needs
   packages that venv lacks), with math-verify pinned to the same version;
-- batch: ``buffer.batch_size`` = 8 prompt groups × ``rollout.group_size`` = 4 samples =
-  ``per_device_train_batch_size=32``, ``num_generations=4``, ``gradient_accumulation_steps=1``
-  (so ``generation_batch_size`` = 32 and one generation per optimizer step);
+- batch: ``buffer.batch_size`` prompt groups × ``rollout.group_size`` samples =
+  ``per_device_train_batch_size``, ``num_generations`` = the group size,
+  ``gradient_accumulation_steps=1`` (so one generation per optimizer step);
 - sampling: ``temperature`` 0.7 (also dividing the logits of the training forward, in
-  both), ``top_p`` 1, ``top_k`` 0, ``max_new_tokens`` = ``max_completion_length`` = 16,
+  both), ``top_p`` 1, ``top_k`` 0, ``max_new_tokens`` = ``max_completion_length``,
   stop at the tokenizer's end-of-turn, ``use_vllm=False`` (transformers generation);
 - objective: GRPO advantages (r − mean) / std within each group (Bessel std; asyncrl adds
   1e-6, TRL 1e-4) = ``scale_rewards="group"``; clip ε = 0.2 both sides = ``epsilon=0.2``;
   ``loss_agg=token-mean`` = ``loss_type="bnpo"`` (tokens of the whole step's batch: one
   process, no accumulation); no KL = ``beta=0.0``; one optimizer step per batch =
   ``num_iterations=1``; truncated completions kept (``mask_truncated_completions=False``);
-- optimizer: AdamW lr 2e-5, betas (0.9, 0.999), eps 1e-8, no weight decay, constant
+- optimizer: AdamW at ``trainer.optim.lr``, betas (0.9, 0.999), eps 1e-8, no weight decay, constant
   schedule without warmup (TRL's default is linear decay), grad-norm clip 1.0;
 - steps: ``trainer.max_steps`` = ``max_steps``; seed ``run.seed`` = ``seed``;
 - cores: both get the machine's two; asyncrl splits them (generation 1 thread, training
@@ -63,11 +63,13 @@ greedy, one completion per prompt, ``eval.max_prompts`` prompts, scored with
 ``math_reward``, by asyncrl's hf engine in this process, for the starting weights (shared),
 asyncrl's final checkpoint (``checkpoints/step_N/hf``) and TRL's ``save_model`` folder.
 
-How long: on a quiet 2-core machine the quickstart trains at about 20 s/step (24 steps in
-about 8 minutes, README), so the defaults (16 steps each, three evaluations of 32 prompts)
-take about 15 minutes if TRL needs at most 1.6× asyncrl's time per step, as it did in a
-6-step run at load average 2 (6.4 minutes in all); the venv adds 1 to 3 minutes once. The
-15 minutes are extrapolated, not measured: on a machine shared with other jobs (load average 8 to 12 on the 2 cores) a
+How long: the figures below were measured when the quickstart was 8 prompts × 4 samples
+of 16 tokens (about 20 s/step on a quiet 2-core machine); it is now 8 prompts × 8 samples
+of up to 24 tokens (about 25 s/step), so the defaults (16 steps each, three evaluations of
+``eval.max_prompts`` prompts) take longer than the 15 minutes estimated then, if TRL needs
+at most 1.6× asyncrl's time per step, as it did in a 6-step run at load average 2 (6.4
+minutes in all); the venv adds 1 to 3 minutes once. Those 15 minutes were extrapolated,
+not measured: on a machine shared with other jobs (load average 8 to 12 on the 2 cores) a
 step of either system took minutes, so the script prints the load average around each
 system's run, and its figures compare the two systems within one run only.
 """
@@ -463,7 +465,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title("reward against wall-clock time")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.suptitle(f"{result['steps']} GRPO steps of 8 prompts × 4 on {result['machine']['cpu']}")
+    fig.suptitle(f"{result['steps']} GRPO steps of the quickstart on {result['machine']['cpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
