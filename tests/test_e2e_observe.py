@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,9 @@ async def test_an_eval_actor_attaches_to_a_live_run(tmp_path: Path) -> None:
             seen.append(m)
             got.set()
 
-    argv = ci_up(tmp_path, "attach-eval", "trainer.max_steps=40", extra=("--quiet",))
+    # no step budget worth the name: the run is stopped (SIGTERM, as Ctrl-C) once the
+    # attached actor has scored a version, however fast this machine steps
+    argv = ci_up(tmp_path, "attach-eval", "trainer.max_steps=100000", extra=("--quiet",))
     async with running_up(tmp_path, "attach-eval", argv=argv) as up:
         run_dir = up.run_dir
         bus = await Bus.connect(nats_info_for_run(run_dir), name="test")
@@ -139,7 +142,8 @@ async def test_an_eval_actor_attaches_to_a_live_run(tmp_path: Path) -> None:
                 cwd=REPO,
             )
             await asyncio.wait_for(got.wait(), RUN_TIMEOUT)
-            assert await asyncio.wait_for(up.proc.wait(), RUN_TIMEOUT) == 0
+            up.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(up.proc.wait(), 120) == 0
             assert await asyncio.wait_for(attached.wait(), 60) == 0
         finally:
             await bus.close()
