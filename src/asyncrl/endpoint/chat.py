@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.tools.calls import tools_system_text
+from asyncrl.workflows.base import encode_text, rest_of_turn_end
 
 PROBE_TEXT = "PROBE_ASSISTANT_TEXT"
 PROBE_TOOL = "probe_tool_name"
@@ -144,7 +145,7 @@ class ChatRenderer:
         self.traits = probe_template(tokenizer)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        return encode_text(self.tokenizer, text)
 
     def _template_messages(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
@@ -215,8 +216,6 @@ class ChatRenderer:
         if not (closed.startswith(before + PROBE_TEXT) and after.startswith(closed)):
             return None
         end = closed[len(before + PROBE_TEXT) :]
-        if stopped and completion_ids:
-            last = self.tokenizer.decode(list(completion_ids[-1:]), skip_special_tokens=False)
-            if last and end.startswith(last):
-                end = end[len(last) :]
+        if stopped:
+            end = rest_of_turn_end(self.tokenizer, end, completion_ids)
         return self.encode(end + after[len(closed) :])

@@ -36,7 +36,14 @@ from asyncrl.tools.base import Tool
 from asyncrl.tools.builtin import BUILTIN_TOOLS
 from asyncrl.tools.calls import get_parser, tools_system_text
 from asyncrl.tools.env import EnvFactory, Environment, RewardEnv, ToolEnv
-from asyncrl.workflows.base import RolloutWorkflow, Scorer, TokenTrace, split_item
+from asyncrl.workflows.base import (
+    RolloutWorkflow,
+    Scorer,
+    TokenTrace,
+    encode_text,
+    rest_of_turn_end,
+    split_item,
+)
 from asyncrl.workflows.multi_turn import turn_texts
 from asyncrl.workflows.rlvr import sample_seed
 
@@ -85,7 +92,7 @@ class ChatFormat:
             return False
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        return encode_text(self.tokenizer, text)
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: Sequence[Tool]) -> list[int]:
         """The first messages with the tools shown, ready for the first reply."""
@@ -119,13 +126,8 @@ class ChatFormat:
         return after[len(closed) :]
 
     def close_ids(self, output_ids: list[int]) -> list[int]:
-        """Tokens that end the assistant turn after ``output_ids``: the template's end text
-        minus whatever of it the model already generated (its stop token)."""
-        if output_ids:
-            last = self.tokenizer.decode(output_ids[-1:], skip_special_tokens=False)
-            if last and self.end_text.startswith(last):
-                return self.encode(self.end_text[len(last) :])
-        return self.encode(self.end_text)
+        """Tokens that end the assistant turn after ``output_ids``."""
+        return self.encode(rest_of_turn_end(self.tokenizer, self.end_text, output_ids))
 
 
 class AgentWorkflow(RolloutWorkflow):

@@ -76,6 +76,23 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as it stands inside a chat (no special tokens added)."""
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def rest_of_turn_end(tokenizer: Any, end_text: str, output_ids: Sequence[int]) -> str:
+    """What of the chat template's end-of-assistant-turn text ``end_text`` still follows a
+    reply that ended with ``output_ids``: all of it, less the part the model's last token
+    already wrote (its stop token, or a newline). Appending those tokens, never a
+    re-encoding of the reply, keeps the sequence the engine's own."""
+    if output_ids:
+        last = tokenizer.decode(list(output_ids[-1:]), skip_special_tokens=False)
+        if last and end_text.startswith(last):
+            return end_text[len(last) :]
+    return end_text
+
+
 @dataclass
 class TokenTrace:
     """A growing token sequence: which tokens the policy generated, with what logprob and

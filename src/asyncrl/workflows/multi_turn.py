@@ -24,6 +24,8 @@ from asyncrl.workflows.base import (
     TokenTrace,
     chat_messages,
     encode_chat,
+    encode_text,
+    rest_of_turn_end,
     split_item,
 )
 from asyncrl.workflows.rlvr import sample_seed
@@ -81,16 +83,11 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self._feedback_ids = self._encode(turn)
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        return encode_text(self.tokenizer, text)
 
     def _close_turn_ids(self, output_ids: list[int]) -> list[int]:
-        """Tokens that end the assistant turn after ``output_ids``: the template's end text,
-        minus whatever of it the model already generated (its stop token)."""
-        if output_ids:
-            last = self.tokenizer.decode(output_ids[-1:], skip_special_tokens=False)
-            if last and self._end_text.startswith(last):
-                return self._encode(self._end_text[len(last) :])
-        return self._encode(self._end_text)
+        """Tokens that end the assistant turn after ``output_ids``."""
+        return self._encode(rest_of_turn_end(self.tokenizer, self._end_text, output_ids))
 
     async def arun_episode(
         self, engine: InferenceEngine, item: dict[str, Any] | Prompt
