@@ -11,9 +11,14 @@ from asyncrl.config import Recipe, RecipeError
 
 
 def generation_budget(recipe: Recipe) -> int:
-    """Most tokens an episode can generate: ``max_new_tokens``, per turn for multi_turn."""
-    turns = recipe.rollout.max_turns if recipe.rollout.workflow == "multi_turn" else 1
-    return recipe.rollout.sampling.max_new_tokens * turns
+    """Most tokens a sample can generate: ``max_new_tokens``, per turn for ``multi_turn``
+    and ``agent`` (there at most ``rollout.agent.max_total_tokens``). Agent code decides
+    its own turns: its budget is counted per call."""
+    r = recipe.rollout
+    if r.workflow not in ("multi_turn", "agent"):
+        return r.sampling.max_new_tokens
+    budget = r.sampling.max_new_tokens * r.max_turns
+    return min(budget, r.agent.max_total_tokens) if r.workflow == "agent" else budget
 
 
 def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
@@ -45,7 +50,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             )
     budget = generation_budget(recipe)
     budget_keys = "rollout.sampling.max_new_tokens" + (
-        " × rollout.max_turns" if r.workflow == "multi_turn" else ""
+        " × rollout.max_turns" if r.workflow in ("multi_turn", "agent") else ""
     )
     if loss.norm_len is not None:
         if loss.loss_agg != "seq-mean-token-sum-norm":
@@ -94,6 +99,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             'weight would be biased; set top_p = 1 and top_k = 0, or use "vllm" or "hf"'
         )
     errors.extend(kl_problems(recipe))
+    errors.extend(workflow_problems(recipe))
     loss = t.loss
     if loss.kl_coef > 0 and loss.kl_type == "k3" and loss.kl_in == "loss":
         warnings.append(
@@ -133,6 +139,86 @@ def kl_problems(recipe: Recipe) -> list[str]:
             'kl_type = "k1", or kl_in = "loss" (k2: ∇KL(π ‖ π_ref), k3: ∇KL(π_ref ‖ π))'
         ]
     return []
+
+
+def workflow_problems(recipe: Recipe) -> list[str]:
+    """A workflow that cannot be built: a ``rollout.workflow`` spec that does not load or
+    is an async function of neither form, agent code with the endpoint turned off, and for
+    ``agent``: a tool that is no built-in and does not load as a function tool, an
+    environment factory that does not load, an unknown parser, an MCP command that is not
+    installed, a token budget without room for a prompt. Loads the recipe's code."""
+    import shutil
+
+    from asyncrl.tools.calls import PARSERS
+    from asyncrl.workflows import WORKFLOWS, is_agent_code
+    from asyncrl.workflows.loader import load_callable
+
+    r, errors = recipe.rollout, []
+    if r.workflow not in WORKFLOWS:
+        try:
+            agent_code = is_agent_code(r.workflow)
+        except Exception as exc:  # user code: whatever its import raises
+            errors.append(f"rollout.workflow = {r.workflow!r}: {type(exc).__name__}: {exc}")
+        else:
+            if agent_code and r.endpoint is False:
+                errors.append(
+                    f"rollout.workflow = {r.workflow!r} is agent code, which runs through the "
+                    "rollout actor's endpoint, but rollout.endpoint = false: leave it unset"
+                )
+    if r.workflow != "agent":
+        return errors
+    a = r.agent
+    if a.parser not in PARSERS:
+        errors.append(
+            f"rollout.agent.parser = {a.parser!r} is unknown: known {', '.join(sorted(PARSERS))}"
+        )
+    if a.max_total_tokens <= r.sampling.max_new_tokens:
+        errors.append(
+            f"rollout.agent.max_total_tokens = {a.max_total_tokens} leaves no room for a "
+            f"prompt before a reply of rollout.sampling.max_new_tokens = "
+            f"{r.sampling.max_new_tokens} tokens; raise it above the prompt plus a reply"
+        )
+    if a.env:
+        try:
+            load_callable(a.env)
+        except Exception as exc:
+            errors.append(f"rollout.agent.env = {a.env!r}: {type(exc).__name__}: {exc}")
+        return errors
+    errors.extend(tool_problems(recipe))
+    for i, server in enumerate(a.mcp):
+        if shutil.which(server.command) is None:
+            errors.append(
+                f"rollout.agent.mcp[{i}].command = {server.command!r} is not an installed "
+                "program (not on PATH)"
+            )
+    return errors
+
+
+def tool_problems(recipe: Recipe) -> list[str]:
+    """``rollout.agent.tools`` entries that are no built-in tool, or a function spec that
+    does not load or cannot become a tool (an argument type without a JSON schema)."""
+    from asyncrl.tools.base import function_tool
+    from asyncrl.tools.builtin import BUILTIN_TOOLS
+    from asyncrl.workflows.loader import load_callable
+
+    errors, names = [], []
+    for i, name in enumerate(recipe.rollout.agent.tools):
+        key = f"rollout.agent.tools[{i}] = {name!r}"
+        if name in BUILTIN_TOOLS:
+            names.append(name)
+        elif ":" not in name:
+            errors.append(
+                f"{key} is no built-in tool ({', '.join(sorted(BUILTIN_TOOLS))}) nor a "
+                "path/to/file.py:fn or module:fn"
+            )
+        else:
+            try:
+                names.append(function_tool(load_callable(name)).name)
+            except Exception as exc:
+                errors.append(f"{key}: {type(exc).__name__}: {exc}")
+    if len(set(names)) < len(names):
+        errors.append(f"rollout.agent.tools: two tools share a name: {names}")
+    return errors
 
 
 def data_problems(recipe: Recipe) -> list[str]:

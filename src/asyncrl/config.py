@@ -305,22 +305,82 @@ EngineConfig = Annotated[
 ]
 
 
+class McpServer(_Section):
+    """An MCP server started over stdio by each rollout actor of an agent workflow."""
+
+    command: str
+    """The program, e.g. ``python`` or ``npx``."""
+    args: list[str] = []
+    """Its arguments, e.g. ``["my_server.py"]``."""
+    env: dict[str, str] = {}
+    """Variables added to the small default environment the server gets (never the
+    actor's NATS credentials or the run's token)."""
+
+
+class AgentConfig(_Section):
+    """The tools, limits and prompt of ``rollout.workflow = "agent"``."""
+
+    tools: list[str] = ["calculator", "python"]
+    """Tools the model may call: built-in names (``calculator``, ``python``) or Python
+    functions, ``path/to/file.py:fn`` / ``module:fn`` (schema from the signature and the
+    docstring)."""
+    mcp: list[McpServer] = []
+    """MCP servers over stdio whose tools join ``tools``: each ``{command = "...", args =
+    [...], env = {...}}``, started once per rollout actor and closed when it ends."""
+    parser: str = "hermes"
+    """How tool calls are read from the generated text (``hermes``:
+    ``<tool_call>{json}</tool_call>``)."""
+    max_total_tokens: int = Field(2048, ge=1)
+    """Most tokens of one sample, prompt, replies and tool results together; the episode
+    ends when the next reply would not fit."""
+    tool_timeout: float = Field(10.0, gt=0)
+    """Seconds one tool call may take; past it the model reads a ``timeout`` error (the
+    ``python`` tool's wall clock, and each MCP call's read timeout)."""
+    system_prompt: str = ""
+    """A system message before each record's chat (the tools are listed after it); a
+    worked example of a tool call here helps a small model find the format. Empty: none."""
+    env: str = ""
+    """``path/to/file.py:factory`` / ``module:factory``: a function of no arguments that
+    returns a fresh :class:`asyncrl.tools.env.Environment` per sample. It replaces
+    ``tools``, ``mcp`` and ``reward.fn``: the environment gives the tools and the reward."""
+
+
 class RolloutConfig(_Section):
     actors: int = Field(1, ge=0)
     """Rollout actor processes ``up`` starts (more can be attached later)."""
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
     """The inference backend."""
     workflow: str = "rlvr"
-    """``rlvr``, ``multi_turn``, ``agent`` (tool calls, with the built-in ``calculator``
-    and ``python`` tools), or ``path/to/file.py:factory`` / ``module:factory``."""
+    """``rlvr``, ``multi_turn``, ``agent`` (tool calls; its tools in ``rollout.agent``), or
+    ``path/to/file.py:name`` / ``module:name``: agent code ``async def agent(client,
+    data) -> float`` (its first parameter named ``client`` or annotated
+    ``openai.AsyncOpenAI``; it runs against this actor's endpoint), a bare
+    ``async def episode(engine, item)``, or a workflow class or factory."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """Tools, parser and limits of the ``agent`` workflow."""
+    endpoint: bool | None = None
+    """Serve an OpenAI-compatible endpoint (``/v1/chat/completions``, ``/v1/completions``,
+    ``/v1/models``) from each rollout actor's engine, on 127.0.0.1, requiring the run's
+    NATS token (or, in a run without one, a token of the actor's own) as the API key; its
+    URL is in ``<run>/endpoints/<actor>.json`` and the actor's log. None: on exactly when
+    the workflow is agent code, which needs it."""
+    endpoint_port: int = Field(0, ge=0, le=65535)
+    """The endpoint's port; 0 takes a free one (a fixed port suits one rollout actor per
+    machine)."""
+    endpoint_record: bool = False
+    """Append every call agent code makes through the endpoint (prompt and completion token
+    ids, versions) to ``<run>/endpoint_calls.jsonl``, per episode with its sample's uid:
+    to check what was trained against what was sampled. About a prompt of JSON per call."""
     group_size: int = Field(4, ge=1)
     """Samples per prompt (one GRPO group)."""
     max_concurrent: int = Field(16, ge=1)
     """Episodes one rollout actor runs at once."""
     max_turns: int = Field(2, ge=1)
-    """Turns of the multi_turn workflow."""
+    """Turns of the ``multi_turn`` workflow; replies per sample of the ``agent`` workflow
+    (the last one is scored as it is). Agent code decides its own turns."""
     turn_discount: float = Field(0.9, gt=0, le=1)
-    """Reward discount per extra turn in the multi_turn workflow."""
+    """Reward discount per extra turn in ``multi_turn``. Agent code's episodes train their
+    last sample, which holds the final call and so is never discounted."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters."""
     lease_ttl: float = Field(30.0, gt=0)
@@ -641,17 +701,41 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def _anchor_code_specs(data: dict[str, Any], base: Path) -> None:
-    for section, key in (("reward", "fn"), ("rollout", "workflow")):
-        node = data.get(section)
-        if not isinstance(node, dict):
-            continue
-        spec = node.get(key)
-        if not isinstance(spec, str) or ":" not in spec:
-            continue
-        file_part, name = spec.split(":", 1)
-        beside = base / file_part
-        if file_part.endswith(".py") and not Path(file_part).is_absolute() and beside.is_file():
-            node[key] = f"{beside.resolve()}:{name}"
+    rollout = data.get("rollout")
+    agent = rollout.get("agent") if isinstance(rollout, dict) else None
+    for node, key in (
+        (data.get("reward"), "fn"),
+        (rollout, "workflow"),
+        (agent, "env"),
+    ):
+        if isinstance(node, dict) and isinstance(node.get(key), str):
+            node[key] = _anchored(node[key], base)
+    if isinstance(agent, dict) and isinstance(agent.get("tools"), list):
+        agent["tools"] = [_anchored(t, base) if isinstance(t, str) else t for t in agent["tools"]]
+
+
+def _anchored(spec: str, base: Path) -> str:
+    """``file.py:name`` with the file found beside the recipe made absolute; any other
+    spec as it is."""
+    if ":" not in spec:
+        return spec
+    file_part, name = spec.split(":", 1)
+    beside = base / file_part
+    if file_part.endswith(".py") and not Path(file_part).is_absolute() and beside.is_file():
+        return f"{beside.resolve()}:{name}"
+    return spec
+
+
+def code_specs(recipe: Recipe) -> list[tuple[str, str]]:
+    """``(key, spec)`` of every ``file.py:name`` / ``module:name`` the recipe names."""
+    agent = recipe.rollout.agent
+    specs = [
+        ("rollout.workflow", recipe.rollout.workflow),
+        ("reward.fn", recipe.reward.fn),
+        ("rollout.agent.env", agent.env),
+    ]
+    specs += [(f"rollout.agent.tools[{i}]", t) for i, t in enumerate(agent.tools)]
+    return [(key, spec) for key, spec in specs if ":" in spec]
 
 
 def _check_paths(recipe: Recipe) -> None:
@@ -674,12 +758,9 @@ def _check_paths(recipe: Recipe) -> None:
             f"  eval.max_prompts: {recipe.eval.max_prompts} held-out prompts would leave none "
             f"of data.size={recipe.data.size} to train on"
         )
-    for key, spec in (
-        ("rollout.workflow", recipe.rollout.workflow),
-        ("reward.fn", recipe.reward.fn),
-    ):
+    for key, spec in code_specs(recipe):
         file_part = spec.split(":", 1)[0]
-        if ":" in spec and file_part.endswith(".py") and not Path(file_part).is_file():
+        if file_part.endswith(".py") and not Path(file_part).is_file():
             problems.append(f"  {key}: file {file_part!r} does not exist")
     # checked where a run starts, not where an actor reads the run's recipe: a rollout
     # actor on another machine needs neither package

@@ -13,14 +13,27 @@ Three loops share one TaskGroup:
 - **weights**: on ``WeightsUpdated`` the engine pauses (in-flight sequences stop between
   decode steps), loads the new weights, takes the new version and resumes; tokens carry
   the version that produced them.
+
+With ``rollout.endpoint`` (on by default for agent code) the actor also serves an
+OpenAI-compatible endpoint from its engine on 127.0.0.1 (:mod:`asyncrl.endpoint`). Its API
+key is the run's NATS token, or in a run without one a token the actor makes; the URL and
+the key are in ``<run>/endpoints/<actor id>.json`` (mode 0600, removed when the actor
+ends), and the URL in the actor's log, so that agent code outside the run can use it too.
+The ``agent`` workflow's MCP servers (``rollout.agent.mcp``) start with the actor and end
+with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import secrets
 import time
 import uuid
 from collections import Counter, deque
+from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.weights import staged_weights
@@ -79,12 +92,18 @@ class RolloutActor(Actor):
         self.delivered: deque[str] = deque(maxlen=4 * self.recipe.rollout.max_concurrent)
         self._last_pause: float | None = None
         self._runner: AsyncTaskRunner[list[Trajectory]] | None = None
+        self.endpoint: Any = None
+        self.endpoint_file: Path | None = None
+        self._resources = contextlib.AsyncExitStack()
+        """What setup opened beside the engine (MCP servers, the endpoint); closed in
+        teardown, in the same task, as the MCP transport requires."""
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
             build_engine,
             build_reward_pool,
             build_workflow,
+            endpoint_wanted,
             workflow_scores_inline,
         )
 
@@ -93,7 +112,12 @@ class RolloutActor(Actor):
         if workflow_scores_inline(self.recipe):
             self.reward_pool = build_reward_pool(self.recipe)
             await self.reward_pool.start()
-        self.workflow = build_workflow(self.recipe, self.engine, self.reward_pool)
+        tools = await self._open_tools()
+        if endpoint_wanted(self.recipe):
+            await self._serve_endpoint()
+        self.workflow = build_workflow(
+            self.recipe, self.engine, self.reward_pool, endpoint=self.endpoint, tools=tools
+        )
         self.version = self.engine.version
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
         if self.recipe.rollout.colocate:
@@ -120,7 +144,60 @@ class RolloutActor(Actor):
             return  # no weights published yet (or no buffer yet): keep the current ones
         await self.on_weights(latest)
 
+    async def _open_tools(self) -> list[Any] | None:
+        """The ``agent`` workflow's tools, the MCP servers' included (started here); None
+        for other workflows and for an ``agent`` whose environment brings its own."""
+        from asyncrl.actors.common import build_agent_tools, mcp_server_specs
+        from asyncrl.tools.mcp import MCPTools
+
+        r = self.recipe.rollout
+        if r.workflow != "agent" or r.agent.env:
+            return None
+        tools = build_agent_tools(self.recipe)
+        for spec in mcp_server_specs(self.recipe):
+            server = await self._resources.enter_async_context(MCPTools(spec))
+            tools += server.tools
+            self.log.info("MCP server started", command=spec.command, tools=len(server.tools))
+        return tools
+
+    async def _serve_endpoint(self) -> None:
+        """Starts the endpoint and writes where it is (see the module docstring)."""
+        from asyncrl.actors.common import sampling_params
+        from asyncrl.endpoint import OpenAIEndpoint
+
+        r = self.recipe.rollout
+        token = self.ctx.nats.token or secrets.token_urlsafe(24)
+        self.endpoint = OpenAIEndpoint(
+            self.engine,
+            model_name=self.recipe.model.path,
+            token=token,
+            port=r.endpoint_port,
+            parser=r.agent.parser,
+            sampling=sampling_params(self.recipe),
+        )
+        await self.endpoint.start()
+        self._resources.push_async_callback(self.endpoint.stop)
+        folder = self.ctx.run_dir / "endpoints"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.endpoint_file = folder / f"{self.actor_id}.json"
+        about = {
+            "url": self.endpoint.base_url,
+            "model": self.endpoint.model_name,
+            "api_key": token,
+            "api_key_is_run_token": token == self.ctx.nats.token,
+        }
+        # written whole under another name, then renamed: a reader never sees half of it
+        partial = folder / f".{self.actor_id}.json.tmp"
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(about, f)
+        os.replace(partial, self.endpoint_file)
+        self.log.info("endpoint", url=self.endpoint.base_url, key_file=str(self.endpoint_file))
+
     async def teardown(self) -> None:
+        await self._resources.aclose()
+        if self.endpoint_file is not None:
+            self.endpoint_file.unlink(missing_ok=True)
         if self.engine is not None:
             await self.engine.stop()
         if self.reward_pool is not None:

@@ -10,13 +10,14 @@ optimizer steps against the proximal policy of ``trainer.loss.proximal``, with t
 penalty to the initial policy when ``trainer.loss.kl_coef`` > 0) → version + 1 → every
 ``update_every`` steps the weights go out (a shared directory or the NATS object store)
 with ``WeightsUpdated`` → a line in ``metrics.jsonl`` and, for every trained sample, a
-record of its staleness in ``trained_samples.jsonl`` → a checkpoint every
-``checkpoint_every`` steps and at the end.
+record of its staleness and token fingerprint in ``trained_samples.jsonl`` → a checkpoint
+every ``checkpoint_every`` steps and at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -59,6 +60,13 @@ memory before it steps anyway (an actor that died meanwhile never answers)."""
 ALIVE_WINDOW = 3.0
 """An actor counts as live (``actors/<role>``) if its last heartbeat is this recent
 (heartbeats come every second)."""
+
+
+def token_digest(ids: list[int]) -> str:
+    """A short fingerprint of a token sequence (``trained_samples.jsonl``'s
+    ``tokens_sha1``): what was trained can be matched with what was sampled without
+    writing every sequence out."""
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
 def batch_stats(
@@ -409,7 +417,10 @@ class TrainerActor(Actor):
         t_weights: float,
     ) -> dict[str, float]:
         """Logs the step's record to every sink (``metrics.jsonl`` always) and its samples
-        to trained_samples.jsonl; returns the numeric metrics."""
+        to trained_samples.jsonl; returns the numeric metrics. Agent workflows' samples add
+        the ``agent/...`` metrics (:func:`~asyncrl.workflows.agent.agent_metrics`)."""
+        from asyncrl.workflows.agent import agent_metrics
+
         trained_at = self.version - 1  # the weights these samples updated
         staleness = []
         n_tokens = 0
@@ -431,6 +442,7 @@ class TrainerActor(Actor):
                             "staleness": s,
                             "reward": t.reward,
                             "response_tokens": response_tokens,
+                            "tokens_sha1": token_digest(t.input_ids.numpy().tolist()),
                         }
                     )
                     + "\n"
@@ -463,6 +475,7 @@ class TrainerActor(Actor):
                 self.recipe.rollout.group_size,
                 self.recipe.rollout.sampling.max_new_tokens,
             ),
+            **agent_metrics(batch.trajectories),
             **self._fleet_stats(),
             **self._drop_stats(),
             **{

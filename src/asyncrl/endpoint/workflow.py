@@ -7,13 +7,29 @@ whose ``base_url`` names its episode on an :class:`~asyncrl.endpoint.OpenAIEndpo
 the endpoint records every call token for token; the trajectories are built from those
 records (:func:`~asyncrl.endpoint.recording.episode_samples`), never from the text the
 agent saw.
+
+The agent may return a dict instead of a float: ``{"reward": r, ...}``, the other keys
+joining the sample's ``reward_info``. That is how agent code reports what only it knows,
+the outcome of the tools it ran: ``tool_success`` (calls that worked), ``tool_errors``
+(``{reason: count}``) and ``tool_latency_s`` (their total time) feed the same
+``agent/...`` metrics as the built-in agent workflow.
+
+``reward_info`` of every sample: ``turns`` (the episode's calls to the model),
+``tool_calls`` (tool calls the endpoint parsed and returned), ``tool_errors`` (at least
+``malformed``: calls the endpoint could not parse, returned as text),
+``endpoint_added_latency_s`` (the endpoint's own time per call, mean), the recorder's
+counts (:meth:`~asyncrl.endpoint.recording.EpisodeRecorder.metrics`), ``samples``, and
+``ok``/``reason`` (whether the agent raised). ``tool_success`` and ``tool_latency_s``
+appear only when the agent reports them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from asyncrl.endpoint.recording import Call, EpisodeRecorder, episode_samples
@@ -25,7 +41,10 @@ from asyncrl.workflows.loader import load_callable
 
 log = logging.getLogger(__name__)
 
-AgentFn = Callable[[Any, dict[str, Any]], Awaitable[float]]
+AgentFn = Callable[[Any, dict[str, Any]], Awaitable[float | dict[str, Any]]]
+
+Episode = tuple[list[Call], float, str, dict[str, Any], bool]
+"""``(calls, reward, failure reason or "", reward_info, aborted)`` of one episode."""
 
 
 def load_agent(spec: str) -> AgentFn:
@@ -44,10 +63,14 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     workflow keeps the LAST sample, which holds the whole conversation when every call
     continued the previous one, and records ``samples`` (how many there were) in
     ``reward_info``. Its reward is the agent's return value (the last sample is never
-    discounted). An agent that raises scores 0 with the error in ``reward_info['reason']``;
-    an episode that made no call has no tokens and is left out of the group (the group
-    shrinks; no trajectory at all returns None). Any call aborted by a stopping engine
-    drops the group (None), as in the other workflows: the prompt goes back to the pool.
+    discounted). An agent that raises scores 0 with the error in ``reward_info['reason']``.
+    An episode that made no call has no tokens to train on, and a group is trained only
+    whole: the episode raises ``RuntimeError`` naming why (the prompt goes back to the
+    pool). Any call aborted by a stopping engine drops the group (None), as in the other
+    workflows: the prompt goes back to the pool.
+
+    ``record_path``: a JSON-lines file to which every finished episode appends its sample's
+    uid and its calls' token ids, versions and finish reasons.
 
     The ``engine`` passed to :meth:`arun_episode` is not used: the endpoint holds its own.
     """
@@ -60,6 +83,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         group_size: int = 1,
         turn_discount: float = 1.0,
         request_timeout_s: float = 600.0,
+        record_path: Path | None = None,
     ) -> None:
         if group_size < 1:
             raise ValueError("group_size must be >= 1")
@@ -68,6 +92,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.group_size = group_size
         self.turn_discount = turn_discount
         self.request_timeout_s = request_timeout_s
+        self.record_path = record_path
 
     async def arun_episode(
         self, engine: InferenceEngine, item: dict[str, Any] | Prompt
@@ -78,9 +103,16 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         episodes = [t.result() for t in tasks]
         if any(aborted for *_, aborted in episodes):
             return None
-        kept = [e for e in episodes if e[0]]
+        empty = [(i, reason) for i, (calls, _, reason, *_) in enumerate(episodes) if not calls]
+        if empty:
+            index, reason = empty[0]
+            raise RuntimeError(
+                f"episode {index} of {uid} made no call to the endpoint "
+                f"({reason or 'the agent returned without calling the model'}); "
+                "a group is trained only with every episode's tokens"
+            )
         trajectories = []
-        for index, (calls, reward, reason, metrics, _) in enumerate(kept):
+        for index, (calls, reward, reason, info, _) in enumerate(episodes):
             samples = episode_samples(calls, reward, turn_discount=self.turn_discount)
             last = samples[-1]
             reply = calls[-1].reply or {}
@@ -89,25 +121,42 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 last.trace.to_trajectory(
                     uid,
                     index,
-                    len(kept),
+                    self.group_size,
                     record,
                     completion,
                     last.finish_reason,
                     reward=last.reward,
                     reward_info={
-                        **metrics,
+                        **info,
                         "samples": len(samples),
                         "ok": not reason,
                         "reason": reason,
                     },
                 )
             )
-        return trajectories or None
+        if self.record_path is not None:
+            self._record(trajectories, [calls for calls, *_ in episodes])
+        return trajectories
 
-    async def _run_agent(
-        self, record: dict[str, Any]
-    ) -> tuple[list[Call], float, str, dict[str, float], bool]:
-        """One episode: ``(calls, reward, failure reason or "", metrics, aborted)``."""
+    def _record(self, trajectories: list[Trajectory], episodes: list[list[Call]]) -> None:
+        with open(self.record_path, "a") as f:  # type: ignore[arg-type]
+            for traj, calls in zip(trajectories, episodes, strict=True):
+                entry = {
+                    "uid": traj.uid,
+                    "calls": [
+                        {
+                            "prompt_ids": c.prompt_ids,
+                            "completion_ids": c.completion_ids,
+                            "versions": c.versions,
+                            "finish_reason": c.finish_reason,
+                            "continued_from": c.continued_from,
+                        }
+                        for c in calls
+                    ],
+                }
+                f.write(json.dumps(entry) + "\n")
+
+    async def _run_agent(self, record: dict[str, Any]) -> Episode:
         import openai
 
         async with self.endpoint.episode() as recorder:
@@ -118,18 +167,46 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 timeout=self.request_timeout_s,
             )
             try:
-                reward, reason = await self._reward(client, record, recorder)
+                reward, reason, reported = await self._reward(client, record, recorder)
             finally:
                 await client.close()
-            return recorder.calls, reward, reason, recorder.metrics(), recorder.aborted
+            info = episode_info(recorder, reported)
+            return recorder.calls, reward, reason, info, recorder.aborted
 
     async def _reward(
         self, client: Any, record: dict[str, Any], recorder: EpisodeRecorder
-    ) -> tuple[float, str]:
+    ) -> tuple[float, str, dict[str, Any]]:
+        """``(reward, failure reason or "", what the agent reported beside its reward)``."""
         try:
             value = await self.agent(client, dict(record))
-            return float(value), ""
+            if isinstance(value, dict):
+                if "reward" not in value:
+                    raise ValueError(f"the agent returned a dict without 'reward': {value}")
+                reported = {k: v for k, v in value.items() if k != "reward"}
+                return float(value["reward"]), "", reported
+            return float(value), "", {}
         except Exception as exc:  # agent code is user code: a failure is a scored outcome
             reason = f"agent raised {type(exc).__name__}: {exc}"
             log.warning("episode %s: %s", recorder.episode_id, reason)
-            return 0.0, reason
+            return 0.0, reason, {}
+
+
+def episode_info(recorder: EpisodeRecorder, reported: dict[str, Any]) -> dict[str, Any]:
+    """An episode's ``reward_info`` in the names of the agent workflow's (see the module
+    docstring): the endpoint's counts, then what the agent reported, its ``tool_errors``
+    added to the endpoint's ``malformed``."""
+    counts = recorder.metrics()
+    info: dict[str, Any] = {
+        **counts,
+        "turns": int(counts["calls"]),
+        "tool_calls": int(counts["tool_calls"]),
+        "endpoint_added_latency_s": counts["endpoint_added_latency_s_mean"],
+    }
+    errors: dict[str, int] = {}
+    if counts["malformed_tool_calls"]:
+        errors["malformed"] = int(counts["malformed_tool_calls"])
+    for reason, n in dict(reported.get("tool_errors") or {}).items():
+        errors[str(reason)] = errors.get(str(reason), 0) + int(n)
+    info.update({k: v for k, v in reported.items() if k != "tool_errors"})
+    info["tool_errors"] = errors
+    return info

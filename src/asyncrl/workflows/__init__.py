@@ -5,12 +5,21 @@ user's own.
 
 - ``"rlvr"``, ``"multi_turn"`` or ``"agent"``: the built-in classes;
 - ``"path/to/file.py:name"`` or ``"module:name"``: a user's own, where ``name`` is a
-  :class:`RolloutWorkflow` subclass, a factory returning one, or a bare
-  ``async def arun_episode(engine, item)`` function.
+  :class:`RolloutWorkflow` subclass, a factory returning one, or an async function. An
+  async function is told apart by its first parameter:
+
+  - named ``client`` (or annotated ``openai.AsyncOpenAI``): **agent code**,
+    ``async def agent(client, data) -> float``, run by
+    :class:`~asyncrl.endpoint.OpenAIAgentWorkflow` against the endpoint in
+    ``options["endpoint"]`` (the rollout actor's); its return value is the reward;
+  - named ``engine``: a bare ``async def episode(engine, item)`` returning the group's
+    trajectories (:class:`FunctionWorkflow`);
+  - anything else is refused (:class:`SpecError` naming both forms).
 
 ``options`` are offered by keyword (``tokenizer``, ``sampling``, ``group_size``,
-``reward``, ``max_turns``, ...); each class or factory receives only those its signature
-names (all of them if it takes ``**kwargs``), so a user's workflow asks for what it needs.
+``reward``, ``max_turns``, ``endpoint``, ...); each class or factory receives only those
+its signature names (all of them if it takes ``**kwargs``), so a user's workflow asks for
+what it needs.
 """
 
 from __future__ import annotations
@@ -64,6 +73,41 @@ def call_with_accepted(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
     return fn(**{k: v for k, v in options.items() if k in params})
 
 
+FUNCTION_FORMS = (
+    "agent code 'async def agent(client, data) -> float' (first parameter named client, "
+    "or annotated openai.AsyncOpenAI) or an episode function "
+    "'async def episode(engine, item) -> list[Trajectory]'"
+)
+
+
+def function_kind(fn: Callable[..., Any], spec: str = "") -> str:
+    """``"agent"`` or ``"episode"`` for an async workflow function, by its first
+    parameter (see the module docstring); :class:`SpecError` for anything else."""
+    name = spec or getattr(fn, "__qualname__", repr(fn))
+    params = list(inspect.signature(fn).parameters.values())
+    if params and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        first = params[0]
+        annotation = first.annotation
+        spelled = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+        if first.name == "client" or spelled.rsplit(".", 1)[-1] == "AsyncOpenAI":
+            return "agent"
+        if first.name == "engine":
+            return "episode"
+    raise SpecError(f"{name!r} is an async function of neither form: write {FUNCTION_FORMS}")
+
+
+def is_agent_code(spec: str) -> bool:
+    """Whether the workflow ``spec`` names agent code (which runs through the endpoint).
+    Loads the spec; raises :class:`SpecError` if it does not load."""
+    if spec in WORKFLOWS or ":" not in spec:
+        return False
+    obj = load_callable(spec)
+    return inspect.iscoroutinefunction(obj) and function_kind(obj, spec) == "agent"
+
+
 def make_workflow(spec: str, **options: Any) -> RolloutWorkflow:
     """The workflow ``spec`` names (see the module docstring), built with ``options``."""
     if spec in WORKFLOWS:
@@ -73,7 +117,22 @@ def make_workflow(spec: str, **options: Any) -> RolloutWorkflow:
     split_spec(spec)
     obj = load_callable(spec)
     if inspect.iscoroutinefunction(obj):
-        return FunctionWorkflow(obj)
+        if function_kind(obj, spec) == "episode":
+            return FunctionWorkflow(obj)
+        endpoint = options.get("endpoint")
+        if endpoint is None:
+            raise SpecError(
+                f"{spec!r} is agent code, which runs through the rollout actor's endpoint: "
+                "set rollout.endpoint = true (or leave it unset)"
+            )
+        from asyncrl.endpoint.workflow import OpenAIAgentWorkflow
+
+        return OpenAIAgentWorkflow(
+            endpoint,
+            obj,
+            group_size=options.get("group_size", 1),
+            turn_discount=options.get("turn_discount", 1.0),
+        )
     built = call_with_accepted(obj, options)
     if not callable(getattr(built, "arun_episode", None)):
         raise SpecError(f"{spec!r} built a {type(built).__name__}, which has no arun_episode")
@@ -92,6 +151,8 @@ __all__ = [
     "TokenTrace",
     "chat_messages",
     "encode_chat",
+    "function_kind",
+    "is_agent_code",
     "load_callable",
     "make_workflow",
     "split_item",

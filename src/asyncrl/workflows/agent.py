@@ -275,21 +275,42 @@ def builtin_tool(name: str) -> Tool:
 
 
 def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """``agent/turns`` (mean), ``agent/tool_calls`` (mean per sample), ``agent/tool_success``
-    (the fraction of calls that succeeded), ``agent/tool_errors/<reason>`` (counts) and
-    ``agent/tool_latency_s`` (mean per call) of a batch of agent trajectories."""
+    """The ``agent/...`` metrics of a batch of agent trajectories (those whose
+    ``reward_info`` has ``turns``; none: ``{}``):
+
+    - ``agent/turns``, ``agent/tool_calls``: means per sample;
+    - ``agent/tool_success``: the fraction of calls that succeeded, over the samples that
+      know (agent code that does not report ``tool_success`` is left out; none: absent);
+    - ``agent/tool_errors/<reason>``: counts;
+    - ``agent/tool_latency_s``: mean per call, over the samples that report it;
+    - ``agent/endpoint_added_latency_s``: the endpoint's own time per call (agent code),
+      mean over the calls."""
     infos = [t.reward_info for t in trajectories if "turns" in t.reward_info]
     if not infos:
         return {}
-    calls = sum(i["tool_calls"] for i in infos)
     metrics = {
         "agent/turns": sum(i["turns"] for i in infos) / len(infos),
-        "agent/tool_calls": calls / len(infos),
-        "agent/tool_success": sum(i["tool_success"] for i in infos) / calls if calls else 0.0,
-        "agent/tool_latency_s": sum(i["tool_latency_s"] for i in infos) / calls if calls else 0.0,
+        "agent/tool_calls": sum(i.get("tool_calls", 0) for i in infos) / len(infos),
     }
+    known = [i for i in infos if "tool_success" in i]
+    calls = sum(i.get("tool_calls", 0) for i in known)
+    if known:
+        metrics["agent/tool_success"] = (
+            sum(i["tool_success"] for i in known) / calls if calls else 0.0
+        )
+    timed = [i for i in infos if "tool_latency_s" in i]
+    calls = sum(i.get("tool_calls", 0) for i in timed)
+    if timed:
+        metrics["agent/tool_latency_s"] = (
+            sum(i["tool_latency_s"] for i in timed) / calls if calls else 0.0
+        )
+    served = [i for i in infos if "endpoint_added_latency_s" in i]
+    if served:
+        n = sum(i["turns"] for i in served)
+        added = sum(i["endpoint_added_latency_s"] * i["turns"] for i in served)
+        metrics["agent/endpoint_added_latency_s"] = added / n if n else 0.0
     errors: Counter[str] = Counter()
     for i in infos:
-        errors.update(i["tool_errors"])
+        errors.update(i.get("tool_errors") or {})
     metrics.update({f"agent/tool_errors/{reason}": float(n) for reason, n in errors.items()})
     return metrics
