@@ -6,6 +6,7 @@ and its errors, and the mapping of prompt records."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -330,6 +331,20 @@ def test_loading_by_module_hub_id_and_file_and_its_errors(
         with pytest.raises(error) as info:
             load_verifiers_env(spec, args)
         assert words in str(info.value), (spec, str(info.value))
+
+
+def test_loading_keeps_the_processs_signal_handlers(env_file):
+    def on_term(signum: int, frame: Any) -> None:
+        raise AssertionError("not to be called")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    on_int = signal.getsignal(signal.SIGINT)
+    try:
+        load_verifiers_env(str(env_file))  # the Environment installs its own handlers
+        assert signal.getsignal(signal.SIGTERM) is on_term
+        assert signal.getsignal(signal.SIGINT) is on_int
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_missing_verifiers_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch):

@@ -29,9 +29,11 @@ around an ``openai.AsyncOpenAI``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
-from collections.abc import Mapping
+import signal
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +86,30 @@ def _loader_spec(spec: str) -> str:
     return f"{module}:load_environment"
 
 
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """Restores the SIGINT and SIGTERM handlers on the way out: a ``verifiers``
+    Environment installs its own, process-wide, when it is built (its teardown, then exit),
+    which would take a graceful stop away from the process that loads it (an asyncio
+    loop's ``add_signal_handler`` included)."""
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
 def load_verifiers_env(spec: str, args: Mapping[str, Any] | None = None) -> Any:
     """The ``verifiers`` Environment that ``load_environment(**args)`` returns in ``spec``:
     a module name (or hub id) or a ``path/to/file.py``.
 
     Raises ``ImportError`` when ``verifiers`` is missing, :class:`SpecError` when the module
     or file does not load or has no ``load_environment``, ``TypeError`` when ``args`` do not
-    fit its signature or it returns something other than an Environment."""
+    fit its signature or it returns something other than an Environment. Call it from the
+    main thread: an Environment sets signal handlers when it is built (this function puts
+    the caller's back)."""
     vf = import_verifiers()
     args = dict(args or {})
     try:
@@ -103,7 +122,8 @@ def load_verifiers_env(spec: str, args: Mapping[str, Any] | None = None) -> Any:
             ) from None
         raise SpecError(f"verifiers environment {spec!r}: {exc}") from exc
     try:
-        env = load(**args)
+        with _signal_handlers_kept():
+            env = load(**args)
     except TypeError as exc:
         raise TypeError(f"load_environment of {spec!r} with args {args}: {exc}") from exc
     if not isinstance(env, vf.Environment):
