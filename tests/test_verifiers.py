@@ -181,6 +181,9 @@ async def test_single_turn_env_is_scored_by_its_rubric_over_the_whole_group(endp
         rewards[record["prompt"]] = [t.reward for t in trajectories]
         for traj in trajectories:
             assert traj.reward_info["ok"] and traj.reward_info["calls"] == 1
+            right = float(record["answer"] != "8")
+            metrics = {"correct": right, "group_size": 2.0, "num_turns": 1.0}
+            assert traj.reward_info["rubric_metrics"] == metrics
             last = assert_engine_tokens(traj, engine.seen)
             # the chat the environment built: its system prompt, then the question
             text = f"<|system|>{SYSTEM}\n<|user|>{record['prompt']}\n<|assistant|>"
@@ -207,6 +210,12 @@ async def test_tool_env_round_trips_a_python_tool_in_one_sample(endpoint, env_fi
         assert traj.reward == 1.0
         info = traj.reward_info
         assert info["tool_calls"] == 1 and info["continued_calls"] == 1 and info["samples"] == 1
+        assert info["rubric_metrics"] == {
+            "correct": 1.0,
+            "num_turns": 2.0,
+            "total_tool_calls": 1.0,
+            "add_calls": 1.0,
+        }
         assert_engine_tokens(traj, engine.seen)
         first, second = generated_spans(traj)
         assert first == [*encode(ep, ADD_CALL), ep.tokenizer.eos_token_id]

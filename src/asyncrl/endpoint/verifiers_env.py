@@ -260,7 +260,8 @@ class VerifiersWorkflow(OpenAIAgentWorkflow):
     (the recipe's sampling). A chat environment talks to ``/v1/chat/completions``, a
     ``message_type="completion"`` one to ``/v1/completions``.
 
-    Rewards: the rubric's ``state["reward"]``. A rollout that raises, that stops on an
+    Rewards: the rubric's ``state["reward"]``; its functions' scores (metrics included)
+    are in ``reward_info["rubric_metrics"]``. A rollout that raises, that stops on an
     error it recorded (``state["error"]``: a refused or failed model call, an empty reply,
     a tool the environment lets stop the rollout), or whose group's rubric raises scores 0
     with the reason in ``reward_info['reason']``; the actor goes on. Trajectories, the
@@ -306,9 +307,10 @@ class VerifiersWorkflow(OpenAIAgentWorkflow):
             return self.vf.OpenAICompletionsClient(client)
         return self.vf.OpenAIChatCompletionsClient(client)
 
-    async def _rollout(self, client: Any, data: dict[str, Any]) -> float:
-        """One rollout through ``client`` (an episode's), its group's scoring, its reward;
-        :class:`RolloutFailed` with the reason when it has none."""
+    async def _rollout(self, client: Any, data: dict[str, Any]) -> dict[str, Any]:
+        """One rollout through ``client`` (an episode's) and its group's scoring: its reward
+        and the rubric's per-function scores (``rubric_metrics`` in ``reward_info``), or
+        :class:`RolloutFailed` with the reason when it has no reward."""
         group = _GROUP.get()
         state = None
         failure = ""
@@ -326,7 +328,8 @@ class VerifiersWorkflow(OpenAIAgentWorkflow):
         rubric_failure = await group.score(state)
         if state is None or failure or rubric_failure:  # no state: the rollout raised
             raise RolloutFailed(failure or rubric_failure)
-        return float(state["reward"])
+        metrics = {str(k): float(v) for k, v in (state.get("metrics") or {}).items()}
+        return {"reward": float(state["reward"]), "rubric_metrics": metrics}
 
 
 def verifiers_workflow(
