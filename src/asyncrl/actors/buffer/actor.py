@@ -342,9 +342,15 @@ class BufferActor(Actor):
 
 
 def _split_groups(trajectories: list[Trajectory], group_size: int) -> list[list[Trajectory]]:
-    """A served batch's samples back into their groups (a batch holds whole groups, each
-    in group order)."""
-    return [trajectories[i : i + group_size] for i in range(0, len(trajectories), group_size)]
+    """A batch's groups: runs of samples of one prompt (a group holds ``group_size``
+    episodes, and an episode of agent code may hold several samples)."""
+    groups: list[list[Trajectory]] = []
+    for t in trajectories:
+        if groups and groups[-1][0].prompt_uid == t.prompt_uid:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    return groups
 
     async def on_weights_query(self, q: WeightsQuery) -> Message:
         return self.weights if self.weights is not None else Ack(ok=False, error="no weights yet")
