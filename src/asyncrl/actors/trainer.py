@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.buffer.admission import split_groups
 from asyncrl.actors.common import (
     build_train_engine,
     commit_checkpoint,
@@ -87,13 +88,9 @@ def batch_stats(
         t.finish_reason == "length" or n >= max_new_tokens
         for t, n in zip(trajectories, lengths, strict=True)
     ]
-    rewards = [float(t.reward or 0.0) for t in trajectories]
-    groups: list[list[float]] = []  # runs of one prompt's samples
-    for i, t in enumerate(trajectories):
-        if i and t.prompt_uid == trajectories[i - 1].prompt_uid:
-            groups[-1].append(rewards[i])
-        else:
-            groups.append([rewards[i]])
+    groups = [
+        [float(t.reward or 0.0) for t in group] for group in split_groups(trajectories, group_size)
+    ]
     stds = []
     for g in groups:
         mu = sum(g) / len(g)

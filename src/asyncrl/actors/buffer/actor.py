@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.buffer.admission import Admission
+from asyncrl.actors.buffer.admission import Admission, split_groups
 from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
 from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, restore
 from asyncrl.actors.buffer.journal import Journal
@@ -342,15 +342,9 @@ class BufferActor(Actor):
 
 
 def _split_groups(trajectories: list[Trajectory], group_size: int) -> list[list[Trajectory]]:
-    """A batch's groups: runs of samples of one prompt (a group holds ``group_size``
-    episodes, and an episode of agent code may hold several samples)."""
-    groups: list[list[Trajectory]] = []
-    for t in trajectories:
-        if groups and groups[-1][0].prompt_uid == t.prompt_uid:
-            groups[-1].append(t)
-        else:
-            groups.append([t])
-    return groups
+    """A served batch's samples back into their groups (a batch holds whole groups, each
+    in group order)."""
+    return split_groups(trajectories, group_size)
 
     async def on_weights_query(self, q: WeightsQuery) -> Message:
         return self.weights if self.weights is not None else Ack(ok=False, error="no weights yet")

@@ -89,6 +89,21 @@ def group_complete(samples: Iterable[Trajectory], group_size: int) -> bool:
     return len(counts) == group_size and all(counts[i] >= n for i, n in expected.items())
 
 
+def split_groups(trajectories: Sequence[Trajectory], group_size: int) -> list[list[Trajectory]]:
+    """Samples of whole groups laid end to end (a batch), back into their groups: runs of
+    ``group_size`` when every episode is one sample, else runs of one prompt's samples."""
+    items = list(trajectories)
+    if all(t.episode_samples == 1 for t in items):
+        return [items[i : i + group_size] for i in range(0, len(items), group_size)]
+    groups: list[list[Trajectory]] = []
+    for t in items:
+        if groups and groups[-1][0].prompt_uid == t.prompt_uid:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    return groups
+
+
 class Admission:
     """Groups in the making, and the admitted groups that wait for a batch (``ready``)."""
 
