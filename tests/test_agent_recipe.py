@@ -244,7 +244,7 @@ async def test_agent_code_reports_the_agent_metrics_and_records_its_calls(
         "agent/tool_errors/raised": 2.0,
     }
     recorded = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert [r["uid"] for r in recorded] == ["p/0", "p/1"]
+    assert [r["uids"] for r in recorded] == [["p/0"], ["p/1"]]
     for traj, entry in zip(out, recorded, strict=True):
         _, second = entry["calls"]
         assert second["continued_from"] == 0

@@ -2,7 +2,8 @@
 OpenAI-compatible endpoint, on the ci recipe's tiny model.
 
 Two agent files, written by the tests: one with the ``openai`` client and a tool of its
-own, one with the OpenAI Agents SDK. Each trains for a few steps, and then every trained
+own, whose episodes are two chats (so two samples each, both trained), one with the OpenAI
+Agents SDK. Each trains for a few steps, and then every trained
 sample's tokens (their fingerprint in ``trained_samples.jsonl``) must be the tokens the
 engine generated and the endpoint recorded (``rollout.endpoint_record``), never a
 re-tokenization of the text the agent saw.
@@ -17,7 +18,6 @@ Each test starts a whole run (about a minute on two cores)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,9 @@ async def agent(client, data):
         messages.append({"role": "user", "content": "?"})
     final = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
     text = final.choices[0].message.content or ""
+    # a fresh chat: the episode's second sample
+    check = [{"role": "user", "content": "Sure? " + text[:8]}]
+    await client.chat.completions.create(model="m", messages=check)
     return {"reward": 1.0 if text.lstrip()[:1].isdigit() else 0.0,
             "tool_success": len(reply.tool_calls or [])}
 """
@@ -99,28 +102,42 @@ def agent_sets(agent_file: Path) -> list[str]:
     ]
 
 
+def recorded_samples(calls: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """An episode's calls as its samples: runs of calls each of whose prompt extends the
+    call before (what was sampled, told by token ids alone)."""
+    samples: list[list[dict[str, Any]]] = []
+    for call in calls:
+        if samples:
+            head = samples[-1][-1]["prompt_ids"] + samples[-1][-1]["completion_ids"]
+            if call["prompt_ids"][: len(head)] == head:
+                samples[-1].append(call)
+                continue
+        samples.append([call])
+    return samples
+
+
 def check_trained_tokens_are_the_endpoints(run_dir: Path) -> list[dict[str, Any]]:
-    """Every trained sample is the tokens the endpoint recorded for its episode: the last
-    call's prompt ids and completion ids, each call's prompt extending the call before."""
+    """Every trained sample is tokens the endpoint recorded for its episode: a run of
+    calls each continuing the one before, the last call's prompt ids and completion ids."""
     trained = read_jsonl(run_dir / "trained_samples.jsonl")
-    assert len(trained) == STEPS * 2 * 4
+    assert len({t["prompt_uid"] for t in trained}) == STEPS * 2
     recorded: dict[str, list[list[dict[str, Any]]]] = {}
     for entry in read_jsonl(run_dir / "endpoint_calls.jsonl"):
-        recorded.setdefault(entry["uid"], []).append(entry["calls"])
+        samples = recorded_samples(entry["calls"])
+        assert len(samples) == len(entry["uids"])
+        for uid, sample in zip(entry["uids"], samples, strict=True):
+            recorded.setdefault(uid, []).append(sample)
     for sample in trained:
-        matches = []
-        for calls in recorded.get(sample["uid"], []):
-            last = calls[-1]
-            if token_digest(last["prompt_ids"] + last["completion_ids"]) == sample["tokens_sha1"]:
-                matches.append(calls)
+        matches = [
+            calls
+            for calls in recorded.get(sample["uid"], [])
+            if token_digest(calls[-1]["prompt_ids"] + calls[-1]["completion_ids"])
+            == sample["tokens_sha1"]
+        ]
         assert matches, f"no recorded episode has the tokens of trained sample {sample['uid']}"
         calls = matches[0]
-        for before, after in itertools.pairwise(calls):
-            head = before["prompt_ids"] + before["completion_ids"]
-            assert after["prompt_ids"][: len(head)] == head  # continued, not re-encoded
-            assert after["continued_from"] is not None
-        generated = sum(len(c["completion_ids"]) for c in calls)
-        assert sample["response_tokens"] == generated
+        assert all(c["continued_from"] is not None for c in calls[1:])  # not re-encoded
+        assert sample["response_tokens"] == sum(len(c["completion_ids"]) for c in calls)
         assert all(v >= 0 for c in calls for v in c["versions"])
     return trained
 
@@ -156,11 +173,15 @@ async def test_an_openai_client_agent_trains_on_the_endpoints_tokens(tmp_path: P
         code = await asyncio.wait_for(up.proc.wait(), 420)
     assert code == 0
     assert not about_file.exists()  # removed when the actor ended
+    assert "killing" not in (up.run_dir / "logs" / "up.log").read_text()  # it ended by itself
+    assert "HTTP Request" not in (up.run_dir / "logs" / "rollout-0.log").read_text()
     check_trained_tokens_are_the_endpoints(up.run_dir)
     metrics = read_jsonl(up.run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    trained = read_jsonl(up.run_dir / "trained_samples.jsonl")
+    assert len(trained) == STEPS * 2 * 4 * 2  # two samples per episode, both trained
     for m in metrics:
-        assert m["agent/turns"] == 2.0  # every episode calls twice
+        assert m["agent/turns"] == 3.0  # every episode calls three times
         assert m["agent/endpoint_added_latency_s"] > 0
         assert m["agent/tool_success"] == (1.0 if m["agent/tool_calls"] else 0.0)
 

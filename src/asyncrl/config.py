@@ -379,8 +379,9 @@ class RolloutConfig(_Section):
     """Turns of the ``multi_turn`` workflow; replies per sample of the ``agent`` workflow
     (the last one is scored as it is). Agent code decides its own turns."""
     turn_discount: float = Field(0.9, gt=0, le=1)
-    """Reward discount per extra turn in ``multi_turn``. Agent code's episodes train their
-    last sample, which holds the final call and so is never discounted."""
+    """Reward discount per extra turn in ``multi_turn``. For agent code, an episode of
+    several samples (calls that do not all continue one another) discounts a sample's
+    reward per call between its last call and the episode's last: ``reward · γ^k``."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters."""
     lease_ttl: float = Field(30.0, gt=0)

@@ -233,10 +233,21 @@ class Trajectory(Message):
     """
 
     KIND: ClassVar[str] = "trajectory"
-    uid: str = Field(description="unique sample id: <prompt uid>/<index in group>")
+    uid: str = Field(
+        description="unique sample id: <prompt uid>/<index in group>, and /<episode_sample> "
+        "after it for an episode of several samples"
+    )
     prompt_uid: str
     group_index: int
     group_size: int
+    episode_sample: int = Field(
+        default=0,
+        description="which sample of its episode (the group_index-th) this is: agent code "
+        "whose calls do not all continue one another gives several",
+    )
+    episode_samples: int = Field(
+        default=1, description="how many samples its episode gave; a group is whole with all"
+    )
     actor_id: str = ""
     attempt: str = Field(
         default="", description="the lease that produced it: a retried prompt differs here"

@@ -348,26 +348,33 @@ def mcp_server_specs(recipe: Recipe) -> list[Any]:
     ]
 
 
+def _agent_code(recipe: Recipe) -> bool:
+    """Whether the workflow is agent code; a spec that does not load is not (building the
+    workflow then says why)."""
+    from asyncrl.workflows import is_agent_code
+
+    try:
+        return is_agent_code(recipe.rollout.workflow)
+    except Exception:
+        return False
+
+
 def endpoint_wanted(recipe: Recipe) -> bool:
     """Whether each rollout actor serves the endpoint: ``rollout.endpoint``, or when it is
     unset, whether the workflow is agent code."""
-    from asyncrl.workflows import is_agent_code
-
     if recipe.rollout.endpoint is not None:
         return recipe.rollout.endpoint
-    return is_agent_code(recipe.rollout.workflow)
+    return _agent_code(recipe)
 
 
 def workflow_scores_inline(recipe: Recipe) -> bool:
     """Whether the rollout actor needs its own reward pool for the workflow: not for
     ``rlvr`` (the reward actors score it), agent code (it returns its reward) or an
     ``agent`` workflow whose environment scores."""
-    from asyncrl.workflows import is_agent_code
-
     r = recipe.rollout
     if r.workflow == "rlvr" or (r.workflow == "agent" and r.agent.env):
         return False
-    return not is_agent_code(r.workflow)
+    return not _agent_code(recipe)
 
 
 def build_train_engine(recipe: Recipe) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import time
@@ -176,6 +177,10 @@ class RolloutActor(Actor):
             sampling=sampling_params(self.recipe),
         )
         await self.endpoint.start()
+        # the openai client's HTTP library (httpx, or its httpx2 fork) logs every request
+        # at INFO: a line per call of every episode
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         self._resources.push_async_callback(self.endpoint.stop)
         folder = self.ctx.run_dir / "endpoints"
         folder.mkdir(parents=True, exist_ok=True)
@@ -195,11 +200,13 @@ class RolloutActor(Actor):
         self.log.info("endpoint", url=self.endpoint.base_url, key_file=str(self.endpoint_file))
 
     async def teardown(self) -> None:
-        await self._resources.aclose()
         if self.endpoint_file is not None:
             self.endpoint_file.unlink(missing_ok=True)
+        # the engine first: requests still in the endpoint then end at once (503) instead
+        # of holding its shutdown
         if self.engine is not None:
             await self.engine.stop()
+        await self._resources.aclose()
         if self.reward_pool is not None:
             await self.reward_pool.aclose()
 

@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.buffer.admission import split_groups
 from asyncrl.actors.common import (
     build_train_engine,
     commit_checkpoint,
@@ -87,8 +88,9 @@ def batch_stats(
         t.finish_reason == "length" or n >= max_new_tokens
         for t, n in zip(trajectories, lengths, strict=True)
     ]
-    rewards = [float(t.reward or 0.0) for t in trajectories]
-    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
+    groups = [
+        [float(t.reward or 0.0) for t in group] for group in split_groups(trajectories, group_size)
+    ]
     stds = []
     for g in groups:
         mu = sum(g) / len(g)
@@ -120,6 +122,10 @@ def build_samples(
     where ``overlong`` is DAPO's soft penalty over the last ``overlong_buffer`` tokens of
     the generation budget (0 when the buffer is 0). ``reward_mean`` stays the raw reward.
 
+    Episodes of several samples (agent code whose calls do not all continue one another)
+    take the baseline and scale of their group's episodes, each episode's reward being its
+    final sample's (:func:`~asyncrl.algo.advantages.episode_advantages`).
+
     With ``trainer.loss.mask_truncated`` (DAPO's overlong filtering), a sample that stopped
     on its token budget (``finish_reason == "length"``) keeps its place in its group's
     baseline but carries no loss: its loss mask is cleared.
@@ -127,18 +133,30 @@ def build_samples(
     import torch
 
     from asyncrl.actors.common import shaped_rewards
-    from asyncrl.algo import group_advantages
+    from asyncrl.algo import episode_advantages, group_advantages
     from asyncrl.train import Sample
 
     loss_cfg = recipe.trainer.loss
     rewards = torch.tensor([float(t.reward or 0.0) for t in trajectories], dtype=torch.float32)
     shaped = torch.tensor(shaped_rewards(trajectories, recipe), dtype=torch.float32)
-    adv = group_advantages(
-        shaped,
-        recipe.rollout.group_size,
-        std_level=None if loss_cfg.adv_std_level == "none" else loss_cfg.adv_std_level,
-        leave_one_out=loss_cfg.leave_one_out,
-    )
+    std_level = None if loss_cfg.adv_std_level == "none" else loss_cfg.adv_std_level
+    if all(t.episode_samples == 1 for t in trajectories):
+        adv = group_advantages(
+            shaped,
+            recipe.rollout.group_size,
+            std_level=std_level,
+            leave_one_out=loss_cfg.leave_one_out,
+        )
+    else:
+        episode_of, finals = episodes_of(trajectories)
+        adv = episode_advantages(
+            shaped,
+            torch.tensor(episode_of),
+            shaped[finals],
+            recipe.rollout.group_size,
+            std_level=std_level,
+            leave_one_out=loss_cfg.leave_one_out,
+        )
     samples = []
     masked = 0
     for t, a in zip(trajectories, adv.tolist(), strict=True):
@@ -163,6 +181,23 @@ def build_samples(
     if loss_cfg.mask_truncated:
         stats["truncated_masked"] = float(masked)
     return samples, stats
+
+
+def episodes_of(trajectories: list[Trajectory]) -> tuple[list[int], list[int]]:
+    """For samples of whole groups laid end to end, each in episode order: the episode
+    index of every sample, and the position of each episode's final sample (the one that
+    holds its last call, whose reward is the episode's)."""
+    episode_of: list[int] = []
+    finals: list[int] = []
+    key = None
+    for i, t in enumerate(trajectories):
+        if (t.prompt_uid, t.group_index) != key:
+            key = (t.prompt_uid, t.group_index)
+            finals.append(i)
+        if t.episode_sample == t.episode_samples - 1:
+            finals[-1] = i
+        episode_of.append(len(finals) - 1)
+    return episode_of, finals
 
 
 class TrainerActor(Actor):

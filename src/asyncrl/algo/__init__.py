@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from asyncrl.algo.advantages import group_advantages
+    from asyncrl.algo.advantages import episode_advantages, group_advantages
     from asyncrl.algo.loss import (
         IMPORTANCE_LEVELS,
         KL_PLACEMENTS,
@@ -34,6 +34,7 @@ _EXPORTS = {
     "aggregate": "loss",
     "kl_penalty": "loss",
     "policy_loss": "loss",
+    "episode_advantages": "advantages",
     "group_advantages": "advantages",
     "overlong_penalty": "shaping",
     "shape_reward": "shaping",
@@ -50,6 +51,7 @@ __all__ = [
     "agg_count",
     "aggregate",
     "cut_logprobs",
+    "episode_advantages",
     "group_advantages",
     "kept_mask",
     "kl_penalty",

@@ -94,3 +94,47 @@ def group_advantages(
             raise ValueError("an unbiased std needs at least 2 samples; pass unbiased_std=False")
         adv_NG = adv_NG / (_level_std(rewards_NG, std_level, unbiased=unbiased_std) + eps)
     return adv_NG.reshape(-1)
+
+
+def episode_advantages(
+    sample_rewards: torch.Tensor,
+    episode_of_sample: torch.Tensor,
+    episode_rewards: torch.Tensor,
+    group_size: int,
+    *,
+    std_level: StdLevel = "group",
+    leave_one_out: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Advantages of samples that come several to an episode (agent code whose calls do not
+    all continue one another), with the baseline of the episodes.
+
+    ``episode_rewards`` are the ``N·G`` episodes' rewards, groups contiguous as in
+    :func:`group_advantages`, which gives each episode ``i`` its advantage
+    ``A_i = (R_i − b_i) / s`` (``s = std + eps`` at ``std_level``, 1 without). Sample ``j``
+    of episode ``i = episode_of_sample[j]`` has reward ``r_j`` (the episode's, discounted
+    when it ended calls before the last) and advantage
+
+        A_j = (r_j − b_i) / s = A_i + (r_j − R_i) / s
+
+    so the baseline and the scale are the group's episodes', whatever number of samples
+    each gave, and an episode of one sample gets exactly its GRPO advantage. With
+    ``std_level`` set, a group whose episode rewards are all equal carries no signal, as in
+    GRPO: every sample of it gets 0 (dividing a discount by a zero std would not be one).
+    """
+    adv_episode = group_advantages(
+        episode_rewards, group_size, std_level=std_level, leave_one_out=leave_one_out, eps=eps
+    )
+    rewards_NG = episode_rewards.to(torch.float32).reshape(-1, group_size)
+    if std_level is None:
+        scale = torch.ones_like(episode_rewards, dtype=torch.float32)
+        signal = torch.ones_like(scale, dtype=torch.bool)
+    else:
+        std_NG = _level_std(rewards_NG, std_level, unbiased=True)
+        scale = (std_NG + eps).reshape(-1)
+        signal = (std_NG > 0).reshape(-1)
+    idx = episode_of_sample.to(torch.long)
+    offset = (sample_rewards.to(torch.float32) - episode_rewards.to(torch.float32)[idx]) / scale[
+        idx
+    ]
+    return torch.where(signal[idx], adv_episode[idx] + offset, torch.zeros_like(offset))

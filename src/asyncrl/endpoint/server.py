@@ -56,6 +56,9 @@ EPISODE_ID_RE = re.compile(r"^[A-Za-z0-9._~-]{1,128}$")
 MAX_BODY_BYTES = 16 * 2**20
 """A chat of a long agent episode stays far below this; a larger body is refused (413)."""
 
+SHUTDOWN_TIMEOUT_S = 5.0
+"""Seconds :meth:`OpenAIEndpoint.stop` waits for requests in flight before it cuts them."""
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -111,7 +114,8 @@ class OpenAIEndpoint:
             app.router.add_get(f"{prefix}/models", self._models)
             app.router.add_post(f"{prefix}/chat/completions", self._chat)
             app.router.add_post(f"{prefix}/completions", self._completions)
-        self._runner = web.AppRunner(app, access_log=None)
+        # a request still in the engine at shutdown holds it at most this long
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

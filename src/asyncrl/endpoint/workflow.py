@@ -58,19 +58,21 @@ def load_agent(spec: str) -> AgentFn:
 class OpenAIAgentWorkflow(RolloutWorkflow):
     """Runs ``agent`` ``group_size`` times per prompt through ``endpoint``.
 
-    One trajectory per episode: an episode whose calls do not all extend one another gives
-    several samples (:func:`episode_samples`), which would make GRPO groups uneven, so the
-    workflow keeps the LAST sample, which holds the whole conversation when every call
-    continued the previous one, and records ``samples`` (how many there were) in
-    ``reward_info``. Its reward is the agent's return value (the last sample is never
-    discounted). An agent that raises scores 0 with the error in ``reward_info['reason']``.
-    An episode that made no call has no tokens to train on, and a group is trained only
-    whole: the episode raises ``RuntimeError`` naming why (the prompt goes back to the
-    pool). Any call aborted by a stopping engine drops the group (None), as in the other
-    workflows: the prompt goes back to the pool.
+    Every sample of every episode is trained. An episode whose calls all continue one
+    another is one sample (trajectory ``<prompt>/<i>``); one whose calls do not gives
+    several (:func:`episode_samples`; trajectories ``<prompt>/<i>/<k>`` with
+    ``episode_sample = k`` of ``episode_samples``), each with the episode's reward
+    discounted by ``turn_discount`` per call between the sample's last call and the
+    episode's last. The trainer takes the baseline of a group from its episodes' rewards
+    (:func:`~asyncrl.algo.advantages.episode_advantages`), so an episode of many samples
+    weighs no more in it than one of a single sample. An agent that raises scores 0 with
+    the error in ``reward_info['reason']``. An episode that made no call has no tokens to
+    train on, and a group is trained only whole: the episode raises ``RuntimeError``
+    naming why (the prompt goes back to the pool). Any call aborted by a stopping engine
+    drops the group (None), as in the other workflows: the prompt goes back to the pool.
 
-    ``record_path``: a JSON-lines file to which every finished episode appends its sample's
-    uid and its calls' token ids, versions and finish reasons.
+    ``record_path``: a JSON-lines file to which every finished episode appends its
+    samples' uids and its calls' token ids, versions and finish reasons.
 
     The ``engine`` passed to :meth:`arun_episode` is not used: the endpoint holds its own.
     """
@@ -111,38 +113,45 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 f"({reason or 'the agent returned without calling the model'}); "
                 "a group is trained only with every episode's tokens"
             )
-        trajectories = []
+        trajectories: list[Trajectory] = []
         for index, (calls, reward, reason, info, _) in enumerate(episodes):
             samples = episode_samples(calls, reward, turn_discount=self.turn_discount)
-            last = samples[-1]
-            reply = calls[-1].reply or {}
-            completion = str(reply.get("content") or "")
-            trajectories.append(
-                last.trace.to_trajectory(
+            for k, sample in enumerate(samples):
+                reply = calls[sample.calls[-1]].reply or {}
+                traj = sample.trace.to_trajectory(
                     uid,
                     index,
                     self.group_size,
                     record,
-                    completion,
-                    last.finish_reason,
-                    reward=last.reward,
+                    str(reply.get("content") or ""),
+                    sample.finish_reason,
+                    reward=sample.reward,
                     reward_info={
                         **info,
                         "samples": len(samples),
+                        "sample_calls": sample.calls,
                         "ok": not reason,
                         "reason": reason,
                     },
                 )
-            )
+                if len(samples) > 1:
+                    traj = traj.model_copy(
+                        update={
+                            "uid": f"{uid}/{index}/{k}",
+                            "episode_sample": k,
+                            "episode_samples": len(samples),
+                        }
+                    )
+                trajectories.append(traj)
         if self.record_path is not None:
             self._record(trajectories, [calls for calls, *_ in episodes])
         return trajectories
 
     def _record(self, trajectories: list[Trajectory], episodes: list[list[Call]]) -> None:
         with open(self.record_path, "a") as f:  # type: ignore[arg-type]
-            for traj, calls in zip(trajectories, episodes, strict=True):
+            for index, calls in enumerate(episodes):
                 entry = {
-                    "uid": traj.uid,
+                    "uids": [t.uid for t in trajectories if t.group_index == index],
                     "calls": [
                         {
                             "prompt_ids": c.prompt_ids,

@@ -276,16 +276,21 @@ def builtin_tool(name: str) -> Tool:
 
 def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """The ``agent/...`` metrics of a batch of agent trajectories (those whose
-    ``reward_info`` has ``turns``; none: ``{}``):
+    ``reward_info`` has ``turns``; none: ``{}``), per episode:
 
-    - ``agent/turns``, ``agent/tool_calls``: means per sample;
+    - ``agent/turns``, ``agent/tool_calls``: means per episode;
     - ``agent/tool_success``: the fraction of calls that succeeded, over the samples that
       know (agent code that does not report ``tool_success`` is left out; none: absent);
     - ``agent/tool_errors/<reason>``: counts;
     - ``agent/tool_latency_s``: mean per call, over the samples that report it;
     - ``agent/endpoint_added_latency_s``: the endpoint's own time per call (agent code),
       mean over the calls."""
-    infos = [t.reward_info for t in trajectories if "turns" in t.reward_info]
+    # an episode of several samples (agent code) counts once, by its final sample
+    infos = [
+        t.reward_info
+        for t in trajectories
+        if "turns" in t.reward_info and t.episode_sample == t.episode_samples - 1
+    ]
     if not infos:
         return {}
     metrics = {

@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.buffer.admission import Admission
+from asyncrl.actors.buffer.admission import Admission, split_groups
 from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
 from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, restore
 from asyncrl.actors.buffer.journal import Journal
@@ -344,7 +344,7 @@ class BufferActor(Actor):
 def _split_groups(trajectories: list[Trajectory], group_size: int) -> list[list[Trajectory]]:
     """A served batch's samples back into their groups (a batch holds whole groups, each
     in group order)."""
-    return [trajectories[i : i + group_size] for i in range(0, len(trajectories), group_size)]
+    return split_groups(trajectories, group_size)
 
     async def on_weights_query(self, q: WeightsQuery) -> Message:
         return self.weights if self.weights is not None else Ack(ok=False, error="no weights yet")

@@ -3,7 +3,9 @@
 A sample is first checked for sense (:func:`invalid_reason`); one that makes none is
 refused with a counted reason, its attempt's group is abandoned and the prompt goes back
 to the pool, so a bad message never reaches (and never kills) the trainer. Duplicates (by
-sample id) are dropped. A group is complete when ``group_size`` distinct samples are in;
+sample id) are dropped. A group is complete when ``group_size`` distinct episodes are in,
+each with all its samples (``episode_samples``: one, except for agent code whose calls do
+not all continue one another);
 it is admitted if v − h ≤ η (h: its oldest token's version), else rejected without using
 the budget; with the dynamic filter, a group whose rewards are all equal is dropped: the
 rewards the advantages use (shaped, :func:`asyncrl.actors.common.shaped_rewards`), not the
@@ -13,8 +15,8 @@ raw ones, so a group of equal raw rewards that shaping tells apart keeps its sig
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -32,6 +34,7 @@ def invalid_reason(
     - ``length_mismatch``: the four arrays are not 1-d arrays of one length;
     - ``group_size_mismatch``: its group size is not the run's;
     - ``group_index_out_of_range``: not 0 ≤ group_index < group_size;
+    - ``episode_sample_out_of_range``: not 0 ≤ episode_sample < episode_samples;
     - ``missing_reward`` / ``nonfinite_reward``: unscored, or NaN/inf;
     - ``no_generated_token``: an empty loss mask;
     - ``loss_on_prompt_token``: the loss mask covers the first token or a token that no
@@ -50,6 +53,8 @@ def invalid_reason(
         return "group_size_mismatch"
     if not 0 <= traj.group_index < group_size:
         return "group_index_out_of_range"
+    if not 0 <= traj.episode_sample < traj.episode_samples:
+        return "episode_sample_out_of_range"
     if traj.reward is None:
         return "missing_reward"
     if not math.isfinite(traj.reward):
@@ -71,6 +76,32 @@ def invalid_reason(
     if bool((traj.input_ids.numpy() < 0).any()):
         return "negative_token_id"
     return None
+
+
+def group_complete(samples: Iterable[Trajectory], group_size: int) -> bool:
+    """Whether ``samples`` (distinct) hold every episode of a group, each with all of its
+    ``episode_samples`` samples."""
+    counts: Counter[int] = Counter()
+    expected: dict[int, int] = {}
+    for t in samples:
+        counts[t.group_index] += 1
+        expected[t.group_index] = t.episode_samples
+    return len(counts) == group_size and all(counts[i] >= n for i, n in expected.items())
+
+
+def split_groups(trajectories: Sequence[Trajectory], group_size: int) -> list[list[Trajectory]]:
+    """Samples of whole groups laid end to end (a batch), back into their groups: runs of
+    ``group_size`` when every episode is one sample, else runs of one prompt's samples."""
+    items = list(trajectories)
+    if all(t.episode_samples == 1 for t in items):
+        return [items[i : i + group_size] for i in range(0, len(items), group_size)]
+    groups: list[list[Trajectory]] = []
+    for t in items:
+        if groups and groups[-1][0].prompt_uid == t.prompt_uid:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    return groups
 
 
 class Admission:
@@ -128,20 +159,22 @@ class Admission:
         self.seen_samples.add(traj.uid)
         group = self.groups.setdefault(traj.prompt_uid, {})
         group[traj.uid] = traj
-        if len(group) < self.group_size:
+        if not group_complete(group.values(), self.group_size):
             return "pending"
         del self.groups[traj.prompt_uid]
         self.completed.add(traj.prompt_uid)  # from now on the prompt tells duplicates
         self.seen_samples.difference_update(group)
         self.leases.finish(traj.prompt_uid)
-        samples = sorted(group.values(), key=lambda t: t.group_index)
+        samples = sorted(group.values(), key=lambda t: (t.group_index, t.episode_sample))
         head = min(t.head_version for t in samples)
         version = self.staleness.version
         if not self.staleness.on_scored(head):
             self.journal.count("rejected_samples", len(samples))
             self.journal.event("reject", prompt=traj.prompt_uid, head=head, version=version)
             return "rejected"
-        if self.dynamic_filter and len(set(self.rewards_of(samples))) == 1:
+        # judged on the episodes' rewards (their final samples'), as the advantages are
+        finals = [t for t in samples if t.episode_sample == t.episode_samples - 1]
+        if self.dynamic_filter and len(set(self.rewards_of(finals))) == 1:
             self.staleness.drop_accepted(1)
             self.journal.count("filtered_groups")
             self.journal.event("filter", prompt=traj.prompt_uid)
