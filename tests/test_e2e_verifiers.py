@@ -1,8 +1,7 @@
 """End to end: a ``verifiers`` environment written here trains the ci recipe's tiny model
 through ``asyncrl up``, its rollouts going through the rollout actor's endpoint.
 
-The workflow is :func:`asyncrl.endpoint.verifiers_workflow` built by a factory file of the
-test (a recipe's ``path/to/file.py:factory`` is offered the actor's endpoint). The
+The recipe names the environment's file as ``rollout.workflow = "verifiers:<file>"``. The
 environment's rubric rewards a reply that begins with a digit, the ci task; prompts are
 the recipe's arithmetic records, mapped to the environment's chat. Every trained sample
 must be the tokens the endpoint recorded for its episode, and its reward the rubric's
@@ -47,27 +46,14 @@ def load_environment():
     return vf.SingleTurnEnv(dataset=data, rubric=vf.Rubric(funcs=[starts_with_digit]))
 """
 
-FACTORY = """
-from asyncrl.endpoint import verifiers_workflow
-
-
-def workflow(endpoint, group_size, turn_discount):
-    return verifiers_workflow(
-        {env!r}, endpoint=endpoint, group_size=group_size, turn_discount=turn_discount
-    )
-"""
-
 
 async def test_a_verifiers_environment_trains_on_the_endpoints_tokens(tmp_path: Path) -> None:
     env_file = tmp_path / "digit_env.py"
     env_file.write_text(ENV)
-    factory = tmp_path / "make_workflow.py"
-    factory.write_text(FACTORY.format(env=str(env_file)))
     argv = up_args(
         tmp_path,
         "vf",
-        f"rollout.workflow={factory}:workflow",
-        "rollout.endpoint=true",
+        f"rollout.workflow=verifiers:{env_file}",
         "rollout.endpoint_record=true",
         "rollout.group_size=4",
         "rollout.max_concurrent=8",
@@ -87,9 +73,10 @@ async def test_a_verifiers_environment_trains_on_the_endpoints_tokens(tmp_path: 
     verdicts = {}
     for line in (up.run_dir / "endpoint_calls.jsonl").read_text().splitlines():
         entry = json.loads(line)
-        (call,) = entry["calls"]  # a single-turn environment: one call per episode
+        (call,) = entry["calls"]  # a single-turn environment: one call per episode,
+        (uid,) = entry["uids"]  # one sample
         text = tokenizer.decode(call["completion_ids"], skip_special_tokens=True)
         digest = token_digest(call["prompt_ids"] + call["completion_ids"])
-        verdicts[(entry["uid"], digest)] = 1.0 if text[:1].isdigit() else 0.0
+        verdicts[(uid, digest)] = 1.0 if text[:1].isdigit() else 0.0
     for sample in trained:
         assert sample["reward"] == verdicts[(sample["uid"], sample["tokens_sha1"])]

@@ -360,3 +360,50 @@ def test_a_missing_verifiers_says_how_to_install_it(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "verifiers", None)  # what `import` then raises on
     with pytest.raises(ImportError, match=r"pip install 'asyncrl\[agents\]'"):
         import_verifiers()
+
+
+# --- the recipe: rollout.workflow = "verifiers:<env>" --------------------------------------
+
+
+async def test_a_verifiers_spec_builds_the_workflow_on_the_endpoint(
+    env_file: Path, endpoint: OpenAIEndpoint
+) -> None:
+    from asyncrl.workflows import is_agent_code, make_workflow
+
+    spec = f"verifiers:{env_file}"
+    assert is_agent_code(spec)
+    built = make_workflow(spec, endpoint=endpoint, group_size=3, env_args={"kind": "tool"})
+    assert isinstance(built, VerifiersWorkflow) and built.group_size == 3
+    with pytest.raises(SpecError, match=r"rollout\.endpoint"):
+        make_workflow(spec, group_size=3)
+    with pytest.raises(SpecError, match="names no environment"):
+        make_workflow("verifiers:", endpoint=endpoint)
+
+
+def test_check_refuses_a_verifiers_env_that_does_not_load_naming_the_key(
+    env_file: Path, tmp_path: Path
+) -> None:
+    from asyncrl.checks import recipe_problems
+    from asyncrl.config import RecipeError, load_recipe
+
+    def problems(*sets: str) -> list[str]:
+        return recipe_problems(load_recipe(None, list(sets)))[0]
+
+    spec = f"rollout.workflow=verifiers:{env_file}"
+    assert problems(spec) == []
+    (err,) = problems(spec, 'rollout.agent.env_args={kind = "nothing"}')
+    assert "rollout.agent.env_args" in err and "not a verifiers Environment" in err
+    (err,) = problems(spec, "rollout.agent.env_args={colour = 1}")
+    assert "rollout.workflow" in err and "colour" in err
+    (err,) = problems(spec, "rollout.endpoint=false")
+    assert "rollout.endpoint = false" in err
+    no_loader = tmp_path / "plain.py"
+    no_loader.write_text("X = 1\n")
+    (err,) = problems(f"rollout.workflow=verifiers:{no_loader}")
+    assert "has no load_environment()" in err
+    with pytest.raises(RecipeError, match=r"rollout\.workflow: file .*missing_env\.py"):
+        load_recipe(None, [f"rollout.workflow=verifiers:{tmp_path}/missing_env.py"])
+    # a file named in a recipe is found beside the recipe
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[rollout]\nworkflow = "verifiers:{env_file.name}"\n')
+    assert load_recipe(recipe).rollout.workflow == f"verifiers:{env_file}"

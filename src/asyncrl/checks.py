@@ -154,7 +154,9 @@ def workflow_problems(recipe: Recipe) -> list[str]:
     from asyncrl.workflows.loader import load_callable
 
     r, errors = recipe.rollout, []
-    if r.workflow not in WORKFLOWS:
+    if r.workflow.startswith("verifiers:"):
+        errors.extend(verifiers_problems(recipe))
+    elif r.workflow not in WORKFLOWS:
         try:
             agent_code = is_agent_code(r.workflow)
         except Exception as exc:  # user code: whatever its import raises
@@ -191,6 +193,33 @@ def workflow_problems(recipe: Recipe) -> list[str]:
                 f"rollout.agent.mcp[{i}].command = {server.command!r} is not an installed "
                 "program (not on PATH)"
             )
+    return errors
+
+
+def verifiers_problems(recipe: Recipe) -> list[str]:
+    """A ``verifiers:<env>`` workflow whose environment does not load (``verifiers``
+    missing, no ``load_environment``, arguments that do not fit, not an Environment), or
+    with the endpoint turned off. Builds the environment once, as each actor will."""
+    from asyncrl.endpoint.verifiers_env import load_verifiers_env
+    from asyncrl.workflows import verifiers_env_spec
+
+    r, errors = recipe.rollout, []
+    if r.endpoint is False:
+        errors.append(
+            f"rollout.workflow = {r.workflow!r} runs through the rollout actor's endpoint, "
+            "but rollout.endpoint = false: leave it unset"
+        )
+    try:
+        env = verifiers_env_spec(r.workflow)
+        assert env is not None
+        load_verifiers_env(env, r.agent.env_args)
+    except ImportError as exc:
+        errors.append(f"rollout.workflow = {r.workflow!r}: {exc}")
+    except Exception as exc:  # user code: whatever building the environment raises
+        errors.append(
+            f"rollout.workflow = {r.workflow!r} (rollout.agent.env_args = "
+            f"{dict(r.agent.env_args)}): {type(exc).__name__}: {exc}"
+        )
     return errors
 
 

@@ -343,6 +343,9 @@ class AgentConfig(_Section):
     """``path/to/file.py:factory`` / ``module:factory``: a function of no arguments that
     returns a fresh :class:`asyncrl.tools.env.Environment` per sample. It replaces
     ``tools``, ``mcp`` and ``reward.fn``: the environment gives the tools and the reward."""
+    env_args: dict[str, Any] = {}
+    """Keyword arguments of a ``verifiers`` environment's ``load_environment`` (with
+    ``rollout.workflow = "verifiers:<env>"``), e.g. ``{num_train_examples = 500}``."""
 
 
 class RolloutConfig(_Section):
@@ -718,6 +721,12 @@ def _anchor_code_specs(data: dict[str, Any], base: Path) -> None:
 def _anchored(spec: str, base: Path) -> str:
     """``file.py:name`` with the file found beside the recipe made absolute; any other
     spec as it is."""
+    if spec.startswith("verifiers:"):
+        env = spec.split(":", 1)[1]
+        beside = base / env
+        if env.endswith(".py") and not Path(env).is_absolute() and beside.is_file():
+            return f"verifiers:{beside.resolve()}"
+        return spec
     if ":" not in spec:
         return spec
     file_part, name = spec.split(":", 1)
@@ -761,6 +770,8 @@ def _check_paths(recipe: Recipe) -> None:
         )
     for key, spec in code_specs(recipe):
         file_part = spec.split(":", 1)[0]
+        if file_part == "verifiers":
+            file_part = spec.split(":", 1)[1]
         if file_part.endswith(".py") and not Path(file_part).is_file():
             problems.append(f"  {key}: file {file_part!r} does not exist")
     # checked where a run starts, not where an actor reads the run's recipe: a rollout

@@ -278,6 +278,8 @@ def build_workflow(
     }
     if endpoint is not None:
         options["endpoint"] = endpoint
+    if r.workflow.startswith("verifiers:"):
+        options["env_args"] = dict(r.agent.env_args)
     if r.workflow != "rlvr" and reward is not None:
         options["reward"] = reward
     if r.workflow == "agent":

@@ -14,7 +14,11 @@ user's own.
     ``options["endpoint"]`` (the rollout actor's); its return value is the reward;
   - named ``engine``: a bare ``async def episode(engine, item)`` returning the group's
     trajectories (:class:`FunctionWorkflow`);
-  - anything else is refused (:class:`SpecError` naming both forms).
+  - anything else is refused (:class:`SpecError` naming both forms);
+- ``"verifiers:<module, hub id or path/to/file.py>"``: a ``verifiers`` environment (its
+  ``load_environment(**env_args)``) whose rollouts run through the endpoint and are scored
+  by its rubric (:func:`~asyncrl.endpoint.verifiers_workflow`). It counts as agent code:
+  it needs the endpoint and returns its own rewards.
 
 ``options`` are offered by keyword (``tokenizer``, ``sampling``, ``group_size``,
 ``reward``, ``max_turns``, ``endpoint``, ...); each class or factory receives only those
@@ -99,9 +103,27 @@ def function_kind(fn: Callable[..., Any], spec: str = "") -> str:
     raise SpecError(f"{name!r} is an async function of neither form: write {FUNCTION_FORMS}")
 
 
+VERIFIERS_PREFIX = "verifiers:"
+"""``rollout.workflow = "verifiers:<env>"`` names a ``verifiers`` environment."""
+
+
+def verifiers_env_spec(spec: str) -> str | None:
+    """The environment a ``verifiers:<env>`` workflow spec names; None for other specs."""
+    if not spec.startswith(VERIFIERS_PREFIX):
+        return None
+    env = spec[len(VERIFIERS_PREFIX) :].strip()
+    if not env:
+        raise SpecError(f"{spec!r} names no environment: write 'verifiers:<module or file.py>'")
+    return env
+
+
 def is_agent_code(spec: str) -> bool:
-    """Whether the workflow ``spec`` names agent code (which runs through the endpoint).
-    Loads the spec; raises :class:`SpecError` if it does not load."""
+    """Whether the workflow ``spec`` names agent code (which runs through the endpoint):
+    an async ``agent(client, data)`` or a ``verifiers:`` environment. Loads a
+    ``file.py:name`` spec (not a verifiers environment, whose import is slow); raises
+    :class:`SpecError` if it does not load."""
+    if verifiers_env_spec(spec) is not None:
+        return True
     if spec in WORKFLOWS or ":" not in spec:
         return False
     obj = load_callable(spec)
@@ -112,6 +134,17 @@ def make_workflow(spec: str, **options: Any) -> RolloutWorkflow:
     """The workflow ``spec`` names (see the module docstring), built with ``options``."""
     if spec in WORKFLOWS:
         return call_with_accepted(WORKFLOWS[spec], options)  # type: ignore[no-any-return]
+    env = verifiers_env_spec(spec)
+    if env is not None:
+        from asyncrl.endpoint.verifiers_env import verifiers_workflow
+
+        return verifiers_workflow(
+            env,
+            endpoint=_endpoint(options, spec),
+            env_args=options.get("env_args"),
+            group_size=options.get("group_size", 1),
+            turn_discount=options.get("turn_discount", 1.0),
+        )
     if ":" not in spec:
         raise SpecError(f"workflow {spec!r} is not one of {sorted(WORKFLOWS)} nor a file.py:name")
     split_spec(spec)
@@ -119,16 +152,10 @@ def make_workflow(spec: str, **options: Any) -> RolloutWorkflow:
     if inspect.iscoroutinefunction(obj):
         if function_kind(obj, spec) == "episode":
             return FunctionWorkflow(obj)
-        endpoint = options.get("endpoint")
-        if endpoint is None:
-            raise SpecError(
-                f"{spec!r} is agent code, which runs through the rollout actor's endpoint: "
-                "set rollout.endpoint = true (or leave it unset)"
-            )
         from asyncrl.endpoint.workflow import OpenAIAgentWorkflow
 
         return OpenAIAgentWorkflow(
-            endpoint,
+            _endpoint(options, spec),
             obj,
             group_size=options.get("group_size", 1),
             turn_discount=options.get("turn_discount", 1.0),
@@ -139,7 +166,18 @@ def make_workflow(spec: str, **options: Any) -> RolloutWorkflow:
     return built  # type: ignore[no-any-return]
 
 
+def _endpoint(options: dict[str, Any], spec: str) -> Any:
+    endpoint = options.get("endpoint")
+    if endpoint is None:
+        raise SpecError(
+            f"{spec!r} is agent code, which runs through the rollout actor's endpoint: "
+            "set rollout.endpoint = true (or leave it unset)"
+        )
+    return endpoint
+
+
 __all__ = [
+    "VERIFIERS_PREFIX",
     "WORKFLOWS",
     "AgentWorkflow",
     "FunctionWorkflow",
@@ -156,4 +194,5 @@ __all__ = [
     "load_callable",
     "make_workflow",
     "split_item",
+    "verifiers_env_spec",
 ]
