@@ -1,4 +1,5 @@
-"""Data: JSONL and HF loaders, GSM8K formatting, the arithmetic task, shuffling/sharding."""
+"""Data: JSONL and HF loaders, GSM8K formatting, the arithmetic and products tasks,
+shuffling/sharding."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import ArithmeticData, HFData, JsonlData
+from asyncrl.config import ArithmeticData, HFData, JsonlData, ProductsData, RecipeError, load_recipe
 from asyncrl.data import (
     BOXED_INSTRUCTION,
     ShardSampler,
@@ -15,6 +16,7 @@ from asyncrl.data import (
     gsm8k_final_answer,
     load_gsm8k,
     load_records,
+    products_records,
     read_hf_dataset,
     read_jsonl,
 )
@@ -71,6 +73,48 @@ def test_arithmetic_records_are_deterministic_and_correct():
     assert all(eval(r["question"][8:-1]) == int(r["answer"]) for r in three)
     with pytest.raises(ValueError, match="each must be one of"):
         arithmetic_records(1, ops="/")
+
+
+def test_products_records_are_deterministic_with_the_digits_asked():
+    recs = products_records(200, seed=5, digits=(3, 4))
+    assert recs == products_records(200, seed=5, digits=(3, 4))
+    assert recs != products_records(200, seed=6, digits=(3, 4))
+    for rec in recs:
+        a, b = rec["question"].removeprefix("What is ").removesuffix("?").split(" * ")
+        assert (len(a), len(b)) == (3, 4)  # no leading zeros: 100..999 and 1000..9999
+        assert int(rec["answer"]) == int(a) * int(b)
+        assert rec["prompt"] == f"{rec['question']}\n{ProductsData().instruction}"
+        assert "messages" not in rec
+    small = [r["question"][8:-1].split(" * ") for r in products_records(20, digits=(2, 1))]
+    assert {(len(a), len(b)) for a, b in small} == {(2, 1)}
+    with pytest.raises(ValueError, match="two numbers of digits"):
+        products_records(1, digits=(0, 3))
+
+
+def test_products_with_a_worked_example_start_from_a_solved_exchange():
+    (rec,) = products_records(1, seed=2, instruction="Use it.", example=True)
+    roles = [m["role"] for m in rec["messages"]]
+    assert roles == ["user", "assistant", "tool", "assistant", "user"]
+    assert rec["messages"][-1]["content"] == rec["prompt"] == f"{rec['question']}\nUse it."
+    shown = rec["messages"]
+    assert shown[0]["content"] == "What is 123 * 4567?\nUse it."
+    assert '"expression": "123 * 4567"' in shown[1]["content"]
+    assert shown[2]["content"] == str(123 * 4567)
+    # the example's own answer scores 1 under the math reward, as the task's answers do
+    assert math_reward(shown[3]["content"], {"answer": str(123 * 4567)}) == 1.0
+    assert math_reward("The answer is \\boxed{561,741}.", {"answer": "561741"}) == 1.0
+    assert math_reward("The result is 561741.", {"answer": "561741"}) == 1.0
+
+
+def test_a_products_recipe_loads_and_bad_digits_name_the_key(tmp_path: Path):
+    recipe = load_recipe(None, ["data.type=products", "data.size=30", "data.digits=[2, 3]"])
+    assert isinstance(recipe.data, ProductsData) and recipe.data.digits == (2, 3)
+    recs = load_records(recipe.data, seed=recipe.run.seed)
+    assert len(recs) == 30 and recs == products_records(30, seed=recipe.run.seed, digits=(2, 3))
+    with pytest.raises(RecipeError, match=r"data\.products\.digits"):
+        load_recipe(None, ["data.type=products", "data.digits=[3, 0]"])
+    with pytest.raises(RecipeError, match=r"eval\.max_prompts"):
+        load_recipe(None, ["data.type=products", "data.size=50", "eval.every=4"])
 
 
 @needs_gsm8k

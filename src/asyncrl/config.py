@@ -176,6 +176,20 @@ class ArithmeticData(_Section):
     """Appended to each question."""
 
 
+class ProductsData(_Section):
+    type: Literal["products"] = "products"
+    """Synthetic offline products ``What is a * b?`` for tool use (the ``calculator``)."""
+    size: int = Field(2000, ge=1)
+    """Number of generated questions."""
+    digits: tuple[Annotated[int, Field(ge=1, le=9)], Annotated[int, Field(ge=1, le=9)]] = (3, 4)
+    """Digits of the two factors."""
+    instruction: str = "Use the calculator, then give the final answer in \\boxed{}."
+    """Appended to each question."""
+    example: bool = False
+    """Start each chat with one solved exchange (question, calculator call, result, boxed
+    answer); needs a chat template that renders the ``tool`` role."""
+
+
 class JsonlData(_Section):
     type: Literal["jsonl"] = "jsonl"
     """Records from a local JSONL file (GSM8K format: question/answer)."""
@@ -202,7 +216,9 @@ class HFData(_Section):
     """Field holding the reference answer."""
 
 
-DataConfig = Annotated[ArithmeticData | JsonlData | HFData, Field(discriminator="type")]
+DataConfig = Annotated[
+    ArithmeticData | ProductsData | JsonlData | HFData, Field(discriminator="type")
+]
 
 
 class SamplingConfig(_Section):
@@ -761,7 +777,7 @@ def _check_paths(recipe: Recipe) -> None:
     if (
         recipe.eval.every
         and recipe.eval.data is None
-        and isinstance(recipe.data, ArithmeticData)
+        and isinstance(recipe.data, ArithmeticData | ProductsData)
         and recipe.data.size <= recipe.eval.max_prompts
     ):
         problems.append(

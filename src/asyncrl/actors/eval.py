@@ -18,8 +18,21 @@ Per evaluation, over ``eval.max_prompts`` held-out prompts (see
 - ``eval/response_length``, ``eval/clip_ratio`` (share that hit the token budget),
   ``eval/seconds``, ``eval/tokens_per_s``.
 
-Generation is single-turn (the prompt record's chat, as the ``rlvr`` workflow builds it),
-whatever the run's workflow. Each record goes to ``eval.jsonl`` (and TensorBoard / W&B) and to the ``metrics.eval``
+For ``rollout.workflow = "rlvr"`` (and any workflow but ``agent``) generation is
+single-turn, from the prompt record's chat as the ``rlvr`` workflow builds it. For
+``agent`` runs each prompt is an episode of the recipe's own workflow (built like the
+rollout actor's, by :func:`asyncrl.actors.common.build_workflow`, with the eval's
+sampling and samples per prompt): tool calls run, and the final answer is scored. The
+record then adds, over the greedy episodes (the sampled ones when ``greedy`` is off):
+
+- ``eval/tool_call_rate``: share of episodes with at least one parsable tool call;
+- ``eval/tool_success``: share of the calls that succeeded;
+- ``eval/turns``: mean replies per episode.
+
+``eval/response_length`` counts the generated tokens of a whole episode, and
+``eval/clip_ratio`` the episodes whose last reply hit the token budget.
+
+Each record goes to ``eval.jsonl`` (and TensorBoard / W&B) and to the ``metrics.eval``
 subject, with ``version`` the policy version it evaluated.
 """
 
@@ -28,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.actors.weights import load_published_weights
@@ -44,6 +58,17 @@ PASS_THRESHOLD = 0.5
 """A sample with at least this reward counts as solved for pass@k."""
 
 
+@dataclass
+class Scored:
+    """One scored completion or episode: its reward, the tokens generated, whether it
+    ended on the token budget, and the workflow's ``reward_info`` (agent episodes)."""
+
+    reward: float
+    length: int
+    hit_max: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
 def pass_at_k(rewards_PK: list[list[float]], threshold: float = PASS_THRESHOLD) -> float:
     """Share of prompts with at least one of their k rewards >= ``threshold``."""
     if not rewards_PK:
@@ -55,6 +80,30 @@ def mean_at_k(rewards_PK: list[list[float]]) -> float:
     """Mean over prompts of the mean of their k rewards."""
     rows = [sum(r) / len(r) for r in rewards_PK if r]
     return sum(rows) / len(rows) if rows else 0.0
+
+
+AGENT_WORKFLOWS = ("agent",)
+"""Workflows whose episodes the eval runs through the workflow itself."""
+
+
+def tool_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """``eval/tool_call_rate``, ``eval/tool_success`` and ``eval/turns`` of agent episodes
+    (their ``reward_info``); a malformed call counts as a call that failed, not as a
+    parsable one."""
+    if not infos:
+        return {}
+    calls = sum(int(i.get("tool_calls", 0)) for i in infos)
+    parsable = sum(
+        int(i.get("tool_calls", 0)) - int(i.get("tool_errors", {}).get("malformed", 0)) > 0
+        for i in infos
+    )
+    return {
+        "eval/tool_call_rate": parsable / len(infos),
+        "eval/tool_success": sum(int(i.get("tool_success", 0)) for i in infos) / calls
+        if calls
+        else 0.0,
+        "eval/turns": sum(int(i.get("turns", 1)) for i in infos) / len(infos),
+    }
 
 
 def is_due(version: int, every: int, last: int) -> bool:
@@ -76,6 +125,7 @@ class EvalActor(Actor):
         self._due_arrived = asyncio.Event()
         self.evaluated: list[int] = []
         self._baseline = True
+        self.agent = False
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
@@ -98,6 +148,7 @@ class EvalActor(Actor):
         await self.engine.start()
         self.reward_pool = build_reward_pool(self.recipe)
         await self.reward_pool.start()
+        self.agent = self.recipe.rollout.workflow in AGENT_WORKFLOWS
         self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl=EVAL_FILE, job="eval")
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
         latest = await self._query_weights()
@@ -205,23 +256,33 @@ class EvalActor(Actor):
         if cfg.k:
             jobs.append((cfg.k, eval_sampling_params(self.recipe, greedy=False)))
         async with asyncio.TaskGroup() as tg:
-            tasks = [
-                [
-                    tg.create_task(self._complete(i, rec, sampling, n))
-                    for i, rec in enumerate(self.records)
-                ]
-                for n, sampling in jobs
-            ]
+            tasks = []
+            for n, sampling in jobs:
+                if self.agent:
+                    workflow = self._workflow(sampling, n)
+                    row = [
+                        tg.create_task(self._episodes(i, rec, workflow))
+                        for i, rec in enumerate(self.records)
+                    ]
+                else:
+                    row = [
+                        tg.create_task(self._complete(i, rec, sampling, n))
+                        for i, rec in enumerate(self.records)
+                    ]
+                tasks.append(row)
         out: dict[str, float] = {"eval/prompts": float(len(self.records)), "_tokens": 0.0}
         lengths: list[int] = []
         clipped = 0
+        infos: list[dict[str, Any]] = []
         for (n, sampling), row in zip(jobs, tasks, strict=True):
             results = [t.result() for t in row]
-            rewards_PK = [[r for r, _, _ in res] for res in results]
+            rewards_PK = [[r.reward for r in res] for res in results]
             for res in results:
-                for _, length, hit_max in res:
-                    lengths.append(length)
-                    clipped += hit_max
+                for r in res:
+                    lengths.append(r.length)
+                    clipped += r.hit_max
+            if not infos:  # the first job's episodes: the greedy ones when there are
+                infos = [r.info for res in results for r in res]
             if sampling.temperature == 0:
                 out["eval/accuracy"] = mean_at_k(rewards_PK)
             else:
@@ -230,12 +291,44 @@ class EvalActor(Actor):
         out["_tokens"] = float(sum(lengths))
         out["eval/response_length"] = sum(lengths) / max(1, len(lengths))
         out["eval/clip_ratio"] = clipped / max(1, len(lengths))
+        if self.agent:
+            out.update(tool_metrics(infos))
         return out
+
+    def _workflow(self, sampling: Any, n: int) -> Any:
+        """The recipe's workflow, built as the rollout actor builds it, with the eval's
+        sampling (seeded by the run's seed) and ``n`` samples per prompt."""
+        from asyncrl.actors.common import build_workflow
+
+        workflow = build_workflow(self.recipe, self.engine, self.reward_pool)
+        workflow.sampling = sampling.model_copy(update={"seed": self.recipe.run.seed})
+        workflow.group_size = n
+        return workflow
+
+    async def _episodes(self, index: int, record: dict[str, Any], workflow: Any) -> list[Scored]:
+        """The episodes of one prompt through ``workflow`` (see :meth:`_workflow`), as
+        :class:`Scored`: the length counts every generated token of an episode, ``info``
+        is the workflow's ``reward_info``. Sample j of prompt i is seeded by the run's
+        seed, i and j, as in :meth:`_complete`. An episode the engine aborted scores
+        nothing."""
+        with self.tracer.span("episode", n=workflow.group_size):
+            trajectories = await workflow.arun_episode(
+                self.engine, {**record, "uid": f"eval/{index}"}
+            )
+        return [
+            Scored(
+                float(t.reward or 0.0),
+                int(t.loss_mask.numpy().sum()),
+                t.finish_reason == "length",
+                dict(t.reward_info),
+            )
+            for t in trajectories or []
+        ]
 
     async def _complete(
         self, index: int, record: dict[str, Any], sampling: Any, n: int
-    ) -> list[tuple[float, int, bool]]:
-        """``n`` completions of one prompt as (reward, length, hit the token budget).
+    ) -> list[Scored]:
+        """``n`` single-turn completions of one prompt as :class:`Scored`.
 
         Sample j of prompt i has a seed fixed by the run's seed, i and j: every version
         is scored on the same draws, so a change between versions is the policy's."""
@@ -270,5 +363,7 @@ class EvalActor(Actor):
             text = tokenizer.decode(resp.output_ids, skip_special_tokens=True)
             with self.tracer.span("score"):
                 scored = await self.reward_pool.score(text, record)
-            out.append((float(scored.reward), len(resp.output_ids), resp.finish_reason == "length"))
+            out.append(
+                Scored(float(scored.reward), len(resp.output_ids), resp.finish_reason == "length")
+            )
         return out

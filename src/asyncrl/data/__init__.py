@@ -1,5 +1,5 @@
 """Prompt data: loaders (JSONL, HF datasets), GSM8K formatting, the synthetic arithmetic
-task, and deterministic shuffling/sharding with a resumable position."""
+and products tasks, and deterministic shuffling/sharding with a resumable position."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from asyncrl.data.loaders import (
     to_prompt_records,
 )
 from asyncrl.data.sampler import ShardSampler, epoch_permutation
-from asyncrl.data.synthetic import arithmetic_records
+from asyncrl.data.synthetic import arithmetic_records, products_records
 
 
 def _final_answer(text: str) -> str:
@@ -30,7 +30,7 @@ def _final_answer(text: str) -> str:
 
 def load_records(cfg: Any, seed: int = 0) -> list[Record]:
     """The prompt records a recipe's ``data`` section names (``type`` = ``arithmetic``,
-    ``jsonl`` or ``hf``; see :mod:`asyncrl.config`)."""
+    ``products``, ``jsonl`` or ``hf``; see :mod:`asyncrl.config`)."""
     kind = cfg.type
     if kind == "arithmetic":
         return arithmetic_records(
@@ -40,6 +40,14 @@ def load_records(cfg: Any, seed: int = 0) -> list[Record]:
             ops=cfg.ops,
             instruction=cfg.instruction,
         )
+    if kind == "products":
+        return products_records(
+            cfg.size,
+            seed=seed,
+            digits=tuple(cfg.digits),
+            instruction=cfg.instruction,
+            example=cfg.example,
+        )
     if kind == "jsonl":
         rows = read_jsonl(cfg.path)
         source = str(cfg.path)
@@ -47,7 +55,7 @@ def load_records(cfg: Any, seed: int = 0) -> list[Record]:
         rows = read_hf_dataset(cfg.name, cfg.subset, cfg.split)
         source = f"dataset {cfg.name} ({cfg.split})"
     else:
-        raise ValueError(f"data type {kind!r} is not one of arithmetic, jsonl, hf")
+        raise ValueError(f"data type {kind!r} is not one of arithmetic, products, jsonl, hf")
     records = to_prompt_records(
         rows,
         cfg.prompt_key,
@@ -73,6 +81,7 @@ __all__ = [
     "load_gsm8k",
     "load_records",
     "missing_fields",
+    "products_records",
     "read_hf_dataset",
     "read_jsonl",
     "to_prompt_records",
