@@ -8,6 +8,8 @@ the final answer) on held-out ``products`` prompts and prints, per system prompt
 - ``success``: share of calls that succeeded (the calculator returned a value);
 - ``right_call``: share of episodes that called the calculator with the product asked;
 - ``accuracy``: share of episodes whose final answer is the product (the reward);
+- ``mixed``: share of prompts whose samples were neither all right nor all wrong (the
+  groups that carry a GRPO signal);
 - ``turns``, ``tokens`` (generated per episode), ``clip`` (share of replies cut by the
   token budget), and the episodes per second.
 
@@ -135,6 +137,7 @@ async def probe(
         "success": ok / calls if calls else 0.0,
         "right_call": right / n,
         "accuracy": statistics.fmean(float(t.reward or 0.0) for t in trajs) if trajs else 0.0,
+        "mixed": sum(len({t.reward for t in g}) > 1 for g in groups if g) / max(1, len(groups)),
         "turns": statistics.fmean(t.reward_info["turns"] for t in trajs) if trajs else 0.0,
         "tokens": statistics.fmean(int(t.loss_mask.numpy().sum()) for t in trajs) if trajs else 0,
         "clip": clipped / n,

@@ -57,6 +57,9 @@ EVAL_FILE = "eval.jsonl"
 PASS_THRESHOLD = 0.5
 """A sample with at least this reward counts as solved for pass@k."""
 
+AGENT_WORKFLOWS = ("agent",)
+"""Workflows whose episodes the eval runs through the workflow itself."""
+
 
 @dataclass
 class Scored:
@@ -80,10 +83,6 @@ def mean_at_k(rewards_PK: list[list[float]]) -> float:
     """Mean over prompts of the mean of their k rewards."""
     rows = [sum(r) / len(r) for r in rewards_PK if r]
     return sum(rows) / len(rows) if rows else 0.0
-
-
-AGENT_WORKFLOWS = ("agent",)
-"""Workflows whose episodes the eval runs through the workflow itself."""
 
 
 def tool_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
