@@ -67,7 +67,11 @@ RECORDS = [
 ]
 
 
-def eval_actor(tmp_path: Path, nats: NatsInfo, overrides: list[str]) -> EvalActor:
+AGENT = ["rollout.workflow=agent", "rollout.max_turns=3", 'rollout.agent.tools=["calculator"]']
+
+
+async def eval_actor(tmp_path: Path, nats: NatsInfo, overrides: list[str]) -> EvalActor:
+    """An eval actor as its setup leaves it, with a scripted engine and the reward in-process."""
     recipe = load_recipe(None, ["eval.every=4", "trainer.max_steps=8", *overrides])
     actor = EvalActor(ActorContext(run_name="t", run_dir=tmp_path, nats=nats, recipe=recipe))
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
@@ -75,6 +79,8 @@ def eval_actor(tmp_path: Path, nats: NatsInfo, overrides: list[str]) -> EvalActo
     actor.reward_pool = InlineMath()
     actor.records = [dict(r) for r in RECORDS]
     actor.agent = recipe.rollout.workflow == "agent"
+    if actor.agent:
+        actor.tools = await actor._open_tools()
     return actor
 
 
@@ -98,7 +104,7 @@ def test_tool_metrics_count_parsable_calls_and_successes() -> None:
 async def test_an_agent_run_is_evaluated_in_episodes_of_its_workflow(
     tmp_path: Path, nats_server: NatsInfo
 ) -> None:
-    actor = eval_actor(tmp_path, nats_server, ["rollout.workflow=agent", "rollout.max_turns=3"])
+    actor = await eval_actor(tmp_path, nats_server, AGENT)
     out = await actor.evaluate()
     assert out["eval/accuracy"] == pytest.approx(2 / 3)
     assert out["eval/tool_call_rate"] == pytest.approx(2 / 3)
@@ -108,9 +114,9 @@ async def test_an_agent_run_is_evaluated_in_episodes_of_its_workflow(
     engine = actor.engine
     assert len(engine.requests) == 6  # one request per reply
     assert all(r.sampling.temperature == 0 for r in engine.requests)
-    # the tools were shown, and every reply of an episode continues the same tokens
+    # the recipe's tools were shown, and no others
     first = engine.tokenizer.decode(engine.requests[0].input_ids)
-    assert '"name": "calculator"' in first
+    assert '"name": "calculator"' in first and '"name": "python"' not in first
     lengths = [len(o) for o in engine.outputs]
     assert out["eval/response_length"] == pytest.approx(sum(lengths) / 3)
 
@@ -118,11 +124,7 @@ async def test_an_agent_run_is_evaluated_in_episodes_of_its_workflow(
 async def test_sampled_agent_episodes_give_pass_and_mean_at_k(
     tmp_path: Path, nats_server: NatsInfo
 ) -> None:
-    actor = eval_actor(
-        tmp_path,
-        nats_server,
-        ["rollout.workflow=agent", "rollout.max_turns=3", "eval.greedy=false", "eval.k=2"],
-    )
+    actor = await eval_actor(tmp_path, nats_server, [*AGENT, "eval.greedy=false", "eval.k=2"])
     out = await actor.evaluate()
     assert out["eval/mean@2"] == pytest.approx(2 / 3) and out["eval/pass@2"] == pytest.approx(2 / 3)
     assert "eval/accuracy" not in out
@@ -135,7 +137,7 @@ async def test_sampled_agent_episodes_give_pass_and_mean_at_k(
 async def test_an_rlvr_run_is_still_evaluated_single_turn(
     tmp_path: Path, nats_server: NatsInfo
 ) -> None:
-    actor = eval_actor(tmp_path, nats_server, [])
+    actor = await eval_actor(tmp_path, nats_server, [])
     out = await actor.evaluate()
     # one reply per prompt, no tools shown, no calls run: the 12 * 34 call is scored as it
     # stands (its last number is not the product)

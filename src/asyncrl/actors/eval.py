@@ -39,6 +39,7 @@ subject, with ``version`` the policy version it evaluated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -125,6 +126,10 @@ class EvalActor(Actor):
         self.evaluated: list[int] = []
         self._baseline = True
         self.agent = False
+        self.tools: list[Any] | None = None
+        self._resources = contextlib.AsyncExitStack()
+        """MCP servers of an agent run's tools; closed in teardown, in setup's task, as the
+        MCP transport requires."""
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
@@ -148,6 +153,8 @@ class EvalActor(Actor):
         self.reward_pool = build_reward_pool(self.recipe)
         await self.reward_pool.start()
         self.agent = self.recipe.rollout.workflow in AGENT_WORKFLOWS
+        if self.agent:
+            self.tools = await self._open_tools()
         self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl=EVAL_FILE, job="eval")
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
         latest = await self._query_weights()
@@ -168,6 +175,7 @@ class EvalActor(Actor):
             await self.reward_pool.aclose()
         if self.engine is not None:
             await self.engine.stop()
+        await self._resources.aclose()
         if self.sinks is not None:
             self.sinks.close()
 
@@ -294,12 +302,27 @@ class EvalActor(Actor):
             out.update(tool_metrics(infos))
         return out
 
+    async def _open_tools(self) -> list[Any] | None:
+        """The agent workflow's tools as a rollout actor opens them (``rollout.agent.tools``
+        and the tools of the MCP servers, started here); None when an environment brings
+        its own."""
+        from asyncrl.actors.common import build_agent_tools, mcp_server_specs
+        from asyncrl.tools.mcp import MCPTools
+
+        if self.recipe.rollout.agent.env:
+            return None
+        tools = build_agent_tools(self.recipe)
+        for spec in mcp_server_specs(self.recipe):
+            server = await self._resources.enter_async_context(MCPTools(spec))
+            tools += server.tools
+        return tools
+
     def _workflow(self, sampling: Any, n: int) -> Any:
         """The recipe's workflow, built as the rollout actor builds it, with the eval's
         sampling (seeded by the run's seed) and ``n`` samples per prompt."""
         from asyncrl.actors.common import build_workflow
 
-        workflow = build_workflow(self.recipe, self.engine, self.reward_pool)
+        workflow = build_workflow(self.recipe, self.engine, self.reward_pool, tools=self.tools)
         workflow.sampling = sampling.model_copy(update={"seed": self.recipe.run.seed})
         workflow.group_size = n
         return workflow
