@@ -151,13 +151,12 @@ def from_recipe(path: str) -> dict[str, Any]:
 
     recipe = load_recipe(path)
     r = recipe.rollout
-    agent = r.agent  # type: ignore[attr-defined]
     return {
-        "system": agent.system_prompt,
+        "system": r.agent.system_prompt or None,
         "temperature": r.sampling.temperature,
         "max_new_tokens": r.sampling.max_new_tokens,
         "max_turns": r.max_turns,
-        "max_total_tokens": agent.max_total_tokens,
+        "max_total_tokens": r.agent.max_total_tokens,
         "digits": tuple(recipe.data.digits),  # type: ignore[union-attr]
         "instruction": recipe.data.instruction,  # type: ignore[union-attr]
         "example": recipe.data.example,  # type: ignore[union-attr]
