@@ -386,7 +386,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     if args.engine == "vllm":
         from asyncrl.engines.vllm import VLLMEngine
 
-        engine = VLLMEngine(
+        server = VLLMEngine(
             args.model,
             python=args.vllm_python,
             dtype=args.dtype,
@@ -394,7 +394,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
             max_model_len=4096,
             log_dir="runs/bench-logs",
         )
-        return engine, "a vLLM server (log in runs/bench-logs)"
+        return server, "a vLLM server (log in runs/bench-logs)"
     from asyncrl.engines.hf import HFEngine
 
     engine = HFEngine(args.model, dtype=args.dtype, max_batch_size=max(args.concurrency))
