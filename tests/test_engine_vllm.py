@@ -11,13 +11,20 @@ import math
 import os
 import shutil
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import pytest_asyncio
 
-from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.vllm import VLLMEngine
+from asyncrl.tools.builtin import calculator_tool
+from asyncrl.tools.calls import ParsedReply, ToolCall, tools_system_text
+from asyncrl.tools.env import Step, ToolEnv
+from asyncrl.workflows.agent import AgentWorkflow
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -126,6 +133,118 @@ async def test_reloaded_weights_change_generation_and_reloading_the_old_ones_res
     assert again.output_ids == before.output_ids
     info = await engine._call(engine.servers[0], "/weight_info", method="GET")
     assert info["weight_version"] == str(engine.version)
+
+
+# --- the agent workflow on vLLM -------------------------------------------------------------
+
+
+class Spy:
+    """Passes requests to the engine and keeps each request with its response, by rid."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
+        self.seen: dict[str, tuple[GenerateRequest, GenerateResponse]] = {}
+
+    async def agenerate(self, request: GenerateRequest) -> GenerateResponse:
+        resp = await self.engine.agenerate(request)
+        self.seen[request.rid] = (request, resp)
+        return resp
+
+
+@dataclass
+class Outcome:
+    reward: float
+    ok: bool = True
+    reason: str = ""
+
+
+class AnswerIn:
+    async def score(self, completion: str, data: dict[str, Any]) -> Outcome:
+        return Outcome(float(data["answer"] in completion))
+
+
+async def test_agent_episodes_keep_the_engines_tokens_and_versions_across_a_weight_update(
+    engine: VLLMEngine, tmp_path: Path
+) -> None:
+    """A group of two calculator episodes: each first reply is answered with the
+    calculator's result in the tool role (whatever the model wrote, so that every episode
+    has an observation), the second is scored. The first episode to reach its tool turn
+    reloads the weights as a new version while the other may still be generating."""
+    tok = engine.tokenizer
+    weights = tmp_path / "same"
+    weights.mkdir()
+    (weights / "model.safetensors").symlink_to(Path(engine.model_path) / "model.safetensors")
+    v0 = engine.version
+    updated: list[bool] = []
+
+    class CalculatorOnce(ToolEnv):
+        stepped = False
+
+        async def step(self, reply: ParsedReply, *, last: bool = False) -> Step:
+            if last or self.stepped:
+                return await self._score(reply)
+            self.stepped = True
+            if not updated:
+                updated.append(True)
+                await engine.update_weights(weights, version=v0 + 1)
+            call = ToolCall("calculator", {"expression": self.record["expression"]}, "call_0")
+            return await super().step(ParsedReply(reply.content, [call]))
+
+    tool = calculator_tool()
+    wf = AgentWorkflow(
+        tok,
+        SamplingParams(temperature=1.0, max_new_tokens=40, seed=7),
+        env_factory=lambda: CalculatorOnce([tool], AnswerIn()),
+        group_size=2,
+        max_turns=2,
+        max_total_tokens=500,
+    )
+    spy = Spy(engine)
+    record = {"uid": "q0", "prompt": "What is 347 * 5821?", "expression": "347 * 5821"}
+    record["answer"] = "2019887"
+    out = await wf.arun_episode(spy, record)  # type: ignore[arg-type]
+    assert out is not None and len(out) == 2 and engine.version == v0 + 1
+
+    def enc(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
+
+    listing = tools_system_text([tool.schema()])
+    prompt = enc(
+        tok.apply_chat_template(
+            [{"role": "system", "content": listing}, {"role": "user", "content": record["prompt"]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    )
+    first_versions = []
+    for i, traj in enumerate(out):
+        (req0, out0), (req1, out1) = spy.seen[f"q0/{i}/0"], spy.seen[f"q0/{i}/1"]
+        g0, g1 = out0.output_ids, out1.output_ids
+        # SmolLM2 ends a turn with <|im_end|> and a newline; a reply that stopped on
+        # <|im_end|> (the engine keeps the stop token) needs only the newline.
+        close = "\n" if g0 and g0[-1] == tok.eos_token_id else "<|im_end|>\n"
+        observation = enc(f"{close}<|im_start|>tool\n2019887<|im_end|>\n<|im_start|>assistant\n")
+        assert req0.input_ids == prompt
+        assert req1.input_ids == prompt + g0 + observation  # never re-tokenized
+        assert traj.input_ids.tolist() == prompt + g0 + observation + g1
+        n0, n_obs = len(prompt), len(observation)
+        mask = traj.loss_mask.numpy().tolist()
+        assert mask == [0] * n0 + [1] * len(g0) + [0] * n_obs + [1] * len(g1)
+        expected_logprobs = [0.0] * n0 + out0.output_logprobs + [0.0] * n_obs + out1.output_logprobs
+        np.testing.assert_array_equal(
+            traj.logprobs.numpy(), np.asarray(expected_logprobs, dtype=np.float32)
+        )
+        expected_versions = [-1] * n0 + out0.output_versions + [-1] * n_obs + out1.output_versions
+        assert traj.versions.numpy().tolist() == expected_versions
+        # A reply started after the update is all the new version; the other episode's
+        # first reply may span both.
+        assert set(out1.output_versions) == {v0 + 1}
+        assert out0.output_versions == sorted(out0.output_versions)
+        first_versions.append(set(out0.output_versions))
+        assert traj.reward_info["tool_calls"] == 1 and traj.reward_info["tool_success"] == 1
+        assert traj.reward_info["turns"] == 2
+    assert {v0} in first_versions  # the updating episode's first reply: all the old version
+    assert all(v <= {v0, v0 + 1} for v in first_versions)
 
 
 # --- a run: kill -9 of a rollout actor that runs vLLM ---------------------------------------
