@@ -66,6 +66,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.rewards.pool import RewardResult
+
 SYSTEM_PROMPT = """You solve arithmetic with the calculator. Call it for every product, then give the answer.
 Example:
 user: What is 12 * 34 + 56 * 78?
@@ -99,18 +101,11 @@ def make_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return records
 
 
-@dataclass
-class Outcome:
-    reward: float
-    ok: bool = True
-    reason: str = ""
-
-
 class AnswerIn:
     """Reward 1 when the reply holds the answer; the bench only needs a scorer to run."""
 
-    async def score(self, completion: str, data: dict[str, Any]) -> Outcome:
-        return Outcome(float(data["answer"] in completion))
+    async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
+        return RewardResult(float(data["answer"] in completion))
 
 
 def three_turn_env(tool: Any, list_tools: bool) -> Any:

@@ -28,7 +28,6 @@ import asyncio
 import re
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.data.synthetic import PRODUCTS_INSTRUCTION, products_records
@@ -36,6 +35,7 @@ from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models import resolve_model_path
 from asyncrl.rewards.math_reward import math_reward
+from asyncrl.rewards.pool import RewardResult
 from asyncrl.workflows.agent import AgentWorkflow
 
 DESCRIBED = (
@@ -64,18 +64,11 @@ SYSTEM_PROMPTS: dict[str, str | None] = {
 }
 
 
-@dataclass
-class Outcome:
-    reward: float
-    ok: bool = True
-    reason: str = ""
-
-
 class MathScorer:
     """The ``math`` reward in-process (two plain numbers never reach math-verify)."""
 
-    async def score(self, completion: str, data: dict[str, Any]) -> Outcome:
-        return Outcome(math_reward(completion, data))
+    async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
+        return RewardResult(math_reward(completion, data))
 
 
 def right_call(traj: Any, tokenizer: Any) -> bool:

@@ -1,5 +1,6 @@
 """An inference engine whose replies are scripted, for tests that need a given reply (a tool
-call, a stop string) and so cannot wait for a random model to write one."""
+call, a stop string) and so cannot wait for a random model to write one; and the hf engine
+with a record of what it generated."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from asyncrl.engines import GenerateRequest, GenerateResponse
 from asyncrl.engines.base import InferenceEngine, WeightSource
+from asyncrl.engines.hf import HFEngine
 
 
 class ScriptedEngine(InferenceEngine):
@@ -80,3 +82,16 @@ class ScriptedEngine(InferenceEngine):
 
     async def _load_weights(self, source: WeightSource) -> None:
         pass
+
+
+class SpyHF(HFEngine):
+    """The hf engine, keeping every response it returns."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.seen: list[GenerateResponse] = []
+
+    async def agenerate(self, request: GenerateRequest) -> GenerateResponse:
+        resp = await super().agenerate(request)
+        self.seen.append(resp)
+        return resp

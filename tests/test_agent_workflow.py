@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ from transformers import AutoTokenizer
 from asyncrl.engines import SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.messages import Trajectory, decode, encode
+from asyncrl.rewards.pool import RewardResult
 from asyncrl.tiny_model import tiny_model_dir
 from asyncrl.tools.base import function_tool
 from asyncrl.tools.builtin import calculator_tool
@@ -25,16 +25,9 @@ from asyncrl.workflows import make_workflow
 from asyncrl.workflows.agent import AgentWorkflow, ChatFormat, agent_metrics
 
 
-@dataclass
-class Outcome:
-    reward: float
-    ok: bool = True
-    reason: str = ""
-
-
 class ExactAnswer:
-    async def score(self, completion: str, data: dict[str, Any]) -> Outcome:
-        return Outcome(1.0 if completion.strip() == data["answer"] else 0.0)
+    async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
+        return RewardResult(1.0 if completion.strip() == data["answer"] else 0.0)
 
 
 def scripted(tokenizer: Any, replies: list[str]) -> ScriptedEngine:

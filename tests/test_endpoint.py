@@ -13,12 +13,11 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, SpyHF
 
 from asyncrl.endpoint import Call, OpenAIAgentWorkflow, OpenAIEndpoint, episode_samples
 from asyncrl.endpoint.chat import ChatRenderer, TemplateTraits, normalize_message
-from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
-from asyncrl.engines.hf import HFEngine
+from asyncrl.engines import SamplingParams
 from asyncrl.tiny_model import build_tokenizer, tiny_model_dir
 from asyncrl.tools.calls import tools_system_text
 
@@ -38,19 +37,6 @@ ADD_TOOL = {
 SHORT_TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
 """A tool whose listing fits the tiny model's 512 positions."""
 ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-
-
-class SpyHF(HFEngine):
-    """The hf engine, keeping every response it returns."""
-
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
-        self.seen: list[GenerateResponse] = []
-
-    async def agenerate(self, request: GenerateRequest) -> GenerateResponse:
-        resp = await super().agenerate(request)
-        self.seen.append(resp)
-        return resp
 
 
 def scripted(reply: Callable[[str], str]) -> ScriptedEngine:

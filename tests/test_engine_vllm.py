@@ -11,7 +11,6 @@ import math
 import os
 import shutil
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest_asyncio
 
 from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.vllm import VLLMEngine
+from asyncrl.rewards.pool import RewardResult
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import ParsedReply, ToolCall, tools_system_text
 from asyncrl.tools.env import Step, ToolEnv
@@ -151,16 +151,9 @@ class Spy:
         return resp
 
 
-@dataclass
-class Outcome:
-    reward: float
-    ok: bool = True
-    reason: str = ""
-
-
 class AnswerIn:
-    async def score(self, completion: str, data: dict[str, Any]) -> Outcome:
-        return Outcome(float(data["answer"] in completion))
+    async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
+        return RewardResult(float(data["answer"] in completion))
 
 
 async def test_agent_episodes_keep_the_engines_tokens_and_versions_across_a_weight_update(

@@ -5,7 +5,6 @@ calls, so every number is known beforehand."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,23 +15,17 @@ from transformers import AutoTokenizer
 from asyncrl.actors.eval import EvalActor, tool_metrics
 from asyncrl.config import load_recipe
 from asyncrl.rewards.math_reward import math_reward
+from asyncrl.rewards.pool import RewardResult
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.tiny_model import tiny_model_dir
 
 
-@dataclass
-class Outcome:
-    reward: float
-    ok: bool = True
-    reason: str = ""
-
-
 class InlineMath:
     """The ``math`` reward in this process, with the reward pool's ``score``."""
 
-    async def score(self, completion: str, data: dict[str, Any]) -> Outcome:
-        return Outcome(math_reward(completion, data))
+    async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
+        return RewardResult(math_reward(completion, data))
 
 
 def call(expression: str) -> str:

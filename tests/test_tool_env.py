@@ -4,20 +4,13 @@ model answers without one."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.rewards.pool import RewardResult
 from asyncrl.tools.base import function_tool
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import parse_hermes
 from asyncrl.tools.env import RewardEnv, ToolEnv, tool_counts
-
-
-@dataclass
-class Outcome:
-    reward: float
-    ok: bool = True
-    reason: str = ""
 
 
 class ExactAnswer:
@@ -26,9 +19,9 @@ class ExactAnswer:
     def __init__(self) -> None:
         self.seen: list[str] = []
 
-    async def score(self, completion: str, data: dict[str, Any]) -> Outcome:
+    async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
         self.seen.append(completion)
-        return Outcome(1.0 if completion == data["answer"] else 0.0)
+        return RewardResult(1.0 if completion == data["answer"] else 0.0)
 
 
 RECORD = {"prompt": "What is 123 * 4567?", "answer": "561741"}

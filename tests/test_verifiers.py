@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, SpyHF
 
 from asyncrl.endpoint import OpenAIEndpoint
 from asyncrl.endpoint.verifiers_env import (
@@ -24,8 +24,7 @@ from asyncrl.endpoint.verifiers_env import (
     verifiers_records,
     verifiers_workflow,
 )
-from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
-from asyncrl.engines.hf import HFEngine
+from asyncrl.engines import GenerateResponse, SamplingParams
 from asyncrl.messages import Trajectory
 from asyncrl.tiny_model import build_tokenizer, tiny_model_dir
 from asyncrl.workflows.loader import SpecError
@@ -262,19 +261,6 @@ async def test_a_failing_rollout_or_rubric_scores_zero_with_the_reason(
         assert traj.reward == 0.0 and not traj.reward_info["ok"]
         assert reason in traj.reward_info["reason"]
         assert_engine_tokens(traj, ep.engine.seen)  # type: ignore[attr-defined]
-
-
-class SpyHF(HFEngine):
-    """The hf engine, keeping every response it returns."""
-
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
-        self.seen: list[GenerateResponse] = []
-
-    async def agenerate(self, request: GenerateRequest) -> GenerateResponse:
-        resp = await super().agenerate(request)
-        self.seen.append(resp)
-        return resp
 
 
 async def test_the_hf_engine_on_the_tiny_model_trains_on_its_own_tokens(env_file):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.messages import Prompt, Trajectory, decode, encode
 from asyncrl.rewards import RewardPool
+from asyncrl.rewards.pool import RewardResult
 from asyncrl.tiny_model import tiny_model_dir
 from asyncrl.workflows import (
     FunctionWorkflow,
@@ -49,13 +49,6 @@ class Recording:
         return response
 
 
-@dataclass
-class Outcome:
-    reward: float
-    ok: bool = True
-    reason: str = ""
-
-
 class ScriptedScorer:
     """Gives the rewards of a script in order, to steer a multi-turn episode."""
 
@@ -63,9 +56,9 @@ class ScriptedScorer:
         self.rewards = list(rewards)
         self.seen: list[tuple[str, dict[str, Any]]] = []
 
-    async def score(self, completion: str, data: dict[str, Any]) -> Outcome:
+    async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
         self.seen.append((completion, data))
-        return Outcome(self.rewards.pop(0))
+        return RewardResult(self.rewards.pop(0))
 
 
 def check_layout(traj: Trajectory, generated: list[tuple[int, int]]) -> None:
