@@ -86,8 +86,10 @@ def test_pass_and_mean_at_k_by_hand() -> None:
     assert [v for v in range(11) if is_due(v, every=4, last=10)] == [0, 4, 8, 10]
 
 
-def _traj(reward: float, n_generated: int, finish: str) -> Trajectory:
-    mask = [0, 0] + [1] * n_generated
+def _traj(
+    reward: float, n_generated: int, finish: str, mask: list[int] | None = None
+) -> Trajectory:
+    mask = mask if mask is not None else [0, 0] + [1] * n_generated
     return Trajectory(
         uid=f"p/{reward}",
         prompt_uid="p",
@@ -124,6 +126,12 @@ def test_batch_stats_by_hand() -> None:
     assert mixed.versions_spanned == 2 and batch[0].versions_spanned == 1
     stats = batch_stats([mixed, *batch[1:]], group_size=2, max_new_tokens=8)
     assert stats["versions/mixed_samples"] == 1
+    # two replies of 6 (12 generated tokens, over one reply's budget of 8) that stopped on
+    # their own are not cut; the same sample ending on the budget is
+    two = _traj(1.0, 0, "stop", mask=[0] * 3 + [1] * 6 + [0] * 4 + [1] * 6)
+    assert batch_stats([two, two], 2, 8)["response_length/clip_ratio"] == 0
+    cut = two.model_copy(update={"finish_reason": "length"})
+    assert batch_stats([two, cut], 2, 8)["response_length/clip_ratio"] == 0.5
 
 
 def test_chunk_entropy_by_hand() -> None:

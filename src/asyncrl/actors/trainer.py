@@ -70,23 +70,33 @@ def token_digest(ids: list[int]) -> str:
     return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
+def _replies(mask: Any) -> int:
+    """Stretches of generated tokens in a sample's loss mask: its replies."""
+    return int(mask[0]) + int((mask[1:] & ~mask[:-1]).sum())
+
+
 def batch_stats(
     trajectories: list[Trajectory], group_size: int, max_new_tokens: int
 ) -> dict[str, float]:
     """Response lengths and per-group reward shape of one training batch.
 
     - ``response_length/mean``, ``/max``: generated tokens per sample (loss-mask sum);
-    - ``response_length/clip_ratio``: share of samples that stopped on the token budget;
+    - ``response_length/clip_ratio``: share of samples whose (last) reply stopped on the
+      token budget;
     - ``reward_groups/all_zero``, ``/all_one``: share of groups whose rewards are all <= 0,
       or all >= 1 (no GRPO signal either way);
     - ``reward_groups/std_mean``: mean over groups of the within-group reward std
       (population std: the spread GRPO normalises by);
     - ``versions/mixed_samples``: samples whose tokens span two policy versions or more.
     """
-    lengths = [int(t.loss_mask.numpy().sum()) for t in trajectories]
+    masks = [t.loss_mask.numpy().astype(bool) for t in trajectories]
+    lengths = [int(m.sum()) for m in masks]
+    # A reply that filled its budget counts as cut even when it ended on a stop token; a
+    # sample of several replies (multi-turn, agents) is judged by its last reply's finish
+    # reason only, since its total length may exceed one reply's budget.
     clipped = [
-        t.finish_reason == "length" or n >= max_new_tokens
-        for t, n in zip(trajectories, lengths, strict=True)
+        t.finish_reason == "length" or (n >= max_new_tokens and _replies(m) == 1)
+        for t, n, m in zip(trajectories, lengths, masks, strict=True)
     ]
     groups = [
         [float(t.reward or 0.0) for t in group] for group in split_groups(trajectories, group_size)
