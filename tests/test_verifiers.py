@@ -272,10 +272,15 @@ async def test_the_hf_engine_on_the_tiny_model_trains_on_its_own_tokens(env_file
             trajectories = await workflow.arun_episode(engine, {"uid": "h", **record})
     assert trajectories is not None and len(trajectories) == 3
     assert len(engine.seen) == 3
+    tokenizer = build_tokenizer()
     for traj in trajectories:
         assert_engine_tokens(traj, engine.seen)
-        # a random model's reply is wrong (0.3 from the group function) or empty (0, failed)
-        assert traj.reward == pytest.approx(0.3 if traj.reward_info["ok"] else 0.0)
+        ids = traj.input_ids.numpy()[traj.loss_mask.numpy().astype(bool)].tolist()
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        # 0.3 from the group function, plus 1 where the random characters hold the answer
+        # "5"; an empty reply fails the rollout (0)
+        expected = 0.3 + float("5" in text) if traj.reward_info["ok"] else 0.0
+        assert traj.reward == pytest.approx(expected)
 
 
 def test_records_and_rollout_inputs_follow_the_environments_formatting(env_file):
