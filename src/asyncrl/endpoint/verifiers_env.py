@@ -39,6 +39,7 @@ from typing import Any
 
 from asyncrl.endpoint.server import OpenAIEndpoint
 from asyncrl.endpoint.workflow import OpenAIAgentWorkflow
+from asyncrl.workflows.base import chat_messages
 from asyncrl.workflows.loader import SpecError, load_callable
 
 log = logging.getLogger(__name__)
@@ -172,18 +173,7 @@ def rollout_input(env: Any, record: Mapping[str, Any]) -> dict[str, Any]:
     its datasets). ``answer`` and ``info`` are the record's (``""`` and ``{}`` if absent),
     ``example_id`` its own or 0; its other fields are kept, since reward functions may ask
     for dataset columns by name."""
-    if "messages" in record:
-        messages = [dict(m) for m in record["messages"]]
-    else:
-        text = record.get("prompt", record.get("question"))
-        if text is None:
-            raise KeyError(
-                f"the prompt record has no messages, prompt or question: {sorted(record)}"
-            )
-        messages = [dict(m) for m in env.few_shot or []]
-        messages.append({"role": "user", "content": str(text)})
-    if env.system_prompt and (not messages or messages[0].get("role") != "system"):
-        messages.insert(0, {"role": "system", "content": env.system_prompt})
+    messages = chat_messages(record, env.system_prompt or None, env.few_shot or ())
     extra = {k: v for k, v in record.items() if k not in RECORD_FIELDS}
     return {
         **extra,

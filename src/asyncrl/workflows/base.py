@@ -15,7 +15,7 @@ logprobs and versions, and prompt/environment tokens with mask 0, logprob 0, ver
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -53,9 +53,14 @@ def split_item(item: dict[str, Any] | Prompt) -> tuple[str, dict[str, Any]]:
     return str(item["uid"]), {k: v for k, v in item.items() if k != "uid"}
 
 
-def chat_messages(record: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, str]]:
+def chat_messages(
+    record: Mapping[str, Any],
+    system_prompt: str | None = None,
+    few_shot: Sequence[Mapping[str, Any]] = (),
+) -> list[dict[str, Any]]:
     """The chat to generate from: ``messages`` if the record has them, else one user turn
-    from ``prompt`` (or ``question``), after ``system_prompt`` if given."""
+    from ``prompt`` (or ``question``) after the ``few_shot`` turns; either way after
+    ``system_prompt`` if given, unless the chat opens with a system message."""
     if "messages" in record:
         messages = [dict(m) for m in record["messages"]]
     else:
@@ -64,8 +69,9 @@ def chat_messages(record: dict[str, Any], system_prompt: str | None = None) -> l
             raise KeyError(
                 f"the prompt record has no messages, prompt or question: {sorted(record)}"
             )
-        messages = [{"role": "user", "content": str(text)}]
-    if system_prompt is not None and messages[0].get("role") != "system":
+        messages = [dict(m) for m in few_shot]
+        messages.append({"role": "user", "content": str(text)})
+    if system_prompt is not None and (not messages or messages[0].get("role") != "system"):
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
 
