@@ -89,9 +89,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def agent_sets(agent_file: Path) -> list[str]:
+def agent_sets(workflow: str) -> list[str]:
+    """The recipe of a short run whose ``workflow`` goes through the endpoint, with every
+    call recorded (as :func:`check_trained_tokens_are_the_endpoints` expects)."""
     return [
-        f"rollout.workflow={agent_file}:agent",
+        f"rollout.workflow={workflow}",
         "rollout.endpoint_record=true",
         "rollout.group_size=4",
         "rollout.max_concurrent=8",
@@ -155,7 +157,7 @@ async def wait_for_file(folder: Path, pattern: str, proc: asyncio.subprocess.Pro
 async def test_an_openai_client_agent_trains_on_the_endpoints_tokens(tmp_path: Path) -> None:
     agent_file = tmp_path / "agent.py"
     agent_file.write_text(OPENAI_AGENT)
-    argv = up_args(tmp_path, "agent", *agent_sets(agent_file))
+    argv = up_args(tmp_path, "agent", *agent_sets(f"{agent_file}:agent"))
     async with running_up(tmp_path, "agent", argv=argv) as up:
         about_file = await wait_for_file(up.run_dir / "endpoints", "rollout-*.json", up.proc)
         about = json.loads(about_file.read_text())
@@ -190,7 +192,7 @@ async def test_an_openai_agents_sdk_agent_trains_on_the_endpoints_tokens(tmp_pat
     pytest.importorskip("agents")
     agent_file = tmp_path / "sdk_agent.py"
     agent_file.write_text(SDK_AGENT)
-    argv = up_args(tmp_path, "sdk", *agent_sets(agent_file))
+    argv = up_args(tmp_path, "sdk", *agent_sets(f"{agent_file}:agent"))
     async with running_up(tmp_path, "sdk", argv=argv) as up:
         code = await asyncio.wait_for(up.proc.wait(), 420)
     assert code == 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from e2e_kit import running_up, up_args
-from test_e2e_agent import check_trained_tokens_are_the_endpoints, read_jsonl
+from test_e2e_agent import STEPS, agent_sets, check_trained_tokens_are_the_endpoints, read_jsonl
 
 from asyncrl.actors.trainer import token_digest
 from asyncrl.endpoint.verifiers_env import import_verifiers
@@ -29,8 +29,6 @@ try:
     import_verifiers()
 except ImportError as exc:
     pytest.skip(f"verifiers is not usable here: {exc}", allow_module_level=True)
-
-STEPS = 3  # with group_size 4 and batch_size 2, as check_trained_tokens_are_the_endpoints
 
 ENV = """
 import verifiers as vf
@@ -50,18 +48,7 @@ def load_environment():
 async def test_a_verifiers_environment_trains_on_the_endpoints_tokens(tmp_path: Path) -> None:
     env_file = tmp_path / "digit_env.py"
     env_file.write_text(ENV)
-    argv = up_args(
-        tmp_path,
-        "vf",
-        f"rollout.workflow=verifiers:{env_file}",
-        "rollout.endpoint_record=true",
-        "rollout.group_size=4",
-        "rollout.max_concurrent=8",
-        "buffer.batch_size=2",
-        "buffer.max_concurrent=8",
-        f"trainer.max_steps={STEPS}",
-        f"trainer.checkpoint_every={STEPS}",
-    )
+    argv = up_args(tmp_path, "vf", *agent_sets(f"verifiers:{env_file}"))
     async with running_up(tmp_path, "vf", argv=argv) as up:
         code = await asyncio.wait_for(up.proc.wait(), 420)
     assert code == 0
