@@ -80,9 +80,9 @@ class TrainEngine:
         self.model_config = model
         self.seed = seed
         # what load_causal_lm builds: a model directory or hub id, or an architecture
-        self._source: Any = architecture if architecture is not None else model.path
-        if architecture is None:
-            self._source = resolve_model_path(model.path)
+        self._source: Any = (
+            architecture if architecture is not None else resolve_model_path(model.path)
+        )
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
