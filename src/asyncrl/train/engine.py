@@ -293,7 +293,7 @@ class TrainEngine:
         schedule advances once per train step, not per minibatch.
 
         The proximal policy of decoupled PPO, when no sample carries ``old_logprobs`` and
-        ``loss.recompute_proximal`` is on, is the current weights: with one minibatch, the
+        ``loss.proximal = "recompute"``, is the current weights: with one minibatch, the
         training forward's own logprobs, detached (the values a separate no-grad forward
         would give, without its cost; the ratio is then exactly 1, and the clip can only act
         from a second optimizer step on); with several minibatches, one no-grad forward over
