@@ -379,20 +379,24 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
     if args.engine == "vllm":
+        from asyncrl.engines.config import VLLMEngineConfig
         from asyncrl.engines.vllm import VLLMEngine
+        from asyncrl.models import ModelConfig
 
-        server = VLLMEngine(
-            args.model,
-            python=args.vllm_python,
-            dtype=args.dtype,
-            cpu_kvcache_gib=args.vllm_kvcache_gib,
-            max_model_len=4096,
-            log_dir="runs/bench-logs",
+        config = VLLMEngineConfig(
+            python=args.vllm_python, cpu_kvcache_gib=args.vllm_kvcache_gib, max_model_len=4096
         )
+        model = ModelConfig(path=args.model, dtype=args.dtype)
+        server = VLLMEngine(model, config, log_dir="runs/bench-logs")
         return server, "a vLLM server (log in runs/bench-logs)"
+    from asyncrl.engines.config import HFEngineConfig
     from asyncrl.engines.hf import HFEngine
+    from asyncrl.models import ModelConfig
 
-    engine = HFEngine(args.model, dtype=args.dtype, max_batch_size=max(args.concurrency))
+    engine = HFEngine(
+        ModelConfig(path=args.model, dtype=args.dtype),
+        HFEngineConfig(max_batch_size=max(args.concurrency)),
+    )
     return engine, f"hf in process, {platform.processor() or 'cpu'} x{torch.get_num_threads()}"
 
 
@@ -468,6 +472,7 @@ async def main() -> None:
     args = ap.parse_args()
 
     from asyncrl.engines import SamplingParams
+    from asyncrl.engines.config import InstantEngineConfig
     from asyncrl.engines.instant import InstantEngine
     from asyncrl.tools.builtin import calculator_tool
     from asyncrl.workflows.agent import AgentWorkflow
@@ -522,7 +527,9 @@ async def main() -> None:
     # alone, without waiting for a model thread or other episodes.
     floor_args = argparse.Namespace(**{**vars(args), "latency_concurrency": [1]})
     floor_args.latency_requests = 50
-    async with InstantEngine(response_tokens=args.latency_new) as instant:
+    async with InstantEngine(
+        config=InstantEngineConfig(response_tokens=args.latency_new)
+    ) as instant:
         floor = await endpoint_latency(instant, tool, records, floor_args)
     print_latencies(floor, f"the same on the instant engine (no model, {args.latency_new} tokens)")
     by = {(lv.workload, lv.concurrency): lv for lv in levels}

@@ -28,12 +28,14 @@ from rollout import chat_prompts
 
 def build(kind: str, model: str) -> Any:
     if kind == "vllm":
+        from asyncrl.engines.config import VLLMEngineConfig
         from asyncrl.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model, max_model_len=2048, log_dir="runs/bench-logs")
+        return VLLMEngine(model, VLLMEngineConfig(max_model_len=2048), log_dir="runs/bench-logs")
+    from asyncrl.engines.config import HFEngineConfig
     from asyncrl.engines.hf import HFEngine
 
-    return HFEngine(model, max_batch_size=64)
+    return HFEngine(model, HFEngineConfig(max_batch_size=64))
 
 
 async def generate(kind: str, args: argparse.Namespace) -> list[Any]:
@@ -91,17 +93,18 @@ async def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0, help="1: no top-p cut")
     args = ap.parse_args()
 
-    from asyncrl.models import resolve_model_path
-    from asyncrl.train import TrainConfig, TrainEngine
+    from asyncrl.models import ModelConfig, resolve_model_path
+    from asyncrl.train import TrainEngine, TrainerConfig
 
     outputs = {kind: await generate(kind, args) for kind in args.engines}
     trainer = TrainEngine(
-        TrainConfig(
-            model=resolve_model_path(args.model),
+        TrainerConfig(
+            max_tokens_per_microbatch=8192,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
-        )
+        ),
+        ModelConfig(path=resolve_model_path(args.model)),
     )
     print(
         f"# {args.model} fp32, T={args.temperature}, top_k={args.top_k}, top_p={args.top_p}, "

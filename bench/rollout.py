@@ -113,19 +113,22 @@ def build(kind: str, args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
     if kind == "vllm":
+        from asyncrl.engines.config import VLLMEngineConfig
         from asyncrl.engines.vllm import VLLMEngine
+        from asyncrl.models import ModelConfig
 
-        engine = VLLMEngine(
-            args.model,
+        config = VLLMEngineConfig(
             python=args.vllm_python,
-            dtype=args.dtype,
             cpu_kvcache_gib=args.vllm_kvcache_gib,
             cpu_threads_bind=args.vllm_bind,
             max_model_len=2048,
-            log_dir="runs/bench-logs",
         )
+        model = ModelConfig(path=args.model, dtype=args.dtype)
+        engine = VLLMEngine(model, config, log_dir="runs/bench-logs")
         return engine, f"vllm server, threads bind {args.vllm_bind} (log runs/bench-logs)"
+    from asyncrl.engines.config import HFEngineConfig
     from asyncrl.engines.hf import HFEngine
+    from asyncrl.models import ModelConfig
 
     device = "cuda" if kind == "hf-cuda" else args.device
     if device == "auto":
@@ -136,7 +139,8 @@ def build(kind: str, args: argparse.Namespace) -> tuple[Any, str]:
         else f"{platform.processor() or 'cpu'} x{torch.get_num_threads()} threads"
     )
     engine = HFEngine(
-        args.model, dtype=args.dtype, device=device, max_batch_size=max(args.concurrency)
+        ModelConfig(path=args.model, dtype=args.dtype),
+        HFEngineConfig(device=device, max_batch_size=max(args.concurrency)),
     )
     return engine, f"hf on {where}"
 

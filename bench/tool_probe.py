@@ -32,6 +32,7 @@ from typing import Any
 
 from asyncrl.data.synthetic import PRODUCTS_INSTRUCTION, products_records
 from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models import resolve_model_path
 from asyncrl.rewards.math_reward import math_reward
@@ -218,7 +219,9 @@ def main() -> None:
     samples = 1 if greedy else args.samples
 
     async def run() -> None:
-        async with HFEngine(resolve_model_path(args.model), max_batch_size=64) as engine:
+        async with HFEngine(
+            resolve_model_path(args.model), HFEngineConfig(max_batch_size=64)
+        ) as engine:
             for name, system in systems.items():
                 if args.show_prompt:
                     wf = AgentWorkflow(

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.train import LossConfig, Sample, TrainConfig, TrainEngine
+from asyncrl.models import ModelConfig
+from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -129,17 +130,17 @@ def peak_flops(args: argparse.Namespace) -> float | None:
 def build_engine(args: argparse.Namespace, packing: bool, batches: list[list[Sample]]) -> Any:
     max_len = max(len(s) for b in batches for s in b)
     return TrainEngine(
-        TrainConfig(
-            model=model_config(args.shape, max_len),
+        TrainerConfig(
             device=args.device,
-            param_dtype=args.dtype,
             attn_implementation=args.attn,
             gradient_checkpointing=args.grad_ckpt,
             max_tokens_per_microbatch=args.max_tokens,
             packing=packing,
-            lr=1e-6,
-            loss=LossConfig(),
-        )
+            optim=OptimConfig(lr=1e-6),
+            loss=LossConfig(behav_imp_weight_cap=None),
+        ),
+        ModelConfig(path=args.shape, dtype=args.dtype),
+        architecture=model_config(args.shape, max_len),
     )
 
 

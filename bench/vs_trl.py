@@ -190,12 +190,13 @@ def greedy_accuracy(model_dir: str, records: list[dict[str, Any]], max_new_token
     import asyncio
 
     from asyncrl.engines.base import GenerateRequest, SamplingParams
+    from asyncrl.engines.config import HFEngineConfig
     from asyncrl.engines.hf import HFEngine
     from asyncrl.rewards.math_reward import math_reward
     from asyncrl.workflows.base import chat_messages, encode_chat
 
     async def run() -> list[str]:
-        engine = HFEngine(model_dir, dtype="float32", device="cpu", max_batch_size=len(records))
+        engine = HFEngine(model_dir, HFEngineConfig(device="cpu", max_batch_size=len(records)))
         sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
         async with engine:
             tok = engine.tokenizer

@@ -25,6 +25,7 @@ from typing import Any
 
 from asyncrl.actors.weights import get_weights, put_weights
 from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
@@ -76,7 +77,7 @@ async def amain(args: argparse.Namespace) -> None:
         tmp = Path(tmpdir)
         async with (
             EmbeddedNats(tmp / "nats") as server,
-            HFEngine(args.model, max_batch_size=args.concurrency) as engine,
+            HFEngine(args.model, HFEngineConfig(max_batch_size=args.concurrency)) as engine,
         ):
             bus = await Bus.connect(server.info, name="bench-weights")
             export_dir = tmp / "export"

@@ -42,7 +42,7 @@ def test_a_key_of_another_engine_or_a_bad_value_fails_naming_it(sets: list[str],
 
 
 def test_server_engines_are_built_with_model_logs_and_options(tmp_path: Path) -> None:
-    from asyncrl.actors.common import build_engine
+    from asyncrl.engines import build_engine
     from asyncrl.engines.sglang import SGLangEngine
     from asyncrl.engines.vllm import VLLMEngine
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.engines.hf_batch import StepResult
 from asyncrl.tiny_model import tiny_model_dir
@@ -21,7 +22,7 @@ unpadded forward pass: the two differ only by summation order, ~1e-6 in practice
 
 @pytest.fixture
 async def engine() -> AsyncIterator[HFEngine]:
-    async with HFEngine(str(tiny_model_dir()), max_batch_size=16) as eng:
+    async with HFEngine(str(tiny_model_dir()), HFEngineConfig(max_batch_size=16)) as eng:
         yield eng
 
 
@@ -310,7 +311,8 @@ async def test_engine_and_trainer_report_the_cut_distribution_that_sampled(
     """One definition of a behaviour logprob: temperature, then the top-k/top-p cut,
     renormalised. The engine reports it, the trainer recomputes it from its own logits."""
     from asyncrl.algo.truncation import kept_mask
-    from asyncrl.train import Sample, TrainConfig, TrainEngine
+    from asyncrl.models import ModelConfig
+    from asyncrl.train import Sample, TrainEngine, TrainerConfig
 
     temperature = 0.7
     sp = sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=3)
@@ -319,13 +321,14 @@ async def test_engine_and_trainer_report_the_cut_distribution_that_sampled(
         *(engine.agenerate(GenerateRequest(input_ids=p, sampling=sp)) for p in prompts)
     )
     trainer = TrainEngine(
-        TrainConfig(
-            model=str(tiny_model_dir()),
+        TrainerConfig(
             device="cpu",
+            max_tokens_per_microbatch=8192,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
-        )
+        ),
+        ModelConfig(path=str(tiny_model_dir())),
     )
     samples = []
     for o in outs:

@@ -12,13 +12,14 @@ import torch
 from test_engine_hf import perturbed, prompt_ids, sampling
 
 from asyncrl.engines import GenerateRequest
+from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.tiny_model import tiny_model_dir
 
 
 @pytest.fixture
 async def engine() -> AsyncIterator[HFEngine]:
-    async with HFEngine(str(tiny_model_dir()), max_batch_size=8) as eng:
+    async with HFEngine(str(tiny_model_dir()), HFEngineConfig(max_batch_size=8)) as eng:
         yield eng
 
 
@@ -107,7 +108,7 @@ async def test_resume_memory_without_new_weights_keeps_the_old_ones(engine: HFEn
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 async def test_release_on_cuda_frees_the_weights_memory():
-    async with HFEngine(str(tiny_model_dir()), device="cuda") as eng:
+    async with HFEngine(str(tiny_model_dir()), HFEngineConfig(device="cuda")) as eng:
         weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
         freed = await eng.release_memory()
         assert freed >= weights

@@ -4,14 +4,15 @@ buffer's sense checks accept, and weight updates that change only the version.""
 from __future__ import annotations
 
 from asyncrl.actors.buffer.admission import invalid_reason
-from asyncrl.actors.common import build_engine, build_workflow
+from asyncrl.actors.common import build_workflow
 from asyncrl.config import load_recipe
-from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.engines import GenerateRequest, SamplingParams, build_engine
+from asyncrl.engines.config import InstantEngineConfig
 from asyncrl.engines.instant import RESPONSE_TOKEN, InstantEngine
 
 
 async def test_responses_have_the_fixed_length_capped_by_the_budget() -> None:
-    async with InstantEngine(response_tokens=5) as engine:
+    async with InstantEngine(config=InstantEngineConfig(response_tokens=5)) as engine:
         full = await engine.agenerate(GenerateRequest(input_ids=[1, 2]))
         short = await engine.agenerate(
             GenerateRequest(input_ids=[1], sampling=SamplingParams(max_new_tokens=3))
@@ -22,7 +23,7 @@ async def test_responses_have_the_fixed_length_capped_by_the_budget() -> None:
 
 
 async def test_a_weight_update_changes_the_version_of_new_tokens() -> None:
-    async with InstantEngine(response_tokens=2) as engine:
+    async with InstantEngine(config=InstantEngineConfig(response_tokens=2)) as engine:
         await engine.update_weights("unused", 3)
         resp = await engine.agenerate(GenerateRequest(input_ids=[1]))
     assert engine.version == 3 and resp.output_versions == [3, 3]

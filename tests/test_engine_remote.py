@@ -12,11 +12,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_servers import FakeModel, RunningServer, vllm_app
 
 from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.remote import Router, Server, routing_key
 from asyncrl.engines.server import ServerError
 from asyncrl.engines.vllm import VLLMEngine, completion_payload, parse_completion
@@ -26,8 +28,8 @@ FAKE = TESTS / "fake_servers.py"
 MODEL = "tiny-random-llama"
 
 
-def engine_for(urls: list[str], **options: object) -> VLLMEngine:
-    return VLLMEngine(MODEL, urls=urls, retry_backoff=0.01, **options)  # type: ignore[arg-type]
+def engine_for(urls: list[str], **options: Any) -> VLLMEngine:
+    return VLLMEngine(MODEL, VLLMEngineConfig(urls=urls, retry_backoff=0.01, **options))
 
 
 def request(
@@ -243,9 +245,8 @@ def fake_command() -> list[str]:
 
 
 async def test_started_servers_serve_and_stop_with_the_engine(tmp_path: Path) -> None:
-    engine = VLLMEngine(
-        MODEL, command=fake_command(), servers=2, log_dir=tmp_path, startup_timeout=60
-    )
+    config = VLLMEngineConfig(command=fake_command(), servers=2, startup_timeout=60)
+    engine = VLLMEngine(MODEL, config, log_dir=tmp_path)
     async with engine:
         pids = [s.process.proc.pid for s in engine.servers]  # type: ignore[union-attr]
         out = await engine.agenerate(request("u/0", n=4))
@@ -257,18 +258,16 @@ async def test_started_servers_serve_and_stop_with_the_engine(tmp_path: Path) ->
 
 
 async def test_a_server_that_never_gets_healthy_fails_naming_its_log(tmp_path: Path) -> None:
-    engine = VLLMEngine(
-        MODEL, command=fake_command(), args=["--never-healthy"], log_dir=tmp_path, startup_timeout=2
-    )
+    config = VLLMEngineConfig(command=fake_command(), args=["--never-healthy"], startup_timeout=2)
+    engine = VLLMEngine(MODEL, config, log_dir=tmp_path)
     with pytest.raises(ServerError, match=r"not healthy after 2 s; see its log .*vllm-\d+-0\.log"):
         await engine.start()
     assert engine.servers[0].process.returncode is not None  # type: ignore[union-attr]
 
 
 async def test_a_server_that_dies_at_start_fails_with_its_last_words(tmp_path: Path) -> None:
-    engine = VLLMEngine(
-        MODEL, command=fake_command(), args=["--die-at-start"], log_dir=tmp_path, startup_timeout=60
-    )
+    config = VLLMEngineConfig(command=fake_command(), args=["--die-at-start"], startup_timeout=60)
+    engine = VLLMEngine(MODEL, config, log_dir=tmp_path)
     with pytest.raises(ServerError, match=r"(?s)has exited.*told to die at start"):
         await engine.start()
 

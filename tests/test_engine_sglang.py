@@ -11,14 +11,16 @@ import pytest
 from fake_servers import FakeModel, RunningServer, sglang_app
 
 from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.engines.config import SGLangEngineConfig
 from asyncrl.engines.server import ServerError
 from asyncrl.engines.sglang import SGLangEngine, generate_payload, parse_generate
 
 MODEL = "tiny-random-llama"
 
 
-def engine_for(url: str, **options: object) -> SGLangEngine:
-    return SGLangEngine(MODEL, urls=[url], retry_backoff=0.01, **options)  # type: ignore[arg-type]
+def engine_for(url: str, *, memory_saver: bool = False) -> SGLangEngine:
+    config = SGLangEngineConfig(urls=[url], retry_backoff=0.01)
+    return SGLangEngine(MODEL, config, memory_saver=memory_saver)
 
 
 def request(rid: str, n: int = 8, **sampling: object) -> GenerateRequest:

@@ -19,6 +19,7 @@ import pytest
 import pytest_asyncio
 
 from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.vllm import VLLMEngine
 from asyncrl.rewards.pool import RewardResult
 from asyncrl.tools.builtin import calculator_tool
@@ -47,14 +48,10 @@ MODEL = "smollm2-135m-instruct"  # the tiny random model's head_dim (16) has no 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VLLMEngine]:
     logs = tmp_path_factory.mktemp("vllm-logs")
-    vllm = VLLMEngine(
-        MODEL,
-        python=str(VLLM_PYTHON),
-        cpu_kvcache_gib=1,
-        max_model_len=512,
-        log_dir=logs,
-        startup_timeout=600,
+    config = VLLMEngineConfig(
+        python=str(VLLM_PYTHON), cpu_kvcache_gib=1, max_model_len=512, startup_timeout=600
     )
+    vllm = VLLMEngine(MODEL, config, log_dir=logs)
     async with vllm:
         yield vllm
 

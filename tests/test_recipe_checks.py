@@ -175,7 +175,7 @@ def test_check_and_up_refuse_before_anything_starts(tmp_path: Path) -> None:
 
 
 def test_dr_grpo_divides_by_the_generation_budget() -> None:
-    from asyncrl.actors.common import build_train_engine
+    from asyncrl.train import build_train_engine
 
     sets = [
         "model.path=tiny-random-llama",
@@ -201,7 +201,7 @@ def test_dr_grpo_divides_by_the_generation_budget() -> None:
 
 
 def test_new_loss_and_sampling_keys_reach_the_train_engine() -> None:
-    from asyncrl.actors.common import build_train_engine
+    from asyncrl.train import build_train_engine
 
     recipe = load_recipe(
         None,
@@ -218,11 +218,17 @@ def test_new_loss_and_sampling_keys_reach_the_train_engine() -> None:
     )
     assert recipe_problems(recipe) == ([], [])
     config = build_train_engine(recipe).config
+    assert config is recipe.trainer  # one truth: the engine's config is the trainer section
     assert (config.loss.kl_in, config.loss.entropy_coef) == ("reward", 0.01)
     assert (config.top_k, config.top_p) == (20, 0.95)
-    # one truth per setting: the engine's defaults are the recipe's
-    from asyncrl.config import LossConfig as RecipeLoss
-    from asyncrl.train import LossConfig as EngineLoss
 
-    for key in ("kl_in", "entropy_coef", "kl_type", "kl_coef"):
-        assert RecipeLoss().model_dump()[key] == EngineLoss().model_dump()[key], key
+
+def test_one_gpu_for_several_trainer_ranks_is_refused() -> None:
+    errors, _ = problems("trainer.nproc=2", "trainer.device=cuda:1")
+    assert any("trainer.device" in e and "trainer.nproc" in e for e in errors)
+    assert problems("trainer.nproc=2", "trainer.device=cuda") == ([], [])
+
+
+def test_a_gguf_file_the_rollout_engines_do_not_read_is_warned_about() -> None:
+    _, warnings = problems("model.gguf_file=m.gguf")
+    assert any("model.gguf_file" in w and "trainer only" in w for w in warnings)

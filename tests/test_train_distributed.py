@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers.tiny import fsdp_config, full_weights, one_torch_thread, random_batch
+from train_helpers.tiny import fsdp_engine, full_weights, one_torch_thread, random_batch
 
 from asyncrl.train import TrainEngine
 
@@ -57,7 +57,7 @@ def fsdp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 def one_rank() -> tuple[TrainEngine, list[dict[str, float]]]:
     """The same two steps in this process, unsharded."""
     with one_torch_thread():
-        engine = TrainEngine(fsdp_config())
+        engine = fsdp_engine()
         stats = [engine.train_step(random_batch(step)) for step in range(2)]
     return engine, stats
 
@@ -93,7 +93,7 @@ def test_fsdp_logprobs_match_one_process(fsdp_run: dict, one_rank: tuple) -> Non
 
 @pytest.mark.slow
 def test_fsdp_checkpoint_loads_in_one_process(fsdp_run: dict) -> None:
-    engine = TrainEngine(fsdp_config())
+    engine = fsdp_engine()
     extra = engine.load_checkpoint(fsdp_run["dir"] / "ckpt")
     assert extra == {"world": fsdp_run["world"]}
     assert (engine.step, engine.version) == (2, 2)

@@ -8,6 +8,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,10 +18,11 @@ from train_helpers.tiny import (
     one_torch_thread,
     random_batch,
     tiny_config,
+    tiny_engine,
     train_config,
 )
 
-from asyncrl.train import LossConfig, Sample, TrainConfig, TrainEngine
+from asyncrl.train import LossConfig, OptimConfig, Sample, TrainerConfig
 from asyncrl.train.packing import split_minibatches
 from asyncrl.train.schedule import lr_at
 
@@ -31,8 +33,8 @@ def _one_torch_thread() -> Iterator[None]:
         yield
 
 
-def _step_and_weights(config: TrainConfig, batch: list[Sample]) -> tuple[dict, dict]:
-    engine = TrainEngine(config)
+def _step_and_weights(config: TrainerConfig, batch: list[Sample]) -> tuple[dict, dict]:
+    engine = tiny_engine(config)
     stats = engine.train_step(batch)
     return stats, full_weights(engine)
 
@@ -54,7 +56,7 @@ def test_layout_choices_do_not_change_the_step(variant: dict, loss_agg: str) -> 
     """Splitting into micro-batches, padding, recomputation and logit chunking are
     layout choices: loss and updated weights stay the same."""
     batch = random_batch(3, per_token_adv=True)
-    loss = LossConfig(loss_agg=loss_agg)  # type: ignore[arg-type]
+    loss = LossConfig(loss_agg=loss_agg, behav_imp_weight_cap=None)  # type: ignore[arg-type]
     base_stats, base_w = _step_and_weights(train_config(loss=loss), batch)
     assert base_stats["micro_batches"] > 1
     stats, weights = _step_and_weights(train_config(loss=loss, **variant), batch)
@@ -66,7 +68,7 @@ def test_layout_choices_do_not_change_the_step(variant: dict, loss_agg: str) -> 
 
 
 def test_stats_of_a_step() -> None:
-    engine = TrainEngine(train_config())
+    engine = tiny_engine(train_config())
     batch = random_batch(4)
     stats = engine.train_step(batch)
     assert stats["tokens"] == sum(len(s) for s in batch)
@@ -80,14 +82,13 @@ def test_stats_of_a_step() -> None:
     assert 0.5 < stats["behav_imp_weight_mean"] < 2.0
     assert math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
     assert stats["lr"] == pytest.approx(1e-3 / 2)  # first of 2 warmup steps
-    padded = TrainEngine(train_config(packing=False)).train_step(batch)
+    padded = tiny_engine(train_config(packing=False)).train_step(batch)
     assert padded["input_tokens"] > padded["tokens"]
 
 
-def _constant_lr(**overrides: object) -> TrainConfig:
-    return train_config(
-        lr=3e-2, warmup_steps=0, lr_schedule="constant", total_steps=None, **overrides
-    )
+def _constant_lr(**overrides: Any) -> TrainerConfig:
+    optim = OptimConfig(lr=3e-2, weight_decay=0.01, warmup_steps=0, schedule="constant")
+    return train_config(optim=optim, **overrides)
 
 
 EIGHT = (7, 12, 5, 16, 9, 3, 10, 14)
@@ -96,7 +97,7 @@ EIGHT = (7, 12, 5, 16, 9, 3, 10, 14)
 def test_ppo_minibatches_step_against_one_proximal_policy() -> None:
     """Four optimizer steps per batch, version + 1 once; from the second minibatch on the
     policy has moved away from the proximal one, so the ratio leaves 1 and the clip acts."""
-    engine = TrainEngine(_constant_lr(ppo_minibatches=4))
+    engine = tiny_engine(_constant_lr(ppo_minibatches=4))
     batch = random_batch(4, EIGHT)
     stats = engine.train_step(batch)
     assert (stats["minibatches"], stats["optimizer_steps"]) == (4, 4)
@@ -108,17 +109,17 @@ def test_ppo_minibatches_step_against_one_proximal_policy() -> None:
     )
     assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
     with pytest.raises(ValueError, match="ppo_minibatches=9"):
-        TrainEngine(_constant_lr(ppo_minibatches=9)).train_step(batch)
+        tiny_engine(_constant_lr(ppo_minibatches=9)).train_step(batch)
 
 
 def test_ppo_minibatches_equal_steps_on_each_minibatch_by_hand() -> None:
     """The minibatch loop is n ordinary steps, each decoupled against the logprobs of the
     weights *before the first* of them."""
     batch = random_batch(4, EIGHT)
-    engine = TrainEngine(_constant_lr(ppo_minibatches=4))
+    engine = tiny_engine(_constant_lr(ppo_minibatches=4))
     stats = engine.train_step(batch)
 
-    by_hand = TrainEngine(_constant_lr())
+    by_hand = tiny_engine(_constant_lr())
     proximal = by_hand.compute_logprobs(batch)
     losses = []
     for idx in split_minibatches([len(s) for s in batch], 4):
@@ -137,7 +138,11 @@ def test_free_proximal_equals_a_separate_proximal_forward(loss_agg: str) -> None
     batch = random_batch(11)
     runs = []
     for separate in (False, True):
-        loss = LossConfig(loss_agg=loss_agg, separate_proximal_forward=separate)  # type: ignore[arg-type]
+        loss = LossConfig(
+            loss_agg=loss_agg,  # type: ignore[arg-type]
+            separate_proximal_forward=separate,
+            behav_imp_weight_cap=None,
+        )
         runs.append(_step_and_weights(train_config(loss=loss), batch))
     (free, free_w), (recomputed, recomputed_w) = runs
     assert "time/proximal_s" in recomputed and "time/proximal_s" not in free
@@ -148,7 +153,9 @@ def test_free_proximal_equals_a_separate_proximal_forward(loss_agg: str) -> None
 
 
 def test_plain_ppo_without_proximal_recompute() -> None:
-    engine = TrainEngine(train_config(loss=LossConfig(recompute_proximal=False)))
+    engine = tiny_engine(
+        train_config(loss=LossConfig(proximal="behaviour", behav_imp_weight_cap=None))
+    )
     stats = engine.train_step(random_batch(4))
     # Against the behaviour logprobs, no importance weights are involved.
     assert stats["behav_imp_weight_mean"] == 1.0
@@ -157,7 +164,9 @@ def test_plain_ppo_without_proximal_recompute() -> None:
 
 
 def test_reference_model_is_the_frozen_initial_policy() -> None:
-    engine = TrainEngine(train_config(loss=LossConfig(kl_coef=0.5, kl_type="k3")))
+    engine = tiny_engine(
+        train_config(loss=LossConfig(kl_coef=0.5, kl_type="k3", behav_imp_weight_cap=None))
+    )
     assert engine.ref_module is not None
     assert not any(p.requires_grad for p in engine.ref_module.parameters())
     batch = random_batch(5)
@@ -173,11 +182,11 @@ def test_reference_model_is_the_frozen_initial_policy() -> None:
     assert stats["kl_ref"] > 0
     for ref, first in zip(engine.compute_ref_logprobs(batch), initial, strict=True):
         torch.testing.assert_close(ref, first, rtol=0, atol=0)
-    assert TrainEngine(train_config()).ref_module is None  # kl_coef 0: no second model
+    assert tiny_engine(train_config()).ref_module is None  # kl_coef 0: no second model
 
 
 def test_kl_to_reference_logprobs() -> None:
-    engine = TrainEngine(train_config(loss=LossConfig(kl_coef=0.5)))
+    engine = tiny_engine(train_config(loss=LossConfig(kl_coef=0.5, behav_imp_weight_cap=None)))
     batch = random_batch(5)
     ref = engine.compute_logprobs(batch)
     for s, lp in zip(batch, ref, strict=True):
@@ -189,7 +198,7 @@ def test_kl_to_reference_logprobs() -> None:
 
 
 def test_non_finite_step_is_skipped_and_counted() -> None:
-    engine = TrainEngine(train_config())
+    engine = tiny_engine(train_config())
     before = full_weights(engine)
     bad = random_batch(6)
     bad[2].advantages = torch.tensor(math.nan)
@@ -211,7 +220,12 @@ def test_lr_schedule() -> None:
     assert cosine[0] == pytest.approx(1.0)
     assert cosine[2] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway
     assert cosine[4] == cosine[5] == pytest.approx(0.1)  # floor after total_steps
-    engine = TrainEngine(train_config(lr=1.0, warmup_steps=0, total_steps=4, min_lr_ratio=0.0))
+    engine = tiny_engine(
+        train_config(
+            optim=OptimConfig(lr=1.0, weight_decay=0.01, schedule="cosine", min_lr_ratio=0.0),
+            max_steps=4,
+        )
+    )
     lrs = [engine.train_step(random_batch(s))["lr"] for s in range(3)]
     assert lrs == pytest.approx([1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5])
 
@@ -219,7 +233,7 @@ def test_lr_schedule() -> None:
 def test_export_hf_loads_back_and_gives_the_same_logprobs(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    engine = TrainEngine(train_config(model=tiny_config("qwen2")))
+    engine = tiny_engine(architecture=tiny_config("qwen2"))
     engine.train_step(random_batch(7))
     engine.export_hf(tmp_path / "fp32", dtype="float32")
     assert (tmp_path / "fp32" / "model.safetensors").is_file()
@@ -238,7 +252,7 @@ def test_export_hf_loads_back_and_gives_the_same_logprobs(tmp_path: Path) -> Non
 def test_export_shards_with_an_index(tmp_path: Path) -> None:
     from asyncrl.train.checkpoint import export_hf
 
-    engine = TrainEngine(train_config())
+    engine = tiny_engine(train_config())
     export_hf(tmp_path, engine.lm, max_shard_bytes=20_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
@@ -247,7 +261,7 @@ def test_export_shards_with_an_index(tmp_path: Path) -> None:
 
 
 def test_iter_weights_buckets() -> None:
-    engine = TrainEngine(train_config())
+    engine = tiny_engine(train_config())
     buckets = list(engine.iter_weights(10_000, dtype="bfloat16"))
     names = [n for b in buckets for n, _ in b]
     assert sorted(names) == sorted(n for n, _ in engine.lm.named_parameters())
@@ -259,7 +273,7 @@ def test_iter_weights_buckets() -> None:
 
 
 def test_bf16_compute_on_cpu_keeps_fp32_master_weights() -> None:
-    engine = TrainEngine(train_config(param_dtype="bfloat16"))
+    engine = tiny_engine(dtype="bfloat16")
     stats = engine.train_step(random_batch(9))
     assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     assert all(p.dtype == torch.float32 for p in engine.lm.parameters())
@@ -281,18 +295,16 @@ def test_sample_validation() -> None:
 
 
 def test_config_is_strict() -> None:
-    with pytest.raises(ValueError, match="total_steps"):
-        TrainConfig(model="x", lr_schedule="cosine")
     with pytest.raises(ValueError, match="extra"):
-        TrainConfig(model="x", learning_rate=1.0)  # type: ignore[call-arg]
-    with pytest.raises(ValueError, match="model must be"):
-        TrainConfig(model=3)
+        TrainerConfig(learning_rate=1.0)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="greater than 1"):
+        LossConfig(c_clip=0.5)
 
 
 def test_bf16_compute_still_takes_logits_in_fp32() -> None:
     """With bf16 compute the LM head runs in float32: logprobs equal an fp32 head on the
     decoder's own (bf16) hidden states, not logits rounded to bf16 first (~1e-2 off)."""
-    engine = TrainEngine(train_config(param_dtype="bfloat16", max_tokens_per_microbatch=4096))
+    engine = tiny_engine(train_config(max_tokens_per_microbatch=4096), dtype="bfloat16")
     with torch.no_grad():
         engine.lm.lm_head.weight.mul_(30.0)  # logits of a few units, where bf16 rounds by ~1e-2
     captured: list[torch.Tensor] = []
@@ -327,7 +339,7 @@ def test_the_training_forward_runs_the_lm_head_once_per_chunk() -> None:
                 CountHead.calls += 1
             return func(*args, **(kwargs or {}))
 
-    engine = TrainEngine(train_config(max_tokens_per_microbatch=4096))
+    engine = tiny_engine(train_config(max_tokens_per_microbatch=4096))
     with CountHead():
         stats = engine.train_step(random_batch(6, lengths=(9, 14)))
     assert stats["micro_batches"] == 1 and stats["entropy"] > 0

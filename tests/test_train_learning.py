@@ -15,7 +15,8 @@ import torch
 from train_helpers.tiny import one_torch_thread, tiny_config
 
 from asyncrl.algo import group_advantages
-from asyncrl.train import LossConfig, Sample, TrainConfig, TrainEngine
+from asyncrl.models import TINY_NAME, ModelConfig
+from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 
 VOCAB, BOS, DIGITS = 16, 0, range(1, 9)
 GROUP, PROMPTS, NEW_TOKENS = 8, 16, 2
@@ -51,12 +52,13 @@ def rewards_of(ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.slow
 def test_grpo_learns_to_copy() -> None:
     engine = TrainEngine(
-        TrainConfig(
-            model=tiny_config(vocab_size=VOCAB, max_position_embeddings=16),
-            lr=3e-3,
-            max_grad_norm=1.0,
-            loss=LossConfig(recompute_proximal=False),
-        )
+        TrainerConfig(
+            optim=OptimConfig(lr=3e-3, grad_clip=1.0),
+            max_tokens_per_microbatch=8192,
+            loss=LossConfig(proximal="behaviour", behav_imp_weight_cap=None),
+        ),
+        ModelConfig(path=TINY_NAME),
+        architecture=tiny_config(vocab_size=VOCAB, max_position_embeddings=16),
     )
     g = torch.Generator().manual_seed(0)
     digits = torch.tensor(list(DIGITS))

@@ -9,7 +9,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from train_helpers.tiny import one_torch_thread, random_batch, tiny_config, train_config
+from train_helpers.tiny import (
+    one_torch_thread,
+    random_batch,
+    tiny_config,
+    tiny_engine,
+    train_config,
+)
 
 from asyncrl.train import TrainEngine
 from asyncrl.train.packing import build_micro_batch, plan_micro_batches, split_minibatches
@@ -96,15 +102,15 @@ def test_packed_logprobs_equal_per_sequence_forwards(kind: str, packing: bool, a
     boundaries (asyncrl_varlen), and transformers' block-diagonal mask from the position
     restarts (sdpa); and right-padding with each."""
     temperature = 0.7
-    engine = TrainEngine(
+    engine = tiny_engine(
         train_config(
-            model=tiny_config(kind),
             attn_implementation=attn,
             packing=packing,
             max_tokens_per_microbatch=40,
             temperature=temperature,
             lm_head_chunk_tokens=7,  # several chunks per micro-batch
-        )
+        ),
+        architecture=tiny_config(kind),
     )
     batch = random_batch(1, (9, 1, 17, 4, 30, 2, 11))
     packed = engine.compute_logprobs(batch, all_positions=True)
@@ -117,7 +123,7 @@ def test_packed_logprobs_equal_per_sequence_forwards(kind: str, packing: bool, a
 
 
 def test_a_sequence_longer_than_the_budget_gets_its_own_micro_batch() -> None:
-    engine = TrainEngine(train_config(max_tokens_per_microbatch=8))
+    engine = tiny_engine(train_config(max_tokens_per_microbatch=8))
     batch = random_batch(2, (20, 3, 3))
     lps = engine.compute_logprobs(batch, all_positions=True)
     torch.testing.assert_close(
@@ -128,10 +134,10 @@ def test_a_sequence_longer_than_the_budget_gets_its_own_micro_batch() -> None:
 
 def test_varlen_attention_refuses_what_it_does_not_implement() -> None:
     config = tiny_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    engine = TrainEngine(train_config(model=config))
+    engine = tiny_engine(architecture=config)
     with pytest.raises(NotImplementedError, match="attn_implementation='sdpa'"):
         engine.compute_logprobs(random_batch(3))
-    sdpa = TrainEngine(train_config(model=config, attn_implementation="sdpa"))
+    sdpa = tiny_engine(train_config(attn_implementation="sdpa"), architecture=config)
     assert all(torch.isfinite(lp).all() for lp in sdpa.compute_logprobs(random_batch(3)))
 
 

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers.tiny import full_weights, one_torch_thread, random_batch, resume_config
-
-from asyncrl.train import TrainEngine
+from train_helpers.tiny import full_weights, one_torch_thread, random_batch, resume_engine
 
 WORKER = Path(__file__).parent / "train_helpers" / "worker.py"
 
@@ -24,11 +22,11 @@ def _one_torch_thread() -> Iterator[None]:
 
 @pytest.mark.slow
 def test_resume_in_fresh_process_matches_uninterrupted(tmp_path: Path) -> None:
-    straight = TrainEngine(resume_config())
+    straight = resume_engine()
     straight_losses = [straight.train_step(random_batch(step))["loss"] for step in range(5)]
     expected = full_weights(straight)
 
-    first = TrainEngine(resume_config())
+    first = resume_engine()
     for step in range(3):
         first.train_step(random_batch(step))
     first.save_checkpoint(tmp_path / "ckpt", {"dataset_pos": 3, "note": "after 3"})
@@ -59,9 +57,9 @@ def test_resume_in_fresh_process_matches_uninterrupted(tmp_path: Path) -> None:
 
 
 def test_a_step_after_restore_differs_without_the_rng(tmp_path: Path) -> None:
-    """The dropout in resume_config() draws from the RNG, so the resume test above would
+    """The dropout in resume_engine() draws from the RNG, so the resume test above would
     fail if the RNG were not restored; this checks that premise."""
-    engine = TrainEngine(resume_config())
+    engine = resume_engine()
     engine.train_step(random_batch(0))
     engine.save_checkpoint(tmp_path / "ckpt", {})
     a = engine.train_step(random_batch(1))["loss"]
@@ -75,7 +73,7 @@ def test_a_step_after_restore_differs_without_the_rng(tmp_path: Path) -> None:
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
-    engine = TrainEngine(resume_config())
+    engine = resume_engine()
     (tmp_path / "ckpt" / "dcp").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         engine.load_checkpoint(tmp_path / "ckpt")

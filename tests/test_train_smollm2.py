@@ -13,7 +13,8 @@ import pytest
 import torch
 from train_helpers.tiny import one_torch_thread
 
-from asyncrl.train import Sample, TrainConfig, TrainEngine
+from asyncrl.models import ModelConfig
+from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -35,7 +36,14 @@ def _smollm2_dir() -> str:
 def test_smollm2_gguf_trains_and_exports(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    engine = TrainEngine(TrainConfig(model=_smollm2_dir(), gguf_file=GGUF, lr=1e-5))
+    engine = TrainEngine(
+        TrainerConfig(
+            optim=OptimConfig(lr=1e-5),
+            max_tokens_per_microbatch=8192,
+            loss=LossConfig(behav_imp_weight_cap=None),
+        ),
+        ModelConfig(path=_smollm2_dir(), gguf_file=GGUF),
+    )
     tok = engine.tokenizer
     assert tok is not None
     prompt = tok.apply_chat_template(

@@ -8,17 +8,7 @@ cannot work together (errors) or probably do not do what was meant (warnings).
 from __future__ import annotations
 
 from asyncrl.config import Recipe, RecipeError
-
-
-def generation_budget(recipe: Recipe) -> int:
-    """Most tokens a sample can generate: ``max_new_tokens``, per turn for ``multi_turn``
-    and ``agent`` (there at most ``rollout.agent.max_total_tokens``). Agent code decides
-    its own turns: its budget is counted per call."""
-    r = recipe.rollout
-    if r.workflow not in ("multi_turn", "agent"):
-        return r.sampling.max_new_tokens
-    budget = r.sampling.max_new_tokens * r.max_turns
-    return min(budget, r.agent.max_total_tokens) if r.workflow == "agent" else budget
+from asyncrl.config import generation_budget as generation_budget
 
 
 def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
@@ -114,6 +104,17 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             "staleness is judged against the published weights, which lag the trainer by "
             f"up to {k - 1} steps, so a trained sample may be up to η + k − 1 = {eta + k - 1} "
             f"trainer versions old (η = {eta} bounds published versions)"
+        )
+    if t.nproc > 1 and t.device.startswith("cuda:"):
+        errors.append(
+            f'trainer.device = "{t.device}" with trainer.nproc = {t.nproc}: every rank would '
+            'share one GPU; use "cuda" (each rank on its own, cuda:LOCAL_RANK) or nproc = 1'
+        )
+    if recipe.model.gguf_file and r.engine.type != "instant":
+        warnings.append(
+            f"model.gguf_file = {recipe.model.gguf_file!r} is loaded by the trainer only: "
+            f'the "{r.engine.type}" rollout engines sample from model.path\'s own weights '
+            "until the first weight update"
         )
     warnings.extend(listen_warnings(recipe))
     return errors, warnings

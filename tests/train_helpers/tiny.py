@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from asyncrl.train import Sample, TrainConfig
+from asyncrl.models import TINY_NAME, ModelConfig
+from asyncrl.schema import DType
+from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 
 VOCAB = 128
 
@@ -66,19 +68,32 @@ def random_batch(
     return batch
 
 
-def train_config(**overrides: Any) -> TrainConfig:
+def train_config(**overrides: Any) -> TrainerConfig:
+    """The tests' trainer section: AdamW at 1e-3 with weight decay, a cosine schedule over
+    10 steps after 2 warmup steps, 24-token micro-batches (several per batch), and no cap
+    on the behaviour importance weight."""
     fields: dict[str, Any] = dict(
-        model=tiny_config(),
-        lr=1e-3,
-        weight_decay=0.01,
-        warmup_steps=2,
-        lr_schedule="cosine",
-        total_steps=10,
-        max_grad_norm=1.0,
+        optim=OptimConfig(
+            lr=1e-3, weight_decay=0.01, warmup_steps=2, schedule="cosine", grad_clip=1.0
+        ),
+        max_steps=10,
         max_tokens_per_microbatch=24,
+        loss=LossConfig(behav_imp_weight_cap=None),
     )
     fields.update(overrides)
-    return TrainConfig(**fields)
+    return TrainerConfig(**fields)
+
+
+def tiny_engine(
+    config: TrainerConfig | None = None, *, architecture: Any = None, dtype: DType = "float32"
+) -> TrainEngine:
+    """A train engine of ``config`` (default :func:`train_config`) on random weights of
+    ``architecture`` (default :func:`tiny_config`); the model section only names it."""
+    return TrainEngine(
+        config or train_config(),
+        ModelConfig(path=TINY_NAME, dtype=dtype),
+        architecture=architecture if architecture is not None else tiny_config(),
+    )
 
 
 def full_weights(engine: Any) -> dict[str, torch.Tensor]:
@@ -89,22 +104,24 @@ def full_weights(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def resume_config() -> TrainConfig:
+def resume_engine() -> TrainEngine:
     """Dropout on, so that resuming must restore the RNG to match."""
-    return train_config(model=tiny_config(attention_dropout=0.1))
+    return tiny_engine(architecture=tiny_config(attention_dropout=0.1))
 
 
-def fsdp_config() -> TrainConfig:
+def fsdp_engine() -> TrainEngine:
     """Tied embeddings, gradient checkpointing, dual clip, clip-higher, two PPO minibatches
     and a frozen reference model for the KL penalty: the parts most likely to behave
     differently under FSDP."""
-    from asyncrl.train import LossConfig
-
-    return train_config(
-        model=tiny_config("qwen2", tie_word_embeddings=True),
+    config = train_config(
         gradient_checkpointing=True,
         ppo_minibatches=2,
         loss=LossConfig(
-            eps_clip_high=0.28, c_clip=3.0, loss_agg="seq-mean-token-mean", kl_coef=0.1
+            eps_clip_high=0.28,
+            c_clip=3.0,
+            loss_agg="seq-mean-token-mean",
+            kl_coef=0.1,
+            behav_imp_weight_cap=None,
         ),
     )
+    return tiny_engine(config, architecture=tiny_config("qwen2", tie_word_embeddings=True))

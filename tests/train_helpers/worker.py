@@ -12,12 +12,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.train import TrainEngine
-from train_helpers.tiny import fsdp_config, full_weights, random_batch, resume_config
+from train_helpers.tiny import fsdp_engine, full_weights, random_batch, resume_engine
 
 
 def resume(args: argparse.Namespace) -> None:
-    engine = TrainEngine(resume_config())
+    engine = resume_engine()
     extra = engine.load_checkpoint(args.ckpt)
     losses = [engine.train_step(random_batch(step))["loss"] for step in range(engine.step, 5)]
     torch.save(
@@ -30,7 +29,7 @@ def fsdp(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     dist.init_process_group("gloo")
-    engine = TrainEngine(fsdp_config())
+    engine = fsdp_engine()
     units = [m for m in engine.module.modules() if isinstance(m, FSDPModule)]
     assert len(units) == engine.lm.config.num_hidden_layers + 1, "one unit per layer + root"
     stats = [engine.train_step(random_batch(step)) for step in range(2)]

@@ -133,11 +133,11 @@ class EvalActor(Actor):
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
-            build_engine,
             build_reward_pool,
             latest_checkpoint_meta,
             load_eval_records,
         )
+        from asyncrl.engines import build_engine
         from asyncrl.observe.sinks import open_sinks
 
         self.records = load_eval_records(self.recipe)

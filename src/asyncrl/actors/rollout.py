@@ -101,12 +101,12 @@ class RolloutActor(Actor):
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         from asyncrl.actors.common import (
-            build_engine,
             build_reward_pool,
             build_workflow,
             endpoint_wanted,
             workflow_scores_inline,
         )
+        from asyncrl.engines import build_engine
 
         self.engine = build_engine(self.recipe)
         await self.engine.start()

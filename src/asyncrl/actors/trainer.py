@@ -28,7 +28,6 @@ from typing import Any
 
 from asyncrl.actors.buffer.admission import split_groups
 from asyncrl.actors.common import (
-    build_train_engine,
     commit_checkpoint,
     latest_checkpoint_meta,
 )
@@ -47,6 +46,7 @@ from asyncrl.messages import (
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.supervisor import RESTART_ENV
+from asyncrl.train import build_train_engine
 
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""

@@ -6,7 +6,7 @@ Importing this package loads no torch; a backend is imported when it is built.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.engines.base import (
     EngineStopped,
@@ -18,6 +18,9 @@ from asyncrl.engines.base import (
     WeightSource,
 )
 
+if TYPE_CHECKING:
+    from asyncrl.config import Recipe
+
 BACKENDS = {
     "hf": "asyncrl.engines.hf:HFEngine",
     "vllm": "asyncrl.engines.vllm:VLLMEngine",
@@ -27,13 +30,20 @@ BACKENDS = {
 """Engine kinds (the recipe's ``rollout.engine.type``) and the class that implements each."""
 
 
-def make_engine(kind: str, model: str, **options: Any) -> InferenceEngine:
-    """An unstarted engine of ``kind`` for ``model``; ``options`` go to its constructor."""
-    if kind not in BACKENDS:
-        raise ValueError(f"engine type {kind!r} is not one of {sorted(BACKENDS)}")
-    module, _, name = BACKENDS[kind].partition(":")
+def build_engine(recipe: Recipe) -> InferenceEngine:
+    """The recipe's rollout engine, not started: the ``rollout.engine.type`` backend built
+    from the ``model`` and ``rollout.engine`` sections themselves. Server engines log
+    under ``<run>/logs``; ``rollout.colocate`` asks for engines that can release their
+    memory (hf, sglang; the recipe checks refuse vllm)."""
+    cfg = recipe.rollout.engine
+    module, _, name = BACKENDS[cfg.type].partition(":")
     cls = getattr(importlib.import_module(module), name)
-    return cls(model, **options)  # type: ignore[no-any-return]
+    options: dict[str, Any] = {}
+    if cfg.type in ("vllm", "sglang"):
+        options["log_dir"] = recipe.run.path / "logs"
+    if cfg.type in ("hf", "sglang"):
+        options["memory_saver"] = recipe.rollout.colocate
+    return cls(recipe.model, cfg, **options)  # type: ignore[no-any-return]
 
 
 __all__ = [
@@ -45,5 +55,5 @@ __all__ = [
     "InferenceEngine",
     "SamplingParams",
     "WeightSource",
-    "make_engine",
+    "build_engine",
 ]

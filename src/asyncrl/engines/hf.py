@@ -23,6 +23,7 @@ tokens under whatever weights are loaded then.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 from collections import Counter, deque
 from collections.abc import AsyncIterable, Callable, Iterable
@@ -40,8 +41,11 @@ from asyncrl.engines.base import (
     InferenceEngine,
     WeightSource,
 )
+from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode
+from asyncrl.models import ModelConfig
+from asyncrl.schema import resolve_device
 
 MEMORY_TAG = "asyncrl-hf-weights"
 """The torch-memory-saver region of the hf engine's weights."""
@@ -76,36 +80,39 @@ class _Pending:
 class HFEngine(InferenceEngine):
     """A transformers causal LM behind :class:`InferenceEngine`, batching concurrent calls.
 
-    ``model`` is anything :func:`asyncrl.models.resolve_model_path` accepts. ``on_step`` (if
-    given) is called on the event loop after every step with its :class:`StepResult`.
+    ``model`` is the recipe's model section (or its ``path`` alone: anything
+    :func:`asyncrl.models.resolve_model_path` accepts), ``config`` its ``rollout.engine``
+    section. ``memory_saver`` (a colocated run) keeps the weights in a region that
+    :meth:`release_memory` can free, when ``torch_memory_saver`` is installed and the
+    device is CUDA. ``on_step`` (if given) is called on the event loop after every step
+    with its :class:`StepResult`.
     """
 
     def __init__(
         self,
-        model: str,
+        model: ModelConfig | str,
+        config: HFEngineConfig | None = None,
         *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        max_batch_size: int = 32,
-        max_prefill_tokens: int = 8192,
+        memory_saver: bool = False,
         logprob_mode: LogprobMode = "processed",
         version: int = 0,
         on_step: Callable[[StepResult], None] | None = None,
-        memory_saver: bool = False,
     ) -> None:
         super().__init__(version)
-        if max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
-        self.model_spec = model
-        self.dtype = dtype
-        self.device = device
-        self.max_batch_size = max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
+        model = model if isinstance(model, ModelConfig) else ModelConfig(path=model)
+        self.config = config or HFEngineConfig()
+        self.model_spec = model.path
+        self.dtype = model.dtype
+        self.device = resolve_device(self.config.device)
         self.logprob_mode: LogprobMode = logprob_mode
         self.on_step = on_step
         # torch-memory-saver keeps the weights' virtual addresses while their physical
         # memory is released; without it (or off CUDA) releasing moves them to the host.
-        self.memory_saver = memory_saver and device.startswith("cuda")
+        self.memory_saver = (
+            memory_saver
+            and self.device.startswith("cuda")
+            and importlib.util.find_spec("torch_memory_saver") is not None
+        )
         self.stats = EngineStats()
         self.model: Any = None
         self._tokenizer: Any = None
@@ -256,8 +263,8 @@ class HFEngine(InferenceEngine):
         """Waiting requests that join now: up to the free batch slots, and up to the prefill
         token budget (always at least one, however long)."""
         admit: list[_Pending] = []
-        budget = self.max_prefill_tokens
-        while self._waiting and len(self._running) < self.max_batch_size:
+        budget = self.config.max_prefill_tokens
+        while self._waiting and len(self._running) < self.config.max_batch_size:
             p = self._waiting[0]
             if p.future.done():  # its caller went away before it started
                 self._waiting.popleft()

@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.engines.base import GenerateRequest, GenerateResponse, InferenceEngine, WeightSource
+from asyncrl.engines.config import InstantEngineConfig
+from asyncrl.models import ModelConfig
 
 RESPONSE_TOKEN = ord("7")
 """What every response is made of: a digit, so a math reward parses it (and scores 0)."""
@@ -42,13 +44,15 @@ class ByteTokenizer:
 
 
 class InstantEngine(InferenceEngine):
-    """See the module docstring. ``model`` is accepted (and ignored) like every backend's."""
+    """See the module docstring. ``model`` is accepted (and ignored) like every backend's;
+    ``config`` is the recipe's ``rollout.engine`` section."""
 
-    def __init__(self, model: str = "", *, response_tokens: int = 16) -> None:
+    def __init__(
+        self, model: ModelConfig | str = "", config: InstantEngineConfig | None = None
+    ) -> None:
         super().__init__()
-        if response_tokens < 1:
-            raise ValueError(f"response_tokens must be >= 1, got {response_tokens}")
-        self.response_tokens = response_tokens
+        self.config = config or InstantEngineConfig()
+        self.response_tokens = self.config.response_tokens
         self._tokenizer = ByteTokenizer()
 
     @property

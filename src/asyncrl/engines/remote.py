@@ -40,7 +40,9 @@ from asyncrl.engines.base import (
     InferenceEngine,
     WeightSource,
 )
+from asyncrl.engines.config import ServerEngineConfig
 from asyncrl.engines.server import ServerError, ServerProcess, free_port, tail
+from asyncrl.models import ModelConfig
 
 AFFINITY_SLOTS = 4096
 """Routing keys remembered. Groups in flight are bounded by the actor's concurrency (tens
@@ -99,8 +101,10 @@ class RemoteEngine(InferenceEngine):
     """An :class:`InferenceEngine` over HTTP servers. Subclasses implement the ``_server_*``
     hooks and :meth:`_complete`.
 
-    ``model`` is anything :func:`asyncrl.models.resolve_model_path` accepts; it gives the
-    tokenizer here and the model directory the started servers load.
+    ``model`` is the recipe's model section (or its ``path`` alone): its path gives the
+    tokenizer here and the model directory the started servers load, its dtype theirs.
+    ``config`` is the recipe's ``rollout.engine`` section; ``log_dir`` receives the
+    started servers' logs.
     """
 
     kind = "remote"
@@ -108,39 +112,19 @@ class RemoteEngine(InferenceEngine):
 
     def __init__(
         self,
-        model: str,
+        model: ModelConfig | str,
+        config: ServerEngineConfig,
         *,
-        urls: Sequence[str] = (),
-        command: Sequence[str] = (),
-        args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        servers: int = 1,
-        host: str = "127.0.0.1",
-        ports: tuple[int, int] = (31000, 31999),
-        dtype: str = "float32",
-        startup_timeout: float = 900.0,
-        request_timeout: float = 1800.0,
-        retries: int = 3,
-        retry_backoff: float = 0.5,
         log_dir: str | Path | None = None,
         version: int = 0,
     ) -> None:
         super().__init__(version)
-        if not urls and servers < 1:
-            raise ValueError("a server engine needs urls or servers >= 1")
-        self.model_spec = model
-        self.urls = [u.rstrip("/") for u in urls]
-        self.command = list(command)
-        self.args = list(args)
-        self.env = dict(env or {})
-        self.n_servers = servers
-        self.host = host
-        self.ports = ports
-        self.dtype = dtype
-        self.startup_timeout = startup_timeout
-        self.request_timeout = request_timeout
-        self.retries = retries
-        self.retry_backoff = retry_backoff
+        model = model if isinstance(model, ModelConfig) else ModelConfig(path=model)
+        self.config = config
+        self.model_spec = model.path
+        self.dtype = model.dtype
+        self.urls = [u.rstrip("/") for u in config.urls]
+        self.n_servers = config.servers
         self.log_dir = Path(log_dir) if log_dir is not None else Path("logs")
         self.model_path = ""
         self.servers: list[Server] = []
@@ -158,14 +142,14 @@ class RemoteEngine(InferenceEngine):
 
     def server_command(self) -> list[str]:
         """The program that starts one server (``command`` from the recipe, or a default)."""
-        return self.command
+        return self.config.command
 
     @abstractmethod
     def server_argv(self, port: int) -> list[str]:
         """The whole command line of one server listening on ``port``."""
 
     def server_env(self) -> dict[str, str]:
-        return dict(self.env)
+        return dict(self.config.env)
 
     async def _server_ready(self, server: Server) -> None:
         """Called once per server after it is healthy (e.g. to read its limits)."""
@@ -205,7 +189,7 @@ class RemoteEngine(InferenceEngine):
         self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),  # concurrency is bounded by the callers
-            timeout=aiohttp.ClientTimeout(total=self.request_timeout),
+            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout),
         )
         try:
             if self.urls:
@@ -219,8 +203,8 @@ class RemoteEngine(InferenceEngine):
             raise
 
     def _launch(self, index: int) -> Server:
-        port = free_port(self.host, *self.ports)
-        url = f"http://{self.host}:{port}"
+        port = free_port(self.config.host, *self.config.ports)
+        url = f"http://{self.config.host}:{port}"
         log = self.log_dir / f"{self.kind}-{os.getpid()}-{index}.log"
         process = ServerProcess(
             self.server_argv(port), url=url, log_path=log, env=self.server_env()
@@ -237,14 +221,14 @@ class RemoteEngine(InferenceEngine):
                 return False  # not up yet
 
         if server.process is not None:
-            await server.process.wait_healthy(probe, self.startup_timeout)
+            await server.process.wait_healthy(probe, self.config.startup_timeout)
         else:
-            deadline = time.monotonic() + self.startup_timeout
+            deadline = time.monotonic() + self.config.startup_timeout
             while not await probe():
                 if time.monotonic() >= deadline:
                     raise ServerError(
                         f"{server.url}{self.health_path} did not answer 200 within "
-                        f"{self.startup_timeout:.0f} s"
+                        f"{self.config.startup_timeout:.0f} s"
                     )
                 await asyncio.sleep(0.5)
         await self._server_ready(server)
@@ -298,8 +282,8 @@ class RemoteEngine(InferenceEngine):
         import aiohttp
 
         url = server.url + path
-        delay = self.retry_backoff
-        for attempt in range(self.retries + 1):
+        delay = self.config.retry_backoff
+        for attempt in range(self.config.retries + 1):
             if self._session is None:
                 raise ServerError(f"{method} {url}: the engine is stopped")
             try:
@@ -314,13 +298,13 @@ class RemoteEngine(InferenceEngine):
                     return body
             except TimeoutError as exc:
                 raise ServerError(
-                    f"{method} {url}: no answer within {self.request_timeout:.0f} s"
+                    f"{method} {url}: no answer within {self.config.request_timeout:.0f} s"
                     f"{self._server_state(server)}"
                 ) from exc
             except aiohttp.ClientConnectionError as exc:
                 if server.process is not None and server.process.returncode is not None:
                     raise ServerError(f"{method} {url}: {server.process.describe_exit()}") from exc
-                if attempt == self.retries or self._stopping:
+                if attempt == self.config.retries or self._stopping:
                     raise ServerError(
                         f"{method} {url}: connection failed {attempt + 1} times, last: "
                         f"{type(exc).__name__}: {exc}{self._server_state(server)}"

@@ -34,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.engines.base import GenerateRequest, GenerateResponse, WeightSource
+from asyncrl.engines.config import SGLangEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
 from asyncrl.engines.server import ServerError
+from asyncrl.models import ModelConfig
 
 MODEL_FILES = (
     "config.json",
@@ -116,20 +118,22 @@ class SGLangEngine(RemoteEngine):
 
     kind = "sglang"
 
+    config: SGLangEngineConfig
+
     def __init__(
         self,
-        model: str,
+        model: ModelConfig | str,
+        config: SGLangEngineConfig | None = None,
         *,
         memory_saver: bool = False,
-        mem_fraction_static: float | None = None,
-        **options: Any,
+        log_dir: str | Path | None = None,
+        version: int = 0,
     ) -> None:
-        super().__init__(model, **options)
+        super().__init__(model, config or SGLangEngineConfig(), log_dir=log_dir, version=version)
         self.memory_saver = memory_saver
-        self.mem_fraction_static = mem_fraction_static
 
     def server_command(self) -> list[str]:
-        return self.command or [sys.executable, "-m", "sglang.launch_server"]
+        return self.config.command or [sys.executable, "-m", "sglang.launch_server"]
 
     def server_argv(self, port: int) -> list[str]:
         argv = [
@@ -137,7 +141,7 @@ class SGLangEngine(RemoteEngine):
             "--model-path",
             self.model_path,
             "--host",
-            self.host,
+            self.config.host,
             "--port",
             str(port),
             "--dtype",
@@ -145,9 +149,9 @@ class SGLangEngine(RemoteEngine):
         ]
         if self.memory_saver:
             argv.append("--enable-memory-saver")
-        if self.mem_fraction_static is not None:
-            argv += ["--mem-fraction-static", str(self.mem_fraction_static)]
-        return argv + self.args
+        if self.config.mem_fraction_static is not None:
+            argv += ["--mem-fraction-static", str(self.config.mem_fraction_static)]
+        return argv + self.config.args
 
     async def _complete(self, server: Server, request: GenerateRequest) -> GenerateResponse:
         if request.sampling.max_new_tokens <= 0:

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any, get_args
 
 from asyncrl.engines.base import FinishReason, GenerateRequest, GenerateResponse
+from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
 from asyncrl.engines.server import ServerError
+from asyncrl.models import ModelConfig
 
 LAUNCHER = Path(__file__).with_name("vllm_launch.py")
 
@@ -91,6 +93,7 @@ def parse_completion(request: GenerateRequest, body: Any) -> GenerateResponse:
 class VLLMEngine(RemoteEngine):
     """vLLM servers behind :class:`~asyncrl.engines.base.InferenceEngine`.
 
+    Built from the recipe's ``rollout.engine`` section (:class:`VLLMEngineConfig`): its
     ``python`` is the interpreter of the virtualenv holding vLLM (``make vllm`` makes
     ``.venv-vllm``); it runs the launcher unless ``command`` replaces it. ``cpu_kvcache_gib``
     and ``cpu_threads_bind`` set vLLM's CPU backend (``VLLM_CPU_KVCACHE_SPACE``,
@@ -100,26 +103,22 @@ class VLLMEngine(RemoteEngine):
     kind = "vllm"
     served_name = "policy"
 
+    config: VLLMEngineConfig
+
     def __init__(
         self,
-        model: str,
+        model: ModelConfig | str,
+        config: VLLMEngineConfig | None = None,
         *,
-        python: str = ".venv-vllm/bin/python",
-        cpu_kvcache_gib: int = 2,
-        cpu_threads_bind: str = "auto",
-        max_model_len: int = 0,
-        **options: Any,
+        log_dir: str | Path | None = None,
+        version: int = 0,
     ) -> None:
-        super().__init__(model, **options)
-        self.python = python
-        self.cpu_kvcache_gib = cpu_kvcache_gib
-        self.cpu_threads_bind = cpu_threads_bind
-        self.max_model_len = max_model_len
+        super().__init__(model, config or VLLMEngineConfig(), log_dir=log_dir, version=version)
 
     def server_command(self) -> list[str]:
-        if self.command:
-            return self.command
-        return [resolve_python(self.python), str(LAUNCHER)]
+        if self.config.command:
+            return self.config.command
+        return [resolve_python(self.config.python), str(LAUNCHER)]
 
     def server_argv(self, port: int) -> list[str]:
         argv = [
@@ -127,7 +126,7 @@ class VLLMEngine(RemoteEngine):
             "serve",
             self.model_path,
             "--host",
-            self.host,
+            self.config.host,
             "--port",
             str(port),
             "--dtype",
@@ -138,16 +137,16 @@ class VLLMEngine(RemoteEngine):
             "processed_logprobs",
             "--disable-uvicorn-access-log",
         ]
-        if self.max_model_len:
-            argv += ["--max-model-len", str(self.max_model_len)]
-        return argv + self.args
+        if self.config.max_model_len:
+            argv += ["--max-model-len", str(self.config.max_model_len)]
+        return argv + self.config.args
 
     def server_env(self) -> dict[str, str]:
         return {
             "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kvcache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": self.cpu_threads_bind,
-            **self.env,
+            "VLLM_CPU_KVCACHE_SPACE": str(self.config.cpu_kvcache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": self.config.cpu_threads_bind,
+            **self.config.env,
         }
 
     async def _server_ready(self, server: Server) -> None:

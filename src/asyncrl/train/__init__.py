@@ -2,7 +2,7 @@
 
 Use (every rank of a torchrun job, or one plain process with no process group)::
 
-    engine = TrainEngine(TrainConfig(model="path/or/hub-id", lr=1e-6, param_dtype="bfloat16"))
+    engine = build_train_engine(recipe)     # or TrainEngine(recipe.trainer, recipe.model, seed=...)
     batch = [Sample(input_ids, loss_mask, behav_logprobs, advantage), ...]  # same on all ranks
     stats = engine.train_step(batch)            # ppo_minibatches optimizer steps, version + 1
     for bucket in engine.iter_weights(256 << 20):   # rank 0: [(hf_name, tensor), ...]
@@ -11,8 +11,10 @@ Use (every rank of a torchrun job, or one plain process with no process group)::
     engine.save_checkpoint(dir, {"dataset_pos": 123}); engine.load_checkpoint(dir)
 
 See :mod:`asyncrl.train.batch` for the alignment of per-token arrays.
-``TrainConfig``/``LossConfig`` import no torch (``asyncrl.train.config``); everything
-else is loaded on first use, so that a config tree can reference this package cheaply.
+The engine's configuration is the recipe's ``trainer`` section (``TrainerConfig``, with
+``OptimConfig``, ``LossConfig``, ``ShapingConfig``), which imports no torch
+(``asyncrl.train.config``); everything else is loaded on first use, so that a config
+tree can reference this package cheaply.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.train.config import LossConfig, TrainConfig
+from asyncrl.train.config import LossConfig, OptimConfig, ShapingConfig, TrainerConfig
 
 if TYPE_CHECKING:
+    from asyncrl.config import Recipe
     from asyncrl.train.batch import Batch, Sample
     from asyncrl.train.engine import TrainEngine
     from asyncrl.train.models import apply_fsdp
@@ -34,7 +37,35 @@ _LAZY = {
     "apply_fsdp": "asyncrl.train.models",
 }
 
-__all__ = ["Batch", "LossConfig", "Sample", "TrainConfig", "TrainEngine", "apply_fsdp"]
+__all__ = [
+    "Batch",
+    "LossConfig",
+    "OptimConfig",
+    "Sample",
+    "ShapingConfig",
+    "TrainEngine",
+    "TrainerConfig",
+    "apply_fsdp",
+    "build_train_engine",
+]
+
+
+def build_train_engine(recipe: Recipe) -> TrainEngine:
+    """The recipe's train engine, built from its ``trainer`` and ``model`` sections and
+    ``run.seed``; joins the torchrun process group first when there is one (NCCL when the
+    trainer's device is CUDA, else gloo)."""
+    import os
+
+    import torch.distributed as dist
+
+    from asyncrl.schema import resolve_device
+    from asyncrl.train.engine import TrainEngine
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        cuda = resolve_device(recipe.trainer.device).startswith("cuda")
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return TrainEngine(recipe.trainer, recipe.model, seed=recipe.run.seed)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,186 +1,198 @@
-"""Configuration of the train engine and of its loss. Imports no torch, so a recipe can
-embed it and still be parsed instantly."""
+"""The recipe's ``trainer`` section, which is the train engine's configuration: the same
+classes are the recipe's keys and what :class:`asyncrl.train.TrainEngine` reads, so a
+value ``asyncrl check`` accepts is a value the trainer accepts. Imports no torch, so a
+recipe can embed it and still be parsed instantly.
+
+A few values are derived from other sections by :class:`asyncrl.config.Recipe` (one
+validator, ``_derive``): ``loss.norm_len`` when unset, and the sampler's ``temperature``,
+``top_k``, ``top_p``, which are no recipe keys (the trainer must score the distribution
+that sampled, so they always come from ``rollout.sampling``).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field
 
-DType = Literal["float32", "bfloat16", "float16"]
+from asyncrl.schema import CpuList, Device, DType, Section
 
-
-class LossConfig(BaseModel):
-    """Hyperparameters of :func:`asyncrl.algo.policy_loss` and of the logprobs it consumes."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    eps_clip: float = Field(0.2, gt=0, description="lower PPO clip ε: ratio ≥ 1 − eps_clip")
-    eps_clip_high: float | None = Field(
-        None, gt=0, description="upper clip ε (DAPO clip-higher, e.g. 0.28); None: eps_clip"
-    )
-    c_clip: float | None = Field(
-        None, gt=1, description="dual-clip bound for negative advantages (e.g. 3); None: off"
-    )
-    behav_imp_weight_cap: float | None = Field(
-        None,
-        gt=0,
-        description="decoupled PPO: tokens whose π_prox/π_behav exceeds this drop out; None: no cap",
-    )
-    importance_sampling_level: Literal["token", "sequence"] = Field(
-        "token", description="token ratios (PPO/GRPO) or one ratio per sequence (GSPO)"
-    )
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="how per-token losses reduce to the batch loss"
-    )
-    norm_len: float | None = Field(
-        None,
-        gt=0,
-        description="the constant of seq-mean-token-sum-norm (generation budget); "
-        "None: the longest loss span in the batch",
-    )
-    kl_coef: float = Field(
-        0.0,
-        ge=0,
-        description="weight of the KL penalty to the reference policy; 0: off. Above 0 the "
-        "engine keeps a frozen copy of the initial weights and scores samples that carry no "
-        "ref_logprobs with it",
-    )
-    kl_type: Literal["k1", "k2", "k3"] = Field("k2", description="KL estimator")
-    kl_in: Literal["reward", "loss"] = Field(
-        "loss",
-        description="where the KL penalty goes: the loss (differentiated; exact "
-        "∇KL(π‖π_ref) for k2, the reverse KL's gradient for k3) or the per-token reward "
-        "(detached, as advantage still to come; exact for k1)",
-    )
-    entropy_coef: float = Field(
-        0.0,
-        ge=0,
-        description="entropy bonus: loss −= entropy_coef · entropy of the sampled "
-        "distribution, aggregated over the loss tokens like the policy loss; 0: off",
-    )
-    recompute_proximal: bool = Field(
-        True,
-        description="decoupled PPO: when a sample has no old_logprobs, train_step takes them "
-        "from the current weights (with one minibatch, the training forward's own detached "
-        "logprobs; with several, one no-grad forward before the first); False: plain PPO "
-        "against the behaviour logprobs",
-    )
-    separate_proximal_forward: bool = Field(
-        False,
-        description="recompute the proximal logprobs in a no-grad forward even with one "
-        "minibatch, where the training forward gives the same values for free (for checks "
-        "and benchmarks)",
-    )
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
-class TrainConfig(BaseModel):
-    """Everything :class:`asyncrl.train.TrainEngine` needs. Defaults suit a CPU test run."""
+class OptimConfig(Section):
+    """AdamW and its learning-rate schedule."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay (on matrices only; norms and biases are not decayed)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps, from ``lr / warmup_steps`` to ``lr``."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate shape after warmup: constant, or cosine decay to ``min_lr_ratio · lr``
+    at ``trainer.max_steps``."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Floor of the cosine schedule, as a fraction of ``lr``."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; None: no clipping."""
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
 
-    model: Any = Field(
-        description="a local HF model directory or hub id, or a transformers "
-        "PretrainedConfig (random init, for tests and benches)"
-    )
-    gguf_file: str | None = Field(
-        None, description="a GGUF file inside `model` to load (dequantised) instead of weights"
-    )
-    tokenizer: str | None = Field(
-        None, description="tokenizer to export beside the weights; None: `model` if it is a path"
-    )
-    seed: int = Field(0, description="seeds random init and the torch RNG of every rank")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto: cuda:LOCAL_RANK when CUDA is available, else cpu"
-    )
-    param_dtype: DType = Field(
-        "float32",
-        description="compute dtype of forward/backward; master weights and optimizer states "
-        "stay float32",
-    )
-    reduce_dtype: DType = Field("float32", description="dtype of the gradient reduce-scatter")
-    attn_implementation: str = Field(
+
+class LossConfig(Section):
+    """Advantages and the clipped policy loss (:func:`asyncrl.algo.policy_loss`)."""
+
+    adv_std_level: Literal["group", "batch", "none"] = "group"
+    """Advantage normalisation: GRPO (group), batch std, or Dr.GRPO (none)."""
+    leave_one_out: bool = False
+    """RLOO baseline."""
+    eps_clip: float = Field(0.2, gt=0)
+    """PPO clip range (low side, and high side unless eps_clip_high): ratio ≥ 1 − eps_clip."""
+    eps_clip_high: float | None = Field(None, gt=0)
+    """Clip-higher (DAPO) upper range, e.g. 0.28; None: ``eps_clip``."""
+    c_clip: float | None = Field(None, gt=1)
+    """Dual-clip bound for negative advantages (> 1, e.g. 3); None: off."""
+    behav_imp_weight_cap: float | None = Field(5.0, gt=0)
+    """Decoupled PPO: tokens whose exp(proximal − behaviour) exceeds this are masked;
+    None: no cap."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Token ratios (PPO) or sequence-level ratios (GSPO)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses become one number."""
+    proximal: Literal["recompute", "behaviour"] = "recompute"
+    """Decoupled PPO's proximal policy: the weights before the update (with one minibatch,
+    the training forward's own logprobs; with several, one forward before the first), or
+    approximated by the behaviour logprobs (standard PPO on the sampled tokens)."""
+    separate_proximal_forward: bool = False
+    """With ``proximal = "recompute"`` and one minibatch, recompute the proximal logprobs in
+    a no-grad forward of their own, although the training forward gives the same values
+    for free (for checks and benchmarks)."""
+    norm_len: float | None = Field(None, gt=0)
+    """The constant divisor of ``seq-mean-token-sum-norm`` (Dr.GRPO); None: the generation
+    budget, ``rollout.sampling.max_new_tokens`` (times ``rollout.max_turns`` for
+    ``multi_turn``), which the recipe fills in. Other aggregations ignore it. (An engine
+    built without a recipe divides by the longest loss span of each batch.)"""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the per-token KL penalty to a frozen copy of the initial policy; 0: off
+    (above 0 the trainer holds that second model)."""
+    kl_type: Literal["k1", "k2", "k3"] = "k2"
+    """KL estimator, with d = log π_ref − log π: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d.
+    The default, k2 in the loss, is the one placement whose expected gradient is exactly
+    ∇KL(π ‖ π_ref) there."""
+    kl_in: Literal["reward", "loss"] = "loss"
+    """Where the KL penalty goes. ``loss``: ``kl_coef · k`` is added to each token's loss
+    and differentiated; its expected gradient is ∇KL(π ‖ π_ref) for k2 and ∇KL(π_ref ‖ π)
+    (the reverse KL, as in GRPO) for k3, and 0 for k1, which is refused. ``reward``:
+    ``−kl_coef · k`` (detached) is a per-token reward, each token's advantage taking the KL
+    still to come in its sequence; exact ∇KL(π ‖ π_ref) for k1 only (k2 and k3 are refused).
+    k3 in the loss (GRPO's choice) is allowed with a warning; for KL(π ‖ π_ref) use the
+    default k2 here, or k1 with ``reward`` (AReaL's placement)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: the loss loses ``entropy_coef`` times the entropy of the sampled
+    distribution over the trained tokens, aggregated like the policy loss
+    (``loss_agg``); 0: off."""
+    mask_truncated: bool = False
+    """Overlong filtering (DAPO): samples that stopped on the token budget
+    (``finish_reason = "length"``) carry no loss; they still count in their group's
+    advantage baseline."""
+
+
+class ShapingConfig(Section):
+    """Reward shaping in the trainer, before advantages:
+    ``r' = clamp((r + overlong + bias) · scale, −clip, clip)``. Metrics keep the raw reward."""
+
+    scale: float = 1.0
+    """Multiplies the (biased) reward."""
+    bias: float = 0.0
+    """Added before scaling: ``bias = -0.5, scale = 2`` maps {0, 1} to {−1, 1}."""
+    clip: float | None = Field(None, gt=0)
+    """Clamp to [−clip, clip]; None: no clamp."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's soft overlong penalty: answers longer than the generation budget minus this
+    many tokens lose up to ``overlong_penalty``, linearly; 0: off."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Penalty at the full generation budget."""
+
+
+DERIVED_KEYS = {
+    "temperature": "rollout.sampling.temperature",
+    "top_k": "rollout.sampling.top_k",
+    "top_p": "rollout.sampling.top_p",
+}
+"""Trainer fields that are no recipe keys, and the key each is derived from."""
+
+
+class TrainerConfig(Section):
+    """The trainer actor and its train engine (:class:`asyncrl.train.TrainEngine`, built
+    from this section, the ``model`` section and ``run.seed``)."""
+
+    max_steps: int = Field(20, ge=1)
+    """Trainer steps; the run ends after the last one (and the cosine schedule, too)."""
+    threads: int = Field(0, ge=0)
+    """CPU threads for torch in each trainer process; 0 leaves torch's default."""
+    cpus: CpuList = Field(default_factory=list)
+    """CPU ids every trainer process may run on, e.g. ``[1]``; empty: any."""
+    nproc: int = Field(1, ge=1)
+    """Trainer processes (torchrun ranks, FSDP)."""
+    device: Device = "auto"
+    """Where the trainer runs: ``auto`` (CUDA when there is a device, else the CPU),
+    ``cpu``, ``cuda`` (each rank on ``cuda:LOCAL_RANK``) or ``cuda:N`` (one process)."""
+    max_tokens_per_microbatch: int = Field(4096, ge=1)
+    """Token budget of one packed micro-batch (padding included when ``packing`` is off); a
+    longer single sequence gets a micro-batch of its own."""
+    packing: bool = True
+    """Pack sequences end to end without padding; false: right-pad each micro-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in backward: trade compute for memory."""
+    attn_implementation: Literal[
         "asyncrl_varlen",
-        description="attention backend: asyncrl_varlen (per-sequence causal attention over "
-        "packed rows, no N² mask; plain causal models only), or any of transformers' (sdpa, "
-        "eager, flash_attention_2, flex_attention, ...)",
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="recompute each decoder layer in backward"
-    )
-    reshard_after_forward: bool = Field(
-        True, description="FSDP: free gathered layer weights after forward (ZeRO-3)"
-    )
-    max_tokens_per_microbatch: int = Field(
-        8192,
-        gt=0,
-        description="token budget of one forward/backward (padding included when packing is "
-        "off); a longer single sequence gets a micro-batch of its own",
-    )
-    packing: bool = Field(
-        True, description="pack sequences end to end without padding; False: right-pad"
-    )
-    lm_head_chunk_tokens: int = Field(
-        2048,
-        gt=0,
-        description="logits are materialised for this many tokens at a time (bounds the "
-        "[tokens, vocab] activation)",
-    )
-    temperature: float = Field(
-        1.0,
-        gt=0,
-        description="the sampler's temperature: logprobs are of softmax(logits / T), then "
-        "cut by top_k/top_p",
-    )
-    top_k: int = Field(
-        0,
-        ge=0,
-        description="the sampler's top-k: logprobs are of the distribution cut to the k "
-        "likeliest tokens and renormalised, as sampled; 0: no cut",
-    )
-    top_p: float = Field(
-        1.0,
-        gt=0,
-        le=1,
-        description="the sampler's top-p: logprobs are of the distribution cut to the "
-        "nucleus of this mass and renormalised, as sampled; 1: no cut",
-    )
-    lr: float = Field(1e-6, gt=0, description="peak learning rate of AdamW")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
-    warmup_steps: int = Field(0, ge=0, description="linear warmup from lr/warmup to lr")
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="after warmup: constant, or cosine decay to min_lr_ratio·lr"
-    )
-    total_steps: int | None = Field(
-        None, gt=0, description="steps of the cosine schedule (required for cosine)"
-    )
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor, as a fraction of lr")
-    max_grad_norm: float | None = Field(
-        1.0, gt=0, description="clip the global gradient norm to this; None: no clipping"
-    )
-    ppo_minibatches: int = Field(
-        1,
-        ge=1,
-        description="optimizer steps per train_step: the batch is split into this many "
-        "minibatches of whole sequences, each stepped in turn against the same proximal "
-        "policy (PPO epochs of one pass); the version and the lr schedule advance once per "
-        "train_step",
-    )
-    loss: LossConfig = Field(
-        default_factory=lambda: LossConfig.model_validate({}), description="policy-loss settings"
-    )
+        "sdpa",
+        "eager",
+        "flash_attention_2",
+        "flash_attention_3",
+        "flex_attention",
+    ] = "asyncrl_varlen"
+    """Attention backend: ``asyncrl_varlen`` (per-sequence causal attention over packed
+    rows, no N² mask; plain causal models only), or one of transformers' (``sdpa``,
+    ``eager``, ``flash_attention_2``, ``flash_attention_3``, ``flex_attention``)."""
+    lm_head_chunk_tokens: int = Field(2048, gt=0)
+    """Logits are materialised for this many tokens at a time (bounds the
+    [tokens, vocab] activation)."""
+    reshard_after_forward: bool = True
+    """FSDP: free the gathered layer weights after forward (ZeRO-3)."""
+    reduce_dtype: DType = "float32"
+    """Dtype of the gradient reduce-scatter (parameters compute in ``model.dtype``; master
+    weights and optimizer states stay float32)."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer settings."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """Advantage and loss settings."""
+    shaping: ShapingConfig = Field(default_factory=ShapingConfig)
+    """Reward shaping before advantages."""
+    ppo_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per batch: the batch is split into this many minibatches of whole
+    sequences, all clipped against the policy before the first step. The version and the
+    learning-rate schedule still advance once per batch."""
+    weights_transport: Literal["dir", "object_store"] = "dir"
+    """How new weights reach rollout actors: a shared directory, or the NATS object store
+    (works across machines without a shared disk)."""
+    update_every: int = Field(1, ge=1)
+    """Publish new weights every k steps. Staleness is judged against the published
+    weights, so a trained sample may be up to η + k − 1 trainer versions old
+    (η = ``buffer.max_head_offpolicyness``)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every k steps (0: only at the end)."""
 
-    @field_validator("model")
-    @classmethod
-    def _model_kind(cls, value: Any) -> Any:
-        if isinstance(value, str) or hasattr(value, "to_dict"):
-            return value
-        raise ValueError("model must be a path / hub id or a transformers PretrainedConfig")
-
-    @model_validator(mode="after")
-    def _cosine_needs_total(self) -> TrainConfig:
-        if self.lr_schedule == "cosine" and self.total_steps is None:
-            raise ValueError("lr_schedule='cosine' needs total_steps")
-        return self
+    # Derived, not recipe keys (see DERIVED_KEYS): the recipe copies rollout.sampling here
+    # and refuses them in a recipe file; an engine built without a recipe may set them.
+    temperature: float = Field(1.0, gt=0, exclude=True)
+    """The sampler's temperature: the trainer's logprobs are of softmax(logits / T)."""
+    top_k: int = Field(0, ge=0, exclude=True)
+    """The sampler's top-k: logprobs are of the distribution cut to the k likeliest tokens
+    and renormalised, as sampled; 0: no cut."""
+    top_p: float = Field(1.0, gt=0, le=1, exclude=True)
+    """The sampler's top-p: logprobs are of the distribution cut to the nucleus of this
+    mass and renormalised, as sampled; 1: no cut."""

@@ -23,10 +23,12 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncrl.algo.loss import agg_count, policy_loss
+from asyncrl.models import ModelConfig, resolve_model_path, torch_dtype
+from asyncrl.schema import resolve_device
 from asyncrl.train import checkpoint as ckpt
 from asyncrl.train.batch import Batch
-from asyncrl.train.config import TrainConfig
-from asyncrl.train.models import DTYPES, TokenLogprobs, apply_fsdp, load_causal_lm
+from asyncrl.train.config import TrainerConfig
+from asyncrl.train.models import TokenLogprobs, apply_fsdp, load_causal_lm
 from asyncrl.train.packing import (
     MicroBatch,
     build_micro_batch,
@@ -48,6 +50,12 @@ def _fill(batch: Batch, field: str, values: list[torch.Tensor]) -> Batch:
 class TrainEngine:
     """Owns the model, optimizer and schedule of one trainer rank.
 
+    Built from the recipe's sections themselves: ``config`` is the ``trainer`` section,
+    ``model`` the ``model`` section (its path is loaded, or with ``architecture``, a
+    transformers ``PretrainedConfig``, random weights of that architecture are initialised
+    instead: tests and benches), ``seed`` the run's seed (random init and the torch RNG of
+    every rank).
+
     Attributes:
         lm: the transformers model (its parameters are DTensor shards under FSDP); use it
             directly only outside the engine's collectives, e.g. for sampling in one process.
@@ -60,23 +68,40 @@ class TrainEngine:
         skipped_nonfinite: optimizer steps skipped for a non-finite gradient norm.
     """
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model: ModelConfig,
+        *,
+        seed: int = 0,
+        architecture: Any = None,
+    ) -> None:
         self.config = config
+        self.model_config = model
+        self.seed = seed
+        # what load_causal_lm builds: a model directory or hub id, or an architecture
+        self._source: Any = (
+            architecture if architecture is not None else resolve_model_path(model.path)
+        )
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
-        self.device = self._pick_device(config.device)
-        self.param_dtype = DTYPES[config.param_dtype]
+        self.device = torch.device(
+            resolve_device(config.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.param_dtype = torch_dtype(model.dtype)
         self.step = 0
         self.version = 0
         self.skipped_nonfinite = 0
-        torch.manual_seed(config.seed + self.rank)
+        torch.manual_seed(seed + self.rank)
 
         lm = load_causal_lm(
-            config.model,
+            self._source,
             attn_implementation=config.attn_implementation,
-            seed=config.seed,
-            gguf_file=config.gguf_file,
+            seed=seed,
+            gguf_file=model.gguf_file,
         )
         if config.gradient_checkpointing:
             # Non-reentrant: the only kind that composes with FSDP2's hooks. transformers 5
@@ -95,18 +120,18 @@ class TrainEngine:
         self.ref_module: nn.Module | None = None
         if config.loss.kl_coef > 0:
             ref_lm = load_causal_lm(
-                config.model,
+                self._source,
                 attn_implementation=config.attn_implementation,
-                seed=config.seed,
-                gguf_file=config.gguf_file,
+                seed=seed,
+                gguf_file=model.gguf_file,
             )
             ref_lm.requires_grad_(False)
             self.ref_module = self._wrap(ref_lm).eval()
         self.optimizer = torch.optim.AdamW(
             self._param_groups(),
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.adam_eps,
+            lr=config.optim.lr,
+            betas=config.optim.betas,
+            eps=config.optim.adam_eps,
         )
         self._tokenizer: Any = None
         self._tokenizer_looked_up = False
@@ -126,17 +151,10 @@ class TrainEngine:
                 module,
                 mesh,
                 param_dtype=self.param_dtype,
-                reduce_dtype=DTYPES[self.config.reduce_dtype],
+                reduce_dtype=torch_dtype(self.config.reduce_dtype),
                 reshard_after_forward=self.config.reshard_after_forward,
             )
         return module
-
-    def _pick_device(self, choice: str) -> torch.device:
-        if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-            return torch.device("cpu")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         # Weight decay on matrices only: decaying norms' gains and biases towards 0 only
@@ -144,7 +162,7 @@ class TrainEngine:
         decay = [p for p in self.module.parameters() if p.requires_grad and p.ndim >= 2]
         rest = [p for p in self.module.parameters() if p.requires_grad and p.ndim < 2]
         return [
-            {"params": decay, "weight_decay": self.config.weight_decay},
+            {"params": decay, "weight_decay": self.config.optim.weight_decay},
             {"params": rest, "weight_decay": 0.0},
         ]
 
@@ -275,7 +293,7 @@ class TrainEngine:
         schedule advances once per train step, not per minibatch.
 
         The proximal policy of decoupled PPO, when no sample carries ``old_logprobs`` and
-        ``loss.recompute_proximal`` is on, is the current weights: with one minibatch, the
+        ``loss.proximal = "recompute"``, is the current weights: with one minibatch, the
         training forward's own logprobs, detached (the values a separate no-grad forward
         would give, without its cost; the ratio is then exactly 1, and the clip can only act
         from a second optimizer step on); with several minibatches, one no-grad forward over
@@ -305,12 +323,12 @@ class TrainEngine:
         stats: dict[str, float] = {}
         missing = [s.old_logprobs is None for s in batch]
         free_proximal = (
-            loss_cfg.recompute_proximal
+            loss_cfg.proximal == "recompute"
             and all(missing)
             and cfg.ppo_minibatches == 1
             and not loss_cfg.separate_proximal_forward
         )
-        if loss_cfg.recompute_proximal and any(missing) and not free_proximal:
+        if loss_cfg.proximal == "recompute" and any(missing) and not free_proximal:
             batch = _fill(batch, "old_logprobs", self.compute_logprobs(batch))
             stats["time/proximal_s"] = time.perf_counter() - t_start
         given = all(s.old_logprobs is not None for s in batch)
@@ -324,11 +342,11 @@ class TrainEngine:
         norm_len = loss_cfg.norm_len or float(max(1, max(s.num_loss_tokens for s in batch)))
         lr = lr_at(
             self.step,
-            lr=cfg.lr,
-            warmup_steps=cfg.warmup_steps,
-            schedule=cfg.lr_schedule,
-            total_steps=cfg.total_steps,
-            min_lr_ratio=cfg.min_lr_ratio,
+            lr=cfg.optim.lr,
+            warmup_steps=cfg.optim.warmup_steps,
+            schedule=cfg.optim.schedule,
+            total_steps=cfg.max_steps,
+            min_lr_ratio=cfg.optim.min_lr_ratio,
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -437,9 +455,9 @@ class TrainEngine:
         return grad_norm
 
     def _clip_grad_norm(self) -> float:
-        """Global gradient norm (all ranks), clipping to ``max_grad_norm`` when set."""
+        """Global gradient norm (all ranks), clipping to ``optim.grad_clip`` when set."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        max_norm = self.config.max_grad_norm or math.inf
+        max_norm = self.config.optim.grad_clip or math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         full: Any = norm
         if hasattr(full, "full_tensor"):
@@ -472,12 +490,12 @@ class TrainEngine:
 
     def export_hf(self, path: str | os.PathLike[str], *, dtype: str | None = None) -> None:
         """Writes an HF directory (safetensors, config, tokenizer when one is known) in
-        ``dtype`` (default: ``param_dtype``). Collective; rank 0 writes."""
+        ``dtype`` (default: ``model.dtype``). Collective; rank 0 writes."""
         self._reshard()
         ckpt.export_hf(
             path,
             self.lm,
-            dtype=DTYPES[dtype or self.config.param_dtype],
+            dtype=torch_dtype(dtype or self.model_config.dtype),
             tokenizer=self.tokenizer if self.rank == 0 else None,  # only rank 0 writes
         )
 
@@ -485,27 +503,28 @@ class TrainEngine:
         self, bucket_bytes: int = 256 << 20, *, dtype: str | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights as buckets of ``(HF name, CPU tensor)`` in ``dtype`` (default:
-        ``param_dtype``); rank 0 gets them, other ranks get empty buckets. Collective: every
+        ``model.dtype``); rank 0 gets them, other ranks get empty buckets. Collective: every
         rank must exhaust the iterator. See :func:`asyncrl.train.checkpoint.iter_full_weights`.
         """
         self._reshard()
         return ckpt.iter_full_weights(
-            self.lm, bucket_bytes, dtype=DTYPES[dtype or self.config.param_dtype]
+            self.lm, bucket_bytes, dtype=torch_dtype(dtype or self.model_config.dtype)
         )
 
     @property
     def tokenizer(self) -> Any:
-        """The tokenizer of ``config.tokenizer`` (or of the model directory), None if none."""
+        """The tokenizer of ``model.tokenizer`` (or of the model directory), None if none."""
         if not self._tokenizer_looked_up:
             self._tokenizer_looked_up = True
-            source = self.config.tokenizer
-            implicit = source is None and isinstance(self.config.model, str)
+            source = self.model_config.tokenizer
+            implicit = source is None and isinstance(self._source, str)
             if implicit:
-                source = self.config.model
+                source = self._source
             if source is not None:
                 from transformers import AutoTokenizer
 
-                kwargs = {"gguf_file": self.config.gguf_file} if self.config.gguf_file else {}
+                gguf = self.model_config.gguf_file
+                kwargs = {"gguf_file": gguf} if gguf else {}
                 try:
                     self._tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
                 except (OSError, ValueError):

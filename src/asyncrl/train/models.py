@@ -21,12 +21,6 @@ from torch.utils.checkpoint import checkpoint
 from asyncrl.algo.truncation import cut_logprobs, kept_mask
 from asyncrl.train.attention import ATTN_IMPLEMENTATION
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 
 def load_causal_lm(
     model: Any,

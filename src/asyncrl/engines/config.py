@@ -1,0 +1,103 @@
+"""The recipe's ``rollout.engine`` section: one class per inference backend, and each is
+the config its engine is built from (the engine takes the section object itself).
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from asyncrl.schema import Device, Section
+
+
+class HFEngineConfig(Section):
+    type: Literal["hf"] = "hf"
+    """In-process transformers generation with batching of concurrent requests."""
+    max_batch_size: int = Field(32, ge=1)
+    """Most sequences decoded together."""
+    device: Device = "auto"
+    """``auto`` (the first CUDA device when there is one, else the CPU), ``cpu``, ``cuda``
+    or ``cuda:N``: rollout and trainer may share a GPU or sit on different ones."""
+    max_prefill_tokens: int = Field(8192, ge=1)
+    """Most prompt tokens prefilled in one forward when requests join the batch."""
+
+
+class ServerEngineConfig(Section):
+    """Keys shared by the engines that drive inference servers over HTTP."""
+
+    command: list[str] = Field(default_factory=list)
+    """The program that starts one server, with its leading arguments; the engine appends
+    the model, host, port and its own flags, then ``args``. Empty: the engine's default."""
+    args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for every started server."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for the started servers."""
+    urls: list[str] = Field(default_factory=list)
+    """Servers started elsewhere (``http://host:port``), all serving ``model.path``: nothing
+    is started and requests are spread over these."""
+    servers: int = Field(1, ge=1)
+    """Servers each rollout actor starts (ignored when ``urls`` are given)."""
+    host: str = "127.0.0.1"
+    """Address the started servers listen on."""
+    ports: tuple[int, int] = (31000, 31999)
+    """Inclusive range of ports for the started servers; each takes a free one."""
+    startup_timeout: float = Field(900.0, gt=0)
+    """Seconds a server has to answer its health check before the actor fails (the error
+    names the server's log under ``<run>/logs``)."""
+    request_timeout: float = Field(1800.0, gt=0)
+    """Seconds one HTTP request (a whole generation included) may take."""
+    retries: int = Field(3, ge=0)
+    """Retries of a request after a connection error (not after an HTTP error)."""
+    retry_backoff: float = Field(0.5, ge=0)
+    """Seconds before the first retry; doubled for each next one."""
+
+    @model_validator(mode="after")
+    def _check_servers(self) -> ServerEngineConfig:
+        lo, hi = self.ports
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(f"ports must be an increasing pair within 1-65535, got {self.ports}")
+        bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"urls must start with http:// or https://, got {bad}")
+        return self
+
+
+class VLLMEngineConfig(ServerEngineConfig):
+    type: Literal["vllm"] = "vllm"
+    """vLLM servers (``make vllm`` installs vLLM's CPU build in ``.venv-vllm``)."""
+    python: str = ".venv-vllm/bin/python"
+    """Interpreter of the virtualenv holding vLLM; it runs asyncrl's launcher for ``vllm
+    serve`` unless ``command`` is set. A relative path is looked up in the working
+    directory, then in the project checkout."""
+    cpu_kvcache_gib: int = Field(2, ge=1)
+    """KV cache size in whole GiB on vLLM's CPU backend (``VLLM_CPU_KVCACHE_SPACE``)."""
+    cpu_threads_bind: str = "auto"
+    """Cores the CPU backend's OpenMP threads bind to (``VLLM_CPU_OMP_THREADS_BIND``):
+    ``auto``, ``all`` or a list such as ``0-3``."""
+    max_model_len: int = Field(0, ge=0)
+    """Context length the servers allow; 0 keeps the model's (a smaller one needs less
+    KV cache)."""
+
+
+class SGLangEngineConfig(ServerEngineConfig):
+    type: Literal["sglang"] = "sglang"
+    """SGLang servers (GPU only; install the ``gpu`` extra)."""
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    """Fraction of GPU memory for weights and KV cache (SGLang's ``--mem-fraction-static``);
+    None leaves SGLang's default. Lower it when a trainer shares the GPU."""
+
+
+class InstantEngineConfig(Section):
+    type: Literal["instant"] = "instant"
+    """No model: instant, fixed-length responses (benchmarks and protocol tests of the
+    actors around generation; ``bench/scale.py``). Nothing it trains on means anything."""
+    response_tokens: int = Field(16, ge=1)
+    """Tokens in every response (fewer when ``rollout.sampling.max_new_tokens`` is smaller)."""
+
+
+EngineConfig = Annotated[
+    HFEngineConfig | VLLMEngineConfig | SGLangEngineConfig | InstantEngineConfig,
+    Field(discriminator="type"),
+]

@@ -1,0 +1,46 @@
+"""The parts every recipe section shares: the section base class, the dtype and device
+types, and the one function that turns a device choice into a device.
+
+Imports no torch (the device check imports it when it runs), so the recipe schema built
+on it parses instantly.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """A recipe section: unknown keys are errors, and each field's docstring is its
+    description (what ``asyncrl check`` and the README's recipe reference show)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+CpuList = list[Annotated[int, Field(ge=0)]]
+"""CPU ids a role's processes are pinned to (``os.sched_setaffinity`` at process start);
+empty: no pinning. Checked against the machine where a run starts
+(:func:`asyncrl.config.load_recipe`)."""
+
+DType = Literal["float32", "bfloat16", "float16"]
+"""A parameter or reduction dtype, by its torch name."""
+
+Device = Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?)$")]
+"""Where a component runs: ``auto`` (CUDA when a device is visible, else the CPU),
+``cpu``, ``cuda`` or ``cuda:N``. See :func:`resolve_device`."""
+
+
+def resolve_device(choice: str, *, local_rank: int | None = None) -> str:
+    """The device a :data:`Device` choice names on this machine: ``auto`` becomes ``cuda``
+    when a CUDA device is visible, else ``cpu``. With ``local_rank`` (a torchrun rank), a
+    bare ``cuda`` (or ``auto`` on a CUDA machine) becomes ``cuda:<local_rank>``, so that
+    each rank takes its own device; an explicit ``cuda:N`` is kept."""
+    if choice == "auto":
+        import torch
+
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and local_rank is not None:
+        return f"cuda:{local_rank}"
+    return choice
