@@ -71,8 +71,9 @@ from asyncrl.actors.buffer import BufferActor
 from asyncrl.actors.reward import RewardActor
 from asyncrl.actors.rollout import RolloutActor
 from asyncrl.actors.trainer import TrainerActor
+from asyncrl.codec import encode
 from asyncrl.config import Recipe, load_recipe
-from asyncrl.messages import ActorInfo, Control, Lease, WeightsUpdated, encode
+from asyncrl.messages import ActorInfo, Control, Lease, WeightsUpdated
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import configure_logging

@@ -18,6 +18,15 @@ from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
+from asyncrl.codec import (
+    DecodeError,
+    _decode_checked,
+    _encodes_directly,
+    _fast_decoder,
+    decode,
+    decode_any,
+    encode,
+)
 from asyncrl.messages import (
     ALLOWED_DTYPES,
     MESSAGE_TYPES,
@@ -25,18 +34,11 @@ from asyncrl.messages import (
     Ack,
     ActorInfo,
     Array,
-    DecodeError,
     Lease,
     Message,
     Metrics,
     TrainBatchRef,
     Trajectory,
-    _decode_checked,
-    _encodes_directly,
-    _fast_decoder,
-    decode,
-    decode_any,
-    encode,
 )
 
 # Deterministic: a fixed seed and no example database, so every run tests the same inputs.

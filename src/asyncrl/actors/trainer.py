@@ -33,6 +33,7 @@ from asyncrl.actors.common import (
     latest_checkpoint_meta,
 )
 from asyncrl.actors.weights import KeptExports, delete_weights, export_name, put_weights
+from asyncrl.codec import decode
 from asyncrl.messages import (
     ActorInfo,
     BatchRequest,
@@ -42,7 +43,6 @@ from asyncrl.messages import (
     TrainBatchRef,
     Trajectory,
     WeightsUpdated,
-    decode,
 )
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError

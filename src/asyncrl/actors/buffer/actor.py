@@ -27,6 +27,7 @@ from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, r
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.actors.common import latest_checkpoint_meta, load_prompt_records, shaped_rewards
+from asyncrl.codec import encode
 from asyncrl.messages import (
     Ack,
     ActorExit,
@@ -39,7 +40,6 @@ from asyncrl.messages import (
     Trajectory,
     WeightsQuery,
     WeightsUpdated,
-    encode,
 )
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.connection import worth_logging

@@ -2,7 +2,7 @@
 
 What the buffer holds and nothing else has (the version, the counters, the leases, the
 groups in the making and the admitted ones, the batches already served, the dataset
-position) is captured as one :class:`BufferSnapshot` and put in the run's buffer bucket
+position) is captured as one :class:`~asyncrl.messages.BufferSnapshot` and put in the run's buffer bucket
 (JetStream, file storage in the run folder). The rule that makes it durable: nothing is
 acknowledged before the snapshot that holds it is written.
 
@@ -30,19 +30,17 @@ import asyncio
 import io
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, Field
-
+from asyncrl.codec import decode, encode
 from asyncrl.messages import (
-    Lease,
-    Message,
-    Prompt,
+    AnswerRecord,
+    BufferSnapshot,
+    Group,
+    LeasedRecord,
     TrainBatchRef,
     Trajectory,
     WeightsUpdated,
-    decode,
-    encode,
 )
 from asyncrl.runtime.connection import worth_logging
 from asyncrl.runtime.log import get_logger
@@ -58,55 +56,6 @@ RETRY_PAUSE = 0.5
 """Seconds between tries of a write that failed (the server is restarting, say)."""
 
 log = get_logger(role="buffer")
-
-
-class LeasedRecord(BaseModel):
-    prompt: Prompt
-    actor_id: str
-    lease_id: str
-    delivered: bool = False
-
-
-class AnswerRecord(BaseModel):
-    actor_id: str
-    request_id: str
-    lease: Lease
-
-
-class BufferSnapshot(Message):
-    """Everything a restarted buffer needs to go on where the dead one stood."""
-
-    KIND: ClassVar[str] = "buffer_snapshot"
-    epoch: int = 0
-    version: int = 0
-    accepted: int = 0
-    running: int = 0
-    rejected: int = 0
-    counters: dict[str, int] = Field(default_factory=dict)
-    sampler: dict[str, Any] = Field(default_factory=dict)
-    pool: list[Prompt] = Field(default_factory=list)
-    leased: list[LeasedRecord] = Field(default_factory=list)
-    attempts: dict[str, int] = Field(default_factory=dict)
-    issued: int = 0
-    answers: list[AnswerRecord] = Field(default_factory=list)
-    partial: list[Trajectory] = Field(default_factory=list)
-    """Samples of the groups still in the making."""
-    completed: list[str] = Field(default_factory=list)
-    refused: list[tuple[str, str]] = Field(default_factory=list)
-    ready: list[bytes] = Field(default_factory=list)
-    """Each admitted group as an encoded :class:`Group` (see :class:`EncodedParts`)."""
-    served: list[bytes] = Field(default_factory=list)
-    """Each served batch as an encoded :class:`TrainBatchRef`."""
-    since_checkpoint: list[tuple[int, list[Prompt]]] = Field(default_factory=list)
-    """(step, its prompts): pairs, as the wire takes only string keys."""
-    weights: WeightsUpdated | None = None
-
-
-class Group(Message):
-    """One admitted group, the unit the snapshot keeps encoded."""
-
-    KIND: ClassVar[str] = "buffer_group"
-    samples: list[Trajectory]
 
 
 class EncodedParts:
