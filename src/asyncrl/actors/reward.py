@@ -35,7 +35,7 @@ class RewardActor(Actor):
         self.pool: Any = None
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.actors.common import build_reward_pool
+        from asyncrl.rewards import build_reward_pool
 
         cfg = self.recipe.reward
         self.pool = build_reward_pool(self.recipe)

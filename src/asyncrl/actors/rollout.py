@@ -100,13 +100,9 @@ class RolloutActor(Actor):
         teardown, in the same task, as the MCP transport requires."""
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.actors.common import (
-            build_engine,
-            build_reward_pool,
-            build_workflow,
-            endpoint_wanted,
-            workflow_scores_inline,
-        )
+        from asyncrl.actors.common import build_engine
+        from asyncrl.rewards import build_reward_pool
+        from asyncrl.workflows.build import build_workflow, endpoint_wanted, workflow_scores_inline
 
         self.engine = build_engine(self.recipe)
         await self.engine.start()
@@ -148,8 +144,8 @@ class RolloutActor(Actor):
     async def _open_tools(self) -> list[Any] | None:
         """The ``agent`` workflow's tools, the MCP servers' included (started here); None
         for other workflows and for an ``agent`` whose environment brings its own."""
-        from asyncrl.actors.common import build_agent_tools, mcp_server_specs
         from asyncrl.tools.mcp import MCPTools
+        from asyncrl.workflows.build import build_agent_tools, mcp_server_specs
 
         r = self.recipe.rollout
         if r.workflow != "agent" or r.agent.env:
@@ -163,8 +159,8 @@ class RolloutActor(Actor):
 
     async def _serve_endpoint(self) -> None:
         """Starts the endpoint and writes where it is (see the module docstring)."""
-        from asyncrl.actors.common import sampling_params
         from asyncrl.endpoint import OpenAIEndpoint
+        from asyncrl.workflows.build import sampling_params
 
         r = self.recipe.rollout
         token = self.ctx.nats.token or secrets.token_urlsafe(24)

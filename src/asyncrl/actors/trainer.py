@@ -142,8 +142,8 @@ def build_samples(
     """
     import torch
 
-    from asyncrl.actors.common import shaped_rewards
     from asyncrl.algo import episode_advantages, group_advantages
+    from asyncrl.algo import recipe_shaped_rewards as shaped_rewards
     from asyncrl.train import Sample
 
     loss_cfg = recipe.trainer.loss

@@ -26,8 +26,10 @@ from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
 from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, restore
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
-from asyncrl.actors.common import latest_checkpoint_meta, load_prompt_records, shaped_rewards
+from asyncrl.actors.common import latest_checkpoint_meta
+from asyncrl.algo.shaping import recipe_shaped_rewards
 from asyncrl.codec import encode
+from asyncrl.data import load_prompt_records
 from asyncrl.messages import (
     Ack,
     ActorExit,
@@ -81,7 +83,7 @@ class BufferActor(Actor):
             self.journal,
             group_size=r.rollout.group_size,
             dynamic_filter=r.buffer.dynamic_filter,
-            rewards_of=lambda samples: shaped_rewards(samples, r),
+            rewards_of=lambda samples: recipe_shaped_rewards(samples, r),
         )
         self.batcher = Batcher(
             self.admission, self.staleness, self.journal, batch_size=r.buffer.batch_size

@@ -8,7 +8,7 @@ each with all its samples (``episode_samples``: one, except for agent code whose
 not all continue one another);
 it is admitted if v − h ≤ η (h: its oldest token's version), else rejected without using
 the budget; with the dynamic filter, a group whose rewards are all equal is dropped: the
-rewards the advantages use (shaped, :func:`asyncrl.actors.common.shaped_rewards`), not the
+rewards the advantages use (shaped, :func:`asyncrl.algo.shaping.recipe_shaped_rewards`), not the
 raw ones, so a group of equal raw rewards that shaping tells apart keeps its signal.
 """
 
