@@ -347,6 +347,3 @@ def _split_groups(trajectories: list[Trajectory], group_size: int) -> list[list[
     """A served batch's samples back into their groups (a batch holds whole groups, each
     in group order)."""
     return split_groups(trajectories, group_size)
-
-    async def on_weights_query(self, q: WeightsQuery) -> Message:
-        return self.weights if self.weights is not None else Ack(ok=False, error="no weights yet")
