@@ -253,6 +253,14 @@ class Trajectory(Message):
                 raise ValueError(f"{name} shape {getattr(self, name).shape} != input_ids {n}")
         return self
 
+    def past_scoring(self) -> Trajectory:
+        """This sample as it goes on once scored: without the prompt record and the
+        completion text, which only scoring reads (the buffer keeps the records by prompt
+        id, and training reads tokens)."""
+        if not self.data and not self.completion:
+            return self
+        return self.model_copy(update={"data": {}, "completion": ""})
+
     def msg_id(self, stage: str) -> str:
         """JetStream dedup id at ``stage`` (``raw``, ``scored``): the same publish retried
         is stored once, while a re-run of the prompt under a new lease is new data."""

@@ -8,7 +8,8 @@ Three loops share one TaskGroup:
   its request id, so a lost reply yields the same lease, never a second one. Heartbeats
   list the prompts the actor holds: the buffer frees a lease the actor does not know of;
 - **results**: every finished episode's trajectories go onto the JetStream stream with
-  idempotent ids; an episode that failed or produced nothing is reported to the buffer
+  idempotent ids: unscored ones to the raw subject (the reward actors score them), those
+  the workflow scored straight to the scored subject, which the buffer reads; an episode that failed or produced nothing is reported to the buffer
   (repeated until the buffer acknowledges it) so its prompt returns to the pool;
 - **weights**: on ``WeightsUpdated`` the engine pauses (in-flight sequences stop between
   decode steps), loads the new weights, takes the new version and resumes; tokens carry
@@ -291,20 +292,19 @@ class RolloutActor(Actor):
             )
         if not trajectories:
             raise EpisodeProducedNothing("the workflow returned no trajectory")
+        stamp = {"actor_id": self.actor_id, "prompt_uid": prompt.uid, "attempt": lease_id}
         stamped = [
-            t.model_copy(
-                update={
-                    "actor_id": self.actor_id,
-                    "prompt_uid": prompt.uid,
-                    "data": prompt.data,
-                    "attempt": lease_id,
-                    "epoch": epoch,
-                }
-            )
+            t.model_copy(update={**stamp, "epoch": epoch, "data": prompt.data})
+            if t.reward is None
+            else t.past_scoring().model_copy(update={**stamp, "epoch": epoch})
             for t in trajectories
         ]
         for t in stamped:
-            await self.bus.js_publish(self.subjects.trajectories, t, msg_id=t.msg_id("raw"))
+            # a sample its workflow scored skips the reward actors: one stream hop, not two
+            if t.reward is None:
+                await self.bus.js_publish(self.subjects.trajectories, t, msg_id=t.msg_id("raw"))
+            else:
+                await self.bus.js_publish(self.subjects.scored, t, msg_id=t.msg_id("scored"))
         return stamped
 
     async def _result_loop(self, runner: AsyncTaskRunner[list[Trajectory]]) -> None:
