@@ -119,7 +119,7 @@ class NullTrainer(TrainerActor):
             batch = await self._fetch_batch(self.step)
             self.step += 1
             self.version += 1
-            samples = batch.trajectories
+            samples = batch.samples
             self._note_step(len(samples), len(encode(batch)))
             if self.step % self.recipe.trainer.update_every == 0:
                 msg = WeightsUpdated(

@@ -247,10 +247,7 @@ class Trajectory(Message):
 
     @model_validator(mode="after")
     def _same_lengths(self) -> Trajectory:
-        n = self.input_ids.shape
-        for name in ("loss_mask", "logprobs", "versions"):
-            if getattr(self, name).shape != n:
-                raise ValueError(f"{name} shape {getattr(self, name).shape} != input_ids {n}")
+        _check_lengths(self)
         return self
 
     def past_scoring(self) -> Trajectory:
@@ -266,19 +263,91 @@ class Trajectory(Message):
         is stored once, while a re-run of the prompt under a new lease is new data."""
         return f"{stage}/{self.attempt}/{self.uid}"
 
+    def to_train_sample(self) -> TrainSample:
+        """What training reads of this scored sample (raises ``ValueError`` if unscored)."""
+        if self.reward is None:
+            raise ValueError(f"sample {self.uid} is not scored")
+        return TrainSample(
+            uid=self.uid,
+            prompt_uid=self.prompt_uid,
+            group_index=self.group_index,
+            episode_sample=self.episode_sample,
+            episode_samples=self.episode_samples,
+            actor_id=self.actor_id,
+            input_ids=self.input_ids,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            reward=self.reward,
+            reward_info=self.reward_info,
+            finish_reason=self.finish_reason,
+        )
+
     @property
     def versions_spanned(self) -> int:
         """How many policy versions produced the generated tokens: more than one when a
         weight update landed while this sample was being generated."""
-        v = self.versions.numpy()
-        return len(set(v[v >= 0].tolist()))
+        return _versions_spanned(self.versions)
 
     @property
     def head_version(self) -> int:
         """The oldest policy version that produced a token of this sample (-1 if none)."""
-        v = self.versions.numpy()
-        gen = v[v >= 0]
-        return int(gen.min()) if gen.size else -1
+        return _head_version(self.versions)
+
+
+class TrainSample(Message):
+    """One scored sample as training and its records read it, in a served batch: the
+    tokens, loss mask, behaviour logprobs, per-token versions and reward of a
+    :class:`Trajectory`, with the ids that place it in its group and episode. The prompt
+    record, the completion text and the lease it ran under stay behind."""
+
+    KIND: ClassVar[str] = "train_sample"
+    uid: str
+    prompt_uid: str
+    group_index: int
+    episode_sample: int = 0
+    episode_samples: int = 1
+    actor_id: str = ""
+    input_ids: Array
+    loss_mask: Array
+    logprobs: Array
+    versions: Array
+    reward: float
+    reward_info: dict[str, Any] = Field(default_factory=dict)
+    finish_reason: str = ""
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> TrainSample:
+        _check_lengths(self)
+        return self
+
+    @property
+    def versions_spanned(self) -> int:
+        """How many policy versions produced the generated tokens (see :class:`Trajectory`)."""
+        return _versions_spanned(self.versions)
+
+    @property
+    def head_version(self) -> int:
+        """The oldest policy version that produced a token of this sample (-1 if none)."""
+        return _head_version(self.versions)
+
+
+def _check_lengths(sample: Trajectory | TrainSample) -> None:
+    n = sample.input_ids.shape
+    for name in ("loss_mask", "logprobs", "versions"):
+        if getattr(sample, name).shape != n:
+            raise ValueError(f"{name} shape {getattr(sample, name).shape} != input_ids {n}")
+
+
+def _versions_spanned(versions: Array) -> int:
+    v = versions.numpy()
+    return len(set(v[v >= 0].tolist()))
+
+
+def _head_version(versions: Array) -> int:
+    v = versions.numpy()
+    gen = v[v >= 0]
+    return int(gen.min()) if gen.size else -1
 
 
 class BatchWaiting(BaseModel):
@@ -302,21 +371,29 @@ class BatchWaiting(BaseModel):
 
 
 class TrainBatchRef(Message):
-    """A batch of whole groups for one trainer step: the trajectories inline, or, when
-    they would not fit in one message, an object-store key (``blob_key``, in the run's
-    batch bucket) holding an encoded :class:`TrainBatchRef` with them inline. With
-    ``waiting`` set there is no batch yet: it says what the buffer is waiting for."""
+    """A batch of whole groups for one trainer step: the samples inline, or, when they
+    would not fit in one message, an object-store key (``blob_key``, in the run's batch
+    bucket) holding an encoded :class:`TrainBatchRef` with them inline. With ``waiting``
+    set there is no batch yet: it says what the buffer is waiting for."""
 
     KIND: ClassVar[str] = "train_batch"
     step: int
     version: int
-    trajectories: list[Trajectory] = Field(default_factory=list)
+    samples: list[TrainSample] = Field(default_factory=list)
     blob_key: str = ""
     waiting: BatchWaiting | None = None
-    data_state: dict[str, Any] = Field(
-        default_factory=dict, description="the buffer's dataset position, for resume"
-    )
     counters: dict[str, int] = Field(default_factory=dict, description="buffer counters")
+
+    @property
+    def trajectories(self) -> list[Any]:
+        """``samples`` under its former name, for callers not yet moved to it."""
+        return self.samples  # type: ignore[return-value]
+
+    @property
+    def data_state(self) -> dict[str, Any]:
+        """Always empty: the dataset position lives in the buffer's snapshot only (kept
+        for callers not yet moved off it)."""
+        return {}
 
 
 class BatchRequest(Message):
@@ -413,15 +490,20 @@ class BufferSnapshot(Message):
     issued: int = 0
     answers: list[AnswerRecord] = Field(default_factory=list)
     partial: list[Trajectory] = Field(default_factory=list)
-    """Samples of the groups still in the making."""
+    """Samples of the groups still in the making (past scoring: no prompt records)."""
     completed: list[str] = Field(default_factory=list)
     refused: list[tuple[str, str]] = Field(default_factory=list)
     ready: list[bytes] = Field(default_factory=list)
-    """Each admitted group as an encoded :class:`Group` (see :class:`EncodedParts`)."""
+    """Each admitted group as an encoded :class:`Group` (see
+    :class:`~asyncrl.actors.buffer.durable.EncodedParts`)."""
     served: list[bytes] = Field(default_factory=list)
     """Each served batch as an encoded :class:`TrainBatchRef`."""
-    since_checkpoint: list[tuple[int, list[Prompt]]] = Field(default_factory=list)
-    """(step, its prompts): pairs, as the wire takes only string keys."""
+    since_checkpoint: list[tuple[int, list[str]]] = Field(default_factory=list)
+    """(step, the prompt uids of its batch): pairs, as the wire takes only string keys."""
+    positions: list[tuple[int, dict[str, Any]]] = Field(default_factory=list)
+    """(step, the dataset position when its batch was served), for the steps from the
+    trainer's latest checkpoint on: a run resumed from the checkpoint of step s continues
+    the dataset from the position of step s - 1."""
     weights: WeightsUpdated | None = None
 
 
@@ -429,7 +511,7 @@ class Group(Message):
     """One admitted group, the unit the snapshot keeps encoded."""
 
     KIND: ClassVar[str] = "buffer_group"
-    samples: list[Trajectory]
+    samples: list[TrainSample]
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
@@ -445,6 +527,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Lease,
         EpisodeAborted,
         Trajectory,
+        TrainSample,
         TrainBatchRef,
         BatchRequest,
         WeightsQuery,
