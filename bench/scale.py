@@ -137,14 +137,6 @@ class NullTrainer(TrainerActor):
             f.write(json.dumps([time.time(), samples, wire_bytes]) + "\n")
 
 
-class ScoredDirect(Subjects):
-    """Subjects whose "raw trajectories" subject is the scored one (``--reward null``)."""
-
-    @property
-    def trajectories(self) -> str:
-        return self.scored
-
-
 @dataclass(frozen=True)
 class ZeroScore:
     reward: float = 0.0
@@ -166,9 +158,8 @@ class TimedRollout(RolloutActor):
         super().__init__(ctx)
         self.leases_timed: list[tuple[float, float, int]] = []
         """(wall time at the answer, round trip in ms, prompts granted) per request."""
+        # scored in the workflow, its samples go straight to the scored subject
         self.score_inline = bool(ctx.extra.get("null_reward"))
-        if self.score_inline:
-            self.subjects = ScoredDirect(ctx.run_name)
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         await super().setup(tg)

@@ -14,9 +14,10 @@ import json
 from pathlib import Path
 
 from actor_helpers.buffer_kit import recipe, running_buffer
-from test_buffer_actor import S, score, take_lease
+from test_buffer_actor import S, sample, score, take_lease
 
 from asyncrl.actors.buffer.admission import Admission
+from asyncrl.actors.buffer.durable import keep_for_resume
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.actors.trainer import drop_records_after
@@ -80,6 +81,40 @@ async def test_a_restarted_buffer_goes_on_where_the_last_one_stood(
         assert second.durable is not None
         await second.durable.persisted()
         assert second.durable.writes > 0
+
+
+async def test_resume_keeps_the_dataset_position_of_the_checkpoints_step(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus
+) -> None:
+    """The buffer records the dataset position of each served step; ``up --resume`` from
+    the checkpoint of step 1 keeps the position of step 0's batch (not the newest one)
+    and the accounting of version 1, and forgets the rest."""
+    r = recipe()
+    async with running_buffer(tmp_path, nats_server, bus, r) as first:
+        got = await take_lease(bus, 4)  # (v + η + 1)·B = 4 prompts at version 0
+        await score(bus, *(sample(got, p, i) for p in range(4) for i in range(2)))
+        req = BatchRequest(step=0, version=0)
+        assert (await bus.request(S.batch, req, TrainBatchRef, timeout=30)).waiting is None
+        at_step_0 = first.leases.source.state()
+        req = BatchRequest(step=1, version=1)
+        assert (await bus.request(S.batch, req, TrainBatchRef, timeout=30)).waiting is None
+        more = await take_lease(bus, 2)  # version 1: two more prompts, the position moves
+        assert len(more.prompts) == 2 and first.leases.source.state() != at_step_0
+        assert first.batcher.positions[0] == at_step_0
+        assert first.durable is not None
+        first._changed()
+        await first.durable.persisted()
+    kept = await keep_for_resume(bus, S.buffer_bucket, step=1, version=1, batch_size=2)
+    assert kept == at_step_0
+    async with running_buffer(tmp_path, nats_server, bus, r) as second:
+        assert second.leases.source.state() == at_step_0
+        assert (second.version, second.staleness.accepted, second.staleness.running) == (1, 2, 0)
+        assert not second.leases.leased and not second.admission.ready
+        assert not second.batcher.served
+        # the dataset goes on from there: the next lease is the one after step 0's
+        assert [p.uid for p in (await take_lease(bus, 2)).prompts] == [p.uid for p in more.prompts]
+    # nothing recorded for a step (a buffer without durable state): the dataset restarts
+    assert await keep_for_resume(bus, S.buffer_bucket, step=9, version=9, batch_size=2) is None
 
 
 def admission(tmp_path: Path, version: int) -> Admission:

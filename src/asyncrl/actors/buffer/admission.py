@@ -174,7 +174,7 @@ class Admission:
             return "invalid"
         self.seen_samples.add(traj.uid)
         group = self.groups.setdefault(traj.prompt_uid, {})
-        group[traj.uid] = traj
+        group[traj.uid] = traj.past_scoring()  # the record is the buffer's, by prompt id
         if not group_complete(group.values(), self.group_size):
             return "pending"
         del self.groups[traj.prompt_uid]
