@@ -26,7 +26,11 @@ seconds, then a window of ``--seconds`` over which it counts
   staleness budget caps what is in flight, so many requests are answered "nothing now");
 - buffer CPU per sample: the buffer process's user + system CPU time over the window
   (``psutil``) divided by the admitted samples, and the same for the other processes, so
-  one sees which part of the machine the run saturates.
+  one sees which part of the machine the run saturates;
+- wire bytes per sample: the mean payload of the first ``WIRE_SAMPLES`` trajectories of
+  the window on the raw subject and on the scored subject (as JetStream stores them),
+  and the encoded size of each batch the trainer received (inline or by the object
+  store) divided by its samples.
 
 The rollout actors of a level live in at most ``--hosts`` processes (default 2), each
 actor an asyncio task in its host's loop with its *own* NATS connection, actor id,
@@ -67,6 +71,7 @@ from asyncrl.actors.buffer import BufferActor
 from asyncrl.actors.reward import RewardActor
 from asyncrl.actors.rollout import RolloutActor
 from asyncrl.actors.trainer import TrainerActor
+from asyncrl.codec import encode
 from asyncrl.config import Recipe, load_recipe
 from asyncrl.messages import ActorInfo, Control, Lease, WeightsUpdated
 from asyncrl.runtime.actor import ActorContext
@@ -80,6 +85,9 @@ from asyncrl.up import ensure_trajectory_stream
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results"
 RUN = "scale"
+WIRE_SAMPLES = 256
+"""Trajectories per subject whose payload sizes a level averages (then it unsubscribes:
+the count costs the server one more delivery per message only that long)."""
 STOP_GRACE = 15.0
 """Seconds an actor process has to stop after the level's ``stop``; then it is killed and
 named in ``killed_at_stop``. Before ``Bus.request`` kept its own deadline, actors now and
@@ -111,7 +119,8 @@ class NullTrainer(TrainerActor):
             batch = await self._fetch_batch(self.step)
             self.step += 1
             self.version += 1
-            self._note_step(len(batch.trajectories))
+            samples = batch.samples
+            self._note_step(len(samples), len(encode(batch)))
             if self.step % self.recipe.trainer.update_every == 0:
                 msg = WeightsUpdated(
                     version=self.version, kind="dir", location=location, step=self.step
@@ -122,18 +131,10 @@ class NullTrainer(TrainerActor):
     async def teardown(self) -> None:
         pass
 
-    def _note_step(self, samples: int) -> None:
+    def _note_step(self, samples: int, wire_bytes: int) -> None:
         # a line per step as it happens: the process may have to be killed at the end
         with open(self.ctx.run_dir / "trainer-steps.jsonl", "a") as f:
-            f.write(json.dumps([time.time(), samples]) + "\n")
-
-
-class ScoredDirect(Subjects):
-    """Subjects whose "raw trajectories" subject is the scored one (``--reward null``)."""
-
-    @property
-    def trajectories(self) -> str:
-        return self.scored
+            f.write(json.dumps([time.time(), samples, wire_bytes]) + "\n")
 
 
 @dataclass(frozen=True)
@@ -157,9 +158,8 @@ class TimedRollout(RolloutActor):
         super().__init__(ctx)
         self.leases_timed: list[tuple[float, float, int]] = []
         """(wall time at the answer, round trip in ms, prompts granted) per request."""
+        # scored in the workflow, its samples go straight to the scored subject
         self.score_inline = bool(ctx.extra.get("null_reward"))
-        if self.score_inline:
-            self.subjects = ScoredDirect(ctx.run_name)
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         await super().setup(tg)
@@ -289,8 +289,12 @@ def read_window(
         if t0 <= t < t1
     ]
     with open(run_dir / "trainer-steps.jsonl") as f:
-        steps = [(t, n) for t, n in map(json.loads, f) if t0 <= t < t1]
+        steps = [(t, n, b) for t, n, b in map(json.loads, f) if t0 <= t < t1]
     return events, leases, steps
+
+
+def mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 def split(n: int, parts: int) -> list[int]:
@@ -375,6 +379,14 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
                 cpu["machine_busy"] = machine.user + machine.system + machine.nice
                 return cpu
 
+            wire: dict[str, list[int]] = {"raw": [], "scored": []}
+            for stage, subject in (("raw", subjects.trajectories), ("scored", subjects.scored)):
+
+                async def on_traj(msg: Any, sizes: list[int] = wire[stage]) -> None:
+                    sizes.append(len(msg.data))
+
+                sub = await bus.nc.subscribe(subject, cb=on_traj)
+                await sub.unsubscribe(limit=WIRE_SAMPLES)
             cpu0, t0 = snapshot(), time.time()
             await asyncio.sleep(args.seconds)
             cpu1, t1 = snapshot(), time.time()
@@ -407,7 +419,7 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
         "window_s": window,
         "startup_s": startup_s,
         "admitted_samples_per_s": admitted / window,
-        "trained_samples_per_s": sum(n for _, n in steps) / window,
+        "trained_samples_per_s": sum(n for _, n, _ in steps) / window,
         "trainer_steps_per_s": len(steps) / window,
         "lease_requests_per_s": len(leases) / window,
         "empty_lease_share": sum(n == 0 for _, _, n in leases) / max(1, len(leases)),
@@ -422,6 +434,11 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
             "rollout": rollout_cpu / window,
             "nats-server": cpu["nats-server"] / window,
             "machine": cpu["machine_busy"] / window,
+        },
+        "wire_bytes_per_sample": {
+            "raw": mean(wire["raw"]),
+            "scored": mean(wire["scored"]),
+            "batch": sum(b for _, _, b in steps) / max(1, sum(n for _, n, _ in steps)),
         },
         "events": dict(events),
         "killed_at_stop": killed,
@@ -502,6 +519,7 @@ def main() -> None:
         f"{'actors':>6}{'admitted/s':>11}{'lease p50':>10}{'p99 ms':>8}{'empty':>7}"
         f"{'buf us/sample':>14}{'buf ceiling/s':>14}"
         f"{'  cpu: buffer reward rollout nats trainer machine':<50}"
+        f"{'  bytes/sample: raw scored batch'}"
     )
     print(cols)
     results = []
@@ -509,13 +527,14 @@ def main() -> None:
     for n in levels:
         r = asyncio.run(run_level(n, args, recipe))
         results.append(r)
-        c = r["cpu_share"]
+        c, w = r["cpu_share"], r["wire_bytes_per_sample"]
         print(
             f"{n:>6}{r['admitted_samples_per_s']:>11,.0f}{r['lease_rtt_ms_p50']:>10.2f}"
             f"{r['lease_rtt_ms_p99']:>8.1f}{r['empty_lease_share']:>7.0%}"
             f"{r['buffer_cpu_s_per_sample'] * 1e6:>14.0f}{r['buffer_ceiling_samples_per_s']:>14,.0f}"
             f"{'':>8}{c['buffer']:>6.2f}{c['reward']:>7.2f}{c['rollout']:>8.2f}"
-            f"{c['nats-server']:>5.2f}{c['trainer']:>8.2f}{c['machine']:>8.2f}",
+            f"{c['nats-server']:>5.2f}{c['trainer']:>8.2f}{c['machine']:>8.2f}"
+            f"{w['raw']:>18,.0f}{w['scored']:>7,.0f}{w['batch']:>6,.0f}",
             flush=True,
         )
         peak = max(peak, r["admitted_samples_per_s"])

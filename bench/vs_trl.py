@@ -262,8 +262,7 @@ def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_trl(args: argparse.Namespace, recipe: Any, model_dir: str) -> dict[str, Any]:
-    from asyncrl.actors.common import load_prompt_records
-    from asyncrl.data import epoch_permutation
+    from asyncrl.data import epoch_permutation, load_prompt_records
 
     records = load_prompt_records(recipe)
     order = epoch_permutation(len(records), recipe.run.seed, 0)
@@ -511,8 +510,8 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     t_bench = time.time()
 
-    from asyncrl.actors.common import load_eval_records
     from asyncrl.config import load_recipe
+    from asyncrl.data import load_eval_records
     from asyncrl.models import resolve_model_path
 
     recipe = load_recipe(str(RECIPE), overrides(args))

@@ -15,12 +15,6 @@ from typing import Any
 import pytest
 from scripted_engine import ScriptedEngine
 
-from asyncrl.actors.common import (
-    build_agent_tools,
-    build_workflow,
-    endpoint_wanted,
-    workflow_scores_inline,
-)
 from asyncrl.checks import generation_budget, recipe_problems
 from asyncrl.config import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
@@ -28,6 +22,12 @@ from asyncrl.messages import Array, Trajectory
 from asyncrl.tiny_model import build_tokenizer
 from asyncrl.workflows import AgentWorkflow, FunctionWorkflow, SpecError, make_workflow
 from asyncrl.workflows.agent import agent_metrics
+from asyncrl.workflows.build import (
+    build_agent_tools,
+    build_workflow,
+    endpoint_wanted,
+    workflow_scores_inline,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 

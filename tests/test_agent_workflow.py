@@ -13,9 +13,10 @@ import pytest
 from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
 
+from asyncrl.codec import decode, encode
 from asyncrl.engines import SamplingParams
 from asyncrl.engines.hf import HFEngine
-from asyncrl.messages import Trajectory, decode, encode
+from asyncrl.messages import Trajectory
 from asyncrl.rewards.pool import RewardResult
 from asyncrl.tiny_model import tiny_model_dir
 from asyncrl.tools.base import function_tool

@@ -14,13 +14,14 @@ import json
 from pathlib import Path
 
 from actor_helpers.buffer_kit import recipe, running_buffer
-from test_buffer_actor import S, score, take_lease
+from test_buffer_actor import S, sample, score, take_lease
 
 from asyncrl.actors.buffer.admission import Admission
+from asyncrl.actors.buffer.durable import keep_for_resume
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.actors.trainer import drop_records_after
-from asyncrl.messages import Array, BatchRequest, TrainBatchRef, Trajectory
+from asyncrl.messages import Array, BatchRequest, TrainBatchRef, TrainSample, Trajectory
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.runtime.staleness import StalenessManager
@@ -71,7 +72,7 @@ async def test_a_restarted_buffer_goes_on_where_the_last_one_stood(
         assert [len(g) for g in second.admission.groups.values()] == [1]  # the half group
         assert len(second.admission.ready) == 1  # three groups, two of them served
         again = await bus.request(S.batch, req, TrainBatchRef, timeout=30)
-        assert [t.uid for t in again.trajectories] == [t.uid for t in batch.trajectories]
+        assert [t.uid for t in again.samples] == [t.uid for t in batch.samples]
         await score(bus, g[3][1])  # the rest of the half group completes it
         async with asyncio.timeout(30):
             while len(second.admission.ready) < 2:
@@ -80,6 +81,40 @@ async def test_a_restarted_buffer_goes_on_where_the_last_one_stood(
         assert second.durable is not None
         await second.durable.persisted()
         assert second.durable.writes > 0
+
+
+async def test_resume_keeps_the_dataset_position_of_the_checkpoints_step(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus
+) -> None:
+    """The buffer records the dataset position of each served step; ``up --resume`` from
+    the checkpoint of step 1 keeps the position of step 0's batch (not the newest one)
+    and the accounting of version 1, and forgets the rest."""
+    r = recipe()
+    async with running_buffer(tmp_path, nats_server, bus, r) as first:
+        got = await take_lease(bus, 4)  # (v + η + 1)·B = 4 prompts at version 0
+        await score(bus, *(sample(got, p, i) for p in range(4) for i in range(2)))
+        req = BatchRequest(step=0, version=0)
+        assert (await bus.request(S.batch, req, TrainBatchRef, timeout=30)).waiting is None
+        at_step_0 = first.leases.source.state()
+        req = BatchRequest(step=1, version=1)
+        assert (await bus.request(S.batch, req, TrainBatchRef, timeout=30)).waiting is None
+        more = await take_lease(bus, 2)  # version 1: two more prompts, the position moves
+        assert len(more.prompts) == 2 and first.leases.source.state() != at_step_0
+        assert first.batcher.positions[0] == at_step_0
+        assert first.durable is not None
+        first._changed()
+        await first.durable.persisted()
+    kept = await keep_for_resume(bus, S.buffer_bucket, step=1, version=1, batch_size=2)
+    assert kept == at_step_0
+    async with running_buffer(tmp_path, nats_server, bus, r) as second:
+        assert second.leases.source.state() == at_step_0
+        assert (second.version, second.staleness.accepted, second.staleness.running) == (1, 2, 0)
+        assert not second.leases.leased and not second.admission.ready
+        assert not second.batcher.served
+        # the dataset goes on from there: the next lease is the one after step 0's
+        assert [p.uid for p in (await take_lease(bus, 2)).prompts] == [p.uid for p in more.prompts]
+    # nothing recorded for a step (a buffer without durable state): the dataset restarts
+    assert await keep_for_resume(bus, S.buffer_bucket, step=9, version=9, batch_size=2) is None
 
 
 def admission(tmp_path: Path, version: int) -> Admission:
@@ -91,34 +126,42 @@ def admission(tmp_path: Path, version: int) -> Admission:
     return Admission(sm, leases, journal, group_size=2, dynamic_filter=False)
 
 
+def group(prompt: str, version: int) -> list[TrainSample]:
+    """An admitted group of two, as the buffer keeps it."""
+    return [traj(prompt, i, version).to_train_sample() for i in range(2)]
+
+
 def test_roll_back_keeps_the_groups_of_the_versions_that_remain(tmp_path: Path) -> None:
     a = admission(tmp_path, version=3)
-    a.ready.extend([[traj("r1", i, 2) for i in range(2)], [traj("r3", i, 3) for i in range(2)]])
-    a.completed |= {"r1", "r3", "s1", "s3"}
-    served = [[traj("s1", i, 1) for i in range(2)], [traj("s3", i, 3) for i in range(2)]]
+    a.ready.extend([group("e0-1", 2), group("e0-3", 3)])
+    a.completed |= {"e0-1", "e0-3", "e0-5", "e0-7"}
+    served = [group("e0-5", 1), group("e0-7", 3)]
     # a group in the making, of a lease still out
-    a.leases.leased["p"] = a.leases.leased.get("p") or _lease(a, "p", "L9")
-    a.groups["p"] = {"p/0": traj("p", 0, 3, attempt="L9")}
-    a.seen_samples.add("p/0")
+    a.leases.leased["e0-8"] = a.leases.leased.get("e0-8") or _lease(a, "e0-8", "L9")
+    a.groups["e0-8"] = {"e0-8/0": traj("e0-8", 0, 3, attempt="L9")}
+    a.seen_samples.add("e0-8/0")
     a.staleness.running = 1
 
     dropped = a.roll_back(2, epoch=1, served=served)
 
     # restarted from version 2: versions ≤ 2 stay (served first, then ready), 3 is gone
-    assert [g[0].prompt_uid for g in a.ready] == ["s1", "r1"]
+    assert [g[0].prompt_uid for g in a.ready] == ["e0-5", "e0-1"]
     assert dropped == 2 and a.journal.counters["rolled_back_groups"] == 2
     assert a.journal.counters["rolled_back_samples"] == 4
-    assert {p.uid for p in a.leases.source.pool} >= {"s3", "r3"}  # they run again
-    assert not {"s3", "r3"} & a.completed
+    # they run again, with their records from the dataset (samples carry none)
+    pool = {p.uid: p.data for p in a.leases.source.pool}
+    assert pool["e0-7"] == {"question": "q7", "answer": "7"}
+    assert pool["e0-3"] == {"question": "q3", "answer": "3"}
+    assert not {"e0-7", "e0-3"} & a.completed
     # the group in the making is abandoned and its prompt returned through its lease
-    assert not a.groups and "p" not in a.leases.leased and ("L9", "p") in a.refused
+    assert not a.groups and "e0-8" not in a.leases.leased and ("L9", "e0-8") in a.refused
     assert a.staleness.running == 0
     # accepted = v·B + groups kept = 2·2 + 2; the version went back
     assert (a.staleness.version, a.staleness.accepted) == (2, 6)
     # a late sample of the old epoch is refused; one of the new epoch is taken
-    assert a.on_scored(traj("q", 0, 2, attempt="L2", epoch=0)) == "invalid"
+    assert a.on_scored(traj("e0-9", 0, 2, attempt="L2", epoch=0)) == "invalid"
     assert a.journal.counters["invalid_old_epoch"] == 1
-    assert a.on_scored(traj("s3", 0, 2, attempt="L3", epoch=1)) == "pending"
+    assert a.on_scored(traj("e0-7", 0, 2, attempt="L3", epoch=1)) == "pending"
 
 
 def _lease(a: Admission, uid: str, lease_id: str) -> object:

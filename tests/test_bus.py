@@ -16,6 +16,7 @@ import nats.errors
 import numpy as np
 import pytest
 
+from asyncrl.codec import encode
 from asyncrl.messages import (
     SCHEMA_VERSION,
     Ack,
@@ -25,7 +26,6 @@ from asyncrl.messages import (
     Metrics,
     Prompt,
     Trajectory,
-    encode,
 )
 from asyncrl.runtime.bus import Bus, BusTimeout, PayloadTooLarge, RemoteError
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo, nats_info_for_run

@@ -26,7 +26,8 @@ import pytest
 from nats.js import api
 from test_e2e import read_jsonl, run, up_args
 
-from asyncrl.messages import Trajectory, decode
+from asyncrl.codec import decode
+from asyncrl.messages import Trajectory
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.subjects import Subjects

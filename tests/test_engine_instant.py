@@ -4,11 +4,11 @@ buffer's sense checks accept, and weight updates that change only the version.""
 from __future__ import annotations
 
 from asyncrl.actors.buffer.admission import invalid_reason
-from asyncrl.actors.common import build_workflow
 from asyncrl.config import load_recipe
 from asyncrl.engines import GenerateRequest, SamplingParams, build_engine
 from asyncrl.engines.config import InstantEngineConfig
 from asyncrl.engines.instant import RESPONSE_TOKEN, InstantEngine
+from asyncrl.workflows.build import build_workflow
 
 
 async def test_responses_have_the_fixed_length_capped_by_the_budget() -> None:

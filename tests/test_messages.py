@@ -18,6 +18,15 @@ from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
+from asyncrl.codec import (
+    DecodeError,
+    _decode_checked,
+    _encodes_directly,
+    _fast_decoder,
+    decode,
+    decode_any,
+    encode,
+)
 from asyncrl.messages import (
     ALLOWED_DTYPES,
     MESSAGE_TYPES,
@@ -25,18 +34,12 @@ from asyncrl.messages import (
     Ack,
     ActorInfo,
     Array,
-    DecodeError,
     Lease,
     Message,
     Metrics,
     TrainBatchRef,
+    TrainSample,
     Trajectory,
-    _decode_checked,
-    _encodes_directly,
-    _fast_decoder,
-    decode,
-    decode_any,
-    encode,
 )
 
 # Deterministic: a fixed seed and no example database, so every run tests the same inputs.
@@ -202,6 +205,42 @@ def test_trajectory_keeps_numpy_values() -> None:
     for name in ("input_ids", "loss_mask", "logprobs", "versions"):
         np.testing.assert_array_equal(getattr(back, name).numpy(), getattr(t, name).numpy())
     assert back.head_version == 3
+
+
+def test_a_train_sample_holds_what_training_reads_and_nothing_else() -> None:
+    assert set(TrainSample.model_fields) == {
+        *("uid", "prompt_uid", "group_index", "episode_sample", "episode_samples"),
+        *("actor_id", "input_ids", "loss_mask", "logprobs", "versions"),
+        *("reward", "reward_info", "finish_reason"),
+    }
+    assert "data_state" not in TrainBatchRef.model_fields
+    t = Trajectory(
+        uid="e0-4/1",
+        prompt_uid="e0-4",
+        group_index=1,
+        group_size=2,
+        actor_id="r0",
+        attempt="lease-1",
+        input_ids=Array.of([1, 2, 3], "int32"),
+        loss_mask=Array.of([False, True, True]),
+        logprobs=Array.of([0.0, -0.5, -0.25], "float32"),
+        versions=Array.of([-1, 2, 3], "int32"),
+        reward=1.0,
+        reward_info={"ok": True},
+        data={"question": "q" * 500, "answer": "4"},
+        completion="c" * 500,
+        finish_reason="stop",
+    )
+    s = t.to_train_sample()
+    for name in set(TrainSample.model_fields):
+        assert getattr(s, name) == getattr(t, name), name
+    assert (s.head_version, s.versions_spanned) == (2, 2)
+    batch = TrainBatchRef(step=0, version=3, samples=[s, s])
+    back = decode(encode(batch), TrainBatchRef)
+    assert back == batch and back.samples[0].reward == 1.0
+    assert len(encode(s)) < len(encode(t)) - 1000  # the record and the text stay behind
+    with pytest.raises(ValueError, match="not scored"):
+        t.model_copy(update={"reward": None}).to_train_sample()
 
 
 # -- malformed payloads -------------------------------------------------------------------------
@@ -394,7 +433,7 @@ def _paths_agree(payload: bytes, cls: type[Message]) -> None:
 
 
 def test_the_hot_message_types_take_the_fast_path() -> None:
-    for cls in (Trajectory, Metrics, Ack, TrainBatchRef, ActorInfo, Lease):
+    for cls in (Trajectory, TrainSample, Metrics, Ack, TrainBatchRef, ActorInfo, Lease):
         assert _fast_decoder(cls) is not None, cls
 
 

@@ -169,6 +169,8 @@ async def test_scores_as_many_trajectories_at_once_as_it_has_workers(
     assert len(gate.rounds) == rounds and not gate.waiting
     assert sorted(c for r in gate.rounds for c in r) == sorted(t.completion for t in sent)
     assert all(t.reward == 1.0 for t in scored.values())
+    # past scoring a sample carries neither its prompt record nor its completion text
+    assert all(t.data == {} and t.completion == "" for t in scored.values())
     assert actor.counters["scored"] == len(sent)
     await assert_each_acked_once(bus, stream, len(sent))
 

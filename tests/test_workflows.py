@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from asyncrl.codec import decode, encode
 from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.hf import HFEngine
-from asyncrl.messages import Prompt, Trajectory, decode, encode
+from asyncrl.messages import Prompt, Trajectory
 from asyncrl.rewards import RewardPool
 from asyncrl.rewards.pool import RewardResult
 from asyncrl.tiny_model import tiny_model_dir

@@ -1,29 +1,18 @@
-"""The wire schema: every message that crosses NATS, and its codec.
+"""The wire schema: every message that crosses NATS (or sits in the run's object store).
 
-Each message is a pydantic model. On the wire it is one msgpack map
-``{"k": kind, "v": schema_version, "d": fields}``; ``decode`` checks the kind and the
-schema version before pydantic validates the fields, so a receiver can tell "garbage",
-"a message from a newer/older asyncrl" and "a field of the wrong type" apart. Most
-types also decode through a faster path (msgspec, with a schema derived from the model)
-that accepts only what that careful path accepts; see the notes above :func:`encode`.
-
-Numeric arrays travel as :class:`Array` (raw bytes + dtype + shape), never as lists.
-This module imports numpy but no torch, so the schema loads fast anywhere.
+Each message is a pydantic model; :mod:`asyncrl.codec` puts it on the wire as one msgpack
+map ``{"k": kind, "v": SCHEMA_VERSION, "d": fields}`` and checks kind, schema version and
+fields on the way back. Numeric arrays travel as :class:`Array` (raw bytes + dtype +
+shape), never as lists. This module imports numpy but no torch, so the schema loads fast
+anywhere.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import types
-from collections.abc import Callable
-from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal
 
-import msgpack
-import msgspec
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import PydanticUndefined
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -34,19 +23,6 @@ ALLOWED_DTYPES = frozenset(
 # Every Array received is checked against this: a dict lookup is far cheaper per message
 # than np.dtype(name), which dominated the cost of validating a small array.
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
-
-
-class DecodeError(ValueError):
-    """A payload that is not a valid message of the expected kind and schema version.
-
-    ``reason`` is a short, countable tag: ``garbage``, ``schema_version``, ``kind`` or
-    ``invalid``.
-    """
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 class Array(BaseModel):
@@ -271,30 +247,107 @@ class Trajectory(Message):
 
     @model_validator(mode="after")
     def _same_lengths(self) -> Trajectory:
-        n = self.input_ids.shape
-        for name in ("loss_mask", "logprobs", "versions"):
-            if getattr(self, name).shape != n:
-                raise ValueError(f"{name} shape {getattr(self, name).shape} != input_ids {n}")
+        _check_lengths(self)
         return self
+
+    def past_scoring(self) -> Trajectory:
+        """This sample as it goes on once scored: without the prompt record and the
+        completion text, which only scoring reads (the buffer keeps the records by prompt
+        id, and training reads tokens)."""
+        if not self.data and not self.completion:
+            return self
+        return self.model_copy(update={"data": {}, "completion": ""})
 
     def msg_id(self, stage: str) -> str:
         """JetStream dedup id at ``stage`` (``raw``, ``scored``): the same publish retried
         is stored once, while a re-run of the prompt under a new lease is new data."""
         return f"{stage}/{self.attempt}/{self.uid}"
 
+    def to_train_sample(self) -> TrainSample:
+        """What training reads of this scored sample (raises ``ValueError`` if unscored)."""
+        if self.reward is None:
+            raise ValueError(f"sample {self.uid} is not scored")
+        return TrainSample(
+            uid=self.uid,
+            prompt_uid=self.prompt_uid,
+            group_index=self.group_index,
+            episode_sample=self.episode_sample,
+            episode_samples=self.episode_samples,
+            actor_id=self.actor_id,
+            input_ids=self.input_ids,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            reward=self.reward,
+            reward_info=self.reward_info,
+            finish_reason=self.finish_reason,
+        )
+
     @property
     def versions_spanned(self) -> int:
         """How many policy versions produced the generated tokens: more than one when a
         weight update landed while this sample was being generated."""
-        v = self.versions.numpy()
-        return len(set(v[v >= 0].tolist()))
+        return _versions_spanned(self.versions)
 
     @property
     def head_version(self) -> int:
         """The oldest policy version that produced a token of this sample (-1 if none)."""
-        v = self.versions.numpy()
-        gen = v[v >= 0]
-        return int(gen.min()) if gen.size else -1
+        return _head_version(self.versions)
+
+
+class TrainSample(Message):
+    """One scored sample as training and its records read it, in a served batch: the
+    tokens, loss mask, behaviour logprobs, per-token versions and reward of a
+    :class:`Trajectory`, with the ids that place it in its group and episode. The prompt
+    record, the completion text and the lease it ran under stay behind."""
+
+    KIND: ClassVar[str] = "train_sample"
+    uid: str
+    prompt_uid: str
+    group_index: int
+    episode_sample: int = 0
+    episode_samples: int = 1
+    actor_id: str = ""
+    input_ids: Array
+    loss_mask: Array
+    logprobs: Array
+    versions: Array
+    reward: float
+    reward_info: dict[str, Any] = Field(default_factory=dict)
+    finish_reason: str = ""
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> TrainSample:
+        _check_lengths(self)
+        return self
+
+    @property
+    def versions_spanned(self) -> int:
+        """How many policy versions produced the generated tokens (see :class:`Trajectory`)."""
+        return _versions_spanned(self.versions)
+
+    @property
+    def head_version(self) -> int:
+        """The oldest policy version that produced a token of this sample (-1 if none)."""
+        return _head_version(self.versions)
+
+
+def _check_lengths(sample: Trajectory | TrainSample) -> None:
+    n = sample.input_ids.shape
+    for name in ("loss_mask", "logprobs", "versions"):
+        if getattr(sample, name).shape != n:
+            raise ValueError(f"{name} shape {getattr(sample, name).shape} != input_ids {n}")
+
+
+def _versions_spanned(versions: Array) -> int:
+    v = versions.numpy()
+    return len(set(v[v >= 0].tolist()))
+
+
+def _head_version(versions: Array) -> int:
+    v = versions.numpy()
+    gen = v[v >= 0]
+    return int(gen.min()) if gen.size else -1
 
 
 class BatchWaiting(BaseModel):
@@ -318,21 +371,29 @@ class BatchWaiting(BaseModel):
 
 
 class TrainBatchRef(Message):
-    """A batch of whole groups for one trainer step: the trajectories inline, or, when
-    they would not fit in one message, an object-store key (``blob_key``, in the run's
-    batch bucket) holding an encoded :class:`TrainBatchRef` with them inline. With
-    ``waiting`` set there is no batch yet: it says what the buffer is waiting for."""
+    """A batch of whole groups for one trainer step: the samples inline, or, when they
+    would not fit in one message, an object-store key (``blob_key``, in the run's batch
+    bucket) holding an encoded :class:`TrainBatchRef` with them inline. With ``waiting``
+    set there is no batch yet: it says what the buffer is waiting for."""
 
     KIND: ClassVar[str] = "train_batch"
     step: int
     version: int
-    trajectories: list[Trajectory] = Field(default_factory=list)
+    samples: list[TrainSample] = Field(default_factory=list)
     blob_key: str = ""
     waiting: BatchWaiting | None = None
-    data_state: dict[str, Any] = Field(
-        default_factory=dict, description="the buffer's dataset position, for resume"
-    )
     counters: dict[str, int] = Field(default_factory=dict, description="buffer counters")
+
+    @property
+    def trajectories(self) -> list[Any]:
+        """``samples`` under its former name, for callers not yet moved to it."""
+        return self.samples  # type: ignore[return-value]
+
+    @property
+    def data_state(self) -> dict[str, Any]:
+        """Always empty: the dataset position lives in the buffer's snapshot only (kept
+        for callers not yet moved off it)."""
+        return {}
 
 
 class BatchRequest(Message):
@@ -396,6 +457,63 @@ class MemoryReleased(Message):
     freed_bytes: int = 0
 
 
+# --- the buffer's durable state (in the run's object store, not on a subject) -----------------
+
+
+class LeasedRecord(BaseModel):
+    prompt: Prompt
+    actor_id: str
+    lease_id: str
+    delivered: bool = False
+
+
+class AnswerRecord(BaseModel):
+    actor_id: str
+    request_id: str
+    lease: Lease
+
+
+class BufferSnapshot(Message):
+    """Everything a restarted buffer needs to go on where the dead one stood."""
+
+    KIND: ClassVar[str] = "buffer_snapshot"
+    epoch: int = 0
+    version: int = 0
+    accepted: int = 0
+    running: int = 0
+    rejected: int = 0
+    counters: dict[str, int] = Field(default_factory=dict)
+    sampler: dict[str, Any] = Field(default_factory=dict)
+    pool: list[Prompt] = Field(default_factory=list)
+    leased: list[LeasedRecord] = Field(default_factory=list)
+    attempts: dict[str, int] = Field(default_factory=dict)
+    issued: int = 0
+    answers: list[AnswerRecord] = Field(default_factory=list)
+    partial: list[Trajectory] = Field(default_factory=list)
+    """Samples of the groups still in the making (past scoring: no prompt records)."""
+    completed: list[str] = Field(default_factory=list)
+    refused: list[tuple[str, str]] = Field(default_factory=list)
+    ready: list[bytes] = Field(default_factory=list)
+    """Each admitted group as an encoded :class:`Group` (see
+    :class:`~asyncrl.actors.buffer.durable.EncodedParts`)."""
+    served: list[bytes] = Field(default_factory=list)
+    """Each served batch as an encoded :class:`TrainBatchRef`."""
+    since_checkpoint: list[tuple[int, list[str]]] = Field(default_factory=list)
+    """(step, the prompt uids of its batch): pairs, as the wire takes only string keys."""
+    positions: list[tuple[int, dict[str, Any]]] = Field(default_factory=list)
+    """(step, the dataset position when its batch was served), for the steps from the
+    trainer's latest checkpoint on: a run resumed from the checkpoint of step s continues
+    the dataset from the position of step s - 1."""
+    weights: WeightsUpdated | None = None
+
+
+class Group(Message):
+    """One admitted group, the unit the snapshot keeps encoded."""
+
+    KIND: ClassVar[str] = "buffer_group"
+    samples: list[TrainSample]
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     m.KIND: m
     for m in (
@@ -409,6 +527,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Lease,
         EpisodeAborted,
         Trajectory,
+        TrainSample,
         TrainBatchRef,
         BatchRequest,
         WeightsQuery,
@@ -417,391 +536,3 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         MemoryReleased,
     )
 }
-
-M = TypeVar("M", bound=Message)
-
-
-# The codec runs once per message on every subject. Decoding has two paths:
-#
-# - the careful path: msgpack, then the envelope checks, then pydantic. It alone decides
-#   why a payload is refused (DecodeError reasons and details come from it only);
-# - a fast path, for the message types it can express (see _fast_decoder): msgspec decodes
-#   and type-checks the whole payload in C against a schema derived from the pydantic
-#   model, and the model is assembled from that without validating it a second time.
-#
-# The fast path accepts a payload only if the careful path would accept it and build the
-# same model; anything it refuses, for whatever reason, goes down the careful path, so a
-# refused payload costs both and gets the careful path's verdict. Junk is no cheaper to
-# send than before, and no message skips validation.
-
-
-def encode(msg: Message) -> bytes:
-    """msgpack bytes of ``{"k": kind, "v": schema version, "d": fields}``."""
-    direct = _DIRECT.get(type(msg))
-    if direct is None:
-        direct = _DIRECT[type(msg)] = _encodes_directly(type(msg))
-    if direct:
-        # The fields as they are, nested models through _fields_of: the same bytes that
-        # pydantic's serializer and msgpack make from these plain types, three to four
-        # times faster. msgspec's encode function keeps its state on the stack, so any
-        # thread may call it (an Encoder object shares one buffer, and _fields_of runs
-        # Python code in the middle of an encoding).
-        envelope = {"k": msg.KIND, "v": SCHEMA_VERSION, "d": msg.__dict__}
-        try:
-            return _msgspec_encode(envelope, enc_hook=_fields_of)
-        except Exception:  # e.g. an int too large for msgpack: the error comes from below
-            pass
-    body = msg.__pydantic_serializer__.to_python(msg)
-    # A fresh Packer per call (packb makes one too, through a Python frame and keyword
-    # arguments): a shared one is not promised to be safe from two threads.
-    return msgpack.Packer().pack({"k": msg.KIND, "v": SCHEMA_VERSION, "d": body})
-
-
-def decode(payload: bytes, expected: type[M]) -> M:
-    """Decodes and validates ``payload`` as an ``expected``; raises :class:`DecodeError`."""
-    try:
-        fast = _FAST[expected]
-    except KeyError:
-        fast = _FAST[expected] = _fast_decoder(expected)
-    if fast is not None:
-        try:
-            return fast(payload)  # type: ignore[no-any-return]
-        except Exception:  # the careful path below gives the verdict
-            pass
-    return _decode_checked(payload, expected)
-
-
-def decode_any(payload: bytes) -> Message:
-    """Decodes a message of any registered kind; raises :class:`DecodeError`."""
-    kind, body = _open_envelope(_unpack(payload))
-    cls = MESSAGE_TYPES.get(kind)
-    if cls is None:
-        raise DecodeError("kind", f"unknown message kind {kind!r}")
-    return _validate(cls, body)
-
-
-def _decode_checked(payload: bytes, expected: type[M]) -> M:
-    """The careful path of :func:`decode`, the one that names the reason of a refusal."""
-    envelope = _unpack(payload)
-    # The common case, recognised in one step; anything else goes to _open_envelope, the
-    # one place that tells garbage, schema version and kind apart.
-    if not (
-        type(envelope) is dict
-        and envelope.get("v") == SCHEMA_VERSION
-        and envelope.get("k") == expected.KIND
-        and "d" in envelope
-    ):
-        kind, _ = _open_envelope(envelope)
-        raise DecodeError("kind", f"expected {expected.KIND!r}, got {kind!r}")
-    return _validate(expected, envelope["d"])
-
-
-def _unpack(payload: bytes) -> Any:
-    try:
-        # No keyword arguments: msgpack's extension parses them again on every call, and
-        # the msgpack >= 1.0 defaults are the ones wanted (bin type for bytes, str for str,
-        # only str and bytes map keys).
-        return msgpack.unpackb(payload)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise DecodeError("garbage", f"not msgpack ({type(exc).__name__}: {exc})") from None
-
-
-def _open_envelope(envelope: Any) -> tuple[str, Any]:
-    if not isinstance(envelope, dict) or not {"k", "v", "d"} <= envelope.keys():
-        raise DecodeError("garbage", "not an asyncrl envelope")
-    if envelope["v"] != SCHEMA_VERSION:
-        raise DecodeError(
-            "schema_version",
-            f"schema version {envelope['v']!r}, this asyncrl speaks {SCHEMA_VERSION}",
-        )
-    if not isinstance(envelope["k"], str):
-        raise DecodeError("kind", f"message kind {envelope['k']!r} is not a string")
-    return envelope["k"], envelope["d"]
-
-
-def _validate(cls: type[M], body: Any) -> M:
-    try:
-        # The validator itself: model_validate only forwards to it through a Python frame
-        # and six keyword arguments, which added 30-50% to a small message.
-        return cls.__pydantic_validator__.validate_python(body)  # type: ignore[no-any-return]
-    except ValidationError as exc:
-        raise DecodeError("invalid", f"{cls.KIND}: {exc}") from None
-
-
-# --- the fast path ---------------------------------------------------------------------------
-
-_DIRECT: dict[type[BaseModel], bool] = {}
-_FAST: dict[type[Message], Callable[[bytes], Any] | None] = {}
-
-# What a pydantic model instance holds besides its __dict__; set the way pydantic-core sets
-# them when it validates (the model types here have no extra fields and no private ones).
-_new = object.__new__
-_set_attr = object.__setattr__
-_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
-_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
-_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
-
-# Types whose fields msgspec decodes exactly as msgpack + pydantic (lax) would, given what
-# msgspec accepts: an int for a float becomes a float in both, and msgspec refuses
-# everything pydantic would have had to convert (a float for an int, a str for bytes).
-_SAME_LEAVES = (str, int, float, bool, bytes, type(None))
-_MODEL_CONFIG_KEYS = {"extra", "frozen"}  # settings that the fast path honours (or not need)
-
-
-# One field of a model for a builder: its name, the conversion of what msgspec gives (None:
-# as is), and its default as a function (None: the field is required).
-_Field = tuple[str, Callable[[Any], Any] | None, Callable[[], Any] | None]
-
-
-class _Unsupported(Exception):
-    """A model the fast path cannot express exactly: it decodes on the careful path only."""
-
-
-def _fast_decoder(expected: type[Message]) -> Callable[[bytes], Any] | None:
-    """The fast path's decoder of one message type, or None if it cannot express the type.
-
-    The schema is derived from the pydantic model once, when the type is first decoded.
-    Each model type (the message and those nested in it) gets a msgspec Struct with the
-    same fields, unknown fields forbidden (an unknown key must reach the careful path,
-    which unpacks and judges it); a field with a default is optional. A field typed Any
-    stays raw msgpack and is unpacked by msgpack itself, so it holds exactly what the
-    careful path would give. Builders make the pydantic instances from the Structs and
-    run the models' ``after`` validators; a type with anything else (field constraints,
-    other validators, aliases, other model settings) is not supported.
-    """
-    schema = _Schema()
-    try:
-        struct, _ = schema.model(expected)
-        envelope = msgspec.defstruct(
-            f"_Envelope_{expected.__name__}",
-            [("k", Literal[expected.KIND]), ("v", Literal[SCHEMA_VERSION]), ("d", struct)],  # type: ignore[valid-type]
-            forbid_unknown_fields=True,
-        )
-        entry = msgspec.msgpack.Decoder(envelope).decode
-    except (_Unsupported, TypeError):  # TypeError: a type msgspec cannot decode
-        return None
-    # The message's own builder again, taking the payload: one call less per message.
-    return _builder(expected, *schema.plans[expected], entry=entry)
-
-
-class _Schema:
-    """Derives msgspec types and builders from pydantic models; raises _Unsupported."""
-
-    def __init__(self) -> None:
-        self._models: dict[type[BaseModel], tuple[Any, Callable[[Any], Any]]] = {}
-        self.plans: dict[type[BaseModel], tuple[list[_Field], list[Callable[[Any], Any]]]] = {}
-
-    def model(self, model: type[BaseModel]) -> tuple[Any, Callable[[Any], Any]]:
-        if model in self._models:
-            return self._models[model]
-        if (
-            not set(model.model_config) <= _MODEL_CONFIG_KEYS
-            or model.model_config.get("extra", "ignore") == "allow"
-            or model.__private_attributes__
-            or model.__pydantic_post_init__
-            or model.__pydantic_decorators__.field_validators
-            or model.__pydantic_decorators__.validators
-            or model.__pydantic_decorators__.root_validators
-        ):
-            raise _Unsupported(model.__name__)
-        after = []
-        for dec in model.__pydantic_decorators__.model_validators.values():
-            if dec.info.mode != "after" or len(inspect.signature(dec.func).parameters) != 1:
-                raise _Unsupported(f"{model.__name__}: a {dec.info.mode} model validator")
-            after.append(dec.func)
-        fields: list[tuple[str, Any, Any]] = []
-        plan: list[_Field] = []
-        for name, info in model.model_fields.items():
-            if info.metadata or info.alias or info.validation_alias or info.validate_default:
-                raise _Unsupported(f"{model.__name__}.{name}")
-            spec, convert = self.value(info.annotation)
-            if info.default_factory is not None:
-                if getattr(info, "default_factory_takes_data", False):
-                    raise _Unsupported(f"{model.__name__}.{name}: factory takes data")
-                default: Any = info.default_factory
-                fields.append((name, spec | msgspec.UnsetType, msgspec.UNSET))
-            elif info.default is not PydanticUndefined:
-                if not isinstance(info.default, _SAME_LEAVES):
-                    raise _Unsupported(f"{model.__name__}.{name}: default {info.default!r}")
-                value = info.default
-                default = lambda value=value: value  # noqa: E731
-                fields.append((name, spec | msgspec.UnsetType, msgspec.UNSET))
-            else:
-                default = None
-                fields.append((name, spec, msgspec.NODEFAULT))
-            plan.append((name, convert, default))
-        struct = msgspec.defstruct(
-            f"_Fast_{model.__name__}",
-            [(n, t) if d is msgspec.NODEFAULT else (n, t, d) for n, t, d in fields],
-            forbid_unknown_fields=True,
-            kw_only=True,
-        )
-        build = _builder(model, plan, after)
-        self._models[model] = struct, build
-        self.plans[model] = plan, after
-        return struct, build
-
-    def value(self, annotation: Any) -> tuple[Any, Callable[[Any], Any] | None]:
-        """The msgspec type of a field and the conversion of what msgspec gives (None: as is)."""
-        origin, args = get_origin(annotation), get_args(annotation)
-        if annotation is Any:
-            return msgspec.Raw, _unpack_raw
-        if annotation in _SAME_LEAVES:
-            return annotation, None
-        if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
-            return self.model(annotation)
-        if origin is Literal and all(type(a) is str for a in args):
-            return annotation, None
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-            spec, convert = self.value(args[0])
-            if convert is None:
-                return tuple[spec, ...], None  # type: ignore[valid-type]
-        elif origin is list:
-            spec, convert = self.value(args[0])
-            if convert is None:
-                return list[spec], None  # type: ignore[valid-type]
-            return list[spec], lambda v: [convert(x) for x in v]  # type: ignore[valid-type]
-        elif origin is dict and args[0] is str:
-            if args[1] is Any:  # kept raw whole: msgpack checks its keys as it would
-                return msgspec.Raw, _unpack_raw_dict
-            spec, convert = self.value(args[1])
-            if convert is None:
-                return dict[str, spec], None  # type: ignore[valid-type]
-        elif origin in (Union, types.UnionType):
-            parts = [self.value(a) for a in args]
-            if all(c is None for _, c in parts) and all(a in _SAME_LEAVES for a in args):
-                return annotation, None
-            if len(args) == 2 and type(None) in args:  # X | None, X a model or a container
-                spec, convert = parts[0] if args[1] is type(None) else parts[1]
-                if convert is None:
-                    return spec | None, None
-                return spec | None, lambda v: None if v is None else convert(v)
-        raise _Unsupported(repr(annotation))
-
-
-def _encodes_directly(model: type[BaseModel]) -> bool:
-    """Whether msgspec, given ``model.__dict__``, writes what pydantic's serializer and
-    msgpack would: fields of plain types only (msgspec would quietly encode what msgpack
-    refuses, such as a set or an enum in a field typed Any), nothing that changes the
-    serialized form (serializers, computed or excluded fields, aliases), and nothing else
-    kept in ``__dict__`` (a cached_property)."""
-    if model in _DIRECT:
-        return _DIRECT[model]
-    _DIRECT[model] = False  # a model that contains itself is not direct
-    decorators = model.__pydantic_decorators__
-    direct = not (
-        decorators.field_serializers
-        or decorators.model_serializers
-        or model.__pydantic_computed_fields__
-        or model.model_config.get("extra") == "allow"
-        or any(
-            isinstance(attr, functools.cached_property)
-            for klass in model.__mro__
-            for attr in vars(klass).values()
-        )
-        or any(
-            f.exclude or f.alias or f.serialization_alias or not _plain(f.annotation)
-            for f in model.model_fields.values()
-        )
-    )
-    _DIRECT[model] = direct
-    return direct
-
-
-def _plain(annotation: Any) -> bool:
-    if annotation in _SAME_LEAVES:
-        return True
-    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
-        return _encodes_directly(annotation)
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Literal:
-        return all(type(a) is str for a in args)
-    if origin in (tuple, list, dict, Union, types.UnionType):
-        return all(a is Ellipsis or _plain(a) for a in args)
-    return False
-
-
-def _fields_of(obj: Any) -> dict[str, Any]:
-    """msgspec's hook for a nested model: its fields, if its type encodes directly."""
-    if _DIRECT.get(type(obj)):
-        return obj.__dict__  # type: ignore[no-any-return]
-    raise TypeError(f"{type(obj).__name__} is not encoded directly")
-
-
-_msgspec_encode = msgspec.msgpack.encode
-
-
-def _unpack_raw(raw: msgspec.Raw) -> Any:
-    return msgpack.unpackb(raw)
-
-
-def _unpack_raw_dict(raw: msgspec.Raw) -> dict[str, Any]:
-    value = msgpack.unpackb(raw)
-    if type(value) is not dict or not all(type(k) is str for k in value):
-        raise ValueError("not a dict with str keys")  # the careful path says what pydantic says
-    return value
-
-
-def _builder(
-    model: type[BaseModel],
-    plan: list[_Field],
-    after: list[Callable[[Any], Any]],
-    entry: Callable[[bytes], Any] | None = None,
-) -> Callable[[Any], Any]:
-    """The function that makes a ``model`` from its Struct, as pydantic-core would; with
-    ``entry``, from a payload that ``entry`` decodes into an envelope Struct.
-
-    Its source is written out for this model, the way dataclasses writes ``__init__``: a
-    loop over the fields cost more than pydantic's own validation of a small message.
-    """
-    scope: dict[str, Any] = {
-        "entry": entry,
-        "model": model,
-        "UNSET": msgspec.UNSET,
-        "new": _new,
-        "set_attr": _set_attr,
-        "set_fields_set": _set_fields_set,
-        "set_extra": _set_extra,
-        "set_private": _set_private,
-    }
-    required = [name for name, _, default in plan if default is None]
-    lines = [
-        f"    fields_set = {{{', '.join(map(repr, required))}}}"
-        if required
-        else "    fields_set = set()"
-    ]
-    items = []
-    for i, (name, convert, default) in enumerate(plan):
-        value = f"s.{name}"
-        if convert is not None:
-            scope[f"convert_{i}"] = convert
-            value = f"convert_{i}({value})"
-        if default is None:
-            items.append(f"{name!r}: {value}")
-            continue
-        scope[f"default_{i}"] = default
-        lines += [
-            f"    v_{i} = s.{name}",
-            f"    if v_{i} is UNSET:",
-            f"        v_{i} = default_{i}()",
-            "    else:",
-            f"        fields_set.add({name!r})",
-            f"        v_{i} = {value.replace(f's.{name}', f'v_{i}')}",
-        ]
-        items.append(f"{name!r}: v_{i}")
-    lines += [
-        "    obj = new(model)",
-        f"    set_attr(obj, '__dict__', {{{', '.join(items)}}})",
-        "    set_fields_set(obj, fields_set)",
-        "    set_extra(obj, None)",
-        "    set_private(obj, None)",
-    ]
-    for i, check in enumerate(after):
-        scope[f"after_{i}"] = check
-        lines.append(f"    obj = after_{i}(obj)")
-    head = (
-        ["def build(s):"] if entry is None else ["def build(payload):", "    s = entry(payload).d"]
-    )
-    source = "\n".join([*head, *lines, "    return obj"]) + "\n"
-    exec(source, scope)  # our own source, made of the model's field names
-    return scope["build"]  # type: ignore[no-any-return]

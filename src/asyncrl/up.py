@@ -156,6 +156,7 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
 
 async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
     from asyncrl.actors.buffer.durable import forget as forget_buffer_state
+    from asyncrl.actors.buffer.durable import keep_for_resume as keep_buffer_position
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import EmbeddedNats, external_info
     from asyncrl.runtime.supervisor import Supervisor
@@ -180,8 +181,18 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
                 # what was in flight when the run stopped is discarded, exactly as the
                 # accounting assumes (accepted = v·B): a resumed run starts clean
                 await bus.delete_stream(subjects.stream)
-            # the buffer's durable state is for replacements within this run only
-            await forget_buffer_state(bus, subjects.buffer_bucket)
+            meta = latest_checkpoint_meta(run_dir) if resume else None
+            if meta is not None:
+                # the buffer's state keeps only the dataset position of the checkpoint
+                await keep_buffer_position(
+                    bus,
+                    subjects.buffer_bucket,
+                    step=int(meta["step"]),
+                    version=int(meta["version"]),
+                    batch_size=recipe.buffer.batch_size,
+                )
+            else:  # the buffer's durable state is for replacements within one run only
+                await forget_buffer_state(bus, subjects.buffer_bucket)
             await ensure_trajectory_stream(bus, subjects)
 
             live = None

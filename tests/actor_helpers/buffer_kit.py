@@ -12,8 +12,9 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from asyncrl.actors.buffer import BufferActor
+from asyncrl.codec import encode
 from asyncrl.config import Recipe, load_recipe
-from asyncrl.messages import ActorInfo, Message, encode
+from asyncrl.messages import ActorInfo, Message
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus, BusTimeout, R
 from asyncrl.runtime.nats_server import NatsInfo

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 from test_e2e import cli, run
 
-from asyncrl.actors.common import load_eval_records, load_prompt_records
 from asyncrl.checks import enforce_recipe
 from asyncrl.config import RecipeError, load_recipe
-from asyncrl.data import MissingFieldError
+from asyncrl.data import MissingFieldError, load_eval_records, load_prompt_records
 
 
 def gsm8k_like(path: Path, rows: int, without_answer: set[int]) -> Path:

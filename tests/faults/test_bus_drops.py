@@ -12,7 +12,8 @@ import nats.errors
 import pytest
 
 from asyncrl.actors.buffer.journal import Journal
-from asyncrl.messages import SCHEMA_VERSION, Ack, LeaseRequest, Metrics, Prompt, encode
+from asyncrl.codec import encode
+from asyncrl.messages import SCHEMA_VERSION, Ack, LeaseRequest, Metrics, Prompt
 from asyncrl.runtime import bus as bus_module
 from asyncrl.runtime.bus import Bus, PayloadTooLarge, RemoteError
 

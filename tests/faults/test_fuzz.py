@@ -22,6 +22,7 @@ import pytest
 from e2e_kit import running_up
 from test_e2e import connect, read_jsonl
 
+from asyncrl.codec import DecodeError, decode_any, encode
 from asyncrl.messages import (
     SCHEMA_VERSION,
     Ack,
@@ -29,7 +30,6 @@ from asyncrl.messages import (
     ActorInfo,
     BatchRequest,
     Control,
-    DecodeError,
     EpisodeAborted,
     LeaseRequest,
     Message,
@@ -37,8 +37,6 @@ from asyncrl.messages import (
     Prompt,
     WeightsQuery,
     WeightsUpdated,
-    decode_any,
-    encode,
 )
 from asyncrl.runtime.bus import Bus, PayloadTooLarge
 from asyncrl.subjects import Subjects

@@ -9,7 +9,7 @@ returns, so ``up`` (which waits for it like for the trainer) ends the run only o
 final evaluation is written.
 
 Per evaluation, over ``eval.max_prompts`` held-out prompts (see
-:func:`asyncrl.actors.common.load_eval_records`), with rewards r in [0, 1]:
+:func:`asyncrl.data.load_eval_records`), with rewards r in [0, 1]:
 
 - ``eval/accuracy``: mean reward of one greedy completion per prompt;
 - ``eval/mean@k``: mean reward of k sampled completions, averaged over prompts;
@@ -21,7 +21,7 @@ Per evaluation, over ``eval.max_prompts`` held-out prompts (see
 For ``rollout.workflow = "rlvr"`` (and any workflow but ``agent``) generation is
 single-turn, from the prompt record's chat as the ``rlvr`` workflow builds it. For
 ``agent`` runs each prompt is an episode of the recipe's own workflow (built like the
-rollout actor's, by :func:`asyncrl.actors.common.build_workflow`, with the eval's
+rollout actor's, by :func:`asyncrl.workflows.build.build_workflow`, with the eval's
 sampling and samples per prompt): tool calls run, and the final answer is scored. The
 record then adds, over the greedy episodes (the sampled ones when ``greedy`` is off):
 
@@ -43,12 +43,15 @@ import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.weights import load_published_weights
 from asyncrl.messages import WeightsQuery, WeightsUpdated
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
+
+if TYPE_CHECKING:
+    from asyncrl.config import Recipe
 
 WEIGHTS_QUERY_TIMEOUT = 5.0
 """Seconds to wait for the buffer's answer to "which weights are the latest?"."""
@@ -132,13 +135,11 @@ class EvalActor(Actor):
         MCP transport requires."""
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.actors.common import (
-            build_reward_pool,
-            latest_checkpoint_meta,
-            load_eval_records,
-        )
+        from asyncrl.actors.common import latest_checkpoint_meta
+        from asyncrl.data import load_eval_records
         from asyncrl.engines import build_engine
         from asyncrl.observe.sinks import open_sinks
+        from asyncrl.rewards import build_reward_pool
 
         self.records = load_eval_records(self.recipe)
         if not self.records:
@@ -254,8 +255,6 @@ class EvalActor(Actor):
 
     async def evaluate(self) -> dict[str, float]:
         """Generates and scores every held-out prompt at the engine's current weights."""
-        from asyncrl.actors.common import eval_sampling_params
-
         cfg = self.recipe.eval
         jobs: list[tuple[int, Any]] = []
         if cfg.greedy:
@@ -306,8 +305,8 @@ class EvalActor(Actor):
         """The agent workflow's tools as a rollout actor opens them (``rollout.agent.tools``
         and the tools of the MCP servers, started here); None when an environment brings
         its own."""
-        from asyncrl.actors.common import build_agent_tools, mcp_server_specs
         from asyncrl.tools.mcp import MCPTools
+        from asyncrl.workflows.build import build_agent_tools, mcp_server_specs
 
         if self.recipe.rollout.agent.env:
             return None
@@ -320,7 +319,7 @@ class EvalActor(Actor):
     def _workflow(self, sampling: Any, n: int) -> Any:
         """The recipe's workflow, built as the rollout actor builds it, with the eval's
         sampling (seeded by the run's seed) and ``n`` samples per prompt."""
-        from asyncrl.actors.common import build_workflow
+        from asyncrl.workflows.build import build_workflow
 
         workflow = build_workflow(self.recipe, self.engine, self.reward_pool, tools=self.tools)
         workflow.sampling = sampling.model_copy(update={"seed": self.recipe.run.seed})
@@ -389,3 +388,16 @@ class EvalActor(Actor):
                 Scored(float(scored.reward), len(resp.output_ids), resp.finish_reason == "length")
             )
         return out
+
+
+def eval_sampling_params(recipe: Recipe, *, greedy: bool) -> Any:
+    """Greedy (temperature 0) or the eval's sampling, under the eval's token budget."""
+    from asyncrl.engines.base import SamplingParams
+
+    cfg, s = recipe.eval, recipe.rollout.sampling
+    budget = cfg.max_new_tokens or s.max_new_tokens
+    if greedy:
+        return SamplingParams(temperature=0.0, max_new_tokens=budget)
+    return SamplingParams(
+        temperature=cfg.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=budget
+    )

@@ -1,4 +1,5 @@
-"""RewardActor: scores raw trajectories and republishes them as scored.
+"""RewardActor: scores raw trajectories and republishes them as scored (without the prompt
+record and the completion text, which only scoring reads).
 
 Every reward actor of a run pulls from one durable JetStream consumer, so the actors
 share the work like a queue group: add more for more throughput. The reward function runs
@@ -35,7 +36,7 @@ class RewardActor(Actor):
         self.pool: Any = None
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.actors.common import build_reward_pool
+        from asyncrl.rewards import build_reward_pool
 
         cfg = self.recipe.reward
         self.pool = build_reward_pool(self.recipe)
@@ -81,7 +82,8 @@ class RewardActor(Actor):
         else:
             self.counters["prescored"] += 1
         self.counters["scored"] += 1
-        await self.bus.js_publish(self.subjects.scored, traj, msg_id=traj.msg_id("scored"))
+        scored = traj.past_scoring()
+        await self.bus.js_publish(self.subjects.scored, scored, msg_id=scored.msg_id("scored"))
 
     async def _report(self) -> None:
         while True:

@@ -8,7 +8,8 @@ Three loops share one TaskGroup:
   its request id, so a lost reply yields the same lease, never a second one. Heartbeats
   list the prompts the actor holds: the buffer frees a lease the actor does not know of;
 - **results**: every finished episode's trajectories go onto the JetStream stream with
-  idempotent ids; an episode that failed or produced nothing is reported to the buffer
+  idempotent ids: unscored ones to the raw subject (the reward actors score them), those
+  the workflow scored straight to the scored subject, which the buffer reads; an episode that failed or produced nothing is reported to the buffer
   (repeated until the buffer acknowledges it) so its prompt returns to the pool;
 - **weights**: on ``WeightsUpdated`` the engine pauses (in-flight sequences stop between
   decode steps), loads the new weights, takes the new version and resumes; tokens carry
@@ -100,13 +101,9 @@ class RolloutActor(Actor):
         teardown, in the same task, as the MCP transport requires."""
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.actors.common import (
-            build_reward_pool,
-            build_workflow,
-            endpoint_wanted,
-            workflow_scores_inline,
-        )
         from asyncrl.engines import build_engine
+        from asyncrl.rewards import build_reward_pool
+        from asyncrl.workflows.build import build_workflow, endpoint_wanted, workflow_scores_inline
 
         self.engine = build_engine(self.recipe)
         await self.engine.start()
@@ -148,8 +145,8 @@ class RolloutActor(Actor):
     async def _open_tools(self) -> list[Any] | None:
         """The ``agent`` workflow's tools, the MCP servers' included (started here); None
         for other workflows and for an ``agent`` whose environment brings its own."""
-        from asyncrl.actors.common import build_agent_tools, mcp_server_specs
         from asyncrl.tools.mcp import MCPTools
+        from asyncrl.workflows.build import build_agent_tools, mcp_server_specs
 
         r = self.recipe.rollout
         if r.workflow != "agent" or r.agent.env:
@@ -163,8 +160,8 @@ class RolloutActor(Actor):
 
     async def _serve_endpoint(self) -> None:
         """Starts the endpoint and writes where it is (see the module docstring)."""
-        from asyncrl.actors.common import sampling_params
         from asyncrl.endpoint import OpenAIEndpoint
+        from asyncrl.workflows.build import sampling_params
 
         r = self.recipe.rollout
         token = self.ctx.nats.token or secrets.token_urlsafe(24)
@@ -295,20 +292,19 @@ class RolloutActor(Actor):
             )
         if not trajectories:
             raise EpisodeProducedNothing("the workflow returned no trajectory")
+        stamp = {"actor_id": self.actor_id, "prompt_uid": prompt.uid, "attempt": lease_id}
         stamped = [
-            t.model_copy(
-                update={
-                    "actor_id": self.actor_id,
-                    "prompt_uid": prompt.uid,
-                    "data": prompt.data,
-                    "attempt": lease_id,
-                    "epoch": epoch,
-                }
-            )
+            t.model_copy(update={**stamp, "epoch": epoch, "data": prompt.data})
+            if t.reward is None
+            else t.past_scoring().model_copy(update={**stamp, "epoch": epoch})
             for t in trajectories
         ]
         for t in stamped:
-            await self.bus.js_publish(self.subjects.trajectories, t, msg_id=t.msg_id("raw"))
+            # a sample its workflow scored skips the reward actors: one stream hop, not two
+            if t.reward is None:
+                await self.bus.js_publish(self.subjects.trajectories, t, msg_id=t.msg_id("raw"))
+            else:
+                await self.bus.js_publish(self.subjects.scored, t, msg_id=t.msg_id("scored"))
         return stamped
 
     async def _result_loop(self, runner: AsyncTaskRunner[list[Trajectory]]) -> None:

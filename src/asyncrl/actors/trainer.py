@@ -32,6 +32,7 @@ from asyncrl.actors.common import (
     latest_checkpoint_meta,
 )
 from asyncrl.actors.weights import KeptExports, delete_weights, export_name, put_weights
+from asyncrl.codec import decode
 from asyncrl.messages import (
     ActorInfo,
     BatchRequest,
@@ -41,7 +42,6 @@ from asyncrl.messages import (
     TrainBatchRef,
     Trajectory,
     WeightsUpdated,
-    decode,
 )
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
@@ -142,8 +142,8 @@ def build_samples(
     """
     import torch
 
-    from asyncrl.actors.common import shaped_rewards
     from asyncrl.algo import episode_advantages, group_advantages
+    from asyncrl.algo import recipe_shaped_rewards as shaped_rewards
     from asyncrl.train import Sample
 
     loss_cfg = recipe.trainer.loss

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
         kl_penalty,
         policy_loss,
     )
-    from asyncrl.algo.shaping import overlong_penalty, shape_reward, shaped_rewards
+    from asyncrl.algo.shaping import (
+        overlong_penalty,
+        recipe_shaped_rewards,
+        shape_reward,
+        shaped_rewards,
+    )
     from asyncrl.algo.truncation import cut_logprobs, kept_mask
 
 _EXPORTS = {
@@ -39,6 +44,7 @@ _EXPORTS = {
     "overlong_penalty": "shaping",
     "shape_reward": "shaping",
     "shaped_rewards": "shaping",
+    "recipe_shaped_rewards": "shaping",
     "cut_logprobs": "truncation",
     "kept_mask": "truncation",
 }
@@ -57,6 +63,7 @@ __all__ = [
     "kl_penalty",
     "overlong_penalty",
     "policy_loss",
+    "recipe_shaped_rewards",
     "shape_reward",
     "shaped_rewards",
 ]

@@ -10,6 +10,11 @@ differ (different lengths under the overlong penalty) still carries a signal and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from asyncrl.config import Recipe
+    from asyncrl.messages import Array
 
 
 def shape_reward(
@@ -76,3 +81,32 @@ def shaped_rewards(
             )
         out.append(shape_reward(r, scale=scale, bias=bias, clip=clip))
     return out
+
+
+class ScoredSample(Protocol):
+    """What shaping reads of a sample (a scored trajectory or a train sample)."""
+
+    @property
+    def reward(self) -> float | None: ...
+
+    @property
+    def loss_mask(self) -> Array: ...
+
+
+def recipe_shaped_rewards(samples: Sequence[ScoredSample], recipe: Recipe) -> list[float]:
+    """The rewards the trainer's advantages use (``trainer.shaping`` applied to each
+    sample's reward and generated length); the buffer's dynamic filter judges groups on
+    the same numbers."""
+    from asyncrl.checks import generation_budget
+
+    s = recipe.trainer.shaping
+    return shaped_rewards(
+        [float(t.reward or 0.0) for t in samples],
+        [int(t.loss_mask.numpy().sum()) for t in samples],
+        max_len=generation_budget(recipe),
+        overlong_buffer=s.overlong_buffer,
+        overlong_penalty_at_max=s.overlong_penalty,
+        scale=s.scale,
+        bias=s.bias,
+        clip=s.clip,
+    )

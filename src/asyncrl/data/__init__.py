@@ -20,6 +20,7 @@ from asyncrl.data.loaders import (
     to_prompt_records,
 )
 from asyncrl.data.sampler import ShardSampler, epoch_permutation
+from asyncrl.data.splits import held_out_indices, load_eval_records, load_prompt_records
 from asyncrl.data.synthetic import arithmetic_records, products_records
 
 
@@ -78,7 +79,10 @@ __all__ = [
     "epoch_permutation",
     "gsm8k_final_answer",
     "gsm8k_records",
+    "held_out_indices",
+    "load_eval_records",
     "load_gsm8k",
+    "load_prompt_records",
     "load_records",
     "missing_fields",
     "products_records",

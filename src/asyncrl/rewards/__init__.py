@@ -10,6 +10,7 @@ from asyncrl.rewards.pool import (
     RewardLoadError,
     RewardPool,
     RewardResult,
+    build_reward_pool,
     resolve_reward_spec,
 )
 
@@ -19,6 +20,7 @@ __all__ = [
     "RewardPool",
     "RewardResult",
     "boxed_math_reward",
+    "build_reward_pool",
     "extract_answer",
     "last_boxed",
     "math_reward",

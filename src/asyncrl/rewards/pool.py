@@ -31,11 +31,14 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import structlog
 
 from asyncrl.workflows.loader import SpecError, is_file_spec, split_spec
+
+if TYPE_CHECKING:
+    from asyncrl.config import Recipe
 
 REWARDS = {
     "math": "asyncrl.rewards.math_reward:math_reward",
@@ -247,3 +250,9 @@ class RewardPool:
         if kind != "ready":
             raise RewardLoadError(f"cannot load reward {self.spec!r}: {detail}")
         worker.ready = True
+
+
+def build_reward_pool(recipe: Recipe) -> RewardPool:
+    """The reward function of the recipe in worker processes (not started)."""
+    cfg = recipe.reward
+    return RewardPool(cfg.fn, workers=cfg.workers, timeout=cfg.timeout)

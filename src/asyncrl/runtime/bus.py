@@ -1,4 +1,5 @@
-"""The typed bus: a thin async layer over nats-py that speaks :mod:`asyncrl.messages`.
+"""The typed bus: a thin async layer over nats-py that speaks :mod:`asyncrl.messages`
+(encoded by :mod:`asyncrl.codec`).
 
 :class:`Bus` is the one class callers use. Its jobs live in one module each:
 
@@ -30,7 +31,8 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from asyncrl.messages import Ack, DecodeError, Message, decode, encode
+from asyncrl.codec import DecodeError, decode, encode
+from asyncrl.messages import Ack, Message
 from asyncrl.runtime.blobs import BlobMixin
 from asyncrl.runtime.connection import BusTimeout, PayloadTooLarge, RemoteError
 from asyncrl.runtime.jetstream import JetStreamMixin, JsConsumer
@@ -102,7 +104,7 @@ class Bus(JetStreamMixin, BlobMixin):
 
         Raises :class:`BusTimeout` if nobody answers in ``timeout`` seconds or nobody
         listens, :class:`RemoteError` if the responder answered ``Ack(ok=False)`` (unless
-        ``reply_type`` admits an Ack), :class:`~asyncrl.messages.DecodeError` for any other
+        ``reply_type`` admits an Ack), :class:`~asyncrl.codec.DecodeError` for any other
         wrong reply (counted too).
         """
         data = encode(msg)

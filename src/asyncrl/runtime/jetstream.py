@@ -18,7 +18,8 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import api
 
-from asyncrl.messages import DecodeError, Message, decode, encode
+from asyncrl.codec import DecodeError, decode, encode
+from asyncrl.messages import Message
 from asyncrl.runtime.connection import BusTimeout, Connection, log
 
 M = TypeVar("M", bound=Message)

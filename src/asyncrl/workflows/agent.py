@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncrl.engines.base import GenerateRequest, InferenceEngine, SamplingParams
-from asyncrl.messages import Prompt, Trajectory
+from asyncrl.messages import Prompt, TrainSample, Trajectory
 from asyncrl.tools.base import Tool
 from asyncrl.tools.builtin import BUILTIN_TOOLS
 from asyncrl.tools.calls import get_parser, tools_system_text
@@ -274,7 +274,7 @@ def builtin_tool(name: str) -> Tool:
         raise ValueError(f"unknown built-in tool {name!r}: known {sorted(BUILTIN_TOOLS)}") from None
 
 
-def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+def agent_metrics(trajectories: Sequence[Trajectory | TrainSample]) -> dict[str, float]:
     """The ``agent/...`` metrics of a batch of agent trajectories (those whose
     ``reward_info`` has ``turns``; none: ``{}``), per episode:
 

@@ -7,9 +7,10 @@
 
 The version is the staleness manager's, and it is the newest *published* version (the
 weights rollouts can have): the trainer's batch requests and ``WeightsUpdated`` advance
-it. State for resume (the dataset position) travels with each batch to the trainer,
-which keeps it in its checkpoint: what was trained and where the data stood are saved
-together.
+it. The dataset position lives in the buffer's durable state only (:mod:`.durable`): the
+position at each served step is recorded there, and ``asyncrl up --resume`` keeps the one
+that goes with the trainer's checkpoint. A batch carries what training reads
+(:class:`~asyncrl.messages.TrainSample`); the prompt records stay here, by prompt id.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
 from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, restore
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
-from asyncrl.actors.common import latest_checkpoint_meta, load_prompt_records, shaped_rewards
+from asyncrl.actors.common import latest_checkpoint_meta
+from asyncrl.algo.shaping import recipe_shaped_rewards
+from asyncrl.codec import encode
+from asyncrl.data import load_prompt_records
 from asyncrl.messages import (
     Ack,
     ActorExit,
@@ -39,7 +43,6 @@ from asyncrl.messages import (
     Trajectory,
     WeightsQuery,
     WeightsUpdated,
-    encode,
 )
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.connection import worth_logging
@@ -81,7 +84,7 @@ class BufferActor(Actor):
             self.journal,
             group_size=r.rollout.group_size,
             dynamic_filter=r.buffer.dynamic_filter,
-            rewards_of=lambda samples: shaped_rewards(samples, r),
+            rewards_of=lambda samples: recipe_shaped_rewards(samples, r),
         )
         self.batcher = Batcher(
             self.admission, self.staleness, self.journal, batch_size=r.buffer.batch_size
@@ -93,13 +96,12 @@ class BufferActor(Actor):
         meta = latest_checkpoint_meta(ctx.run_dir)
         if meta is not None:
             self.staleness.restore(int(meta["version"]))
-            self.leases.source.restore(meta.get("data_state", {}))
             hf_dir = Path(meta["path"]) / "hf"
             if hf_dir.is_dir():
                 self.weights = WeightsUpdated(
                     version=self.version, kind="dir", location=str(hf_dir), step=int(meta["step"])
                 )
-            self.log.info("resumed", version=self.version, data=self.leases.source.state())
+            self.log.info("resumed", version=self.version, step=int(meta["step"]))
 
     @property
     def version(self) -> int:
@@ -148,11 +150,13 @@ class BufferActor(Actor):
             if snap is not None:
                 restore(snap, self.leases, self.admission, self.batcher, time.monotonic())
                 self.admission.epoch = snap.epoch
-                self.weights = snap.weights
+                if snap.weights is not None:  # else those of the checkpoint, if any
+                    self.weights = snap.weights
                 self.log.info(
                     "restored",
                     version=self.version,
                     epoch=self.epoch,
+                    data=self.leases.source.state(),
                     leased=len(self.leases.leased),
                     ready_groups=len(self.admission.ready),
                     served=sorted(self.batcher.served),
@@ -316,14 +320,14 @@ class BufferActor(Actor):
             group
             for step, batch in sorted(self.batcher.served.items())
             if step >= version  # the batch of step s is trained as step s + 1
-            for group in _split_groups(batch.trajectories, self.recipe.rollout.group_size)
+            for group in split_groups(batch.samples, self.recipe.rollout.group_size)
         ]
-        # older batches since the checkpoint: only their prompts are kept, to run again
+        # older batches since the checkpoint: only their prompt ids are kept, to run again
         rerun = [
-            prompt
-            for step, prompts in sorted(self.batcher.since_checkpoint.items())
+            uid
+            for step, uids in sorted(self.batcher.since_checkpoint.items())
             if step >= version and step not in self.batcher.served
-            for prompt in prompts
+            for uid in uids
         ]
         self.batcher.served = {}
         self.batcher.since_checkpoint = {}
@@ -339,12 +343,3 @@ class BufferActor(Actor):
             dropped_groups=dropped,
             kept_groups=len(self.admission.ready),
         )
-
-
-def _split_groups(trajectories: list[Trajectory], group_size: int) -> list[list[Trajectory]]:
-    """A served batch's samples back into their groups (a batch holds whole groups, each
-    in group order)."""
-    return split_groups(trajectories, group_size)
-
-    async def on_weights_query(self, q: WeightsQuery) -> Message:
-        return self.weights if self.weights is not None else Ack(ok=False, error="no weights yet")

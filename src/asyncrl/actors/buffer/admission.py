@@ -8,8 +8,12 @@ each with all its samples (``episode_samples``: one, except for agent code whose
 not all continue one another);
 it is admitted if v − h ≤ η (h: its oldest token's version), else rejected without using
 the budget; with the dynamic filter, a group whose rewards are all equal is dropped: the
-rewards the advantages use (shaped, :func:`asyncrl.actors.common.shaped_rewards`), not the
+rewards the advantages use (shaped, :func:`asyncrl.algo.shaping.recipe_shaped_rewards`), not the
 raw ones, so a group of equal raw rewards that shaping tells apart keeps its signal.
+
+An admitted group is kept as :class:`~asyncrl.messages.TrainSample` s, what training reads:
+the prompt record is the buffer's (by prompt id, :meth:`PromptSource.prompt`), and the
+lease and group size were checked here.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook
-from asyncrl.messages import Prompt, Trajectory
+from asyncrl.messages import TrainSample, Trajectory
 from asyncrl.runtime.staleness import StalenessManager
 
 
@@ -89,13 +94,24 @@ def group_complete(samples: Iterable[Trajectory], group_size: int) -> bool:
     return len(counts) == group_size and all(counts[i] >= n for i, n in expected.items())
 
 
-def split_groups(trajectories: Sequence[Trajectory], group_size: int) -> list[list[Trajectory]]:
+class _GroupMember(Protocol):
+    @property
+    def prompt_uid(self) -> str: ...
+
+    @property
+    def episode_samples(self) -> int: ...
+
+
+S = TypeVar("S", bound=_GroupMember)
+
+
+def split_groups(trajectories: Sequence[S], group_size: int) -> list[list[S]]:
     """Samples of whole groups laid end to end (a batch), back into their groups: runs of
     ``group_size`` when every episode is one sample, else runs of one prompt's samples."""
     items = list(trajectories)
     if all(t.episode_samples == 1 for t in items):
         return [items[i : i + group_size] for i in range(0, len(items), group_size)]
-    groups: list[list[Trajectory]] = []
+    groups: list[list[S]] = []
     for t in items:
         if groups and groups[-1][0].prompt_uid == t.prompt_uid:
             groups[-1].append(t)
@@ -115,7 +131,7 @@ class Admission:
         *,
         group_size: int,
         dynamic_filter: bool,
-        rewards_of: Callable[[Sequence[Trajectory]], Sequence[float]] | None = None,
+        rewards_of: Callable[[Sequence[TrainSample]], Sequence[float]] | None = None,
     ) -> None:
         """``rewards_of`` gives the rewards the dynamic filter compares (those the
         advantages are computed from); None: the raw rewards."""
@@ -124,14 +140,14 @@ class Admission:
         self.journal = journal
         self.group_size = group_size
         self.dynamic_filter = dynamic_filter
-        self.rewards_of = rewards_of or (lambda samples: [float(t.reward or 0.0) for t in samples])
+        self.rewards_of = rewards_of or (lambda samples: [t.reward for t in samples])
         self.groups: dict[str, dict[str, Trajectory]] = {}
         self.seen_samples: set[str] = set()
         """Sample ids of the groups in the making (a finished group is known by its prompt)."""
         self.completed: set[str] = set()
         self.refused: set[tuple[str, str]] = set()
         """(attempt, prompt uid) of groups abandoned for an invalid sample."""
-        self.ready: deque[list[Trajectory]] = deque()
+        self.ready: deque[list[TrainSample]] = deque()
         self._fresh_at = -1
         """The version at which every ready group was last found admissible."""
         self.epoch = 0
@@ -158,14 +174,17 @@ class Admission:
             return "invalid"
         self.seen_samples.add(traj.uid)
         group = self.groups.setdefault(traj.prompt_uid, {})
-        group[traj.uid] = traj
+        group[traj.uid] = traj.past_scoring()  # the record is the buffer's, by prompt id
         if not group_complete(group.values(), self.group_size):
             return "pending"
         del self.groups[traj.prompt_uid]
         self.completed.add(traj.prompt_uid)  # from now on the prompt tells duplicates
         self.seen_samples.difference_update(group)
         self.leases.finish(traj.prompt_uid)
-        samples = sorted(group.values(), key=lambda t: (t.group_index, t.episode_sample))
+        samples = [
+            t.to_train_sample()
+            for t in sorted(group.values(), key=lambda t: (t.group_index, t.episode_sample))
+        ]
         head = min(t.head_version for t in samples)
         version = self.staleness.version
         if not self.staleness.on_scored(head):
@@ -208,7 +227,7 @@ class Admission:
         if self.staleness.version == self._fresh_at:
             return 0
         self._fresh_at = self.staleness.version
-        fresh: deque[list[Trajectory]] = deque()
+        fresh: deque[list[TrainSample]] = deque()
         dropped = 0
         for group in self.ready:
             head = min(t.head_version for t in group)
@@ -228,8 +247,8 @@ class Admission:
         self,
         version: int,
         epoch: int,
-        served: list[list[Trajectory]],
-        rerun: Sequence[Prompt] = (),
+        served: list[list[TrainSample]],
+        rerun: Sequence[str] = (),
     ) -> int:
         """The trainer restarted from its checkpoint at ``version`` (a new ``epoch``): the
         versions after it never happened. Judges again every group that was admitted or
@@ -238,7 +257,7 @@ class Admission:
 
         - a group whose every token comes from a version ≤ ``version`` is admitted again
           (those weights are the restarted trainer's too);
-        - the prompts of ``rerun`` (batches served earlier since the checkpoint, whose
+        - the prompt uids of ``rerun`` (batches served earlier since the checkpoint, whose
           samples are no longer held) go back to the pool, counted like dropped groups;
         - any other group is dropped (counted ``rolled_back_groups``) and its prompt goes
           back to the pool to be run again;
@@ -251,7 +270,7 @@ class Admission:
         self.epoch = epoch
         self.staleness.version = version
         self._fresh_at = -1
-        keep: deque[list[Trajectory]] = deque()
+        keep: deque[list[TrainSample]] = deque()
         dropped = 0
         for group in [*served, *self.ready]:
             if max(int(t.versions.numpy().max()) for t in group) <= version:
@@ -260,16 +279,16 @@ class Admission:
             dropped += 1
             uid = group[0].prompt_uid
             self.completed.discard(uid)
-            self.leases.rerun(Prompt(uid=uid, data=group[0].data))
+            self.leases.rerun(self.leases.source.prompt(uid))
             self.journal.count("rolled_back_groups")
             self.journal.count("rolled_back_samples", len(group))
             self.journal.event("roll_back", prompt=uid, version=version, epoch=epoch)
-        for prompt in rerun:
+        for uid in rerun:
             dropped += 1
-            self.completed.discard(prompt.uid)
-            self.leases.rerun(prompt)
+            self.completed.discard(uid)
+            self.leases.rerun(self.leases.source.prompt(uid))
             self.journal.count("rolled_back_groups")
-            self.journal.event("roll_back", prompt=prompt.uid, version=version, epoch=epoch)
+            self.journal.event("roll_back", prompt=uid, version=version, epoch=epoch)
         self.ready = keep
         for prompt_uid, partial in list(self.groups.items()):
             for attempt in {t.attempt for t in partial.values()}:

@@ -1,6 +1,8 @@
 """Batches: the oldest B admitted groups that are still within η, for one trainer step.
 
 A repeated request for the same step gets the same batch, so a lost reply loses no data.
+The dataset position at each batch is recorded (for a run resumed from a checkpoint), not
+sent: the batch holds what training reads.
 A batch too large for one message goes into the run's batch bucket; the trainer deletes
 the blob once it has decoded it (a repeat puts it there again).
 """
@@ -11,7 +13,7 @@ from typing import Any
 
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.journal import Journal
-from asyncrl.messages import BatchWaiting, Prompt, TrainBatchRef
+from asyncrl.messages import BatchWaiting, TrainBatchRef
 from asyncrl.runtime.staleness import StalenessManager
 
 BLOB_FRACTION = 0.9
@@ -34,15 +36,21 @@ class Batcher:
         self.batch_size = batch_size
         self.served: dict[int, TrainBatchRef] = {}
         """Batches served, inline, by step: the current step and the one before."""
-        self.since_checkpoint: dict[int, list[Prompt]] = {}
-        """The prompts of every batch served after the trainer's latest checkpoint: a
+        self.since_checkpoint: dict[int, list[str]] = {}
+        """The prompt uids of every batch served after the trainer's latest checkpoint: a
         trainer that restarts from it trains those steps again, so they run again."""
+        self.positions: dict[int, dict[str, Any]] = {}
+        """The dataset position as each batch was served, from the step before the
+        trainer's latest checkpoint on: a run resumed from the checkpoint of step s goes
+        on from the position of step s − 1 (what its trained batches had leased)."""
 
     def checkpointed(self, step: int) -> None:
         """The trainer's latest checkpoint is at ``step``: it holds what the batches of
         steps 0 … step − 1 taught (the batch of step s is trained as step s + 1)."""
         for s in [s for s in self.since_checkpoint if s < step]:
             del self.since_checkpoint[s]
+        for s in [s for s in self.positions if s < step - 1]:
+            del self.positions[s]
 
     def counters(self) -> dict[str, int]:
         sm = self.staleness
@@ -69,19 +77,20 @@ class Batcher:
         self.admission.drop_stale()
         return len(self.admission.ready) >= self.batch_size
 
-    def take(self, step: int, data_state: dict[str, Any]) -> TrainBatchRef:
-        """The batch of ``step`` (call only when :meth:`ready`), remembered for repeats."""
+    def take(self, step: int, position: dict[str, Any]) -> TrainBatchRef:
+        """The batch of ``step`` (call only when :meth:`ready`), remembered for repeats;
+        ``position`` is the dataset position now, recorded for resume."""
         groups = [self.admission.ready.popleft() for _ in range(self.batch_size)]
         batch = TrainBatchRef(
             step=step,
             version=self.staleness.version,
-            trajectories=[t for g in groups for t in g],
-            data_state=data_state,
+            samples=[t for g in groups for t in g],
             counters=self.counters(),
         )
         self.served = {s: b for s, b in self.served.items() if s >= step - 1}
         self.served[step] = batch
-        self.since_checkpoint[step] = [Prompt(uid=g[0].prompt_uid, data=g[0].data) for g in groups]
+        self.since_checkpoint[step] = [g[0].prompt_uid for g in groups]
+        self.positions[step] = position
         for g in groups:
             self.journal.event("batch", prompt=g[0].prompt_uid, step=step)
         return batch
@@ -97,6 +106,5 @@ def as_reference(batch: TrainBatchRef) -> TrainBatchRef:
         step=batch.step,
         version=batch.version,
         blob_key=blob_key(batch.step),
-        data_state=batch.data_state,
         counters=batch.counters,
     )

@@ -2,9 +2,9 @@
 
 What the buffer holds and nothing else has (the version, the counters, the leases, the
 groups in the making and the admitted ones, the batches already served, the dataset
-position) is captured as one :class:`BufferSnapshot` and put in the run's buffer bucket
-(JetStream, file storage in the run folder). The rule that makes it durable: nothing is
-acknowledged before the snapshot that holds it is written.
+position) is captured as one :class:`~asyncrl.messages.BufferSnapshot` and put in the run's
+buffer bucket (JetStream, file storage in the run folder). The rule that makes it durable:
+nothing is acknowledged before the snapshot that holds it is written.
 
 - a batch goes out only after the write (a buffer that forgot it could serve its samples
   again in another batch);
@@ -22,6 +22,10 @@ waits for the first write that began after it, so a burst of changes shares one 
 Admitted groups and served batches never change, so each is encoded once
 (:class:`EncodedParts`). A buffer killed at any instant restarts from a snapshot that
 holds everything it ever acknowledged.
+
+The snapshot is for replacements within one ``asyncrl up``: a new ``up`` starts clean
+(:func:`forget`), and ``up --resume`` keeps of it only the dataset position that goes with
+the trainer's checkpoint (:func:`keep_for_resume`), the one place that position lives.
 """
 
 from __future__ import annotations
@@ -30,19 +34,17 @@ import asyncio
 import io
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
-
+from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.messages import (
-    Lease,
-    Message,
-    Prompt,
+    AnswerRecord,
+    BufferSnapshot,
+    Group,
+    LeasedRecord,
     TrainBatchRef,
-    Trajectory,
+    TrainSample,
     WeightsUpdated,
-    decode,
-    encode,
 )
 from asyncrl.runtime.connection import worth_logging
 from asyncrl.runtime.log import get_logger
@@ -60,77 +62,33 @@ RETRY_PAUSE = 0.5
 log = get_logger(role="buffer")
 
 
-class LeasedRecord(BaseModel):
-    prompt: Prompt
-    actor_id: str
-    lease_id: str
-    delivered: bool = False
-
-
-class AnswerRecord(BaseModel):
-    actor_id: str
-    request_id: str
-    lease: Lease
-
-
-class BufferSnapshot(Message):
-    """Everything a restarted buffer needs to go on where the dead one stood."""
-
-    KIND: ClassVar[str] = "buffer_snapshot"
-    epoch: int = 0
-    version: int = 0
-    accepted: int = 0
-    running: int = 0
-    rejected: int = 0
-    counters: dict[str, int] = Field(default_factory=dict)
-    sampler: dict[str, Any] = Field(default_factory=dict)
-    pool: list[Prompt] = Field(default_factory=list)
-    leased: list[LeasedRecord] = Field(default_factory=list)
-    attempts: dict[str, int] = Field(default_factory=dict)
-    issued: int = 0
-    answers: list[AnswerRecord] = Field(default_factory=list)
-    partial: list[Trajectory] = Field(default_factory=list)
-    """Samples of the groups still in the making."""
-    completed: list[str] = Field(default_factory=list)
-    refused: list[tuple[str, str]] = Field(default_factory=list)
-    ready: list[bytes] = Field(default_factory=list)
-    """Each admitted group as an encoded :class:`Group` (see :class:`EncodedParts`)."""
-    served: list[bytes] = Field(default_factory=list)
-    """Each served batch as an encoded :class:`TrainBatchRef`."""
-    since_checkpoint: list[tuple[int, list[Prompt]]] = Field(default_factory=list)
-    """(step, its prompts): pairs, as the wire takes only string keys."""
-    weights: WeightsUpdated | None = None
-
-
-class Group(Message):
-    """One admitted group, the unit the snapshot keeps encoded."""
-
-    KIND: ClassVar[str] = "buffer_group"
-    samples: list[Trajectory]
-
-
 class EncodedParts:
     """The encodings of the snapshot's big parts, admitted groups and served batches,
-    which never change once made: each is encoded once, not at every write."""
+    which never change once made: each is encoded once, not at every write.
+
+    A part is known by its identity (the list or batch object itself, held with its
+    encoding, so its id cannot be reused while cached): a group that was rolled back and
+    served again is a new object and is encoded anew."""
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[str, str], bytes] = {}
-        self._batches: dict[tuple[int, str], bytes] = {}
+        self._groups: dict[int, tuple[list[TrainSample], bytes]] = {}
+        self._batches: dict[int, tuple[TrainBatchRef, bytes]] = {}
 
-    def groups(self, groups: Iterable[list[Trajectory]]) -> list[bytes]:
+    def groups(self, groups: Iterable[list[TrainSample]]) -> list[bytes]:
         cache, self._groups = self._groups, {}
         for g in groups:
-            key = (g[0].uid, g[0].attempt)
-            self._groups[key] = cache.get(key) or encode(Group(samples=g))
-        return list(self._groups.values())
+            hit = cache.get(id(g))
+            data = hit[1] if hit is not None and hit[0] is g else encode(Group(samples=g))
+            self._groups[id(g)] = (g, data)
+        return [data for _, data in self._groups.values()]
 
     def batches(self, batches: Iterable[TrainBatchRef]) -> list[bytes]:
         cache, self._batches = self._batches, {}
         for b in batches:
-            first = b.trajectories[0] if b.trajectories else None
-            key = (b.step, f"{first.uid}@{first.attempt}" if first else "")
-            self._batches[key] = cache.get(key) or encode(b)
-        return list(self._batches.values())
+            hit = cache.get(id(b))
+            data = hit[1] if hit is not None and hit[0] is b else encode(b)
+            self._batches[id(b)] = (b, data)
+        return [data for _, data in self._batches.values()]
 
 
 def capture(
@@ -172,6 +130,7 @@ def capture(
         ready=parts.groups(admission.ready),
         served=parts.batches(batcher.served.values()),
         since_checkpoint=sorted(batcher.since_checkpoint.items()),
+        positions=sorted(batcher.positions.items()),
         weights=weights,
     )
 
@@ -215,6 +174,7 @@ def restore(
     served = [decode(b, TrainBatchRef) for b in snap.served]
     batcher.served = {b.step: b for b in served}
     batcher.since_checkpoint = dict(snap.since_checkpoint)
+    batcher.positions = dict(snap.positions)
 
 
 class DurableState:
@@ -265,6 +225,15 @@ class DurableState:
             return None
         return decode(buf.getvalue(), BufferSnapshot)
 
+    async def load_quietly(self) -> BufferSnapshot | None:
+        """:meth:`load`, with a snapshot that does not decode (one written by another
+        asyncrl) taken as none."""
+        try:
+            return await self.load()
+        except DecodeError as exc:
+            log.warning("buffer state unreadable, ignored", error=str(exc))
+            return None
+
     async def run(self) -> None:
         """Writes whenever something changed, one write at a time, until cancelled."""
         while True:
@@ -303,5 +272,31 @@ def _raise_if_cancelled() -> None:
 
 
 async def forget(bus: Bus, bucket: str) -> None:
-    """Deletes the snapshot: a run that starts (or resumes from a checkpoint) starts clean."""
+    """Deletes the snapshot: a run that starts anew starts clean."""
     await bus.delete_blob(bucket, SNAPSHOT_KEY)
+
+
+async def keep_for_resume(
+    bus: Bus, bucket: str, *, step: int, version: int, batch_size: int
+) -> dict[str, Any] | None:
+    """Replaces the snapshot with the state a run resumed from the trainer's checkpoint
+    of ``step`` (at ``version``) starts from: the accounting of ``version`` (accepted =
+    v·B, nothing running) and the dataset position recorded when the batch of step
+    ``step − 1`` was served, so the resumed run leases on from where its checkpoint's
+    batches stood. Returns that position; None when the snapshot holds none (no
+    snapshot, a buffer without ``buffer.durable``, an unreadable one): the dataset then
+    starts from its beginning, and that is logged."""
+    old = await DurableState(bus, bucket, take=BufferSnapshot).load_quietly()
+    position = dict(old.positions).get(step - 1) if old is not None else None
+    await forget(bus, bucket)
+    if position is None:
+        log.warning("no dataset position recorded for the checkpoint", step=step)
+        return None
+    fresh = BufferSnapshot(
+        version=version,
+        accepted=version * batch_size,
+        sampler=position,
+        positions=[(step - 1, position)],
+    )
+    await bus.put_blob(bucket, SNAPSHOT_KEY, encode(fresh))
+    return position

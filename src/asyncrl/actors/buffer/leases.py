@@ -46,6 +46,18 @@ class PromptSource:
         epoch, idx = self.sampler.next()
         return Prompt(uid=f"e{epoch}-{idx}", data=self.records[idx])
 
+    def prompt(self, uid: str) -> Prompt:
+        """The prompt of ``uid`` with its record: samples past scoring carry only the id,
+        and a prompt that runs again (a roll-back) gets its record from here."""
+        try:
+            idx = int(uid.split("-", 1)[1])
+            if idx < 0:
+                raise IndexError(idx)
+            record = self.records[idx]
+        except (IndexError, ValueError):
+            raise ValueError(f"{uid!r} is no prompt id of this dataset") from None
+        return Prompt(uid=uid, data=record)
+
     def give_back(self, prompt: Prompt) -> None:
         self.pool.appendleft(prompt)
 

@@ -1,0 +1,101 @@
+"""Where the rollout actor publishes a finished episode's samples: unscored ones to the raw
+subject for the reward actors, those its workflow scored straight to the scored subject
+(the buffer's), never through the reward actors. Real nats-server and JetStream stream;
+the workflow is a stub that returns fixed samples (no engine: nothing is generated)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from actor_helpers.buffer_kit import context, recipe
+
+from asyncrl.actors.rollout import RolloutActor
+from asyncrl.codec import decode
+from asyncrl.messages import Array, Prompt, Trajectory
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.nats_server import NatsInfo
+from asyncrl.up import ensure_trajectory_stream
+
+
+def sample(index: int, reward: float | None) -> Trajectory:
+    return Trajectory(
+        uid=f"?/{index}",
+        prompt_uid="?",
+        group_index=index,
+        group_size=2,
+        input_ids=Array.of([1, 2, 3], "int32"),
+        loss_mask=Array.of([0, 1, 1], "bool"),
+        logprobs=Array.of([0.0, -1.0, -1.0], "float32"),
+        versions=Array.of([-1, 0, 0], "int32"),
+        reward=reward,
+        completion="the answer",
+    )
+
+
+class FixedWorkflow:
+    """Returns the same samples for every prompt."""
+
+    def __init__(self, samples: list[Trajectory]) -> None:
+        self.samples = samples
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> list[Trajectory]:
+        return [
+            t.model_copy(update={"uid": f"{data['uid']}/{t.group_index}"}) for t in self.samples
+        ]
+
+
+async def published(
+    tmp_path: Path, nats: NatsInfo, bus: Bus, samples: list[Trajectory]
+) -> dict[str, list[tuple[str, Trajectory]]]:
+    """Runs one episode of ``samples`` through the real publish path; returns, by stage
+    (``raw``, ``scored``), the (dedup id, sample) pairs that reached the stream's subjects."""
+    r = recipe("rollout.group_size=2")
+    actor = RolloutActor(context(tmp_path, nats, r, "r0"))
+    actor._bus = await Bus.connect(nats, name="r0")
+    actor.workflow = FixedWorkflow(samples)
+    s = actor.subjects
+    await ensure_trajectory_stream(bus, s)
+    seen: dict[str, list[tuple[str, Trajectory]]] = {"raw": [], "scored": []}
+    all_in = asyncio.Event()
+    for stage, subject in (("raw", s.trajectories), ("scored", s.scored)):
+
+        async def on_msg(msg: Any, out: list[tuple[str, Trajectory]] = seen[stage]) -> None:
+            out.append((msg.headers["Nats-Msg-Id"], decode(msg.data, Trajectory)))
+            if sum(map(len, seen.values())) == len(samples):
+                all_in.set()
+
+        await bus.nc.subscribe(subject, cb=on_msg)
+    await bus.nc.flush()
+    try:
+        prompt = Prompt(uid="e0-7", data={"question": "1+1", "answer": "2"})
+        await actor._episode(prompt, "lease-1")
+        await actor.bus.nc.flush()
+        await asyncio.wait_for(all_in.wait(), 10)
+    finally:
+        await actor.bus.close()
+    return seen
+
+
+async def test_a_sample_its_workflow_scored_skips_the_reward_actor(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus
+) -> None:
+    seen = await published(tmp_path, nats_server, bus, [sample(0, 1.0), sample(1, 0.0)])
+    assert seen["raw"] == []
+    assert [i for i, _ in seen["scored"]] == ["scored/lease-1/e0-7/0", "scored/lease-1/e0-7/1"]
+    for _, t in seen["scored"]:
+        # stamped like any sample, but past scoring: no prompt record, no completion text
+        assert (t.prompt_uid, t.actor_id, t.attempt) == ("e0-7", "r0", "lease-1")
+        assert t.data == {} and t.completion == ""
+    assert [t.reward for _, t in seen["scored"]] == [1.0, 0.0]
+
+
+async def test_an_unscored_sample_goes_to_the_reward_actor_with_its_prompt_record(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus
+) -> None:
+    seen = await published(tmp_path, nats_server, bus, [sample(0, None), sample(1, None)])
+    assert seen["scored"] == []
+    assert [i for i, _ in seen["raw"]] == ["raw/lease-1/e0-7/0", "raw/lease-1/e0-7/1"]
+    for _, t in seen["raw"]:
+        assert t.data == {"question": "1+1", "answer": "2"} and t.completion == "the answer"
