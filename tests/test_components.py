@@ -73,11 +73,11 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
     reward pool (not started), the prompt and held-out records, and the train engine,
     whose config is the recipe's trainer section itself."""
     from asyncrl.data import load_eval_records, load_prompt_records
-    from asyncrl.rewards import build_reward_pool
-    from asyncrl.workflows.build import build_workflow
     from asyncrl.engines import build_engine
     from asyncrl.models import load_tokenizer
+    from asyncrl.rewards import build_reward_pool
     from asyncrl.train import build_train_engine
+    from asyncrl.workflows.build import build_workflow
 
     recipe, replaced = offline(path, tmp_path)
     expected = {"gsm8k.toml": ["model.path", "data.path", "eval.data.path"]}.get(path.name, [])

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    pass
 
 CHECKPOINT_POINTER = "latest.json"
 
@@ -102,5 +102,3 @@ def _root_cause(exc: BaseException) -> str:
 def dist_rank() -> int:
     """This process's rank under torchrun (0 when not under torchrun)."""
     return int(os.environ.get("RANK", "0"))
-
-
