@@ -135,10 +135,10 @@ class EvalActor(Actor):
         from asyncrl.actors.common import (
             build_engine,
             build_reward_pool,
-            latest_checkpoint_meta,
             load_eval_records,
         )
         from asyncrl.observe.sinks import open_sinks
+        from asyncrl.train.checkpoint import latest_checkpoint_meta
 
         self.records = load_eval_records(self.recipe)
         if not self.records:

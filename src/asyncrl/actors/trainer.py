@@ -27,11 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.buffer.admission import split_groups
-from asyncrl.actors.common import (
-    build_train_engine,
-    commit_checkpoint,
-    latest_checkpoint_meta,
-)
+from asyncrl.actors.common import build_train_engine
 from asyncrl.actors.weights import KeptExports, delete_weights, export_name, put_weights
 from asyncrl.messages import (
     ActorInfo,
@@ -47,6 +43,7 @@ from asyncrl.messages import (
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.supervisor import RESTART_ENV
+from asyncrl.train.checkpoint import commit_checkpoint, latest_checkpoint_meta
 
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
@@ -270,7 +267,6 @@ class TrainerActor(Actor):
             await asyncio.to_thread(self._broadcast, ("load", meta["path"]))
             self.step, self.version = int(meta["step"]), int(meta["version"])
             self.checkpoint_step = self.step
-            self.data_state = meta.get("data_state", {})
             self.log.info("resumed", step=self.step, version=self.version, epoch=self.epoch)
         if meta is not None or self.epoch:
             # the rollouts may hold weights of versions this trainer never reached
@@ -574,7 +570,7 @@ class TrainerActor(Actor):
 
         # a failure (a full disk) ends the trainer with a CheckpointError that names the
         # checkpoint still in place: training on past it would risk more than it saves
-        await asyncio.to_thread(commit_checkpoint, self.ctx.run_dir, path, extra, write)
+        await asyncio.to_thread(commit_checkpoint, self.ctx.run_dir, path, self.step, write)
         self.checkpoint_step = self.step
         self.log.info("checkpoint", step=self.step, path=str(path))
 
