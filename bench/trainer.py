@@ -207,14 +207,15 @@ def run_mode(
     return out
 
 
-def hand_off(batch: list[Sample] | None, rank: int) -> Any:
-    """What every trainer rank does to get a step's batch from rank 0: the global batch
-    pickled to every rank (``("train", samples)`` with ``broadcast_object_list``)."""
-    import torch.distributed as dist
+def hand_off(batch: list[Sample] | None, rank: int, config: TrainConfig) -> Any:
+    """What the trainer ranks do to get a step's batch from rank 0: rank 0 plans every
+    rank's shard and sends each its own as tensors; the others receive theirs."""
+    from asyncrl.train.commands import lead_train, next_command
 
-    box: list[Any] = [("train", batch)] if rank == 0 else [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0][1]
+    if rank == 0:
+        assert batch is not None
+        return lead_train(batch, config, 2)
+    return next_command()[1]
 
 
 def _handoff_rank(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
@@ -225,11 +226,16 @@ def _handoff_rank(rank: int, world: int, init_file: str, args: argparse.Namespac
     g = torch.Generator().manual_seed(args.seed)
     vocab = SHAPES[args.shape]["vocab_size"]
     batches = [make_batch(args, vocab, g) for _ in range(args.warmup + args.steps)]
+    config = TrainConfig(
+        model=model_config(args.shape, 4096),
+        max_tokens_per_microbatch=args.max_tokens,
+        loss=LossConfig(),
+    )
     times = []
     for batch in batches:
         dist.barrier()
         t0 = time.perf_counter()
-        got = hand_off(batch if rank == 0 else None, rank)
+        got = hand_off(batch if rank == 0 else None, rank, config)
         dist.barrier()  # every rank holds its part
         times.append(time.perf_counter() - t0)
         assert got is not None

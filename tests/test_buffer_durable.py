@@ -19,8 +19,8 @@ from test_buffer_actor import S, score, take_lease
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
-from asyncrl.actors.trainer import drop_records_after
 from asyncrl.messages import Array, BatchRequest, TrainBatchRef, Trajectory
+from asyncrl.observe.records import drop_records_after
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.runtime.staleness import StalenessManager

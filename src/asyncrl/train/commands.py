@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.train.batch import Batch
+from asyncrl.train.config import TrainConfig
 from asyncrl.train.shard import TrainShard, plan_shards
 
 
@@ -73,17 +74,10 @@ class Leader:
         self.world_size = _world()
 
     def train(self, batch: Batch) -> dict[str, float]:
-        """One train step on the global ``batch``: rank 0 plans the shards (a bad batch
-        fails here, before any rank hears of it) and sends each rank its own."""
-        shards = plan_shards(batch, self.engine.config, self.world_size)
-        if self.world_size > 1:
-            self._header(Command.TRAIN)
-            for rank in range(1, self.world_size):
-                tensors = shards[rank].to_tensors()
-                _send(torch.tensor([t.numel() for t in tensors], dtype=torch.int64), rank)
-                for t in tensors:
-                    _send(t, rank)
-        stats: dict[str, float] = self.engine.train_shard(shards[0])
+        """One train step on the global ``batch`` (:func:`lead_train`)."""
+        stats: dict[str, float] = self.engine.train_shard(
+            lead_train(batch, self.engine.config, self.world_size)
+        )
         return stats
 
     def export(self, path: str | os.PathLike[str]) -> None:
@@ -116,29 +110,52 @@ class Leader:
             _broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
+def lead_train(batch: Batch, config: TrainConfig, world_size: int) -> TrainShard:
+    """Rank 0's side of ``train``: plans the shards of the global ``batch`` (a bad batch
+    fails here, before any rank hears of it), sends every other rank its own, and returns
+    rank 0's."""
+    shards = plan_shards(batch, config, world_size)
+    if world_size > 1:
+        _broadcast(torch.tensor([int(Command.TRAIN), 0], dtype=torch.int64))
+        for rank in range(1, world_size):
+            tensors = shards[rank].to_tensors()
+            _send(torch.tensor([t.numel() for t in tensors], dtype=torch.int64), rank)
+            for t in tensors:
+                _send(t, rank)
+    return shards[0]
+
+
+def next_command() -> tuple[Command, TrainShard | str | None]:
+    """Ranks > 0: waits for rank 0's next command; returns it with its argument (this
+    rank's shard for ``train``, a path for ``export``/``save``/``load``)."""
+    header = _broadcast(torch.zeros(2, dtype=torch.int64))
+    command, argument_bytes = Command(int(header[0])), int(header[1])
+    if command is Command.STOP:
+        return command, None
+    if command is Command.TRAIN:
+        sizes = _recv(3, torch.int64).tolist()
+        ints = _recv(sizes[0], torch.int64)
+        mask = _recv(sizes[1], torch.uint8)
+        floats = _recv(sizes[2], torch.float32)
+        return command, TrainShard.from_tensors(ints, mask, floats)
+    data = _broadcast(torch.zeros(argument_bytes, dtype=torch.uint8))
+    return command, os.fsdecode(data.numpy().tobytes())
+
+
 def follow(engine: Any) -> int:
     """Ranks > 0: runs rank 0's commands on ``engine`` until ``stop``; returns 0."""
     while True:
-        header = _broadcast(torch.zeros(2, dtype=torch.int64))
-        command, argument_bytes = Command(int(header[0])), int(header[1])
+        command, arg = next_command()
         if command is Command.STOP:
             return 0
-        if command is Command.TRAIN:
-            sizes = _recv(3, torch.int64).tolist()
-            ints = _recv(sizes[0], torch.int64)
-            mask = _recv(sizes[1], torch.uint8)
-            floats = _recv(sizes[2], torch.float32)
-            engine.train_shard(TrainShard.from_tensors(ints, mask, floats))
-            continue
-        path = os.fsdecode(
-            _broadcast(torch.zeros(argument_bytes, dtype=torch.uint8)).numpy().tobytes()
-        )
-        if command is Command.EXPORT:
-            engine.export_hf(path)
+        if isinstance(arg, TrainShard):
+            engine.train_shard(arg)
+        elif command is Command.EXPORT:
+            engine.export_hf(arg)
         elif command is Command.SAVE:
-            engine.save_checkpoint(path)
+            engine.save_checkpoint(arg)
         elif command is Command.LOAD:
-            engine.load_checkpoint(path)
+            engine.load_checkpoint(arg)
 
 
-__all__ = ["Command", "Leader", "follow"]
+__all__ = ["Command", "Leader", "follow", "lead_train", "next_command"]
