@@ -61,7 +61,7 @@ class TrainerActor(Actor):
     def __init__(self, ctx: ActorContext) -> None:
         super().__init__(ctx)
         self.engine: Any = None
-        self.ranks: Any = None  # asyncrl.train.commands.Leader: the engine on every rank
+        self.ranks: Any = None  # a train.commands.Leader: the engine on every rank
         self.published_version = 0  # rollouts start from the initial weights, version 0
         self.epoch = int(os.environ.get(RESTART_ENV, "0"))
         """How many times ``up`` restarted the trainer in this run: its weights and batch
