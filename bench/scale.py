@@ -110,6 +110,9 @@ class NullTrainer(TrainerActor):
     ``update_every`` steps ``WeightsUpdated`` goes out (``dir`` weights that are never
     read: the instant engine loads nothing)."""
 
+    step = 0  # no engine to own the progress: the actor counts itself
+    version = 0
+
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         pass
 

@@ -1,8 +1,9 @@
 """Train-engine throughput: tokens/s of packed vs padded micro-batches, the cost of a
-separate proximal forward, and MFU on CUDA.
+separate proximal forward, MFU on CUDA, and the batch hand-off between trainer ranks.
 
     python bench/trainer.py                                  # tiny shape on the CPU, ~1 min
     python bench/trainer.py --shape qwen2.5-1.5b --seqs 256 --grad-ckpt   # on a GPU
+    python bench/trainer.py --modes handoff --seqs 256 --steps 10        # 2 ranks, gloo
 
 The model is randomly initialised at the chosen shape (no download). Every step trains on
 a GRPO-like batch with GSM8K-like lengths: prompt lengths from the GSM8K questions
@@ -19,6 +20,10 @@ tokens/s counts real tokens (prompt + response), never padding. MFU = model FLOP
 time · peak), with model FLOPs = 3 × forward, forward = 2·N_body·tokens + 2·H·V·loss tokens
 (the LM head runs at loss positions only) + Σ_seq 2·L²·d_attn·layers (causal attention).
 Padding and the separate proximal forward are not counted as useful work.
+
+Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
+rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
+batch hand-off, the same code), median over ``--steps``.
 """
 
 from __future__ import annotations
@@ -203,6 +208,54 @@ def run_mode(
     return out
 
 
+def hand_off(batch: list[Sample] | None, rank: int, config: TrainerConfig) -> Any:
+    """What the trainer ranks do to get a step's batch from rank 0: rank 0 plans every
+    rank's shard and sends each its own as tensors; the others receive theirs."""
+    from asyncrl.train.commands import lead_train, next_command
+
+    if rank == 0:
+        assert batch is not None
+        return lead_train(batch, config, 2)
+    return next_command()[1]
+
+
+def _handoff_rank(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(args.seed)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    batches = [make_batch(args, vocab, g) for _ in range(args.warmup + args.steps)]
+    config = TrainerConfig(max_tokens_per_microbatch=args.max_tokens)
+    times = []
+    for batch in batches:
+        dist.barrier()
+        t0 = time.perf_counter()
+        got = hand_off(batch if rank == 0 else None, rank, config)
+        dist.barrier()  # every rank holds its part
+        times.append(time.perf_counter() - t0)
+        assert got is not None
+    if rank == 0:
+        measured = times[args.warmup :]
+        tokens = statistics.mean(sum(len(s) for s in b) for b in batches[args.warmup :])
+        print(
+            f"hand-off, {world} ranks, gloo: {args.seqs} seqs, {tokens:.0f} tokens per step;"
+            f" p50 {statistics.median(measured) * 1e3:.1f} ms, max {max(measured) * 1e3:.1f} ms"
+            f" over {len(measured)} steps"
+        )
+    dist.destroy_process_group()
+
+
+def run_handoff(args: argparse.Namespace, world: int = 2) -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_handoff_rank, args=(world, f"{tmp}/init", args), nprocs=world)
+
+
 def keep_freed_memory() -> None:
     """On a CPU with glibc: keep freed memory in the heap. By default glibc maps large
     blocks afresh and returns them on free, so the first forward of every step pays the
@@ -227,7 +280,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument(
-        "--modes", default="packed,padded,proximal", help="comma list of packed, padded, proximal"
+        "--modes",
+        default="packed,padded,proximal",
+        help="comma list of packed, padded, proximal, handoff",
     )
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
     parser.add_argument("--resp-median", type=float, default=200.0, help="median response tokens")
@@ -261,11 +316,13 @@ def main() -> None:
         f" micro-batch budget {args.max_tokens} tokens"
     )
     modes = args.modes.split(",")
-    if set(modes) - {"packed", "padded", "proximal"}:
-        parser.error(f"--modes {args.modes!r}: allowed packed, padded, proximal")
+    if set(modes) - {"packed", "padded", "proximal", "handoff"}:
+        parser.error(f"--modes {args.modes!r}: allowed packed, padded, proximal, handoff")
     results = {}
+    if "handoff" in modes:
+        run_handoff(args)
     for mode in modes:
-        if mode != "proximal":
+        if mode in ("packed", "padded"):
             results[mode] = run_mode(args, mode == "packed", batches)
     if results:
         print(f"params {results[next(iter(results))]['params'] / 1e6:.1f}M")

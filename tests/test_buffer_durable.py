@@ -20,8 +20,8 @@ from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.durable import keep_for_resume
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
-from asyncrl.actors.trainer import drop_records_after
 from asyncrl.messages import Array, BatchRequest, TrainBatchRef, TrainSample, Trajectory
+from asyncrl.observe.records import drop_records_after
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.runtime.staleness import StalenessManager

@@ -21,6 +21,7 @@ from asyncrl.messages import ActorInfo, Metrics
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import nats_info_for_run
 from asyncrl.subjects import Subjects
+from asyncrl.train.checkpoint import latest_checkpoint_meta
 
 pytestmark = pytest.mark.slow
 
@@ -269,8 +270,12 @@ async def test_resume_continues_version_and_accounting(tmp_path: Path) -> None:
     )
     assert code == 0, out
     run_dir = tmp_path / "resume"
-    pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
-    assert (pointer["step"], pointer["version"]) == (6, 6)
+    latest = latest_checkpoint_meta(run_dir)
+    assert latest is not None and (latest["step"], latest["version"]) == (6, 6)
+    # step 6 published and checkpointed its weights, exported once: the same file twice
+    published = run_dir / "weights" / "e0-v000006" / "model.safetensors"
+    kept = Path(latest["path"]) / "hf" / "model.safetensors"
+    assert kept.stat().st_ino == published.stat().st_ino
     code, out = await run(
         [
             *up_args(tmp_path, "resume", "trainer.max_steps=10", "trainer.checkpoint_every=3"),

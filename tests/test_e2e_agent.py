@@ -26,7 +26,7 @@ import openai
 import pytest
 from e2e_kit import running_up, up_args
 
-from asyncrl.actors.trainer import token_digest
+from asyncrl.observe.records import token_digest
 from asyncrl.runtime.nats_server import nats_info_for_run
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,8 @@ import pytest
 from e2e_kit import running_up, up_args
 from test_e2e_agent import STEPS, agent_sets, check_trained_tokens_are_the_endpoints, read_jsonl
 
-from asyncrl.actors.trainer import token_digest
 from asyncrl.endpoint.verifiers_env import import_verifiers
+from asyncrl.observe.records import token_digest
 from asyncrl.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.slow

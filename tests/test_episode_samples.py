@@ -13,11 +13,12 @@ from scripted_engine import ScriptedEngine
 from test_buffer import lease, make_buffer
 
 from asyncrl.actors.buffer.admission import group_complete, invalid_reason
-from asyncrl.actors.trainer import batch_stats, build_samples, episodes_of
 from asyncrl.algo import episode_advantages, group_advantages
+from asyncrl.algo.samples import build_samples, episodes_of
 from asyncrl.config import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
 from asyncrl.messages import Array, Trajectory
+from asyncrl.observe.records import batch_stats
 from asyncrl.tiny_model import build_tokenizer
 from asyncrl.workflows.agent import agent_metrics
 

@@ -77,3 +77,21 @@ def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "dcp").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         engine.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_the_latest_checkpoint_is_read_without_torch(tmp_path: Path) -> None:
+    """``up`` and the buffer read the latest checkpoint's progress (from the checkpoint
+    the engine wrote; ``latest.json`` only names it) without loading torch."""
+    ckpt = tmp_path / "checkpoints" / "step_000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"step": 3, "version": 4, "extra_state": {}}')
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from asyncrl.train.checkpoint import latest_checkpoint_meta, write_checkpoint_meta\n"
+        f"run = Path({str(tmp_path)!r})\n"
+        "assert latest_checkpoint_meta(run) is None\n"
+        f"write_checkpoint_meta(run, Path({str(ckpt)!r}))\n"
+        f"assert latest_checkpoint_meta(run) == {{'path': {str(ckpt.resolve())!r}, 'step': 3, 'version': 4}}\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.actors.trainer import build_samples
+from asyncrl.algo.samples import build_samples
 from asyncrl.config import load_recipe
 from asyncrl.messages import Array, Trajectory
 

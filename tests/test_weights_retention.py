@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from asyncrl.actors.weights import (
     KeptExports,
     delete_weights,
     export_name,
+    link_export,
     manifest_key,
     put_weights,
 )
@@ -57,6 +59,23 @@ def test_a_republished_name_counts_once_as_the_newest(tmp_path: Path) -> None:
     # a --resume from step 4's checkpoint publishes e0-v000004 again
     assert kept.published(old[0]) == []
     assert kept.order == [old[1], old[2], old[0]]
+
+
+def test_a_linked_export_is_the_same_bytes_and_outlives_its_source(tmp_path: Path) -> None:
+    """A step that both publishes and checkpoints exports once: the checkpoint's ``hf/``
+    gets the published export's files, and the export's deletion (it leaves the newest
+    few) leaves the checkpoint whole."""
+    published = export(tmp_path / "weights", 0, 6, 1.0)
+    (published / "config.json").write_text("{}")
+    hf = tmp_path / "ckpt" / "hf"
+    hf.parent.mkdir()
+    link_export(published, hf)
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    weights = published / "model.safetensors"
+    assert (hf / "model.safetensors").stat().st_ino == weights.stat().st_ino  # no copy
+    shutil.rmtree(published)
+    assert (hf / "model.safetensors").read_bytes() == b"0/6"
+    assert not (tmp_path / "ckpt" / ".hf.tmp").exists()
 
 
 async def test_object_store_keys_of_two_epochs_do_not_collide(tmp_path: Path, bus: Bus) -> None:

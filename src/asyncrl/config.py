@@ -346,7 +346,9 @@ class BufferConfig(Section):
     durable: bool = True
     """Keep the buffer's state (leases, groups, served batches, dataset position) in the
     run's JetStream object store, written before a lease, an admission or a batch is
-    acknowledged, so a buffer killed in mid-run restarts where it stood."""
+    acknowledged, so a buffer killed in mid-run restarts where it stood, and ``up --resume``
+    continues the dataset from where the checkpoint's batches stood. False: neither (a
+    resumed run starts the dataset from its beginning, with a warning)."""
 
 
 class EvalConfig(Section):

@@ -384,17 +384,6 @@ class TrainBatchRef(Message):
     waiting: BatchWaiting | None = None
     counters: dict[str, int] = Field(default_factory=dict, description="buffer counters")
 
-    @property
-    def trajectories(self) -> list[Any]:
-        """``samples`` under its former name, for callers not yet moved to it."""
-        return self.samples  # type: ignore[return-value]
-
-    @property
-    def data_state(self) -> dict[str, Any]:
-        """Always empty: the dataset position lives in the buffer's snapshot only (kept
-        for callers not yet moved off it)."""
-        return {}
-
 
 class BatchRequest(Message):
     """The trainer asks for the batch of ``step``; the buffer replies with a TrainBatchRef

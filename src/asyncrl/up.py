@@ -18,13 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.common import latest_checkpoint_meta
 from asyncrl.checks import enforce_recipe
 from asyncrl.config import Recipe, RecipeError, dump_recipe
 from asyncrl.messages import Metrics
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
 from asyncrl.subjects import Subjects
+from asyncrl.train.checkpoint import latest_checkpoint_meta
 
 TRAJECTORY_STREAM_MAX_BYTES = 2 * 1024**3
 """The trajectory stream's disk bound: far above what a run keeps in flight (the staleness

@@ -19,8 +19,8 @@ import pytest
 import torch
 from train_helpers.tiny import full_weights, one_torch_thread, random_batch, resume_engine
 
-from asyncrl.actors.common import CheckpointError, commit_checkpoint, latest_checkpoint_meta
 from asyncrl.train import TrainEngine
+from asyncrl.train.checkpoint import CheckpointError, commit_checkpoint, latest_checkpoint_meta
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +92,7 @@ def test_a_full_disk_mid_checkpoint_keeps_the_previous_one(
     engine = resume_engine()
     engine.train_step(random_batch(0))
     first = ckpts / "step_000001"
-    commit_checkpoint(run_dir, first, {"step": 1}, save(engine, 1))
+    commit_checkpoint(run_dir, first, 1, save(engine, 1))
     weights_at_1 = full_weights(engine)
     before = {p: p.read_bytes() for p in first.rglob("*") if p.is_file()}
 
@@ -103,7 +103,7 @@ def test_a_full_disk_mid_checkpoint_keeps_the_previous_one(
     monkeypatch.setattr(io, "open", disk.open)
     monkeypatch.setattr(builtins, "open", disk.open)
     with pytest.raises(CheckpointError) as err:
-        commit_checkpoint(run_dir, second, {"step": 2}, save(engine, 2))
+        commit_checkpoint(run_dir, second, 2, save(engine, 2))
     monkeypatch.undo()
     assert disk.refused >= 1 and disk.used == disk.budget  # it did fill up part way
     text = str(err.value)
@@ -112,7 +112,11 @@ def test_a_full_disk_mid_checkpoint_keeps_the_previous_one(
     assert f"{first.resolve()} is intact and still the latest" in text
 
     # the previous checkpoint: still the latest, byte for byte, and it loads
-    assert latest_checkpoint_meta(run_dir) == {"path": str(first.resolve()), "step": 1}
+    assert latest_checkpoint_meta(run_dir) == {
+        "path": str(first.resolve()),
+        "step": 1,
+        "version": 1,
+    }
     assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest.json", "step_000001"]
     fresh = resume_engine()
@@ -122,6 +126,10 @@ def test_a_full_disk_mid_checkpoint_keeps_the_previous_one(
         torch.testing.assert_close(restored[name], tensor, rtol=0, atol=0, msg=name)
 
     # with room again, the same step saves and becomes the latest
-    commit_checkpoint(run_dir, second, {"step": 2}, save(engine, 2))
-    assert latest_checkpoint_meta(run_dir) == {"path": str(second.resolve()), "step": 2}
+    commit_checkpoint(run_dir, second, 2, save(engine, 2))
+    assert latest_checkpoint_meta(run_dir) == {
+        "path": str(second.resolve()),
+        "step": 2,
+        "version": 2,
+    }
     assert (second / "trainer_state.json").is_file() and (second / "hf").is_dir()

@@ -1,5 +1,6 @@
 """Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on)
-or ``fsdp`` (under torchrun, any world size). Results go to ``--out`` via torch.save."""
+or ``fsdp`` (under torchrun, any world size; the first step through the ranks' command
+protocol, as the trainer actor runs it). Results go to ``--out`` via torch.save."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncrl.train.commands import Leader, follow
 from train_helpers.tiny import fsdp_engine, full_weights, random_batch, resume_engine
 
 
@@ -32,7 +34,16 @@ def fsdp(args: argparse.Namespace) -> None:
     engine = fsdp_engine()
     units = [m for m in engine.module.modules() if isinstance(m, FSDPModule)]
     assert len(units) == engine.lm.config.num_hidden_layers + 1, "one unit per layer + root"
-    stats = [engine.train_step(random_batch(step)) for step in range(2)]
+    # step 0 the trainer actor's way: rank 0 plans and sends each rank its own shard;
+    # step 1 with the global batch on every rank
+    if dist.get_rank() == 0:
+        leader = Leader(engine)
+        stats = [leader.train(random_batch(0))]
+        leader.stop()
+    else:
+        follow(engine)
+        stats = [{}]
+    stats.append(engine.train_step(random_batch(1)))
     logprobs = engine.compute_logprobs(random_batch(7))
     weights = full_weights(engine)
     engine.save_checkpoint(args.ckpt, {"world": dist.get_world_size()})

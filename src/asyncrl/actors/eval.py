@@ -135,11 +135,11 @@ class EvalActor(Actor):
         MCP transport requires."""
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.actors.common import latest_checkpoint_meta
         from asyncrl.data import load_eval_records
         from asyncrl.engines import build_engine
         from asyncrl.observe.sinks import open_sinks
         from asyncrl.rewards import build_reward_pool
+        from asyncrl.train.checkpoint import latest_checkpoint_meta
 
         self.records = load_eval_records(self.recipe)
         if not self.records:

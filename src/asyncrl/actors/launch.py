@@ -13,7 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-from asyncrl.actors.common import dist_rank
 from asyncrl.config import Recipe, role_cpus
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.log import configure_logging
@@ -38,6 +37,11 @@ def build_context(run_dir: Path, actor_id: str = "", nats_file: Path | None = No
         recipe=recipe,
         actor_id=actor_id,
     )
+
+
+def dist_rank() -> int:
+    """This process's rank under torchrun (0 when not under torchrun)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def pin_cpus(role: str, cpus: list[int]) -> None:
@@ -72,9 +76,10 @@ def run_actor(
     pin_cpus(role, role_cpus(ctx.recipe).get(role, []))
     if role == "trainer" and dist_rank() > 0:
         # torchrun ranks > 0 are not actors: they follow rank 0's collective commands
-        from asyncrl.actors.trainer import follower_loop
+        from asyncrl.train import build_train_engine
+        from asyncrl.train.commands import follow
 
-        return follower_loop(ctx.recipe)
+        return follow(build_train_engine(ctx.recipe))
     actor = actor_class(role)(ctx)
     return run_async(actor.main())
 

@@ -11,6 +11,9 @@ again that the dead one published too, and the two must not overwrite or delete 
 other's files. Only the newest few *published* versions are kept (:class:`KeptExports`),
 so neither the disk nor the object store grows with the run, and the newest is never
 among those deleted.
+
+A step that both publishes and checkpoints exports its weights once: the second folder
+gets the first one's files (:func:`link_export`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -58,6 +63,24 @@ class KeptExports:
         self.order = [p for p in self.order if p != export_dir] + [export_dir]
         stale, self.order = self.order[:-KEEP_VERSIONS], self.order[-KEEP_VERSIONS:]
         return stale
+
+
+def link_export(source: Path, target: Path) -> None:
+    """Makes ``target`` an export of the same bytes as the export ``source``: hard links
+    where the filesystem allows (no copy, and deleting either folder, as
+    :class:`KeptExports` does, leaves the other whole), copies where it does not. Written
+    under a temporary name and renamed, so ``target`` is whole or absent."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, tmp, copy_function=link)
+    tmp.rename(target)
 
 
 def safetensors_files(export_dir: Path) -> list[str]:

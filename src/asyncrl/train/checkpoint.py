@@ -1,15 +1,24 @@
-"""Checkpoints (DCP, resumable), HF safetensors export, and a bucketed stream of full
-weights for the inference side.
+"""Checkpoints of the train engine: writing and restoring them (DCP, resumable), committing
+one atomically as the run's latest, and exporting the weights (HF safetensors, or a
+bucketed stream of full weights for the inference side).
 
 A checkpoint directory holds::
 
     dcp/                 model + optimizer, sharded by torch.distributed.checkpoint
                          (a checkpoint saved on N ranks loads on M)
     rng/rank<r>.pt       each rank's torch RNG state(s)
-    trainer_state.json   step, version and the caller's extra_state (JSON), written last
+    trainer_state.json   the engine's progress (step, version) and the caller's extra_state
+    hf/                  (a run's checkpoints) the policy as plain HF weights
 
-``trainer_state.json`` is written after everything else, so a directory without it is an
-interrupted save and must not be loaded.
+A run's checkpoints live in ``<run>/checkpoints/step_<step>/``, and ``latest.json`` there
+points at the newest complete one. One scheme makes that atomic
+(:func:`commit_checkpoint`): a checkpoint is written under a temporary name, renamed once
+whole, and only then pointed at; nothing reads a folder ``latest.json`` does not name.
+The step and version live in the checkpoint alone (its ``trainer_state.json``, written by
+the engine that owns them); :func:`latest_checkpoint_meta` reads them from there.
+
+torch is imported on first use: the run's launcher and the buffer read the latest
+checkpoint's progress without loading it.
 """
 
 from __future__ import annotations
@@ -18,25 +27,113 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 STATE_FILE = "trainer_state.json"
+CHECKPOINT_POINTER = "latest.json"
+"""The file in ``<run>/checkpoints`` that names the newest complete checkpoint."""
+
+
+def latest_checkpoint_meta(run_dir: Path) -> dict[str, Any] | None:
+    """``{"path", "step", "version"}`` of the run's newest complete checkpoint (the step
+    and version from the checkpoint itself), or None before the first."""
+    pointer = run_dir / "checkpoints" / CHECKPOINT_POINTER
+    if not pointer.is_file():
+        return None
+    path = Path(json.loads(pointer.read_text())["path"])
+    state = json.loads((path / STATE_FILE).read_text())
+    return {"path": str(path), "step": int(state["step"]), "version": int(state["version"])}
+
+
+def write_checkpoint_meta(run_dir: Path, path: Path) -> None:
+    """Points ``latest.json`` at the finished checkpoint ``path`` (atomically: a crash
+    leaves the previous pointer in place)."""
+    pointer = run_dir / "checkpoints" / CHECKPOINT_POINTER
+    tmp = pointer.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"path": str(path.resolve())}))
+    os.replace(tmp, pointer)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk, most often); the previous one is
+    intact and still the latest."""
+
+
+def commit_checkpoint(run_dir: Path, path: Path, step: int, write: Callable[[Path], None]) -> None:
+    """Writes the checkpoint of ``step`` with ``write(folder)`` under a temporary name,
+    renames the folder to ``path`` once it is whole, and only then points ``latest.json``
+    at it.
+
+    A ``step_*`` folder is therefore always complete. If anything fails on the way (a
+    full disk: ``ENOSPC``), the half-written folder is removed to give the space back and
+    :class:`CheckpointError` says what failed and which checkpoint is still the latest;
+    nothing the previous checkpoint holds was touched.
+    """
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left over from a crash mid-save
+    try:
+        write(partial)
+        if path.exists():  # the same step saved again (a resumed run): replace it whole
+            shutil.rmtree(path)
+        partial.rename(path)
+        write_checkpoint_meta(run_dir, path)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        latest = latest_checkpoint_meta(run_dir)
+        kept = f"{latest['path']} is intact and still the latest" if latest else "none before"
+        raise CheckpointError(
+            f"could not write the checkpoint of step {step} to {path}: "
+            f"{_root_cause(exc)}; the previous checkpoint: {kept}"
+        ) from exc
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The OS error under ``exc``, else ``exc`` itself, as ``Type: message``.
+
+    A full disk rarely surfaces as itself: torch's zip writer fails on its way out with a
+    ``RuntimeError`` whose context is the ``OSError``, and DCP wraps that per rank in a
+    ``CheckpointException`` (its ``failures``), so the causes, contexts and failures are
+    searched."""
+    todo: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return f"{type(e).__name__}: {e}"
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):  # DCP: rank -> (exception, traceback)
+            for failure in failures.values():
+                first = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(first, BaseException):
+                    todo.append(first)
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _barrier() -> None:
+    import torch.distributed as dist
+
     if _rank_world()[1] > 1:
         dist.barrier()
 
@@ -51,6 +148,8 @@ def _single_process_quiet() -> Iterator[None]:
 
 def rng_state() -> dict[str, torch.Tensor]:
     """This process's torch RNG states (CPU, and the current CUDA device if any)."""
+    import torch
+
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -58,6 +157,8 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    import torch
+
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -72,7 +173,11 @@ def save_checkpoint(
     """Saves a resumable checkpoint; collective: every rank calls it.
 
     ``trainer_state`` must be JSON-serialisable (step, version, the caller's extra state).
+    The directory is complete when this returns; a run makes it its latest checkpoint
+    through :func:`commit_checkpoint`.
     """
+    import torch
+    import torch.distributed as dist
     from torch.distributed.checkpoint import save
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -88,11 +193,8 @@ def save_checkpoint(
         )
     (root / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), root / "rng" / f"rank{rank}.pt")
-    _barrier()
     if rank == 0:
-        tmp = root / (STATE_FILE + ".tmp")
-        tmp.write_text(blob)
-        tmp.replace(root / STATE_FILE)
+        (root / STATE_FILE).write_text(blob)
     _barrier()
 
 
@@ -106,6 +208,8 @@ def load_checkpoint(
     Collective. With a different world size than at save time, DCP reshards the model and
     optimizer; rank ``r`` then takes the RNG of saved rank ``r mod saved_world``.
     """
+    import torch
+    import torch.distributed as dist
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

@@ -3,8 +3,9 @@ clipped policy loss on packed micro-batches.
 
 Distributed contract: under ``torchrun`` (a process group already initialised, gloo on
 CPU, NCCL on CUDA) every rank builds a ``TrainEngine`` with the same config and calls each
-method with the *same global batch*, in the same order; the engine splits the batch across
-ranks and micro-batches itself. Without a process group the engine runs the model unsharded
+method in the same order: with the *same global batch*, which the engine splits across
+ranks and micro-batches itself, or, for :meth:`TrainEngine.train_shard`, with its own
+shard of a split planned once (:mod:`asyncrl.train.shard`). Without a process group the engine runs the model unsharded
 in this process, with the same numerics up to float summation order.
 """
 
@@ -33,9 +34,9 @@ from asyncrl.train.packing import (
     MicroBatch,
     build_micro_batch,
     plan_micro_batches,
-    split_minibatches,
 )
 from asyncrl.train.schedule import lr_at
+from asyncrl.train.shard import TrainShard, plan_shards
 from asyncrl.train.step_stats import StepTotals
 
 
@@ -282,9 +283,17 @@ class TrainEngine:
     # --- training ---------------------------------------------------------------------------
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One train step on the global ``batch``: ``ppo_minibatches`` optimizer steps, one
-        per minibatch of whole sequences (:func:`~asyncrl.train.packing.split_minibatches`),
-        then version + 1. Returns its statistics.
+        """One train step on the global ``batch``, which every rank passes: each takes its
+        own shard of :func:`~asyncrl.train.shard.plan_shards` and runs :meth:`train_shard`.
+        Collective."""
+        return self.train_shard(plan_shards(batch, self.config, self.world_size)[self.rank])
+
+    def train_shard(self, shard: TrainShard) -> dict[str, float]:
+        """One train step on this rank's ``shard`` of a global batch (every rank passes its
+        own, planned together by :func:`~asyncrl.train.shard.plan_shards`):
+        ``ppo_minibatches`` optimizer steps, one per minibatch of whole sequences
+        (:func:`~asyncrl.train.packing.split_minibatches`), then version + 1. Returns its
+        statistics.
 
         Each minibatch's loss is the :func:`~asyncrl.algo.policy_loss` of that minibatch,
         whatever its split into ranks and micro-batches: each micro-batch's loss is weighted
@@ -312,34 +321,20 @@ class TrainEngine:
         clip fractions, ratio, KLs and importance weights are means over the batch's loss
         tokens; ``optimizer_steps`` counts the steps taken, ``minibatches`` those planned.
         """
-        if not batch:
-            raise ValueError("empty batch")
-        cfg, loss_cfg = self.config, self.config.loss
-        if cfg.ppo_minibatches > len(batch):
-            raise ValueError(
-                f"ppo_minibatches={cfg.ppo_minibatches} exceeds the batch's {len(batch)} sequences"
-            )
+        cfg = self.config
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
-        missing = [s.old_logprobs is None for s in batch]
-        free_proximal = (
-            loss_cfg.proximal == "recompute"
-            and all(missing)
-            and cfg.ppo_minibatches == 1
-            and not loss_cfg.separate_proximal_forward
-        )
-        if loss_cfg.proximal == "recompute" and any(missing) and not free_proximal:
-            batch = _fill(batch, "old_logprobs", self.compute_logprobs(batch))
+        samples: Batch = shard.samples
+        if shard.fill_proximal:
+            self.module.eval()
+            samples = _fill(samples, "old_logprobs", self._score_shard(shard, self.module))
             stats["time/proximal_s"] = time.perf_counter() - t_start
-        given = all(s.old_logprobs is not None for s in batch)
-        if not given and any(s.old_logprobs is not None for s in batch):
-            raise ValueError("old_logprobs must be set on all samples or none")
-        mode = "free" if free_proximal else "given" if given else "behaviour"
-        if self.ref_module is not None and any(s.ref_logprobs is None for s in batch):
+        if shard.fill_ref:
+            if self.ref_module is None:
+                raise ValueError("no reference model: loss.kl_coef is 0")
             t_ref = time.perf_counter()
-            batch = _fill(batch, "ref_logprobs", self.compute_ref_logprobs(batch))
+            samples = _fill(samples, "ref_logprobs", self._score_shard(shard, self.ref_module))
             stats["time/ref_s"] = time.perf_counter() - t_ref
-        norm_len = loss_cfg.norm_len or float(max(1, max(s.num_loss_tokens for s in batch)))
         lr = lr_at(
             self.step,
             lr=cfg.optim.lr,
@@ -354,9 +349,9 @@ class TrainEngine:
         self.module.train()
         totals = StepTotals(device=self.device)
         grad_norms = []
-        for idx in split_minibatches([len(s) for s in batch], cfg.ppo_minibatches):
+        for micro, units_total in zip(shard.minibatches, shard.units_total, strict=True):
             grad_norm = self._minibatch_step(
-                [batch[i] for i in idx], totals, mode=mode, norm_len=norm_len
+                samples, micro, units_total, totals, mode=shard.mode, norm_len=shard.norm_len
             )
             grad_norms.append(grad_norm)
             if not math.isfinite(grad_norm):
@@ -366,9 +361,7 @@ class TrainEngine:
         self._sync()
         t_end = time.perf_counter()
 
-        loss_tokens = sum(s.num_loss_tokens for s in batch)
-        stats.update(totals.reduce(loss_tokens=loss_tokens, minibatches=len(grad_norms)))
-        tokens = sum(len(s) for s in batch)
+        stats.update(totals.reduce(loss_tokens=shard.loss_tokens, minibatches=len(grad_norms)))
         finite_steps = sum(math.isfinite(g) for g in grad_norms)
         stats.update(
             {
@@ -380,30 +373,60 @@ class TrainEngine:
                 "optimizer_steps": float(finite_steps),
                 "step_skipped": 0.0 if finite_steps == len(grad_norms) else 1.0,
                 "skipped_nonfinite": float(self.skipped_nonfinite),
-                "sequences": float(len(batch)),
-                "tokens": float(tokens),
-                "loss_tokens": float(loss_tokens),
+                "sequences": float(shard.sequences),
+                "tokens": float(shard.tokens),
+                "loss_tokens": float(shard.loss_tokens),
                 "time/step_s": t_end - t_start,
-                "tokens_per_s": tokens / max(1e-9, t_end - t_start),
+                "tokens_per_s": shard.tokens / max(1e-9, t_end - t_start),
             }
         )
         return stats
 
+    def _shard_micro_batch(self, samples: Batch, idx: list[int]) -> MicroBatch:
+        mb = build_micro_batch([samples[i] for i in idx], idx, packed=self.config.packing)
+        return mb.to(self.device)
+
+    @torch.no_grad()
+    def _score_shard(self, shard: TrainShard, module: nn.Module) -> list[torch.Tensor]:
+        """Logprobs of the shard's sequences under ``module`` (as :meth:`compute_logprobs`
+        gives them), over the shard's own micro-batches: every rank runs as many forwards
+        as the others, and each scores only its own sequences."""
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(shard.samples)
+        for micro in shard.minibatches:
+            for idx in micro:
+                mb = self._shard_micro_batch(shard.samples, idx)
+                lp_BT = self._logprobs_BT(mb, module)
+                for row, i in enumerate(mb.seq_index):
+                    out[i] = lp_BT[row, : mb.lengths[row]].cpu()
+        self._reshard(module)
+        return out
+
     def _minibatch_step(
-        self, batch: Batch, totals: StepTotals, *, mode: str, norm_len: float
+        self,
+        samples: Batch,
+        micro: list[list[int]],
+        total_units: int,
+        totals: StepTotals,
+        *,
+        mode: str,
+        norm_len: float,
     ) -> float:
-        """Forward and backward over the minibatch's micro-batches, then one optimizer step
-        (none if the gradient norm is not finite). ``mode``: where the proximal logprobs
-        come from (``free``: this forward, detached; ``given``: the samples; ``behaviour``:
-        none, plain PPO). Adds to ``totals``; returns the gradient norm."""
+        """Forward and backward over this rank's micro-batches of one minibatch (``micro``:
+        indices into ``samples``; ``total_units``: the minibatch's aggregation units over
+        all ranks), then one optimizer step (none if the gradient norm is not finite).
+        ``mode``: where the proximal logprobs come from (``free``: this forward, detached;
+        ``given``: the samples; ``behaviour``: none, plain PPO). Adds to ``totals``;
+        returns the gradient norm."""
         loss_cfg = self.config.loss
         # Aggregation units per sample, counted on the CPU (no device sync per micro-batch).
-        units = [agg_count(s.loss_mask[None], loss_cfg.loss_agg) for s in batch]
-        total_units = max(1, sum(units))
+        units = {
+            i: agg_count(samples[i].loss_mask[None], loss_cfg.loss_agg) for mb in micro for i in mb
+        }
         self.optimizer.zero_grad(set_to_none=True)
         t_fb = time.perf_counter()
         entropy_sum = torch.zeros((), device=self.device)
-        for mb in self._micro_batches(batch):
+        for idx in micro:
+            mb = self._shard_micro_batch(samples, idx)
             lp_BT, entropy_BT = self._forward_BT(mb)
             behav_BT = mb.behav_logprobs_BT
             # (A dummy micro-batch of an idle rank has no old logprobs; its mask is empty.)
@@ -466,14 +489,17 @@ class TrainEngine:
 
     # --- state ------------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str | os.PathLike[str], extra_state: dict[str, Any]) -> None:
-        """Saves model, optimizer, RNG, step, version and ``extra_state`` (JSON-serialisable,
-        e.g. the dataset position) to the directory ``path``. Collective."""
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], extra_state: dict[str, Any] | None = None
+    ) -> None:
+        """Saves model, optimizer, RNG, step, version and ``extra_state`` (JSON-serialisable)
+        to the directory ``path``. Collective. The step and version saved here are the
+        training's progress: a resumed trainer takes them from the engine it restored."""
         state = {
             "step": self.step,
             "version": self.version,
             "skipped_nonfinite": self.skipped_nonfinite,
-            "extra_state": extra_state,
+            "extra_state": extra_state or {},
         }
         self._reshard()
         ckpt.save_checkpoint(path, self.module, self.optimizer, state)

@@ -27,7 +27,6 @@ from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
 from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, restore
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
-from asyncrl.actors.common import latest_checkpoint_meta
 from asyncrl.algo.shaping import recipe_shaped_rewards
 from asyncrl.codec import encode
 from asyncrl.data import load_prompt_records
@@ -48,6 +47,7 @@ from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.connection import worth_logging
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.runtime.trace import now_us
+from asyncrl.train.checkpoint import latest_checkpoint_meta
 
 SCORED_CONCURRENCY = 256
 """Scored samples handled at once: each waits for the state write that holds it before

@@ -1,0 +1,96 @@
+"""What the trainer knows of the other actors from their heartbeats and metrics: live
+actors per role, the rollout actors' generation rate, weight-update pause and idle time,
+and the messages the run's actors dropped."""
+
+from __future__ import annotations
+
+import time
+
+from asyncrl.messages import ActorInfo, Metrics
+
+ALIVE_WINDOW = 3.0
+"""An actor counts as live (``actors/<role>``) if its last heartbeat is this recent
+(heartbeats come every second)."""
+
+
+class FleetView:
+    """Fed with every actor's heartbeat (:meth:`on_heartbeat`) and the rollout actors'
+    metrics (:meth:`on_rollout_metrics`); read once per step with :meth:`stats`."""
+
+    def __init__(self, trainer_ranks: int) -> None:
+        self.trainer_ranks = trainer_ranks
+        self._last_heartbeat: dict[str, tuple[str, float]] = {}
+        self._rollout_latest: dict[str, dict[str, float]] = {}
+        self._rollout_seen: dict[str, tuple[float, float]] = {}
+        # each actor's latest drop counters, kept after it dies: they are totals of the run
+        self._dropped: dict[str, dict[str, int]] = {}
+
+    async def on_heartbeat(self, info: ActorInfo) -> None:
+        self._last_heartbeat[info.actor_id] = (info.role, time.monotonic())
+        if info.dropped:
+            self._dropped[info.actor_id] = info.dropped
+
+    async def on_rollout_metrics(self, m: Metrics) -> None:
+        # two kinds of record (progress, weight update): keep the latest of each value
+        self._rollout_latest.setdefault(m.actor_id, {}).update(m.values, _time=m.time)
+
+    def stats(self, own_id: str, own_dropped: dict[str, int]) -> dict[str, float]:
+        """:meth:`fleet_stats` and :meth:`drop_stats` (the trainer's own drops, current,
+        as ``own_dropped`` of actor ``own_id``)."""
+        return {**self.fleet_stats(), **self.drop_stats(own_id, own_dropped)}
+
+    def drop_stats(self, own_id: str, own_dropped: dict[str, int]) -> dict[str, float]:
+        """The messages the run's actors received and could not handle, summed over the
+        actors by ``dropped/<subject>/<reason>``: bad input shows in the metrics stream.
+        The trainer's own count is current; the others' as of their last heartbeat."""
+        self._dropped[own_id] = own_dropped
+        out: dict[str, float] = {}
+        for counts in self._dropped.values():
+            for key, n in counts.items():
+                out[f"dropped/{key}"] = out.get(f"dropped/{key}", 0.0) + n
+        return out
+
+    def fleet_stats(self) -> dict[str, float]:
+        """Live actors per role, each live rollout actor's generation rate over the step,
+        the rollout actors' latest pause for a weight update (the pause of the previous
+        version: this step's weights are still on their way) and their idle time."""
+        now = time.monotonic()
+        alive: dict[str, int] = {}
+        for actor_id, (role, seen) in list(self._last_heartbeat.items()):
+            if now - seen <= ALIVE_WINDOW:
+                alive[role] = alive.get(role, 0) + 1
+            else:
+                del self._last_heartbeat[actor_id]
+                self._rollout_latest.pop(actor_id, None)
+                self._rollout_seen.pop(actor_id, None)
+        out: dict[str, float] = {f"actors/{role}": float(n) for role, n in sorted(alive.items())}
+        out["actors/trainer"] = float(self.trainer_ranks)
+        rates = {}
+        for actor_id, v in self._rollout_latest.items():
+            # generated tokens over the time between this step's and the previous step's
+            # view of the actor's counter: its average rate over the step, idle time included
+            now_point = (v.get("_time", 0.0), v.get("tokens", 0.0))
+            before = self._rollout_seen.get(actor_id)
+            if before is not None and now_point[0] > before[0]:
+                rates[actor_id] = (now_point[1] - before[1]) / (now_point[0] - before[0])
+            else:
+                rates[actor_id] = v.get("gen_tokens_per_s_total", 0.0)
+            if before is None or now_point[0] > before[0]:
+                self._rollout_seen[actor_id] = now_point
+        for actor_id, rate in sorted(rates.items()):
+            out[f"rollout/{actor_id}/tokens_per_s"] = rate
+        out["rollout/tokens_per_s"] = sum(rates.values())
+        pauses = [
+            v["weight_update_s"] for v in self._rollout_latest.values() if "weight_update_s" in v
+        ]
+        out["time_gen_pause_s"] = max(pauses, default=0.0)
+        idle = [(v["idle_s"], v["run_s"]) for v in self._rollout_latest.values() if "run_s" in v]
+        if idle:
+            # the live rollout actors' time with no episode running, and its share of their
+            # running time: generation starved by the staleness budget (η = 0 waits here)
+            out["rollout/idle_s"] = sum(i for i, _ in idle)
+            out["rollout/idle_frac"] = out["rollout/idle_s"] / max(sum(r for _, r in idle), 1e-9)
+        return out
+
+
+__all__ = ["ALIVE_WINDOW", "FleetView"]

@@ -1,0 +1,161 @@
+"""The trainer ranks' protocol: rank 0 sends each collective command (train, export, save,
+load, stop) to the other ranks as tensors, and every rank runs it on its own engine.
+
+A command is a header, ``int64 [command, argument bytes]``, broadcast from rank 0, then its
+argument: a path as UTF-8 bytes (broadcast), or for ``train`` each rank's own
+:class:`~asyncrl.train.shard.TrainShard`, sent point to point (sizes, then its three
+tensors). No rank ever receives another rank's sequences, and nothing is pickled. On NCCL
+the tensors travel through the rank's CUDA device; on gloo they stay on the CPU.
+
+Without a process group (one rank) the :class:`Leader` runs the commands alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.train.batch import Batch
+from asyncrl.train.config import TrainerConfig
+from asyncrl.train.shard import TrainShard, plan_shards
+
+
+class Command(enum.IntEnum):
+    """What rank 0 asks every rank to do next."""
+
+    TRAIN = 1
+    EXPORT = 2
+    SAVE = 3
+    LOAD = 4
+    STOP = 5
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _device() -> torch.device:
+    """Where collective tensors must live: the rank's CUDA device under NCCL."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` from rank 0 on every rank (same shape and dtype everywhere)."""
+    on_device = tensor.to(_device())
+    dist.broadcast(on_device, src=0)
+    return on_device.cpu()
+
+
+def _send(tensor: torch.Tensor, rank: int) -> None:
+    if tensor.numel():
+        dist.send(tensor.to(_device()), dst=rank)
+
+
+def _recv(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(numel, dtype=dtype, device=_device())
+    if numel:
+        dist.recv(out, src=0)
+    return out.cpu()
+
+
+class Leader:
+    """Rank 0's side: each method sends its command to the other ranks, then runs it on
+    ``engine``; the other ranks run :func:`follow`. Methods block until the command is
+    done (call them from a worker thread in async code)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.world_size = _world()
+
+    def train(self, batch: Batch) -> dict[str, float]:
+        """One train step on the global ``batch`` (:func:`lead_train`)."""
+        stats: dict[str, float] = self.engine.train_shard(
+            lead_train(batch, self.engine.config, self.world_size)
+        )
+        return stats
+
+    def export(self, path: str | os.PathLike[str]) -> None:
+        """The weights as an HF directory at ``path`` (rank 0 writes)."""
+        self._path_command(Command.EXPORT, path)
+        self.engine.export_hf(path)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """A resumable checkpoint (model, optimizer, RNG, step, version) at ``path``."""
+        self._path_command(Command.SAVE, path)
+        self.engine.save_checkpoint(path)
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Restores the checkpoint at ``path`` on every rank."""
+        self._path_command(Command.LOAD, path)
+        self.engine.load_checkpoint(path)
+
+    def stop(self) -> None:
+        """Ends :func:`follow` on the other ranks."""
+        if self.world_size > 1:
+            self._header(Command.STOP)
+
+    def _header(self, command: Command, argument_bytes: int = 0) -> None:
+        _broadcast(torch.tensor([int(command), argument_bytes], dtype=torch.int64))
+
+    def _path_command(self, command: Command, path: str | os.PathLike[str]) -> None:
+        if self.world_size > 1:
+            data = os.fsencode(path)
+            self._header(command, len(data))
+            _broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def lead_train(batch: Batch, config: TrainerConfig, world_size: int) -> TrainShard:
+    """Rank 0's side of ``train``: plans the shards of the global ``batch`` (a bad batch
+    fails here, before any rank hears of it), sends every other rank its own, and returns
+    rank 0's."""
+    shards = plan_shards(batch, config, world_size)
+    if world_size > 1:
+        _broadcast(torch.tensor([int(Command.TRAIN), 0], dtype=torch.int64))
+        for rank in range(1, world_size):
+            tensors = shards[rank].to_tensors()
+            _send(torch.tensor([t.numel() for t in tensors], dtype=torch.int64), rank)
+            for t in tensors:
+                _send(t, rank)
+    return shards[0]
+
+
+def next_command() -> tuple[Command, TrainShard | str | None]:
+    """Ranks > 0: waits for rank 0's next command; returns it with its argument (this
+    rank's shard for ``train``, a path for ``export``/``save``/``load``)."""
+    header = _broadcast(torch.zeros(2, dtype=torch.int64))
+    command, argument_bytes = Command(int(header[0])), int(header[1])
+    if command is Command.STOP:
+        return command, None
+    if command is Command.TRAIN:
+        sizes = _recv(3, torch.int64).tolist()
+        ints = _recv(sizes[0], torch.int64)
+        mask = _recv(sizes[1], torch.uint8)
+        floats = _recv(sizes[2], torch.float32)
+        return command, TrainShard.from_tensors(ints, mask, floats)
+    data = _broadcast(torch.zeros(argument_bytes, dtype=torch.uint8))
+    return command, os.fsdecode(data.numpy().tobytes())
+
+
+def follow(engine: Any) -> int:
+    """Ranks > 0: runs rank 0's commands on ``engine`` until ``stop``; returns 0."""
+    while True:
+        command, arg = next_command()
+        if command is Command.STOP:
+            return 0
+        if isinstance(arg, TrainShard):
+            engine.train_shard(arg)
+        elif command is Command.EXPORT:
+            engine.export_hf(arg)
+        elif command is Command.SAVE:
+            engine.save_checkpoint(arg)
+        elif command is Command.LOAD:
+            engine.load_checkpoint(arg)
+
+
+__all__ = ["Command", "Leader", "follow", "lead_train", "next_command"]
