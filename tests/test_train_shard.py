@@ -86,7 +86,7 @@ def test_an_empty_rank_reads_back_empty() -> None:
 def test_a_batch_the_step_cannot_take_fails_before_any_send() -> None:
     batch = random_batch(0)
     batch[0].old_logprobs = torch.zeros(len(batch[0]))
-    no_recompute = train_config(loss=LossConfig(recompute_proximal=False))
+    no_recompute = train_config(loss=LossConfig(proximal="behaviour"))
     with pytest.raises(ValueError, match="all samples or none"):
         plan_shards(batch, no_recompute, 2)
     with pytest.raises(ValueError, match="exceeds"):

@@ -1,0 +1,2 @@
+"""The runtime every actor stands on: the typed NATS bus, the embedded server, the actor
+base, the supervisor, the task runner and the staleness manager."""
