@@ -214,7 +214,7 @@ async def test_kill_9_of_a_rollout_actor_loses_no_prompt(tmp_path: Path) -> None
     async with running_up(
         tmp_path,
         "kill",
-        "trainer.max_steps=12",  # killed after step 2: ten more steps to re-lease its prompts
+        "trainer.max_steps=8",  # killed after step 2: six more steps (>10 s) to return its leases
         "rollout.actors=2",
         "rollout.lease_ttl=3",
         "rollout.sampling.max_new_tokens=48",  # episodes long enough to kill one mid-way

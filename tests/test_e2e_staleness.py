@@ -36,7 +36,7 @@ from asyncrl.up import ensure_trajectory_stream
 pytestmark = pytest.mark.slow
 
 ETA = 1  # recipes/ci.toml's buffer.max_head_offpolicyness
-STEPS = 8  # every update lands mid-sequence (see below), so a few suffice
+STEPS = 6  # every update lands mid-sequence (see below), so a few suffice
 MIRROR_LIMIT_S = 30.0
 
 
