@@ -30,11 +30,12 @@ def cli(*args: str) -> list[str]:
 
 def up_args(parent: Path, name: str, *sets: str) -> list[str]:
     """``asyncrl up`` of the ci recipe as the run ``parent/name``, with evaluation off
-    (its eval actor would hold a core the run needs) unless ``sets`` turn it on again."""
+    (its eval actor would hold a core the run needs), no TensorBoard events and no plots
+    at the end (seconds per run that tests/test_e2e_observe.py spends once), unless
+    ``sets`` turn them on again."""
+    quiet = ("eval.every=0", "run.tensorboard=false", "run.plots=false")
     flags = [
-        x
-        for s in (f"run.dir={parent}", f"run.name={name}", "eval.every=0", *sets)
-        for x in ("--set", s)
+        x for s in (f"run.dir={parent}", f"run.name={name}", *quiet, *sets) for x in ("--set", s)
     ]
     return cli("up", str(CI_RECIPE), *flags, "--quiet")
 

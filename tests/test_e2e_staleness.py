@@ -114,6 +114,7 @@ async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
                     # few rows decode together, so generation is slower than a trainer
                     # step and every weight update lands while sequences are running
                     "rollout.engine.max_batch_size=4",
+                    "rollout.group_size=4",  # half the samples: still slower than a step
                 )
             )
             assert code == 0, out

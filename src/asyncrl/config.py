@@ -82,6 +82,9 @@ class RunConfig(Section):
     restart_backoff: float = Field(1.0, ge=0)
     """Seconds before the first replacement of an actor; doubled for each further one (at
     most 30 s), so a crash loop does not spin."""
+    plots: bool = True
+    """Draw the run's curves as PNG files under ``<run>/plots`` when it finishes (a few
+    seconds; ``asyncrl plot --run RUN`` draws them at any time)."""
     tensorboard: bool = Field(default_factory=lambda: _importable("tensorboard"))
     """Write TensorBoard event files under ``<run>/tensorboard`` (on by default when the
     ``tensorboard`` package is installed)."""

@@ -140,6 +140,8 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
         )
     if recipe.run.tensorboard:
         lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    if not recipe.run.plots:
+        return lines
     try:
         from asyncrl.observe.plot import plot_run
 
