@@ -106,10 +106,11 @@ def trainer_nodes(recipe: Recipe, run_dir: Path) -> list[tuple[str, list[str], d
     ``trainer.rendezvous`` only the first, which hosts it; the others join from their
     machines). Each node runs the same ``--actor-id trainer-0``: the rendezvous decides
     which holds global rank 0 (:mod:`asyncrl.train.torchrun`)."""
+    from asyncrl.runtime.supervisor import actor_argv
     from asyncrl.train.torchrun import LOOPBACK, UP_NODE_ENV, free_port, torchrun_argv
 
     t, actor_id = recipe.trainer, "trainer-0"
-    target = actor_argv_tail("trainer", run_dir, actor_id)
+    target = actor_argv("trainer", run_dir, actor_id)[1:]  # after the interpreter
     if t.nodes == 1:
         if t.nproc == 1:
             return [(actor_id, [sys.executable, *target], {})]
@@ -132,13 +133,6 @@ def trainer_nodes(recipe: Recipe, run_dir: Path) -> list[tuple[str, list[str], d
         )
         for k in range(t.nodes if local else 1)
     ]
-
-
-def actor_argv_tail(role: str, run_dir: Path, actor_id: str) -> list[str]:
-    """An actor's command line after the interpreter (``-m asyncrl.actors.launch ...``)."""
-    from asyncrl.runtime.supervisor import actor_argv
-
-    return actor_argv(role, run_dir, actor_id)[1:]
 
 
 def format_progress(recipe: Recipe, m: Metrics) -> str:
