@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -148,3 +150,40 @@ async def test_supervisor_fails_on_an_actor_that_never_starts(
     sup = Supervisor(bus, SUBJECTS, run_dir, specs, startup_timeout=60, grace=10)
     assert await sup.run() == 1
     assert "early" in sup.reason and "before it started" in sup.reason
+
+
+async def test_a_gang_starts_as_one_actor_and_is_replaced_as_a_whole(
+    embedded_nats: EmbeddedNats, bus: Bus
+) -> None:
+    """A trainer across nodes is a gang: the member that holds rank 0 reports started
+    for all, and the death of any member replaces every member together."""
+    run_dir = embedded_nats.run_dir
+    sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
+    specs = [
+        ActorSpec("echo", "g", _spec(run_dir, "g", "finish").argv, True, gang="g", restarts=1),
+        ActorSpec("echo", "g-node1", sleeper, gang="g", restarts=1, backoff=0),
+    ]
+    specs[0].backoff = 0
+    seen: dict[str, asyncio.Event] = {"g": asyncio.Event(), "g-r1": asyncio.Event()}
+
+    async def on_started(info: ActorInfo) -> None:
+        if info.actor_id in seen:
+            seen[info.actor_id].set()
+
+    await bus.subscribe(SUBJECTS.started, ActorInfo, on_started)
+    all_started = asyncio.Event()
+    sup = Supervisor(
+        bus, SUBJECTS, run_dir, specs, startup_timeout=60, grace=10, on_started=all_started.set
+    )
+    async with asyncio.TaskGroup() as tg:
+        result = tg.create_task(sup.run())
+        # the sleeper never says started: the gang's one started message counts for it
+        await asyncio.wait_for(all_started.wait(), 60)
+        first = dict(sup.procs)
+        os.kill(first["g-node1"].proc.pid, signal.SIGKILL)
+        await asyncio.wait_for(seen["g-r1"].wait(), 60)
+        await bus.request(f"{SUBJECTS.prefix}.echo.g-r1", Ack(), Ack, timeout=5)
+    assert result.result() == 0, sup.reason
+    assert set(sup.procs) == {"g", "g-node1", "g-r1", "g-node1-r1"}
+    assert first["g"].exit_code == -signal.SIGKILL, "the live member went with the dead one"
+    assert sup.procs["g-r1"].spec.argv[-2] == "g-r1" and sup.procs["g-r1"].exit_code == 0

@@ -316,6 +316,20 @@ async def test_two_trainer_ranks_and_weights_through_the_object_store(tmp_path: 
     check_staleness_and_uniqueness(run_dir, eta=1)
 
 
+async def test_a_trainer_across_two_torchrun_nodes_on_loopback(tmp_path: Path) -> None:
+    """``trainer.nodes = 2``: two torchrun processes joined by a c10d rendezvous; one
+    global rank 0 is the trainer actor, the other rank follows it. The numbers are
+    checked against one node in test_train_distributed (fixed batches); here the run."""
+    code, out = await run(up_args(tmp_path, "nodes", "trainer.max_steps=2", "trainer.nodes=2"))
+    assert code == 0, out
+    run_dir = tmp_path / "nodes"
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
+    logs = [run_dir / "logs" / f"{name}.log" for name in ("trainer-0", "trainer-0-node1")]
+    leads = ["started actor=trainer-0" in log.read_text() for log in logs]
+    assert sorted(leads) == [False, True], "exactly one node holds the trainer actor"
+    check_staleness_and_uniqueness(run_dir, eta=1)
+
+
 @pytest.mark.parametrize(
     ("override", "named"),
     [

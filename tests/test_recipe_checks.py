@@ -229,6 +229,22 @@ def test_one_gpu_for_several_trainer_ranks_is_refused() -> None:
     assert problems("trainer.nproc=2", "trainer.device=cuda") == ([], [])
 
 
+def test_trainer_nodes_that_cannot_start_are_refused() -> None:
+    errors, _ = problems('trainer.rendezvous="h:29500"')
+    assert any("trainer.rendezvous" in e and "trainer.nodes = 1" in e for e in errors)
+    errors, _ = problems("trainer.nodes=2", "trainer.device=cuda")
+    assert any("same GPUs" in e and "trainer.nproc" in e for e in errors)
+    errors, _ = problems("trainer.nodes=2", 'trainer.rendezvous="h:29500"', "trainer.device=cuda:0")
+    assert any("cuda:LOCAL_RANK" in e for e in errors)
+    assert problems("trainer.nodes=2", 'trainer.rendezvous="h:29500"', "trainer.device=cuda") == (
+        [],
+        [],
+    )
+    assert problems("trainer.nodes=2", "trainer.device=cpu") == ([], [])
+    with pytest.raises(RecipeError, match=r"trainer\.rendezvous"):
+        load_recipe(None, ['trainer.rendezvous="h"'])
+
+
 def test_a_gguf_file_the_rollout_engines_do_not_read_is_warned_about() -> None:
     _, warnings = problems("model.gguf_file=m.gguf")
     assert any("model.gguf_file" in w and "trainer only" in w for w in warnings)

@@ -1,4 +1,5 @@
-"""FSDP2 under torchrun (gloo, world sizes 1 and 2) against one unsharded process on the
+"""FSDP2 under torchrun (gloo, world sizes 1 and 2, and 2 as two torchrun "nodes" of one
+rank each, joined by a c10d rendezvous on loopback) against one unsharded process on the
 same global batch: same losses, same updated weights, a checkpoint that reshards to one
 process, and an HF export that transformers loads back."""
 
@@ -6,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +15,7 @@ import torch
 from train_helpers.tiny import fsdp_engine, full_weights, one_torch_thread, random_batch
 
 from asyncrl.train import TrainEngine
+from asyncrl.train.torchrun import LOOPBACK, free_port, torchrun_argv
 
 WORKER = Path(__file__).parent / "train_helpers" / "worker.py"
 
@@ -25,32 +26,58 @@ def _one_torch_thread() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
-def fsdp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    world = request.param
-    tmp = tmp_path_factory.mktemp(f"fsdp{world}")
+LAUNCHES = {"world1": (1, 1), "world2": (1, 2), "nodes2": (2, 1)}
+"""Torchrun jobs of the worker: (nodes, ranks per node)."""
+
+_results: dict[str, dict] = {}
+
+
+def launch(kind: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The worker's ``fsdp`` job as ``kind`` (once per module): its stats, logprobs and
+    weights, with the folder of its checkpoint and export. Nodes are started with the
+    command lines ``asyncrl up`` uses for a trainer across nodes on one machine."""
+    if kind in _results:
+        return _results[kind]
+    nodes, nproc = LAUNCHES[kind]
+    tmp = tmp_path_factory.mktemp(kind)
     out = tmp / "out.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",  # rendezvous on a free local port that torchrun picks itself
-        "--nproc-per-node",
-        str(world),
-        str(WORKER),
-        "fsdp",
-        "--out",
-        str(out),
-        "--ckpt",
-        str(tmp / "ckpt"),
-        "--export",
-        str(tmp / "hf"),
-    ]
+    target = [str(WORKER), "fsdp", "--out", str(out), "--ckpt", str(tmp / "ckpt")]
+    target += ["--export", str(tmp / "hf")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, timeout=240, env=env)
+    if nodes == 1:
+        # --standalone: rendezvous on a free local port that torchrun picks itself
+        subprocess.run(torchrun_argv(target, nproc=nproc), check=True, timeout=240, env=env)
+    else:
+        endpoint = f"{LOOPBACK}:{free_port()}"
+        procs = [
+            subprocess.Popen(
+                torchrun_argv(
+                    target,
+                    nproc=nproc,
+                    nodes=nodes,
+                    endpoint=endpoint,
+                    run_id=kind,
+                    is_host=k == 0,
+                    local_addr=LOOPBACK,
+                ),
+                env=env,
+            )
+            for k in range(nodes)
+        ]
+        try:
+            assert [p.wait(timeout=240) for p in procs] == [0] * nodes
+        finally:
+            for p in procs:
+                p.kill()
     result: dict = torch.load(out, weights_only=True)
-    result.update(dir=tmp, world=world)
+    result.update(dir=tmp, world=nodes * nproc)
+    _results[kind] = result
     return result
+
+
+@pytest.fixture(scope="module", params=list(LAUNCHES))
+def fsdp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return launch(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +137,21 @@ def test_fsdp_export_loads_in_transformers(fsdp_run: dict) -> None:
     for name, tensor in fsdp_run["weights"].items():
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
     torch.testing.assert_close(state["lm_head.weight"], state["model.embed_tokens.weight"])
+
+
+@pytest.mark.slow
+def test_two_nodes_train_exactly_as_one_node_of_two_ranks(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The same two ranks, on one node or on two: the same shards, the same collectives,
+    so the same numbers (the rendezvous only changes how the ranks found each other)."""
+    one, two = launch("world2", tmp_path_factory), launch("nodes2", tmp_path_factory)
+    for a, b in zip(two["stats"], one["stats"], strict=True):
+        assert a.keys() == b.keys()
+        for key in (k for k in a if not k.startswith("time")):  # wall times differ
+            assert a[key] == pytest.approx(b[key], rel=0, abs=1e-5), key
+    assert one["stats"][0]["loss"] != 0
+    for a, b in zip(two["logprobs"], one["logprobs"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -110,6 +110,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             f'trainer.device = "{t.device}" with trainer.nproc = {t.nproc}: every rank would '
             'share one GPU; use "cuda" (each rank on its own, cuda:LOCAL_RANK) or nproc = 1'
         )
+    errors.extend(trainer_node_problems(recipe))
     if recipe.model.gguf_file and r.engine.type != "instant":
         warnings.append(
             f"model.gguf_file = {recipe.model.gguf_file!r} is loaded by the trainer only: "
@@ -118,6 +119,30 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
         )
     warnings.extend(listen_warnings(recipe))
     return errors, warnings
+
+
+def trainer_node_problems(recipe: Recipe) -> list[str]:
+    """A trainer across nodes that cannot start: a rendezvous for one node, one GPU per
+    node process, or several nodes on one machine sharing its GPUs."""
+    t, errors = recipe.trainer, []
+    if t.rendezvous and t.nodes == 1:
+        errors.append(
+            f"trainer.rendezvous = {t.rendezvous!r} with trainer.nodes = 1: a rendezvous "
+            "joins several trainer nodes; leave it empty or raise trainer.nodes"
+        )
+    if t.nodes > 1 and t.device.startswith("cuda:"):
+        errors.append(
+            f'trainer.device = "{t.device}" with trainer.nodes = {t.nodes}: each node\'s '
+            'ranks take cuda:LOCAL_RANK; use "cuda"'
+        )
+    if t.nodes > 1 and not t.rendezvous and t.device == "cuda":
+        errors.append(
+            f"trainer.nodes = {t.nodes} with trainer.rendezvous empty puts every trainer node "
+            'on this machine, where trainer.device = "cuda" would give each node the same '
+            "GPUs (cuda:LOCAL_RANK); on one machine use trainer.nproc for its GPUs, or "
+            'trainer.device = "cpu"'
+        )
+    return errors
 
 
 def kl_problems(recipe: Recipe) -> list[str]:

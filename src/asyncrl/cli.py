@@ -35,7 +35,8 @@ ATTACH_REFUSED = {
     "disagree",
     "trainer": "a second trainer would ask for the same steps, be served the same batches "
     "(the buffer answers each step once, for retries) and train them twice, publishing "
-    "weights of its own; for more devices, set trainer.nproc (torchrun ranks) in the recipe",
+    "weights of its own; for more devices, set trainer.nproc (torchrun ranks per node) and "
+    "trainer.nodes in the recipe",
 }
 """Roles a run has exactly one of, and why one more cannot join it."""
 
@@ -92,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a recipe and print the resolved config")
     _add_recipe_args(check)
+    check.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="also check the placement on this many Slurm nodes (as asyncrl slurm does)",
+    )
+
+    slurm = sub.add_parser("slurm", help="write (and submit) an sbatch script for a recipe")
+    _add_recipe_args(slurm)
+    slurm.add_argument("--nodes", type=int, required=True, help="nodes of the job")
+    slurm.add_argument("--partition", default="", help="sbatch --partition")
+    slurm.add_argument("--time", default="", help="sbatch --time, e.g. 04:00:00")
+    slurm.add_argument("--gpus-per-node", type=int, default=0, help="sbatch --gpus-per-node")
+    slurm.add_argument(
+        "--out", type=Path, default=None, help="script path (default <run.dir>/<name>.sbatch)"
+    )
+    slurm.add_argument("--submit", action="store_true", help="run sbatch on the script")
 
     attach = sub.add_parser("attach", help="join a live run with one more actor process")
     attach.add_argument(
@@ -131,10 +149,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "check":
             recipe = load_recipe(args.recipe, args.overrides)
+            if args.nodes is not None:
+                from asyncrl.slurm import placement_problems
+
+                if problems := placement_problems(recipe, args.nodes):
+                    raise RecipeError(
+                        "placement cannot fit:\n" + "\n".join(f"  {p}" for p in problems)
+                    )
             for warning in enforce_recipe(recipe):
                 print(f"asyncrl: warning: {warning}", file=sys.stderr)
             print(dump_recipe(recipe), end="")
             return 0
+        if args.command == "slurm":
+            from asyncrl.slurm import write_and_submit
+
+            recipe = load_recipe(args.recipe, args.overrides)
+            return write_and_submit(
+                recipe,
+                args.recipe,
+                args.overrides,
+                args.nodes,
+                partition=args.partition,
+                time=args.time,
+                gpus_per_node=args.gpus_per_node,
+                out=args.out,
+                submit=args.submit,
+            )
         if args.command == "up":
             if args.trace:
                 args.overrides.append(f"run.trace_steps={args.trace_steps}")

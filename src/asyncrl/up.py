@@ -91,18 +91,48 @@ def actor_specs(recipe: Recipe, run_dir: Path) -> list:
     if recipe.eval.every:
         # primary: the run ends only once the last version is evaluated too
         specs.append(spec("eval", "eval-0", primary=True))
-    trainer_argv = actor_argv("trainer", run_dir, "trainer-0")
-    if recipe.trainer.nproc > 1:
-        trainer_argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={recipe.trainer.nproc}",
-            *trainer_argv[1:],
-        ]
-    specs.append(spec("trainer", "trainer-0", trainer_argv, primary=True))
+    # every trainer node is primary: the run ends once each has finished
+    specs += [
+        spec("trainer", node_id, argv, primary=True, **options)
+        for node_id, argv, options in trainer_nodes(recipe, run_dir)
+    ]
     return specs
+
+
+def trainer_nodes(recipe: Recipe, run_dir: Path) -> list[tuple[str, list[str], dict[str, Any]]]:
+    """The trainer processes ``up`` starts, as (id, argv, spec options): one process for
+    one rank; one torchrun for one node; for ``trainer.nodes`` > 1 a gang of one torchrun
+    per node (every node here, on loopback and a free port, or with
+    ``trainer.rendezvous`` only the first, which hosts it; the others join from their
+    machines). Each node runs the same ``--actor-id trainer-0``: the rendezvous decides
+    which holds global rank 0 (:mod:`asyncrl.train.torchrun`)."""
+    from asyncrl.runtime.supervisor import actor_argv
+    from asyncrl.train.torchrun import LOOPBACK, UP_NODE_ENV, free_port, torchrun_argv
+
+    t, actor_id = recipe.trainer, "trainer-0"
+    target = actor_argv("trainer", run_dir, actor_id)[1:]  # after the interpreter
+    if t.nodes == 1:
+        if t.nproc == 1:
+            return [(actor_id, [sys.executable, *target], {})]
+        return [(actor_id, torchrun_argv(target, nproc=t.nproc), {})]
+    local = not t.rendezvous
+    endpoint = t.rendezvous or f"{LOOPBACK}:{free_port()}"
+    return [
+        (
+            actor_id if k == 0 else f"{actor_id}-node{k}",
+            torchrun_argv(
+                target,
+                nproc=t.nproc,
+                nodes=t.nodes,
+                endpoint=endpoint,
+                run_id=recipe.run.name,
+                is_host=k == 0,
+                local_addr=LOOPBACK if local else "",
+            ),
+            {"gang": actor_id, "env": {UP_NODE_ENV: str(k)}},
+        )
+        for k in range(t.nodes if local else 1)
+    ]
 
 
 def format_progress(recipe: Recipe, m: Metrics) -> str:

@@ -80,6 +80,10 @@ def run_actor(
         from asyncrl.train.commands import follow
 
         return follow(build_train_engine(ctx.recipe))
+    if role == "trainer":
+        from asyncrl.train.torchrun import check_lead_node
+
+        check_lead_node()
     actor = actor_class(role)(ctx)
     return run_async(actor.main())
 

@@ -74,7 +74,7 @@ class TrainerActor(Actor):
         self.last_export: Path | None = None  # the newest published export on disk
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self.records = StepRecords(self.recipe, ctx.run_dir)
-        self.fleet = FleetView(self.recipe.trainer.nproc)
+        self.fleet = FleetView(self.recipe.trainer.nodes * self.recipe.trainer.nproc)
         self.colocation: Colocation | None = None
 
     @property

@@ -14,6 +14,9 @@ It spawns one OS process per actor, waits until every actor has said ``started``
   doubles (``run.restart_backoff``): the buffer restores its durable state, the trainer
   its latest checkpoint (its replacement's ``ASYNCRL_RESTART`` makes it a new epoch),
   the other roles hold nothing of their own;
+- a *gang* (the torchrun processes of a trainer across nodes, :attr:`ActorSpec.gang`) is
+  one actor: one ``started`` counts for every member, and when one member dies the others
+  are killed and the whole gang is started again together;
 - Ctrl-C / SIGTERM to the supervisor becomes a graceful stop of every actor (children run
   in their own session, so the terminal's SIGINT reaches only the supervisor).
 """
@@ -59,13 +62,22 @@ class ActorSpec:
     """Seconds before the first replacement; doubled for each later one."""
     generation: int = 0
     """How many replacements came before this one."""
+    gang: str = ""
+    """The actor id shared by processes that are one actor together (a trainer's torchrun
+    processes, one per node; each passes it as ``--actor-id``, and whichever holds global
+    rank 0 reports under it). Empty: this process is an actor of its own."""
 
     def restarted(self, n: int) -> ActorSpec:
-        new_id = f"{re.sub(r'-r[0-9]+$', '', self.actor_id)}-r{n}"
-        argv = [new_id if a == self.actor_id else a for a in self.argv]
+        def renamed(actor_id: str) -> str:
+            return f"{re.sub(r'-r[0-9]+$', '', actor_id)}-r{n}"
+
+        new_id, gang = renamed(self.actor_id), renamed(self.gang) if self.gang else ""
+        names = {self.actor_id: new_id, **({self.gang: gang} if gang else {})}
+        argv = [names.get(a, a) for a in self.argv]
         return replace(
             self,
             actor_id=new_id,
+            gang=gang,
             argv=argv,
             restarts=self.restarts - 1,
             env={**self.env, RESTART_ENV: str(n)},
@@ -185,14 +197,22 @@ class Supervisor:
         self.log.info("exited", actor=p.spec.actor_id, code=p.exit_code)
         self._event.set()
 
+    def _members(self, actor_id: str) -> list[_Proc]:
+        """The live processes that ``actor_id`` names: one, or every member of a gang."""
+        return [
+            p
+            for p in self.procs.values()
+            if not p.replaced and actor_id in (p.spec.actor_id, p.spec.gang)
+        ]
+
     async def _on_started(self, info: ActorInfo) -> None:
-        p = self.procs.get(info.actor_id)
-        if p is not None and not p.started:
-            p.started = True
-            self._event.set()
+        for p in self._members(info.actor_id):
+            if not p.started:
+                p.started = True
+                self._event.set()
 
     async def _on_exit_msg(self, msg: ActorExit) -> None:
-        if not msg.ok and msg.actor_id in self.procs and not self.reason:
+        if not msg.ok and self._members(msg.actor_id) and not self.reason:
             self.reason = f"actor {msg.actor_id} ({msg.role}) failed: {msg.reason}"
 
     def _crashed(self, p: _Proc) -> bool:
@@ -207,23 +227,26 @@ class Supervisor:
             return  # a death during start-up is a broken set-up, not bad luck
         for p in list(self.procs.values()):
             if self._crashed(p) and p.spec.restarts > 0:
-                p.replaced = True
-                # whatever the dead actor started (torchrun's ranks, an inference server)
-                # goes with it: its session is its process group
-                _kill_group(p.proc.pid)
+                # a gang goes as a whole: its other members cannot go on without this one
+                gang = self._members(p.spec.gang) if p.spec.gang else [p]
                 self.restarts += 1
-                spec = p.spec.restarted(self.restarts)
-                self.log.warning(
-                    "actor died, starting a replacement",
-                    actor=p.spec.actor_id,
-                    code=p.exit_code,
-                    replacement=spec.actor_id,
-                    delay_s=spec.delay(),
-                    restarts_left=spec.restarts,
-                )
-                self._pending += 1
-                assert self._tg is not None
-                self._tg.create_task(self._spawn_later(spec), name=f"respawn-{spec.actor_id}")
+                for member in gang:
+                    member.replaced = True
+                    # whatever the dead actor started (torchrun's ranks, an inference
+                    # server) goes with it: its session is its process group
+                    _kill_group(member.proc.pid)
+                    spec = member.spec.restarted(self.restarts)
+                    self.log.warning(
+                        "actor died, starting a replacement",
+                        actor=member.spec.actor_id,
+                        code=member.exit_code,
+                        replacement=spec.actor_id,
+                        delay_s=spec.delay(),
+                        restarts_left=spec.restarts,
+                    )
+                    self._pending += 1
+                    assert self._tg is not None
+                    self._tg.create_task(self._spawn_later(spec), name=f"respawn-{spec.actor_id}")
 
     async def _spawn_later(self, spec: ActorSpec) -> None:
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from asyncrl.schema import CpuList, Device, DType, Section
 
@@ -136,7 +136,18 @@ class TrainerConfig(Section):
     cpus: CpuList = Field(default_factory=list)
     """CPU ids every trainer process may run on, e.g. ``[1]``; empty: any."""
     nproc: int = Field(1, ge=1)
-    """Trainer processes (torchrun ranks, FSDP)."""
+    """Trainer processes (torchrun ranks, FSDP) on each trainer node; on CUDA each rank
+    has a GPU of its own (``cuda:LOCAL_RANK``), so this is also the GPUs per node."""
+    nodes: int = Field(1, ge=1)
+    """Trainer nodes, each a torchrun of ``nproc`` ranks (world size ``nodes × nproc``),
+    joined by a c10d rendezvous. With ``rendezvous`` empty, ``asyncrl up`` starts every
+    node on this machine, on loopback (what the tests do); across machines see
+    ``rendezvous`` and ``asyncrl slurm``."""
+    rendezvous: str = ""
+    """``HOST:PORT`` of the trainer's c10d rendezvous across machines (``nodes`` > 1):
+    ``up`` starts only the first trainer node, on this machine, which hosts the rendezvous
+    (HOST names this machine), and the other nodes join it from theirs (``asyncrl slurm``
+    writes their commands). Empty: every trainer node on this machine."""
     device: Device = "auto"
     """Where the trainer runs: ``auto`` (CUDA when there is a device, else the CPU),
     ``cpu``, ``cuda`` (each rank on ``cuda:LOCAL_RANK``) or ``cuda:N`` (one process)."""
@@ -185,6 +196,14 @@ class TrainerConfig(Section):
     (η = ``buffer.max_head_offpolicyness``)."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every k steps (0: only at the end)."""
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, _, port = value.rpartition(":")
+        if value and not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"must look like my-host:29500, not {value!r}")
+        return value
 
     # Derived, not recipe keys (see DERIVED_KEYS): the recipe copies rollout.sampling here
     # and refuses them in a recipe file; an engine built without a recipe may set them.

@@ -1,0 +1,88 @@
+"""How the trainer's processes start: torchrun command lines, one per trainer node.
+
+A trainer is ``trainer.nodes`` nodes of ``trainer.nproc`` ranks each (world size
+nodes × nproc). One node is torchrun's ``--standalone`` mode; several join through a c10d
+rendezvous at ``HOST:PORT`` (``--rdzv-backend c10d``), hosted by the first trainer node's
+torchrun. The rendezvous numbers the nodes itself, in the order of their addresses (then
+process ids): global rank 0, the one rank that is an actor on NATS and publishes the
+weights, is on the node whose address sorts first, not necessarily the first one started.
+That is why every node runs the same command (the same ``--actor-id``), and why a node
+started outside ``up`` (by a Slurm script) must never win rank 0: ``up``'s own nodes carry
+:data:`UP_NODE_ENV`, and a rank 0 without it refuses to run (:func:`check_lead_node`).
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+UP_NODE_ENV = "ASYNCRL_TRAINER_NODE"
+"""Set by ``up`` on the trainer nodes it starts itself: that node's index."""
+
+LOOPBACK = "127.0.0.1"
+
+
+def torchrun_argv(
+    target: list[str],
+    *,
+    nproc: int,
+    nodes: int = 1,
+    endpoint: str = "",
+    run_id: str = "",
+    is_host: bool | None = None,
+    local_addr: str = "",
+) -> list[str]:
+    """The command line of one trainer node: torchrun with ``nproc`` ranks running
+    ``target`` (``["-m", "module", ...]`` or ``["script.py", ...]``).
+
+    ``nodes`` > 1 needs ``endpoint`` (``HOST:PORT`` of the c10d rendezvous) and ``run_id``
+    (the same on every node). ``is_host``: whether this node's torchrun hosts the
+    rendezvous store (None: torchrun decides from ``HOST``, which can be wrong where every
+    node is one machine). ``local_addr``: the address this node is known by (it orders the
+    nodes, and rank 0's is where the other ranks find its store); empty: its host name."""
+    argv = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        argv += ["--standalone", f"--nproc-per-node={nproc}"]
+    else:
+        if not endpoint or not run_id:
+            raise ValueError("a trainer across nodes needs a rendezvous endpoint and run id")
+        argv += [
+            f"--nnodes={nodes}",
+            f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+        ]
+        if is_host is not None:
+            argv.append(f"--rdzv-conf=is_host={str(is_host).lower()}")
+        if local_addr:
+            argv.append(f"--local-addr={local_addr}")
+    return [*argv, *target]
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port nothing listens on right now (for a rendezvous on this machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_lead_node() -> None:
+    """Called by global rank 0 of a trainer across nodes before it becomes the actor:
+    refuses a rank 0 on a node that ``up`` did not start (that node lacks the restart
+    count that makes a restarted trainer a new epoch, and ``up`` would not know it)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    across_nodes = world > int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if across_nodes and UP_NODE_ENV not in os.environ:
+        host = socket.gethostname()
+        raise SystemExit(
+            f"the trainer's global rank 0 is on {host}, a trainer node that asyncrl up did "
+            "not start: the c10d rendezvous ranks nodes by address, so the node running "
+            "up (the first trainer node) must have the address that sorts first"
+        )
+
+
+__all__ = ["UP_NODE_ENV", "check_lead_node", "free_port", "torchrun_argv"]
