@@ -295,38 +295,33 @@ async def test_resume_continues_version_and_accounting(tmp_path: Path) -> None:
     assert {t["step"] for t in trained} == set(range(1, 11))
 
 
-async def test_two_trainer_ranks_and_weights_through_the_object_store(tmp_path: Path) -> None:
+async def test_a_trainer_across_two_torchrun_nodes_and_weights_through_the_object_store(
+    tmp_path: Path,
+) -> None:
+    """``trainer.nodes = 2``: two torchrun processes (one rank each) joined by a c10d
+    rendezvous on loopback; one global rank 0 is the trainer actor, the other rank follows
+    it, and the weights reach the rollout through the object store. The numbers are checked
+    against one node in test_train_distributed (fixed batches); here the run."""
     code, out = await run(
         up_args(
             tmp_path,
-            "fsdp",
+            "nodes",
             "trainer.max_steps=4",
-            "trainer.nproc=2",
+            "trainer.nodes=2",
             "trainer.weights_transport=object_store",
         )
     )
     assert code == 0, out
-    run_dir = tmp_path / "fsdp"
+    run_dir = tmp_path / "nodes"
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+    logs = [run_dir / "logs" / f"{name}.log" for name in ("trainer-0", "trainer-0-node1")]
+    leads = ["started actor=trainer-0" in log.read_text() for log in logs]
+    assert sorted(leads) == [False, True], "exactly one node holds the trainer actor"
     rollout_log = (run_dir / "logs" / "rollout-0.log").read_text()
     # step 4 trains at version 3 with η = 1: its samples came from weights v2 or later,
     # which the rollout actor can only have fetched from the object store
     assert re.search(r"weights updated .*version=2\b", rollout_log), rollout_log[-2000:]
-    check_staleness_and_uniqueness(run_dir, eta=1)
-
-
-async def test_a_trainer_across_two_torchrun_nodes_on_loopback(tmp_path: Path) -> None:
-    """``trainer.nodes = 2``: two torchrun processes joined by a c10d rendezvous; one
-    global rank 0 is the trainer actor, the other rank follows it. The numbers are
-    checked against one node in test_train_distributed (fixed batches); here the run."""
-    code, out = await run(up_args(tmp_path, "nodes", "trainer.max_steps=2", "trainer.nodes=2"))
-    assert code == 0, out
-    run_dir = tmp_path / "nodes"
-    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
-    logs = [run_dir / "logs" / f"{name}.log" for name in ("trainer-0", "trainer-0-node1")]
-    leads = ["started actor=trainer-0" in log.read_text() for log in logs]
-    assert sorted(leads) == [False, True], "exactly one node holds the trainer actor"
     check_staleness_and_uniqueness(run_dir, eta=1)
 
 
