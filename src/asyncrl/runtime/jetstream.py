@@ -42,6 +42,7 @@ class JetStreamMixin(Connection):
         """Creates the file-backed stream, or updates it to this config. Idempotent, also
         when several processes race to create it.
 
+        The stream keeps ``info.replicas`` copies (one per server of a cluster).
         ``duplicate_window`` (seconds) is how long a ``msg_id`` is remembered for dedup.
         With ``limits`` a full stream discards its oldest messages; with ``workqueue``
         (acked messages leave the stream) a full stream refuses new ones, which reaches
@@ -55,6 +56,7 @@ class JetStreamMixin(Connection):
             max_bytes=max_bytes,
             discard=api.DiscardPolicy.NEW if retention == "workqueue" else api.DiscardPolicy.OLD,
             duplicate_window=duplicate_window,
+            num_replicas=self.info.replicas,
         )
         try:
             await self.js.add_stream(config)
