@@ -1,16 +1,20 @@
-"""The run's NATS servers as a cluster, without starting any: the connection file lists
-every server, clients are given them all, and a recipe whose replicas the servers
-cannot hold is refused naming the keys. (The cluster itself, and the loss of one of its
-servers in mid-run, is tests/faults/test_nats_cluster.py.)"""
+"""The run's NATS servers as a cluster: the connection file lists every server, clients
+are given them all, a recipe whose replicas the servers cannot hold is refused naming
+the keys, and a consumer outlives the server that led it. (A whole run that loses one
+of its servers is tests/faults/test_nats_cluster.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import nats.errors
 import pytest
 
 from asyncrl.checks import recipe_problems
 from asyncrl.config import RecipeError, RunConfig, load_recipe
+from asyncrl.messages import Metrics
+from asyncrl.runtime.bus import Bus, BusTimeout
 from asyncrl.runtime.nats_cluster import NatsCluster
 from asyncrl.runtime.nats_server import NatsInfo
 
@@ -77,3 +81,47 @@ def test_each_server_of_a_cluster_has_its_name_store_log_and_routes(tmp_path: Pa
         assert set(server.cluster.routes) == others
     with pytest.raises(ValueError, match="3 replicas need as many servers"):
         NatsCluster(tmp_path, cluster.servers[:2], replicas=3)
+
+
+async def test_a_consumer_goes_on_when_its_leader_server_dies(tmp_path: Path) -> None:
+    """The pull consumer's leader is killed: pull requests find no responder (503) until
+    another server leads it, and the consumer asks again rather than failing."""
+    cluster = NatsCluster.for_run(RunConfig(nats_servers=3, nats_replicas=3), tmp_path)
+    info = await cluster.start()
+    got: set[int] = set()
+    try:
+        bus = await Bus.connect(info)
+        await bus.ensure_stream("WORK", ["t.work"], retention="workqueue")
+
+        async def handler(m: Metrics) -> None:
+            got.add(m.step)
+
+        consumer = await bus.js_consume("WORK", "t.work", "workers", Metrics, handler)
+        consumer.pull_expires = 0.2  # ask often: some requests fall in the election
+        task = asyncio.create_task(consumer.run())
+        state = await bus.js.consumer_info("WORK", "workers")
+        assert state.cluster is not None and state.cluster.leader
+        (leader,) = [s for s in cluster.servers if s.server_name == state.cluster.leader]
+        assert leader._proc is not None
+        leader._proc.kill()
+        for step in range(10):
+            async with asyncio.timeout(30):
+                while True:  # the stream may be electing its own leader too
+                    try:
+                        await bus.js_publish(
+                            "t.work",
+                            Metrics(role="t", actor_id="t0", step=step),
+                            msg_id=f"{step}",
+                            timeout=1,
+                        )
+                        break
+                    except (BusTimeout, nats.errors.Error):
+                        await asyncio.sleep(0.2)
+        async with asyncio.timeout(30):
+            while len(got) < 10:
+                assert not task.done(), task.exception()
+                await asyncio.sleep(0.1)
+        await consumer.stop()
+        await bus.close()
+    finally:
+        await cluster.stop()

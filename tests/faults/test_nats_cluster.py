@@ -46,6 +46,10 @@ async def test_kill_9_of_one_server_of_three_and_the_run_finishes(tmp_path: Path
         f"trainer.max_steps={STEPS}",
         f"trainer.checkpoint_every={STEPS}",
         "rollout.lease_ttl=5",
+        # the cheapest run that still has steps after the kill: small batches, no extras
+        "buffer.batch_size=2",
+        "rollout.group_size=4",
+        "run.tensorboard=false",
     ) as run:
         info = nats_info_for_run(run.run_dir)
         assert len(info.servers) == 3 and info.replicas == 3
