@@ -42,12 +42,17 @@ from asyncrl.runtime.nats_server import (
 JETSTREAM_READY_TIMEOUT_S = 60.0
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` now (the kernel's pick)."""
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` now (the kernel's picks: every socket is
+    held until all are bound, so no port comes twice)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
+            s.bind((host, 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 class NatsCluster:
@@ -80,7 +85,7 @@ class NatsCluster:
         login = first._credentials()
         # the servers share this machine: routes need no wider address than the clients'
         route_host = "127.0.0.1" if first.host in WILDCARD_HOSTS else first.host
-        ports = [free_port(route_host) for _ in range(n)]
+        ports = free_ports(route_host, n)
         route_password = secrets.token_hex(16)
         servers = []
         for i in range(n):
