@@ -118,6 +118,9 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             "until the first weight update"
         )
     warnings.extend(listen_warnings(recipe))
+    nats_errors, nats_warnings = nats_problems(recipe)
+    errors += nats_errors
+    warnings += nats_warnings
     return errors, warnings
 
 
@@ -327,6 +330,30 @@ def listen_warnings(recipe: Recipe) -> list[str]:
             'same path (a shared file system); "object_store" sends weights through NATS'
         )
     return warnings
+
+
+def nats_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
+    """A replica count the run's NATS servers cannot hold (errors), or may not (warnings:
+    the URLs of an external cluster need not name every server)."""
+    run = recipe.run
+    if run.nats_replicas == 1:
+        return [], []
+    if not run.nats_url:
+        if run.nats_replicas > run.nats_servers:
+            return [
+                f"run.nats_replicas = {run.nats_replicas} exceeds run.nats_servers = "
+                f"{run.nats_servers}: each replica lives on its own server; start as many "
+                f"servers (run.nats_servers = {run.nats_replicas}) or lower the replicas"
+            ], []
+        return [], []
+    n = len([u for u in run.nats_url.split(",") if u.strip()])
+    if run.nats_replicas > n:
+        return [], [
+            f"run.nats_replicas = {run.nats_replicas} with {n} server(s) in run.nats_url: "
+            f"the cluster needs at least {run.nats_replicas} servers with JetStream, or "
+            "the run's stream cannot be created; list them all in run.nats_url"
+        ]
+    return [], []
 
 
 def enforce_recipe(recipe: Recipe) -> list[str]:

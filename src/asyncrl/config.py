@@ -54,8 +54,9 @@ class RunConfig(Section):
     seed: int = 1
     """Seed for data order, sampling and initialisation."""
     nats_url: str = ""
-    """An external NATS server (``nats://host:4222``, ``tls://host:4222``); empty starts an
-    embedded one. Credentials never go in the recipe (it is copied into the run folder):
+    """An external NATS server (``nats://host:4222``, ``tls://host:4222``), or the servers
+    of one cluster, comma separated (clients fail over between them); empty starts
+    ``nats_servers`` embedded ones. Credentials never go in the recipe (it is copied into the run folder):
     ``up`` reads them from ``ASYNCRL_NATS_TOKEN`` or ``ASYNCRL_NATS_USER`` and
     ``ASYNCRL_NATS_PASSWORD`` and keeps them only in ``<run>/nats.json`` (mode 0600)."""
     listen: str = ""
@@ -71,6 +72,14 @@ class RunConfig(Section):
     """PEM certificate(s) clients trust for the server's certificate (``--tls-ca``): the
     signing CA, or a self-signed certificate itself. Copied into ``nats.json``, so a copy
     of that file is all an actor elsewhere needs. Empty: the system's trusted CAs."""
+    nats_servers: int = Field(1, ge=1, le=9)
+    """How many nats-servers ``up`` starts on this machine (without ``nats_url``): more
+    than one are joined by routes into one JetStream cluster, each with its own store
+    under ``<run>/nats/``, and ``nats.json`` lists them all."""
+    nats_replicas: int = Field(1, ge=1, le=5)
+    """How many servers keep a copy of the run's trajectory stream and object stores
+    (weights, batches, the buffer's state). 3 on a cluster of 3 or more: the loss of any
+    one server loses nothing. At most ``nats_servers`` (JetStream allows 5)."""
     max_payload_mb: int = Field(8, ge=1, le=64)
     """Largest message the embedded server accepts, in MiB."""
     startup_timeout: float = Field(600.0, gt=0)
@@ -103,7 +112,8 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _server_options(self) -> RunConfig:
-        if "@" in self.nats_url.partition("://")[2].partition("/")[0]:
+        urls = [u.strip() for u in self.nats_url.split(",")]
+        if any("@" in u.partition("://")[2].partition("/")[0] for u in urls):
             raise ValueError(
                 "run.nats_url carries credentials, which would be copied into the run "
                 "folder's recipe: give the bare URL and set ASYNCRL_NATS_TOKEN, or "
@@ -118,6 +128,13 @@ class RunConfig(Section):
                 "run.listen and run.tls_cert/tls_key configure the embedded server; with "
                 "run.nats_url the run uses an external one"
             )
+        if self.nats_url and self.nats_servers > 1:
+            raise ValueError(
+                "run.nats_servers is how many servers up starts itself; with run.nats_url "
+                "the run joins the cluster those URLs name: leave run.nats_servers at 1"
+            )
+        if self.nats_url and not all(urls):
+            raise ValueError(f"run.nats_url: an empty URL in {self.nats_url!r}")
         return self
 
     @property

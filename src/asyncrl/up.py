@@ -1,7 +1,8 @@
 """``asyncrl up``: one run on one machine, start to finish.
 
 Writes the run folder (resolved recipe, NATS connection info, a log per actor), starts an
-embedded nats-server unless the recipe names one, creates the durable trajectory stream,
+embedded nats-server (or a cluster of them, ``run.nats_servers``) unless the recipe names
+one, creates the durable trajectory stream,
 spawns every actor (the eval actor too when ``eval.every`` is set), shows the live
 dashboard on a terminal or a progress line per trainer step and per evaluation otherwise,
 and exits 0 when the trainer reached ``trainer.max_steps``, the eval actor scored the last
@@ -190,22 +191,21 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
     from asyncrl.actors.buffer.durable import forget as forget_buffer_state
     from asyncrl.actors.buffer.durable import keep_for_resume as keep_buffer_position
     from asyncrl.runtime.bus import Bus
-    from asyncrl.runtime.nats_server import EmbeddedNats, external_info
+    from asyncrl.runtime.nats_cluster import NatsCluster
+    from asyncrl.runtime.nats_server import external_info
     from asyncrl.runtime.supervisor import Supervisor
 
     log = get_logger(role="up", run=recipe.run.name)
     subjects = Subjects(recipe.run.name)
-    server: EmbeddedNats | None = None
+    server: NatsCluster | None = None
     # credentials come from the environment or are made here, and live in nats.json only
     if recipe.run.nats_url:
         info = external_info(recipe.run)
         info.write(run_dir / "nats.json")
     else:
-        server = EmbeddedNats.for_run(
-            recipe.run, run_dir, log_file=run_dir / "logs" / "nats-server.log"
-        )
+        server = NatsCluster.for_run(recipe.run, run_dir)
         info = await server.start()
-    log.info("NATS", url=info.redacted_url, tls=info.tls)
+    log.info("NATS", url=info.redacted_url, tls=info.tls, replicas=info.replicas)
     try:
         bus = await Bus.connect(info, name="asyncrl-up")
         try:
@@ -283,15 +283,15 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
 
 
 async def keep_server_alive(server: Any, sup: Any, quiet: bool) -> None:
-    """Starts the embedded nats-server again whenever it dies (same port, credentials and
-    JetStream store): the actors reconnect and go on. A server that cannot be started
-    again ends the run with the reason."""
+    """Starts each embedded nats-server again whenever it dies (same port, credentials and
+    JetStream store): the actors reconnect (to another server of a cluster meanwhile) and
+    go on. A server that cannot be started again ends the run with the reason."""
     log = get_logger(role="up")
 
-    def died(code: int | None) -> None:
-        log.warning("nats-server died, starting it again", code=code)
+    def died(name: str, code: int | None) -> None:
+        log.warning("nats-server died, starting it again", server=name, code=code)
         if not quiet:
-            print(f"asyncrl up: nats-server exited ({code}); restarting it", file=sys.stderr)
+            print(f"asyncrl up: {name} exited ({code}); restarting it", file=sys.stderr)
 
     try:
         await server.keep_alive(died)

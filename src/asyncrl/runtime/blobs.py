@@ -44,7 +44,9 @@ class BlobMixin(Connection):
             except nats.js.errors.BucketNotFoundError:
                 if not create:
                     return None
-                config = api.ObjectStoreConfig(storage=api.StorageType.FILE)
+                config = api.ObjectStoreConfig(
+                    storage=api.StorageType.FILE, replicas=self.info.replicas
+                )
                 store = await self.js.create_object_store(bucket, config=config)
             self._stores[bucket] = store
         return store

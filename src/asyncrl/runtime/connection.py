@@ -196,4 +196,6 @@ class Connection:
             log.warning("disconnected from NATS", url=self.info.redacted_url)
 
     async def _on_reconnected(self) -> None:
-        log.info("reconnected to NATS", url=self.info.redacted_url)
+        # which server of a cluster took over
+        server = self.nc.connected_url.netloc.rpartition("@")[2] if self.nc.connected_url else ""
+        log.info("reconnected to NATS", url=self.info.redacted_url, server=server)

