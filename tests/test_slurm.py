@@ -82,9 +82,13 @@ def test_the_script_runs_each_role_on_its_nodes(tmp_path: Path) -> None:
         "SRUN_LOG": str(log),
     }
     subprocess.run(["bash", str(script)], check=True, env=env, timeout=60)
-    # srun's arguments, as bash handed them over, one step a line
+    # srun's arguments, as bash handed them over, one step a line; the steps start in the
+    # background, so their lines come in any order
     steps = [shlex.split(line) for line in log.read_text().splitlines()]
-    up, trainer, rollout = steps
+    assert len(steps) == 3, steps
+    (up,) = [s for s in steps if "up" in s]
+    (trainer,) = [s for s in steps if s[-1] == "trainer_node"]
+    (rollout,) = [s for s in steps if s[-1] == "rollout_actor"]
     assert up[:3] == ["--nodes=1", "--ntasks=1", "--nodelist=gpu1"]
     assert up[4:7] == ["-m", "asyncrl.cli", "up"]
     assert 'trainer.rendezvous="gpu1:29500"' in up  # the first trainer node hosts it
