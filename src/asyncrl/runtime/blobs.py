@@ -23,6 +23,7 @@ from nats.js import api
 from nats.js.object_store import ObjectStore
 
 from asyncrl.runtime.connection import Connection
+from asyncrl.runtime.jetstream import until_placed
 
 # Object-store reads pull this much per request: the bound on what waits in memory.
 BLOB_WINDOW_BYTES = 32 * 1024 * 1024
@@ -47,7 +48,9 @@ class BlobMixin(Connection):
                 config = api.ObjectStoreConfig(
                     storage=api.StorageType.FILE, replicas=self.info.replicas
                 )
-                store = await self.js.create_object_store(bucket, config=config)
+                store = await until_placed(
+                    lambda: self.js.create_object_store(bucket, config=config)
+                )
             self._stores[bucket] = store
         return store
 

@@ -26,6 +26,33 @@ from asyncrl.runtime.connection import BusTimeout, Connection, log
 M = TypeVar("M", bound=Message)
 
 _STREAM_IN_USE = 10058  # JetStream: "stream name already in use with a different configuration"
+_NO_PEERS = 10005  # JetStream: "no suitable peers for placement"
+PLACEMENT_WAIT_S = 30.0
+"""Seconds a stream or bucket creation waits for a cluster's servers to be placeable."""
+
+R = TypeVar("R")
+
+
+async def until_placed(create: Callable[[], Awaitable[R]]) -> R:
+    """``create()`` (a stream or bucket creation), asked again while a cluster cannot place
+    its replicas yet: the servers have elected a meta leader but not every peer has joined
+    (just started, or one restarting), which JetStream answers with "no suitable peers" or
+    503. Other errors, and these past :data:`PLACEMENT_WAIT_S`, are raised."""
+    deadline = time.monotonic() + PLACEMENT_WAIT_S
+    delay = 0.1
+    while True:
+        try:
+            return await create()
+        except (nats.js.errors.BadRequestError, nats.js.errors.ServiceUnavailableError) as exc:
+            placing = isinstance(exc, nats.js.errors.ServiceUnavailableError) or (
+                exc.err_code == _NO_PEERS
+            )
+            if not placing or time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
 UNAVAILABLE_GRACE_S = 30.0
 """How long a pull consumer asks again while its requests find no responder (503): on a
 cluster, the consumer has no leader until the servers elect another after a loss. A
@@ -64,7 +91,7 @@ class JetStreamMixin(Connection):
             num_replicas=self.info.replicas,
         )
         try:
-            await self.js.add_stream(config)
+            await until_placed(lambda: self.js.add_stream(config))
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != _STREAM_IN_USE:
                 raise
