@@ -148,7 +148,8 @@ def test_two_nodes_train_exactly_as_one_node_of_two_ranks(
     one, two = launch("world2", tmp_path_factory), launch("nodes2", tmp_path_factory)
     for a, b in zip(two["stats"], one["stats"], strict=True):
         assert a.keys() == b.keys()
-        for key in (k for k in a if not k.startswith("time")):  # wall times differ
+        # wall times and the rates made of them differ from run to run
+        for key in (k for k in a if not k.startswith("time") and not k.endswith("_per_s")):
             assert a[key] == pytest.approx(b[key], rel=0, abs=1e-5), key
     assert one["stats"][0]["loss"] != 0
     for a, b in zip(two["logprobs"], one["logprobs"], strict=True):
