@@ -57,7 +57,8 @@ def fake_slurm(bin_dir: Path) -> None:
     (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'gpu3\\ngpu1\\ngpu4\\ngpu2\\n'\n")
     (bin_dir / "srun").write_text(
         "#!/bin/bash\n"
-        'printf "%q " "$@" >> "$SRUN_LOG"; echo >> "$SRUN_LOG"\n'
+        # one write per step: the steps run at once, and two writes each would interleave
+        'line=$(printf "%q " "$@"); printf "%s\\n" "$line" >> "$SRUN_LOG"\n'
         'if [[ "$*" == *"asyncrl.cli up"* ]]; then\n'
         '  mkdir -p "$RUN"; echo {} > "$RUN/nats.json"\n'
         "  # the run lasts until the other two steps have started\n"
