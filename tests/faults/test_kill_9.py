@@ -25,7 +25,7 @@ from asyncrl.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 
-STEPS = 10
+STEPS = 8
 CHECKPOINT_EVERY = 4
 
 
