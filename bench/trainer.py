@@ -223,6 +223,32 @@ def run_proximal(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[
     }
 
 
+def run_head(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, float]:
+    """Packed steps with the LM head once per chunk (log q kept for backward) and with
+    checkpointed chunks (logits recomputed in backward), interleaved on one engine
+    (alternating which goes first): the same batches, warm caches and machine load."""
+    engine = build_engine(args, True, batches)
+    module: Any = engine.module
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i, batch in enumerate(batches):
+        for recompute in (False, True) if i % 2 == 0 else (True, False):
+            module.recompute_head = recompute
+            t0 = time.perf_counter()
+            engine.train_step(batch)
+            if i >= args.warmup:
+                times[recompute].append(time.perf_counter() - t0)
+                print(
+                    f"  step {i} head {'recomputed' if recompute else 'once'}:"
+                    f" {times[recompute][-1]:.2f} s",
+                    flush=True,
+                )
+    measured = batches[args.warmup :]
+    flops = statistics.mean(model_flops(engine, b) for b in measured)
+    del engine
+    once, again = statistics.median(times[False]), statistics.median(times[True])
+    return {"once_s": once, "recompute_s": again, "flops": flops}
+
+
 def run_mode(
     args: argparse.Namespace, packing: bool, batches: list[list[Sample]]
 ) -> dict[str, float]:
@@ -333,7 +359,7 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="packed,padded,proximal",
-        help="comma list of packed, padded, proximal, handoff",
+        help="comma list of packed, padded, proximal, head, handoff",
     )
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
     parser.add_argument("--resp-median", type=float, default=200.0, help="median response tokens")
@@ -380,8 +406,9 @@ def main() -> None:
             + f" ({args.peak_size}² matmuls, {torch.get_num_threads()} threads)"
         )
     modes = args.modes.split(",")
-    if set(modes) - {"packed", "padded", "proximal", "handoff"}:
-        parser.error(f"--modes {args.modes!r}: allowed packed, padded, proximal, handoff")
+    if set(modes) - {"packed", "padded", "proximal", "head", "handoff"}:
+        parser.error(f"--modes {args.modes!r}: allowed packed, padded, proximal, head, handoff")
+    head = run_head(args, batches) if "head" in modes else None
     results = {}
     if "handoff" in modes:
         run_handoff(args)
@@ -409,6 +436,18 @@ def main() -> None:
             "measured GEMM peak, best of before and after: "
             + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
         )
+    if head is not None:
+        line = (
+            f"packed step time, LM head once per chunk {head['once_s']:.3f} s | recomputed in"
+            f" backward {head['recompute_s']:.3f} s | recomputed / once"
+            f" {head['recompute_s'] / head['once_s']:.2f}x"
+        )
+        if peaks:
+            share = [
+                head["flops"] / t / peaks["float32"] for t in (head["once_s"], head["recompute_s"])
+            ]
+            line += f" | trainer: {share[0]:.0%} vs {share[1]:.0%} of measured fp32 peak"
+        print(line)
     if peaks and "packed" in results:
         achieved = results["packed"]["tflops"] * 1e12
         line = f"trainer: {achieved / peaks['float32']:.0%} of measured fp32 peak"
