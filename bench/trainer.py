@@ -1,7 +1,10 @@
 """Train-engine throughput: tokens/s of packed vs padded micro-batches, the cost of a
-separate proximal forward, MFU on CUDA, and the batch hand-off between trainer ranks.
+separate proximal forward, MFU on CUDA, the share of the CPU's measured GEMM peak, and the
+batch hand-off between trainer ranks.
 
     python bench/trainer.py                                  # tiny shape on the CPU, ~1 min
+    python bench/trainer.py --shape smollm2-135m --seqs 32 --resp-median 64 --resp-sigma 0 \
+        --max-new 64 --modes packed --steps 2               # the CPU trainer against its peak
     python bench/trainer.py --shape qwen2.5-1.5b --seqs 256 --grad-ckpt   # on a GPU
     python bench/trainer.py --modes handoff --seqs 256 --steps 10        # 2 ranks, gloo
 
@@ -20,6 +23,12 @@ tokens/s counts real tokens (prompt + response), never padding. MFU = model FLOP
 time · peak), with model FLOPs = 3 × forward, forward = 2·N_body·tokens + 2·H·V·loss tokens
 (the LM head runs at loss positions only) + Σ_seq 2·L²·d_attn·layers (causal attention).
 Padding and the separate proximal forward are not counted as useful work.
+
+On the CPU the peak is this machine's own, measured in the same run with the same torch
+threads: the best of a few ``--peak-size``² square matmuls in float32 (and in bfloat16
+where the CPU has AVX512-BF16 or AMX, per /proc/cpuinfo). The packed mode's model FLOP/s
+over the fp32 peak is printed as ``trainer: N% of measured fp32 peak``; for bf16 compute
+(``--dtype bfloat16``) the bf16 peak is the reference too.
 
 Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
 rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
@@ -43,7 +52,14 @@ from asyncrl.models import ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = next(
+    (
+        p / "shared" / "data" / "gsm8k" / "train.jsonl"
+        for p in REPO.parents
+        if (p / "shared" / "data" / "gsm8k" / "train.jsonl").is_file()
+    ),
+    REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl",
+)  # beside the checkout, or above a worktree of it
 TEMPLATE_TOKENS = 40  # a chat template and a one-line instruction around the question
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -132,6 +148,40 @@ def peak_flops(args: argparse.Namespace) -> float | None:
     return None
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def has_bf16_gemm(flags: set[str]) -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX), rather than by
+    converting to fp32 first."""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def measured_gemm_peak(dtype: torch.dtype, size: int, reps: int = 5) -> float:
+    """FLOP/s of the fastest of ``reps`` ``size``² matmuls in ``dtype`` (after one
+    untimed), with torch's current threads: this machine's practical GEMM peak."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g).to(dtype)
+    b = torch.randn(size, size, generator=g).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    torch.mm(a, b, out=out)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best
+
+
 def build_engine(args: argparse.Namespace, packing: bool, batches: list[list[Sample]]) -> Any:
     max_len = max(len(s) for b in batches for s in b)
     return TrainEngine(
@@ -173,6 +223,32 @@ def run_proximal(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[
     }
 
 
+def run_head(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, float]:
+    """Packed steps with the LM head once per chunk (log q kept for backward) and with
+    checkpointed chunks (logits recomputed in backward), interleaved on one engine
+    (alternating which goes first): the same batches, warm caches and machine load."""
+    engine = build_engine(args, True, batches)
+    module: Any = engine.module
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i, batch in enumerate(batches):
+        for recompute in (False, True) if i % 2 == 0 else (True, False):
+            module.recompute_head = recompute
+            t0 = time.perf_counter()
+            engine.train_step(batch)
+            if i >= args.warmup:
+                times[recompute].append(time.perf_counter() - t0)
+                print(
+                    f"  step {i} head {'recomputed' if recompute else 'once'}:"
+                    f" {times[recompute][-1]:.2f} s",
+                    flush=True,
+                )
+    measured = batches[args.warmup :]
+    flops = statistics.mean(model_flops(engine, b) for b in measured)
+    del engine
+    once, again = statistics.median(times[False]), statistics.median(times[True])
+    return {"once_s": once, "recompute_s": again, "flops": flops}
+
+
 def run_mode(
     args: argparse.Namespace, packing: bool, batches: list[list[Sample]]
 ) -> dict[str, float]:
@@ -185,6 +261,7 @@ def run_mode(
         stats = engine.train_step(batch)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)  # train_step synchronises on CUDA
+            print(f"  {'packed' if packing else 'padded'} step {i}: {times[-1]:.2f} s", flush=True)
     step_s = statistics.median(times)
     measured = batches[args.warmup :]
     tokens = statistics.mean(sum(len(s) for s in b) for b in measured)
@@ -282,7 +359,7 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="packed,padded,proximal",
-        help="comma list of packed, padded, proximal, handoff",
+        help="comma list of packed, padded, proximal, head, handoff",
     )
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
     parser.add_argument("--resp-median", type=float, default=200.0, help="median response tokens")
@@ -294,6 +371,7 @@ def main() -> None:
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the MFU peak")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--peak-size", type=int, default=2048, help="matmul size of the CPU peak")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.threads:
@@ -315,9 +393,22 @@ def main() -> None:
         f" p90 {lengths[int(len(lengths) * 0.9)]} max {lengths[-1]};"
         f" micro-batch budget {args.max_tokens} tokens"
     )
+    peaks: dict[str, float] = {}
+    if not cuda:
+        flags = cpu_flags()
+        peaks["float32"] = measured_gemm_peak(torch.float32, args.peak_size)
+        if has_bf16_gemm(flags):
+            peaks["bfloat16"] = measured_gemm_peak(torch.bfloat16, args.peak_size)
+        isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+        print(
+            f"cpu flags: {isa or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}; measured GEMM peak "
+            + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+            + f" ({args.peak_size}² matmuls, {torch.get_num_threads()} threads)"
+        )
     modes = args.modes.split(",")
-    if set(modes) - {"packed", "padded", "proximal", "handoff"}:
-        parser.error(f"--modes {args.modes!r}: allowed packed, padded, proximal, handoff")
+    if set(modes) - {"packed", "padded", "proximal", "head", "handoff"}:
+        parser.error(f"--modes {args.modes!r}: allowed packed, padded, proximal, head, handoff")
+    head = run_head(args, batches) if "head" in modes else None
     results = {}
     if "handoff" in modes:
         run_handoff(args)
@@ -336,6 +427,33 @@ def main() -> None:
             f"{mode:8} {r['tokens_per_s']:10.0f} {r['step_s']:8.3f} {r['micro_batches']:6.0f}"
             f" {r['padding']:8.1%} {r['tflops']:8.3f} {mfu:>6} {mem:>8}"
         )
+    if peaks:
+        # again after the steps, keeping the better: on a shared machine either may be slowed
+        for key in peaks:
+            again = measured_gemm_peak(getattr(torch, key), args.peak_size)
+            peaks[key] = max(peaks[key], again)
+        print(
+            "measured GEMM peak, best of before and after: "
+            + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+        )
+    if head is not None:
+        line = (
+            f"packed step time, LM head once per chunk {head['once_s']:.3f} s | recomputed in"
+            f" backward {head['recompute_s']:.3f} s | recomputed / once"
+            f" {head['recompute_s'] / head['once_s']:.2f}x"
+        )
+        if peaks:
+            share = [
+                head["flops"] / t / peaks["float32"] for t in (head["once_s"], head["recompute_s"])
+            ]
+            line += f" | trainer: {share[0]:.0%} vs {share[1]:.0%} of measured fp32 peak"
+        print(line)
+    if peaks and "packed" in results:
+        achieved = results["packed"]["tflops"] * 1e12
+        line = f"trainer: {achieved / peaks['float32']:.0%} of measured fp32 peak"
+        if args.dtype == "bfloat16" and "bfloat16" in peaks:
+            line += f", {achieved / peaks['bfloat16']:.0%} of measured bf16 peak"
+        print(line + f" ({achieved / 1e9:.1f} GFLOP/s, packed)")
     if {"packed", "padded"} <= results.keys():
         ratio = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
         print(f"packed / padded tokens/s: {ratio:.2f}x")

@@ -203,3 +203,44 @@ def test_split_minibatches_whole_sequences_even_tokens() -> None:
     assert split_minibatches([4, 4, 4], 3) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="3 sequences into 4"):
         split_minibatches([1, 2, 3], 4)
+
+
+def test_varlen_attention_backward_is_linear_in_the_row() -> None:
+    """Per-sequence attention on the CPU: values and gradients equal those of each sequence
+    attended alone, and backward writes no whole-row gradient per sequence (slicing the
+    row did: one zero-filled row per sequence, per tensor, per layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from asyncrl.train import attention
+
+    class CountSliceBackward(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if "slice_backward" in str(func):
+                CountSliceBackward.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 8, 1]
+    n = sum(lengths)
+    q = torch.randn(1, 4, n, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    module = torch.nn.Module()
+    out, _ = attention.varlen_causal_attention(module, q, k, v, None, cu_seq_lens_q=cu)
+    weight = torch.randn(out.shape, generator=g)
+    with CountSliceBackward():
+        grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    assert CountSliceBackward.calls == 0
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        qs, ks, vs = (t.detach()[:, :, rows].clone().requires_grad_() for t in (q, k, v))
+        want, _ = attention.varlen_causal_attention(module, qs, ks, vs, None)
+        torch.testing.assert_close(out[:, rows], want, atol=1e-6, rtol=1e-5)
+        want_grads = torch.autograd.grad((want * weight[:, rows]).sum(), (qs, ks, vs))
+        for got_g, want_g in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(got_g[:, :, rows], want_g, atol=1e-6, rtol=1e-5)
+        start += length

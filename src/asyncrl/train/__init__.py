@@ -47,20 +47,39 @@ __all__ = [
     "TrainerConfig",
     "apply_fsdp",
     "build_train_engine",
+    "trainer_threads",
 ]
+
+
+def trainer_threads(threads: int = 0) -> int:
+    """Torch intra-op threads for one trainer process: ``threads`` (``trainer.threads``)
+    when set, else the CPUs this process may run on (its affinity, ``trainer.cpus`` when
+    pinned) shared among the trainer processes on this machine (``LOCAL_WORLD_SIZE``), at
+    least 1. Never more threads than those cores: OpenMP workers beyond them spin and wait
+    on each other."""
+    import os
+
+    if threads > 0:
+        return threads
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, (cpus or 1) // local)
 
 
 def build_train_engine(recipe: Recipe) -> TrainEngine:
     """The recipe's train engine, built from its ``trainer`` and ``model`` sections and
     ``run.seed``; joins the torchrun process group first when there is one (NCCL when the
-    trainer's device is CUDA, else gloo)."""
+    trainer's device is CUDA, else gloo). Sets torch's intra-op threads to
+    :func:`trainer_threads`."""
     import os
 
+    import torch
     import torch.distributed as dist
 
     from asyncrl.schema import resolve_device
     from asyncrl.train.engine import TrainEngine
 
+    torch.set_num_threads(trainer_threads(recipe.trainer.threads))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         cuda = resolve_device(recipe.trainer.device).startswith("cuda")

@@ -132,17 +132,21 @@ def varlen_causal_attention(
         return _varlen_cuda(query, key, value, cu_seqlens, max_len, scaling).contiguous(), None
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     bounds = cu_seqlens.tolist()
+    sizes = [e - s for s, e in itertools.pairwise(bounds)]
+    if bounds[0] != 0 or bounds[-1] != query.shape[2]:
+        raise ValueError(f"cu_seq_lens_q {bounds} does not cover the row of {query.shape[2]}")
+    # split(), not one slice per sequence: a slice's backward writes its gradient into a
+    # zero tensor of the whole row, so n slices cost n full-row fills and adds per tensor
+    # per layer; split's backward is one concatenation
     pieces = [
         F.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            is_causal=True,
-            dropout_p=dropout_p,
-            scale=scaling,
+            q, k, v, is_causal=True, dropout_p=dropout_p, scale=scaling
         )
-        for s, e in itertools.pairwise(bounds)
-    ]
+        for q, k, v in zip(
+            query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2),
+            strict=True,
+        )
+    ]  # fmt: skip
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
 
 

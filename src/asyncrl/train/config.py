@@ -132,7 +132,8 @@ class TrainerConfig(Section):
     max_steps: int = Field(20, ge=1)
     """Trainer steps; the run ends after the last one (and the cosine schedule, too)."""
     threads: int = Field(0, ge=0)
-    """CPU threads for torch in each trainer process; 0 leaves torch's default."""
+    """CPU threads for torch in each trainer process; 0: the cores the process may use
+    (``cpus``, else the machine's), divided among the trainer processes on the machine."""
     cpus: CpuList = Field(default_factory=list)
     """CPU ids every trainer process may run on, e.g. ``[1]``; empty: any."""
     nproc: int = Field(1, ge=1)
@@ -172,6 +173,11 @@ class TrainerConfig(Section):
     lm_head_chunk_tokens: int = Field(2048, gt=0)
     """Logits are materialised for this many tokens at a time (bounds the
     [tokens, vocab] activation)."""
+    lm_head_recompute: bool = False
+    """Training forward: false keeps each chunk's log-probabilities (``[chunk, vocab]``
+    float32) until backward, so the LM head runs once per chunk; true keeps one chunk alive
+    at a time and recomputes its logits in backward (less memory, one more LM-head matmul
+    and softmax per chunk)."""
     reshard_after_forward: bool = True
     """FSDP: free the gathered layer weights after forward (ZeRO-3)."""
     reduce_dtype: DType = "float32"

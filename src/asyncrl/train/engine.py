@@ -142,7 +142,11 @@ class TrainEngine:
     def _wrap(self, lm: nn.Module) -> nn.Module:
         """``lm`` as a :class:`TokenLogprobs` root on the engine's device, FSDP-sharded
         when distributed."""
-        module = TokenLogprobs(lm, chunk_tokens=self.config.lm_head_chunk_tokens)
+        module = TokenLogprobs(
+            lm,
+            chunk_tokens=self.config.lm_head_chunk_tokens,
+            recompute_head=self.config.lm_head_recompute,
+        )
         module.to(self.device)
         if self.distributed:
             from torch.distributed.device_mesh import init_device_mesh

@@ -61,6 +61,42 @@ def load_causal_lm(
     return lm  # type: ignore[no-any-return]
 
 
+def _chunk_logq(
+    hidden_MH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    targets_M: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> torch.Tensor:
+    """``[M, V]`` float32 ``log q`` of :func:`chunk_logprobs` (−inf outside the cut)."""
+    with torch.autocast(hidden_MH.device.type, enabled=False):
+        logits_MV = F.linear(
+            hidden_MH.float(), weight_VH.float(), None if bias_V is None else bias_V.float()
+        )
+    if temperature != 1.0:
+        logits_MV = logits_MV / temperature
+    logq_MV = torch.log_softmax(logits_MV, dim=-1)
+    if top_k > 0 or top_p < 1.0:
+        rows = logits_MV.shape[0]
+        keep_MV = kept_mask(
+            logq_MV,
+            torch.full((rows,), top_k, dtype=torch.int64),
+            torch.full((rows,), top_p, dtype=torch.float64),
+        )
+        keep_MV = keep_MV.scatter(-1, targets_M[:, None], True)
+        logq_MV = cut_logprobs(logits_MV, keep_MV)
+    return logq_MV
+
+
+def _entropy(logq_MV: torch.Tensor) -> torch.Tensor:
+    # log q set to 0 outside K before the product: 0·(−inf) would be NaN, in the value and
+    # in the gradient (where() after the product still sends 0·(−inf) backward)
+    finite_logq_MV = torch.where(torch.isfinite(logq_MV), logq_MV, torch.zeros_like(logq_MV))
+    return -(logq_MV.exp() * finite_logq_MV).sum(dim=-1)
+
+
 def chunk_logprobs(
     hidden_MH: torch.Tensor,
     weight_VH: torch.Tensor,
@@ -88,42 +124,121 @@ def chunk_logprobs(
     weight are upcast, autocast is off): logits rounded to bf16 before the softmax would
     err by up to ~1e-2 in every logprob.
     """
-    with torch.autocast(hidden_MH.device.type, enabled=False):
-        logits_MV = F.linear(
-            hidden_MH.float(), weight_VH.float(), None if bias_V is None else bias_V.float()
-        )
-    if temperature != 1.0:
-        logits_MV = logits_MV / temperature
-    logq_MV = torch.log_softmax(logits_MV, dim=-1)
-    if top_k > 0 or top_p < 1.0:
-        rows = logits_MV.shape[0]
-        keep_MV = kept_mask(
-            logq_MV,
-            torch.full((rows,), top_k, dtype=torch.int64),
-            torch.full((rows,), top_p, dtype=torch.float64),
-        )
-        keep_MV = keep_MV.scatter(-1, targets_M[:, None], True)
-        logq_MV = cut_logprobs(logits_MV, keep_MV)
+    logq_MV = _chunk_logq(hidden_MH, weight_VH, bias_V, targets_M, temperature, top_k, top_p)
     picked_M = logq_MV.gather(-1, targets_M[:, None]).squeeze(-1)
     if not entropy:
         return picked_M, torch.zeros_like(picked_M)
-    # log q set to 0 outside K before the product: 0·(−inf) would be NaN, in the value and
-    # in the gradient (where() after the product still sends 0·(−inf) backward)
-    finite_logq_MV = torch.where(torch.isfinite(logq_MV), logq_MV, torch.zeros_like(logq_MV))
-    return picked_M, -(logq_MV.exp() * finite_logq_MV).sum(dim=-1)
+    return picked_M, _entropy(logq_MV)
+
+
+class FusedLogprobs(torch.autograd.Function):
+    """:func:`chunk_logprobs` over all rows, chunk by chunk, with one LM-head matmul per
+    chunk in forward and none recomputed in backward.
+
+    Forward keeps each chunk's ``log q`` (``[chunk, V]`` float32: the one activation the
+    gradient needs), so backward starts from it. With upstream gradients ``g`` (of the
+    logprob) and ``e`` (of the entropy) per row, and ``s = z / T``::
+
+        ∂ log q[y] / ∂s_v = 1[v = y] − q_v               (v ∈ K; 0 outside)
+        ∂ H / ∂s_v        = −q_v · (log q_v + H)          (v ∈ K; 0 outside)
+        ∂L/∂z = (g · (1_y − q) − e · q ⊙ (log q + H)) / T
+
+    then ``∂L/∂h = ∂L/∂z · W`` and ``∂L/∂W = ∂L/∂zᵀ · h`` per chunk, in float32. The kept set
+    carries no gradient, as in :func:`chunk_logprobs`, whose autograd gives the same values.
+    Memory: ``rows · V`` floats live from forward to backward (the checkpointed form holds
+    one chunk's logits, computing them twice).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden_MH: torch.Tensor,
+        weight_VH: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        targets_M: torch.Tensor,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        entropy: bool,
+        chunk_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, entropies, logqs = [], [], []
+        for start in range(0, targets_M.numel(), chunk_tokens):
+            end = start + chunk_tokens
+            logq_MV = _chunk_logq(
+                hidden_MH[start:end], weight_VH, bias_V, targets_M[start:end],
+                temperature, top_k, top_p,
+            )  # fmt: skip
+            logprobs.append(logq_MV.gather(-1, targets_M[start:end, None]).squeeze(-1))
+            entropies.append(_entropy(logq_MV) if entropy else torch.zeros_like(logprobs[-1]))
+            logqs.append(logq_MV)
+        lp_M, ent_M = torch.cat(logprobs), torch.cat(entropies)
+        ctx.save_for_backward(hidden_MH, weight_VH, bias_V, targets_M, ent_M, *logqs)
+        ctx.temperature, ctx.entropy, ctx.chunk_tokens = temperature, entropy, chunk_tokens
+        return lp_M, ent_M
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_lp_M: torch.Tensor | None, grad_ent_M: torch.Tensor | None
+    ) -> tuple[Any, ...]:
+        hidden_MH, weight_VH, bias_V, targets_M, ent_M, *logqs = ctx.saved_tensors
+        step = ctx.chunk_tokens
+        h_MH, w_VH = hidden_MH.float(), weight_VH.float()
+        grad_h = torch.zeros_like(h_MH) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(w_VH) if ctx.needs_input_grad[1] else None
+        grad_b = (
+            torch.zeros(w_VH.shape[0], dtype=torch.float32, device=w_VH.device)
+            if bias_V is not None and ctx.needs_input_grad[2]
+            else None
+        )
+        with torch.autocast(hidden_MH.device.type, enabled=False):
+            for i, logq_MV in enumerate(logqs):
+                rows = slice(i * step, i * step + logq_MV.shape[0])
+                # ∂L/∂z = q ⊙ (a + b·(log q + H)) + g/T at the target, with a = −g/T and
+                # b = −e/T per row: two passes over [chunk, V] without entropy, four with
+                zero_M = torch.zeros(logq_MV.shape[0], device=logq_MV.device)
+                g_M = zero_M if grad_lp_M is None else grad_lp_M[rows].float()
+                g_M = g_M / ctx.temperature
+                grad_MV = logq_MV.exp()
+                if ctx.entropy and grad_ent_M is not None:
+                    b_M = grad_ent_M[rows].float() / -ctx.temperature
+                    term_MV = torch.nan_to_num(logq_MV, neginf=0.0)  # 0 outside the cut
+                    term_MV.add_(ent_M[rows, None]).mul_(b_M[:, None]).sub_(g_M[:, None])
+                    grad_MV.mul_(term_MV)
+                    del term_MV
+                else:
+                    grad_MV.mul_(-g_M[:, None])
+                grad_MV.scatter_add_(-1, targets_M[rows, None], g_M[:, None])
+                if grad_h is not None:
+                    grad_h[rows] = grad_MV @ w_VH
+                if grad_w is not None:
+                    grad_w.addmm_(grad_MV.t(), h_MH[rows])
+                if grad_b is not None:
+                    grad_b += grad_MV.sum(dim=0)
+        return (
+            None if grad_h is None else grad_h.to(hidden_MH.dtype),
+            None if grad_w is None else grad_w.to(weight_VH.dtype),
+            None if grad_b is None else grad_b.to(bias_V.dtype),
+            None, None, None, None, None, None,
+        )  # fmt: skip
 
 
 class TokenLogprobs(nn.Module):
     """``forward(...) -> (logprobs [M], entropies [M])`` of chosen tokens under a causal LM.
 
     The LM is ``self.lm`` (a transformers ``*ForCausalLM``); its state-dict names, prefixed
-    with ``lm.``, are those of the HF checkpoint.
+    with ``lm.``, are those of the HF checkpoint. With gradients, the LM head runs once per
+    chunk (:class:`FusedLogprobs`), or with ``recompute_head`` under activation
+    checkpointing: one chunk of logits alive at a time, computed again in backward.
     """
 
-    def __init__(self, lm: nn.Module, *, chunk_tokens: int = 2048) -> None:
+    def __init__(
+        self, lm: nn.Module, *, chunk_tokens: int = 2048, recompute_head: bool = False
+    ) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        self.recompute_head = recompute_head
 
     def forward(
         self,
@@ -179,6 +294,12 @@ class TokenLogprobs(nn.Module):
         targets_M = input_ids.flatten().index_select(0, target_index)
         head: Any = self.lm.get_output_embeddings()  # type: ignore[operator]
         weight_VH, bias_V = head.weight, getattr(head, "bias", None)
+        if targets_M.numel() and torch.is_grad_enabled() and not self.recompute_head:
+            fused: tuple[torch.Tensor, torch.Tensor] = FusedLogprobs.apply(  # type: ignore[no-untyped-call]
+                hidden_MH, weight_VH, bias_V, targets_M, temperature,
+                top_k, top_p, with_entropy, self.chunk_tokens,
+            )  # fmt: skip
+            return fused
         logprobs, entropies = [], []
         for start in range(0, targets_M.numel(), self.chunk_tokens):
             end = start + self.chunk_tokens

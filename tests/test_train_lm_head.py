@@ -1,0 +1,145 @@
+"""The fused LM head (:class:`asyncrl.train.models.FusedLogprobs`): logprobs, entropies and
+their gradients against hand-computed values and against the checkpointed chunks it
+replaces, and one logits matmul per chunk in a training step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from train_helpers.tiny import VOCAB, one_torch_thread, random_batch, tiny_engine, train_config
+
+from asyncrl.train.models import FusedLogprobs, chunk_logprobs
+
+
+def fused(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    out: tuple[torch.Tensor, torch.Tensor] = FusedLogprobs.apply(*args)  # type: ignore[no-untyped-call]
+    return out
+
+
+def test_hand_computed_logprob_entropy_and_gradients() -> None:
+    """One row, H = 1, V = 3, W = [1, 2, 3]ᵀ, h = 1, T = 2: scaled logits s = (0.5, 1, 1.5)."""
+    h = torch.tensor([[1.0]], requires_grad=True)
+    w = torch.tensor([[1.0], [2.0], [3.0]], requires_grad=True)
+    lp, ent = fused(h, w, None, torch.tensor([1]), 2.0, 0, 1.0, True, 4)
+    s = [0.5, 1.0, 1.5]
+    z = sum(math.exp(x) for x in s)
+    q = [math.exp(x) / z for x in s]
+    logq = [math.log(x) for x in q]
+    entropy = -sum(a * b for a, b in zip(q, logq, strict=True))
+    assert lp.item() == pytest.approx(logq[1], abs=1e-6)
+    assert ent.item() == pytest.approx(entropy, abs=1e-6)
+    # loss = 2·log q[y] + 3·H: ∂/∂z_v = (2·(1[v=y] − q_v) − 3·q_v·(log q_v + H)) / T
+    (2 * lp + 3 * ent).sum().backward()
+    dz = [(2 * ((v == 1) - q[v]) - 3 * q[v] * (logq[v] + entropy)) / 2.0 for v in range(3)]
+    assert w.grad is not None and h.grad is not None
+    torch.testing.assert_close(w.grad[:, 0], torch.tensor(dz), atol=1e-6, rtol=0)  # · h = 1
+    assert h.grad.item() == pytest.approx(dz[0] * 1 + dz[1] * 2 + dz[2] * 3, abs=1e-6)
+
+
+def test_hand_computed_top_k_cut() -> None:
+    """top_k = 2 keeps the two likeliest (v = 1, 2) of s = (0, 1, 2); the target v = 1 is
+    scored against those two only, and the dropped token gets no gradient."""
+    h = torch.tensor([[1.0]], requires_grad=True)
+    w = torch.tensor([[0.0], [1.0], [2.0]], requires_grad=True)
+    lp, ent = fused(h, w, None, torch.tensor([1]), 1.0, 2, 1.0, True, 4)
+    q1, q2 = 1 / (1 + math.e), math.e / (1 + math.e)
+    assert lp.item() == pytest.approx(math.log(q1), abs=1e-6)
+    assert ent.item() == pytest.approx(-(q1 * math.log(q1) + q2 * math.log(q2)), abs=1e-6)
+    lp.sum().backward()
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad[:, 0], torch.tensor([0.0, 1 - q1, -q2]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, entropy, bias",
+    [
+        (1.0, 0, 1.0, False, False),
+        (0.7, 0, 1.0, True, True),
+        (0.7, 5, 0.9, True, False),
+        (1.3, 0, 0.8, True, True),
+        (0.9, 7, 1.0, False, True),
+    ],
+)
+def test_fused_equals_checkpointed_chunks(
+    temperature: float, top_k: int, top_p: float, entropy: bool, bias: bool
+) -> None:
+    """Values and gradients (hidden states, weight, bias) of the fused head equal those of
+    autograd through :func:`chunk_logprobs` chunk by chunk, to 1e-5 in float32."""
+    g = torch.Generator().manual_seed(0)
+    rows, hid, vocab, chunk = 11, 16, 50, 4
+    h0 = torch.randn(rows, hid, generator=g)
+    w0 = torch.randn(vocab, hid, generator=g) * 0.5
+    b0 = torch.randn(vocab, generator=g) if bias else None
+    targets = torch.randint(vocab, (rows,), generator=g)
+    g_lp, g_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+
+    def run(use_fused: bool) -> list[torch.Tensor]:
+        h = h0.clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        b = None if b0 is None else b0.clone().requires_grad_()
+        if use_fused:
+            lp, ent = fused(h, w, b, targets, temperature, top_k, top_p, entropy, chunk)
+        else:
+            parts = []
+            for i in range(0, rows, chunk):
+                rows_i = slice(i, i + chunk)
+                parts.append(
+                    chunk_logprobs(
+                        h[rows_i], w, b, targets[rows_i], temperature, top_k, top_p, entropy
+                    )
+                )
+            lp = torch.cat([p[0] for p in parts])
+            ent = torch.cat([p[1] for p in parts])
+        loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy else 0.0)
+        loss.backward()
+        grads = [h.grad, w.grad] + ([] if b is None else [b.grad])
+        return [lp.detach(), ent.detach(), *[x for x in grads if x is not None]]
+
+    want, got = run(False), run(True)
+    assert len(want) == len(got) == (5 if bias else 4)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+class CountLogits(TorchDispatchMode):
+    """Counts matmuls whose output is ``[rows, VOCAB]``: the LM head's logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if any(k in name for k in ("aten.mm", "aten.addmm", "aten.linear", "aten.matmul")):
+            if isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[-1] == VOCAB:
+                self.calls += 1
+        return out
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_one_logits_matmul_per_chunk_unless_recomputed(recompute: bool) -> None:
+    """A training step computes each chunk's logits once (twice with lm_head_recompute),
+    and both forms train to the same weights."""
+    batch = random_batch(3, lengths=(9, 14))
+    with one_torch_thread():
+        engines = {}
+        for flag in (recompute, not recompute):
+            config = train_config(
+                max_tokens_per_microbatch=4096, lm_head_chunk_tokens=5, lm_head_recompute=flag
+            )
+            engine = tiny_engine(config)
+            engine.config.loss.entropy_coef = 0.01
+            counter = CountLogits()
+            with counter:
+                engine.train_step(batch)
+            engines[flag] = (engine, counter.calls)
+    chunks = math.ceil(sum(int(s.loss_mask.sum()) for s in batch) / 5)
+    assert engines[recompute][1] == chunks * (2 if recompute else 1)
+    a = dict(engines[True][0].lm.named_parameters())
+    for name, p in engines[False][0].lm.named_parameters():
+        torch.testing.assert_close(p, a[name], atol=1e-6, rtol=1e-5, msg=name)
