@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from asyncrl.config import Recipe, RecipeError
 from asyncrl.config import generation_budget as generation_budget
+from asyncrl.placement import placement_problems
 
 
 def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
@@ -111,6 +112,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             'share one GPU; use "cuda" (each rank on its own, cuda:LOCAL_RANK) or nproc = 1'
         )
     errors.extend(trainer_node_problems(recipe))
+    errors.extend(placement_problems(recipe))
     if recipe.model.gguf_file and r.engine.type != "instant":
         warnings.append(
             f"model.gguf_file = {recipe.model.gguf_file!r} is loaded by the trainer only: "

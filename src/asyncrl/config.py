@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 # is built from, so that what this schema accepts, the component accepts.
 from asyncrl.engines.config import EngineConfig, HFEngineConfig
 from asyncrl.models import ModelConfig
+from asyncrl.placement import NodeSpec, Placement
 from asyncrl.schema import CpuList, Section
 from asyncrl.train.config import DERIVED_KEYS, TrainerConfig
 
@@ -282,7 +283,7 @@ class AgentConfig(Section):
     ``rollout.workflow = "verifiers:<env>"``), e.g. ``{num_train_examples = 500}``."""
 
 
-class RolloutConfig(Section):
+class RolloutConfig(Placement):
     actors: int = Field(1, ge=0)
     """Rollout actor processes ``up`` starts (more can be attached later)."""
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
@@ -329,13 +330,16 @@ class RolloutConfig(Section):
     cpus: CpuList = Field(default_factory=list)
     """CPU ids each rollout process (and its vLLM servers) may run on, e.g. ``[0]``; empty:
     any. With ``threads`` and ``trainer.cpus`` this keeps generation and training apart."""
+    actors_per_node: int = Field(0, ge=0)
+    """Rollout actors on each node of ``rollout.node`` (``up --ray``); 0: ``actors``
+    spread over them in turn. Set, ``actors`` must be ``actors_per_node`` × the nodes."""
     colocate: bool = False
     """Rollout engines and the trainer take turns on one accelerator: before each trainer
     step the engines pause and release their weights and KV cache, and take them back
     with the new weights (synchronous, like η = 0, but in half the GPUs)."""
 
 
-class RewardConfig(Section):
+class RewardConfig(Placement):
     fn: str = "math"
     """``math`` (math-verify, for GSM8K and \\boxed{} answers; an unboxed answer falls back
     to the last number), ``math_boxed`` (the same, but only a \\boxed{} answer counts), or
@@ -350,7 +354,7 @@ class RewardConfig(Section):
     """CPU ids each reward actor and its worker processes may run on; empty: any."""
 
 
-class BufferConfig(Section):
+class BufferConfig(Placement):
     batch_size: int = Field(8, ge=1)
     """B: episodes (prompt groups) per training batch."""
     max_head_offpolicyness: int = Field(2, ge=0)
@@ -371,7 +375,7 @@ class BufferConfig(Section):
     resumed run starts the dataset from its beginning, with a warning)."""
 
 
-class EvalConfig(Section):
+class EvalConfig(Placement):
     every: int = Field(0, ge=0)
     """Evaluate every k policy versions (trainer steps), at version 0 and at the last one;
     0 turns evaluation off."""
@@ -417,6 +421,10 @@ class Recipe(Section):
     """The trainer."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Periodic evaluation on held-out prompts (its own actor, role ``eval``)."""
+    nodes: dict[str, NodeSpec] = Field(default_factory=dict)
+    """The cluster's nodes by name (``[nodes.gpu-a] gpus = 8``), for ``asyncrl check``
+    to refuse a placement (``<role>.node``, ``<role>.gpus``) that cannot fit; empty: not
+    checked. See :mod:`asyncrl.placement`."""
 
     @model_validator(mode="before")
     @classmethod

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
+from asyncrl.placement import Placement
 from asyncrl.schema import CpuList, Device, DType, Section
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
@@ -125,7 +126,7 @@ DERIVED_KEYS = {
 """Trainer fields that are no recipe keys, and the key each is derived from."""
 
 
-class TrainerConfig(Section):
+class TrainerConfig(Placement):
     """The trainer actor and its train engine (:class:`asyncrl.train.TrainEngine`, built
     from this section, the ``model`` section and ``run.seed``)."""
 
