@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--tls-ca", metavar="PEM", help="what clients trust for the certificate (run.tls_ca)"
     )
+    up.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default="",
+        help="place every actor on a Ray cluster (its address, or auto; the ray extra)",
+    )
 
     check = sub.add_parser("check", help="validate a recipe and print the resolved config")
     _add_recipe_args(check)
@@ -185,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             recipe = load_recipe(args.recipe, args.overrides)
             from asyncrl.up import up
 
-            return up(recipe, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet)
+            return up(
+                recipe,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                quiet=args.quiet,
+                ray=args.ray,
+            )
         if args.command == "attach":
             # refused before anything connects: nothing of the run is touched
             if (refusal := attach_refusal(args.role)) is not None:

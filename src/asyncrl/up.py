@@ -187,7 +187,7 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
     return lines
 
 
-async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
+async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool, ray: Any = None) -> int:
     from asyncrl.actors.buffer.durable import forget as forget_buffer_state
     from asyncrl.actors.buffer.durable import keep_for_resume as keep_buffer_position
     from asyncrl.runtime.bus import Bus
@@ -197,13 +197,14 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
 
     log = get_logger(role="up", run=recipe.run.name)
     subjects = Subjects(recipe.run.name)
-    server: NatsCluster | None = None
+    server: Any = None
     # credentials come from the environment or are made here, and live in nats.json only
     if recipe.run.nats_url:
         info = external_info(recipe.run)
         info.write(run_dir / "nats.json")
     else:
-        server = NatsCluster.for_run(recipe.run, run_dir)
+        # under Ray (a RayLaunch), the servers run on the cluster's nodes
+        server = ray.nats(recipe.run, run_dir) if ray else NatsCluster.for_run(recipe.run, run_dir)
         info = await server.start()
     log.info("NATS", url=info.redacted_url, tls=info.tls, replicas=info.replicas)
     try:
@@ -247,7 +248,7 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool) -> int:
                 bus,
                 subjects,
                 run_dir,
-                actor_specs(recipe, run_dir),
+                ray.specs(actor_specs(recipe, run_dir)) if ray else actor_specs(recipe, run_dir),
                 startup_timeout=recipe.run.startup_timeout,
                 on_started=started,
             )
@@ -327,11 +328,23 @@ async def start_dashboard(bus: Any, subjects: Subjects, recipe: Recipe) -> Any:
 
 
 def up(
-    recipe: Recipe, *, resume: bool = False, overwrite: bool = False, quiet: bool = False
+    recipe: Recipe,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    quiet: bool = False,
+    ray: str = "",
 ) -> int:
+    """Runs ``recipe`` to the end; with ``ray`` (a Ray cluster's address, or ``auto``) its
+    processes and nats-servers are placed on that cluster (:mod:`asyncrl.ray_launch`)."""
     for warning in enforce_recipe(recipe):  # a recipe that cannot run fails here, first
         print(f"asyncrl: warning: {warning}", file=sys.stderr, flush=True)
     run_dir = prepare_run_dir(recipe, resume=resume, overwrite=overwrite)
     with open(run_dir / "logs" / "up.log", "a") as up_log:
         configure_logging("INFO", stream=up_log)
-        return run_async(_up(recipe, run_dir, quiet, resume))
+        if not ray:
+            return run_async(_up(recipe, run_dir, quiet, resume))
+        from asyncrl.ray_launch import ray_launch
+
+        with ray_launch(recipe, run_dir, ray) as launch:
+            return run_async(_up(recipe, run_dir, quiet, resume, launch))
