@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean vllm test-vllm
+.PHONY: run test lint setup clean vllm test-vllm test-ray
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,6 +52,12 @@ vllm: $(VLLM_STAMP)
 # `make test` skips them unless ASYNCRL_VLLM_TESTS=1.
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	ASYNCRL_VLLM_TESTS=1 $(BIN)/python -m pytest -q -ra -m vllm
+
+# The tests of `asyncrl up --ray` (marker `ray`): a two-node Ray cluster on this machine,
+# a few minutes on 2 cores. Installs the ray extra into .venv; `make test` skips them.
+test-ray: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[ray]"
+	ASYNCRL_RAY_TESTS=1 $(BIN)/python -m pytest -q -ra -m ray
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -91,6 +91,11 @@ def test_check_refuses_a_placement_that_cannot_fit(
     assert all(k in errors[0] for k in keys), errors[0]
 
 
+def test_no_rollout_actors_started_fits_any_actors_per_node(tmp_path: Path) -> None:
+    # what the Slurm script's `up` is given: its rollout actors attach from their nodes
+    assert recipe_problems(recipe_from(tmp_path, CLUSTER, "rollout.actors=0"))[0] == []
+
+
 def test_actors_per_node_needs_nodes() -> None:
     errors = placement_problems(load_recipe(None, ["rollout.actors_per_node=2"]))
     assert len(errors) == 1 and "rollout.node empty" in errors[0]

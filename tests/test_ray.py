@@ -26,7 +26,7 @@ if os.environ.get("ASYNCRL_RAY_TESTS") != "1":
     pytest.skip("the Ray tests run under `make test-ray`", allow_module_level=True)
 ray = pytest.importorskip("ray", reason="ray is not installed: `make test-ray` installs it")
 
-from e2e_kit import running_up, up_args  # noqa: E402
+from e2e_kit import run_processes, running_up, up_args  # noqa: E402
 from faults.test_kill_9 import check_every_prompt_accounted_for  # noqa: E402
 from test_e2e import RUN_TIMEOUT, connect, read_jsonl, wait_for_step  # noqa: E402
 
@@ -135,6 +135,11 @@ async def test_placed_on_two_nodes_and_the_rollout_node_dies(tmp_path: Path, clu
                 os.kill(pid, signal.SIGKILL)
         code = await asyncio.wait_for(run.proc.wait(), RUN_TIMEOUT)
         assert code == 0, (tmp_path / "up.out").read_text()[-3000:]
+        # nothing of the run outlives up: no proxy, no role process on either node
+        async with asyncio.timeout(30):
+            while left := run_processes(run.run_dir):  # noqa: ASYNC110 - /proc, no event
+                await asyncio.sleep(0.5)
+        assert not left
     run_dir = run.run_dir
     steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1)), f"steps recorded: {steps}"

@@ -106,7 +106,8 @@ def placement_problems(recipe: Any) -> list[str]:
                 f"rollout.actors_per_node = {r.actors_per_node} with rollout.node empty: "
                 "name the nodes (rollout.node = [...]) or leave actors_per_node at 0"
             )
-        elif r.actors != r.actors_per_node * len(r.node):
+        # 0: up starts none, they attach from elsewhere (the Slurm script's up does that)
+        elif r.actors and r.actors != r.actors_per_node * len(r.node):
             errors.append(
                 f"rollout.actors = {r.actors} but rollout.actors_per_node = "
                 f"{r.actors_per_node} on {len(r.node)} node(s) of rollout.node makes "

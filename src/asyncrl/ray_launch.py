@@ -56,6 +56,7 @@ from typing import Any
 
 from asyncrl.config import Recipe, RunConfig
 from asyncrl.placement import ROLES, node_for, process_gpus
+from asyncrl.runtime.log import get_logger
 
 VISIBILITY_ENV = (
     "CUDA_VISIBLE_DEVICES",
@@ -322,10 +323,11 @@ class RayNats:
         return info
 
     async def keep_alive(self, on_restart: Callable[[str, int | None], Any] | None = None) -> None:
-        """Each server's actor starts its server again when its process dies; a server
-        whose node died is gone for good: the cluster goes on with the others (reported
-        through ``on_restart`` with code None). Raises RuntimeError when no server is
-        left, or one could not be started again."""
+        """Each server's actor starts its server again when its process dies on a live
+        node; a server whose node died is gone for good, and the cluster goes on with the
+        others (said on stderr; ``on_restart`` is for restarts, which happen inside the
+        actors here). Raises RuntimeError when no server is left, or one could not be
+        started again."""
         ray = self.ray
         pending = {
             h.keep_alive.remote(): name for h, name in zip(self.hosts, self.names, strict=True)
@@ -337,8 +339,14 @@ class RayNats:
                 try:
                     await asyncio.to_thread(ray.get, ref)
                 except ray.exceptions.RayActorError:
-                    if on_restart is not None:
-                        on_restart(f"{name} (its node is gone; not restarted)", None)
+                    # its node is gone: the others hold the run's state (run.nats_replicas)
+                    get_logger(role="up").warning("nats-server lost with its node", server=name)
+                    print(
+                        f"asyncrl up: {name} is gone with its node; the NATS cluster goes "
+                        f"on with the other {len(pending)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 except ray.exceptions.RayTaskError as exc:
                     raise RuntimeError(f"{name}: {exc}") from None
         raise RuntimeError("every nats-server of the run is gone")
