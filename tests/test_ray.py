@@ -67,6 +67,9 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     # no idle workers started ahead: two cores
     monkeypatch.setenv("RAY_enable_worker_prestart", "0")
     monkeypatch.setenv("RAY_prestart_worker_first_driver", "0")
+    # Ray's memory monitor kills workers when the *machine* runs low, whoever uses it:
+    # on a shared test machine that is other work, not this run
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
     c = Cluster(
         initialize_head=True,
         head_node_args={
@@ -85,6 +88,32 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         with contextlib.suppress(Exception):
             ray.shutdown()
         c.shutdown()
+
+
+async def reach_step(run: Any, step: int) -> None:
+    """Returns once the trainer has finished ``step``; fails at once if ``up`` ends first."""
+    bus = await connect(run.run_dir)
+    try:
+        reached = asyncio.ensure_future(wait_for_step(bus, run.run_dir, step))
+        ended = asyncio.ensure_future(run.proc.wait())
+        await asyncio.wait([reached, ended], return_when=asyncio.FIRST_COMPLETED)
+        if not reached.done():
+            reached.cancel()
+            pytest.fail(f"asyncrl up ended (exit {run.proc.returncode}) before step {step}")
+        ended.cancel()
+        reached.result()
+    finally:
+        await bus.close()
+
+
+async def nothing_left(run_dir: Path) -> None:
+    """No process of the run (a proxy, a role's process) outlives ``up`` for long."""
+    for _ in range(60):
+        if not (left := run_processes(run_dir)):
+            return
+        await asyncio.sleep(0.5)
+    lines = [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]  # noqa: ASYNC240
+    pytest.fail(f"left behind: {lines}")
 
 
 def cluster_actors() -> list[dict[str, Any]]:
@@ -118,11 +147,7 @@ async def test_placed_on_two_nodes_and_the_rollout_node_dies(tmp_path: Path, clu
     argv = [*up_args(tmp_path, name, *sets), "--ray", cluster.address]
     out = (tmp_path / "up.out").open("w")
     async with running_up(tmp_path, name, argv=argv, stdout=out, stderr=out) as run:
-        bus = await connect(run.run_dir)
-        try:
-            await wait_for_step(bus, run.run_dir, 2)
-        finally:
-            await bus.close()
+        await reach_step(run, 2)
         ray.init(address=cluster.address, namespace="asyncrl-test", log_to_driver=False)
         placed = {a["name"]: a["node"] for a in cluster_actors() if a["state"] == "ALIVE"}
         assert placed["rollout-0"] == node_b.node_id, placed
@@ -136,10 +161,7 @@ async def test_placed_on_two_nodes_and_the_rollout_node_dies(tmp_path: Path, clu
         code = await asyncio.wait_for(run.proc.wait(), RUN_TIMEOUT)
         assert code == 0, (tmp_path / "up.out").read_text()[-3000:]
         # nothing of the run outlives up: no proxy, no role process on either node
-        async with asyncio.timeout(30):
-            while left := run_processes(run.run_dir):  # noqa: ASYNC110 - /proc, no event
-                await asyncio.sleep(0.5)
-        assert not left
+        await nothing_left(run.run_dir)
     run_dir = run.run_dir
     steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1)), f"steps recorded: {steps}"
@@ -159,3 +181,38 @@ async def test_placed_on_two_nodes_and_the_rollout_node_dies(tmp_path: Path, clu
     assert [a for a in actors if a["state"] != "DEAD"] == [], actors
     groups = ray.util.placement_group_table()
     assert all(g["state"] == "REMOVED" for g in groups.values()), groups
+
+
+@pytest.mark.timeout(600)
+async def test_a_trainer_across_both_nodes_in_one_group_and_a_clean_stop(
+    tmp_path: Path, cluster: Any
+) -> None:
+    head, node_b = cluster.head_node, cluster.list_all_nodes()[1]
+    name = "ray-trainer-gang"
+    sets = (
+        "trainer.max_steps=50",  # stopped long before
+        "trainer.nodes=2",
+        'trainer.node=["node-a", "node-b"]',
+        "rollout.node=node-a",
+    )
+    argv = [*up_args(tmp_path, name, *sets), "--ray", cluster.address]
+    out = (tmp_path / "up.out").open("w")
+    async with running_up(tmp_path, name, argv=argv, stdout=out, stderr=out) as run:
+        await reach_step(run, 1)
+        ray.init(address=cluster.address, namespace="asyncrl-test", log_to_driver=False)
+        placed = {a["name"]: a["node"] for a in cluster_actors() if a["state"] == "ALIVE"}
+        assert placed["trainer-0"] == head.node_id, placed
+        assert placed["trainer-0-node1"] == node_b.node_id, placed
+        (group,) = ray.util.placement_group_table().values()
+        assert group["strategy"] == "STRICT_SPREAD" and group["state"] == "CREATED", group
+        assert sorted(group["bundles_to_node_id"].values()) == sorted(
+            [head.node_id, node_b.node_id]
+        )
+        # a stop (Ctrl-C, SIGTERM): every actor stops, and nothing of the run is left
+        run.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(run.proc.wait(), 120)
+        assert code == 0, (tmp_path / "up.out").read_text()[-3000:]
+        await nothing_left(run.run_dir)
+    assert [a for a in cluster_actors() if a["state"] != "DEAD"] == []
+    (group,) = ray.util.placement_group_table().values()
+    assert group["state"] == "REMOVED", group

@@ -438,8 +438,48 @@ class RayLaunch:
         return RayNats(self.ray, run, run_dir, node_ids)
 
     def specs(self, specs: list[Any]) -> list[Any]:
-        """The specs of a local run with each command wrapped in a proxy."""
+        """The specs of a local run with each command wrapped in a proxy (a trainer
+        across nodes: every node's, rendezvous on the node of bundle 0)."""
+        if self.recipe.trainer.nodes > 1:
+            specs = [s for s in specs if s.role != "trainer"] + self._trainer_specs(specs)
         return [self.wrap(spec) for spec in specs]
+
+    def _trainer_specs(self, specs: list[Any]) -> list[Any]:
+        """One torchrun per trainer node, each in its bundle of the placement group and
+        known by that node's address; the rendezvous is ``trainer.rendezvous`` or, empty,
+        a port on the node of bundle 0 (which hosts it)."""
+        from dataclasses import replace
+
+        from asyncrl.runtime.supervisor import actor_argv
+        from asyncrl.train.torchrun import UP_NODE_ENV, free_port, torchrun_argv
+
+        t, ray, actor_id = self.recipe.trainer, self.ray, "trainer-0"
+        on = ray.util.placement_group_table(self.group)["bundles_to_node_id"]
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        hosts = [address[on[k]] for k in range(t.nodes)]
+        # a port free here; the node of bundle 0 is most likely this one or alike
+        endpoint = t.rendezvous or f"{hosts[0]}:{free_port()}"
+        target = actor_argv("trainer", self.run_dir, actor_id)[1:]  # after the interpreter
+        template = next(s for s in specs if s.role == "trainer")
+        return [
+            replace(
+                template,
+                actor_id=actor_id if k == 0 else f"{actor_id}-node{k}",
+                argv=torchrun_argv(
+                    target,
+                    nproc=t.nproc,
+                    nodes=t.nodes,
+                    endpoint=endpoint,
+                    run_id=self.recipe.run.name,
+                    is_host=k == 0,
+                    local_addr=hosts[k],
+                ),
+                gang=actor_id,
+                env={UP_NODE_ENV: str(k)},
+                primary=True,
+            )
+            for k in range(t.nodes)
+        ]
 
     def wrap(self, spec: Any) -> Any:
         from dataclasses import replace
