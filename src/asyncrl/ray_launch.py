@@ -141,13 +141,35 @@ def _pdeathsig(sig: int) -> Callable[[], None] | None:
     return set_pdeathsig
 
 
+def reap_main(command: list[str]) -> int:
+    """Runs ``command`` in this process's group (its leader, in a session of its own) and
+    returns its exit status. When the process that started this one dies (the Ray actor's
+    worker: its parent-death signal is SIGTERM), the whole group is killed, grandchildren
+    too (torchrun's ranks, reward workers), which a parent-death signal alone would leave
+    behind. A SIGTERM while the parent lives is a stop: the group's other members got it
+    too, and this process waits for the command to end."""
+    parent = os.getppid()
+    child = subprocess.Popen(command)
+
+    def on_term(signum: int, frame: Any) -> None:
+        if os.getppid() != parent:  # orphaned: whoever hosted the role is gone
+            os.killpg(0, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, on_term)
+    if os.getppid() != parent:  # died before the handler was in place
+        os.killpg(0, signal.SIGKILL)
+    code = child.wait()
+    return code if code >= 0 else 128 - code
+
+
 class RoleHost:
     """Hosts one role's command as a child process on the node Ray put this actor on.
 
     ``start`` returns once the child is running (its node, host name and pid); ``wait``
-    returns its exit status; ``signal`` signals its process group. The child is forked
-    from a thread of its own that lives as long as the child, so that the parent-death
-    signal fires when this actor's process dies and not before."""
+    returns its exit status; ``signal`` signals its process group. The child is a
+    reaper (:func:`reap_main`) running the command, forked from a thread of its own that
+    lives as long as the child, so that the parent-death signal fires when this actor's
+    process dies and not before."""
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
@@ -166,14 +188,14 @@ class RoleHost:
                 Path(log).parent.mkdir(parents=True, exist_ok=True)
                 with open(log, "ab") as out:
                     self._proc = subprocess.Popen(
-                        argv,
+                        [argv[0], "-m", "asyncrl.ray_launch", "--reap", "--", *argv],
                         stdin=subprocess.DEVNULL,
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         env=env,
                         cwd=cwd if os.path.isdir(cwd) else None,
                         start_new_session=True,
-                        preexec_fn=_pdeathsig(signal.SIGKILL),
+                        preexec_fn=_pdeathsig(signal.SIGTERM),  # the reaper's cue
                     )
             except BaseException as exc:
                 errors.append(exc)
@@ -609,6 +631,8 @@ def proxy_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:3] == ["--reap", "--"]:
+        sys.exit(reap_main(sys.argv[3:]))
     sys.exit(proxy_main())
 
 
