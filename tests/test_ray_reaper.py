@@ -1,10 +1,12 @@
-"""The reaper that runs a role's command inside a Ray actor (``python -m
-asyncrl.ray_launch --reap -- CMD``): when the actor's process dies, the role's whole
-process group goes (grandchildren too); a SIGTERM while the actor lives is a stop that
-the command answers itself. No Ray needed: the actor's process is a plain parent here."""
+"""The reaper that runs a role's command inside a Ray actor (:func:`start_reaper`): when
+the process holding its lifeline (the actor's worker) dies, however it dies, the role's
+whole process group goes, grandchildren too; a SIGTERM to the group while the holder
+lives is a stop that the command answers itself, and its status comes back. No Ray needed:
+the holder is a plain process here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 
 # the role: a process that starts a grandchild and sleeps (as torchrun starts its ranks)
 ROLE = (
@@ -22,17 +24,14 @@ ROLE = (
     "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
     "time.sleep(60)"
 )
-# the actor's process: starts the reaper as RoleHost does, prints its pid, sleeps
-HOST = f"""
-import signal, subprocess, sys, time
-from asyncrl.ray_launch import _pdeathsig
-p = subprocess.Popen(
-    [sys.executable, "-m", "asyncrl.ray_launch", "--reap", "--", sys.executable, "-c", {ROLE!r}],
-    start_new_session=True,
-    preexec_fn=_pdeathsig(signal.SIGTERM),
-)
-print(p.pid, flush=True)
-print(p.wait(), flush=True)
+# the holder (a Ray actor's worker): starts the reaper as RoleHost does, prints the
+# group, then the status the reaper reports
+HOLDER = f"""
+import sys
+from asyncrl.ray_launch import read_status, start_reaper
+pgid, status, life = start_reaper([sys.executable, "-c", {ROLE!r}], None, sys.argv[1], None)
+print(pgid, flush=True)
+print(read_status(status), flush=True)
 """
 
 
@@ -60,28 +59,34 @@ def until(check, limit: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
     return False
 
 
-def start_host() -> tuple[subprocess.Popen[str], int]:
-    host = subprocess.Popen([sys.executable, "-c", HOST], stdout=subprocess.PIPE, text=True)
-    assert host.stdout is not None
-    pgid = int(host.stdout.readline())
-    # reaper, role and grandchild
+def start_holder(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path / "role.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    pgid = int(holder.stdout.readline())
+    # the reaper, the role and its grandchild
     assert until(lambda: len(group(pgid)) == 3), group(pgid)
-    return host, pgid
+    return holder, pgid
 
 
-def test_the_whole_group_goes_when_the_host_dies() -> None:
-    host, pgid = start_host()
-    host.kill()
-    host.wait()
+def test_the_whole_group_goes_when_the_holder_dies(tmp_path: Path) -> None:
+    holder, pgid = start_holder(tmp_path)
+    holder.kill()  # SIGKILL: nothing of it runs, its pipe ends close
+    holder.wait()
     assert until(lambda: not group(pgid)), f"left behind: {group(pgid)}"
 
 
-def test_a_stop_is_answered_by_the_role_and_its_status_returned() -> None:
-    host, pgid = start_host()
+def test_a_stop_is_answered_by_the_role_and_its_status_returned(tmp_path: Path) -> None:
+    holder, pgid = start_holder(tmp_path)
     try:
         os.killpg(pgid, signal.SIGTERM)  # what RoleHost.signal does on a stop
-        assert host.stdout is not None
-        assert int(host.stdout.readline()) == 128 + signal.SIGTERM  # the role's own status
-        host.wait(timeout=30)
+        assert holder.stdout is not None
+        assert int(holder.stdout.readline()) == 128 + signal.SIGTERM  # the role's own status
+        holder.wait(timeout=30)
     finally:
-        host.kill()
+        holder.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)

@@ -20,8 +20,8 @@ that
 The supervisor sees the proxy as the actor's process: a proxy that exits non-zero is a
 crashed actor, restarted (a new proxy, a new Ray actor) within ``run.max_restarts``; its
 SIGTERM becomes the child's SIGTERM; a proxy killed outright takes its Ray actor with it
-(Ray ends the actors of a driver that is gone), and the actor's child dies with the actor
-(``PR_SET_PDEATHSIG``). At the end ``up`` removes the placement group and the nats-server
+(Ray ends the actors of a driver that is gone), and the role's processes die with the
+actor (a reaper holding a lifeline to it, :func:`start_reaper`). At the end ``up`` removes the placement group and the nats-server
 actors: nothing of the run stays on the cluster.
 
 NATS: ``run.nats_servers`` servers (one JetStream cluster joined by routes, as on one
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import os
 import re
 import secrets
@@ -128,105 +127,109 @@ def nodes_used(recipe: Recipe, nodes: list[dict[str, Any]]) -> list[str]:
 # The Ray actors (plain classes: ``ray.remote`` is applied where ray is imported)
 
 
-def _pdeathsig(sig: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that sends the child ``sig`` when the thread that forked it ends
-    (Linux): the role's process goes with the Ray actor that hosts it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+def start_reaper(
+    argv: list[str], env: dict[str, str] | None, log: str, cwd: str | None
+) -> tuple[int, int, int]:
+    """Starts ``argv`` under a reaper (:func:`reap_main`) in a session of its own; returns
+    (the session's process group, the read end of the reaper's status pipe, the write end
+    of its lifeline). Whoever calls this holds the lifeline: when that process dies, its
+    end closes and the reaper kills the whole group."""
+    status_r, status_w = os.pipe()
+    life_r, life_w = os.pipe()
+    try:
+        with open(log, "ab") as out:
+            reaper = [argv[0], "-m", "asyncrl.ray_launch", "--reap", str(status_w), str(life_r)]
+            first = subprocess.Popen(
+                [*reaper, "--", *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                pass_fds=(status_w, life_r),
+            )
+        first.wait()  # it forks the reaper and leaves at once
+    finally:
+        os.close(status_w)
+        os.close(life_r)
+    return first.pid, status_r, life_w
 
-    def set_pdeathsig() -> None:
-        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
 
-    return set_pdeathsig
-
-
-def reap_main(command: list[str]) -> int:
-    """Runs ``command`` in this process's group (its leader, in a session of its own) and
-    returns its exit status. When the process that started this one dies (the Ray actor's
-    worker: its parent-death signal is SIGTERM), the whole group is killed, grandchildren
-    too (torchrun's ranks, reward workers), which a parent-death signal alone would leave
-    behind. A SIGTERM while the parent lives is a stop: the group's other members got it
-    too, and this process waits for the command to end."""
-    parent = os.getppid()
+def reap_main(status_fd: int, life_fd: int, command: list[str]) -> int:
+    """Runs ``command`` in this process's group (a session of its own) and writes its exit
+    status to ``status_fd``. Forks first, so that the reaper is no child of whoever started
+    it (Ray kills a dead worker's children, and a reaper killed outright reaps nothing).
+    When ``life_fd`` reads end-of-file (its holder died: the Ray actor's worker) the whole
+    group is killed, grandchildren too (torchrun's ranks, reward workers). A SIGTERM to
+    the group is a stop, for the command to answer: the reaper waits for it."""
+    if os.fork() > 0:
+        os._exit(0)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     child = subprocess.Popen(command)
 
-    def on_term(signum: int, frame: Any) -> None:
-        if os.getppid() != parent:  # orphaned: whoever hosted the role is gone
-            os.killpg(0, signal.SIGKILL)
-
-    signal.signal(signal.SIGTERM, on_term)
-    if os.getppid() != parent:  # died before the handler was in place
+    def watch() -> None:
+        while os.read(life_fd, 1):
+            pass
         os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
     code = child.wait()
-    return code if code >= 0 else 128 - code
+    code = code if code >= 0 else 128 - code
+    os.write(status_fd, str(code).encode())
+    return code
+
+
+def read_status(status_fd: int) -> int:
+    """The exit status a reaper writes (blocks until it exits); 1 if it died unwritten."""
+    data = b""
+    while chunk := os.read(status_fd, 64):
+        data += chunk
+    os.close(status_fd)
+    return int(data) if data.strip() else 1
 
 
 class RoleHost:
     """Hosts one role's command as a child process on the node Ray put this actor on.
 
-    ``start`` returns once the child is running (its node, host name and pid); ``wait``
-    returns its exit status; ``signal`` signals its process group. The child is a
-    reaper (:func:`reap_main`) running the command, forked from a thread of its own that
-    lives as long as the child, so that the parent-death signal fires when this actor's
-    process dies and not before."""
+    ``start`` returns once the command is running (its node, host name and process
+    group); ``wait`` returns its exit status; ``signal`` signals its process group. The
+    command runs under a reaper (:func:`start_reaper`) whose lifeline this actor's
+    process holds: when the actor dies, however it dies, the role's processes go too."""
 
     def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._done = threading.Event()
-        self._code: int | None = None
+        self._pgid = 0
+        self._status_fd = -1
+        self._life_fd = -1
+        self._done = False
 
     def start(self, argv: list[str], env: dict[str, str], log: str, cwd: str) -> dict[str, Any]:
         import ray
 
         env = {**env, **{k: os.environ[k] for k in VISIBILITY_ENV if k in os.environ}}
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                Path(log).parent.mkdir(parents=True, exist_ok=True)
-                with open(log, "ab") as out:
-                    self._proc = subprocess.Popen(
-                        [argv[0], "-m", "asyncrl.ray_launch", "--reap", "--", *argv],
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        cwd=cwd if os.path.isdir(cwd) else None,
-                        start_new_session=True,
-                        preexec_fn=_pdeathsig(signal.SIGTERM),  # the reaper's cue
-                    )
-            except BaseException as exc:
-                errors.append(exc)
-                ready.set()
-                return
-            ready.set()
-            self._code = self._proc.wait()
-            # whatever the role started (torchrun's ranks, reward workers) goes with it
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            self._done.set()
-
-        threading.Thread(target=run, name="role-child", daemon=True).start()
-        ready.wait()
-        if errors:
-            raise errors[0]
-        assert self._proc is not None
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        self._pgid, self._status_fd, self._life_fd = start_reaper(
+            argv, env, log, cwd if os.path.isdir(cwd) else None
+        )
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
             "host": socket.gethostname(),
-            "pid": self._proc.pid,
+            "pid": self._pgid,
         }
 
     def wait(self) -> int:
-        self._done.wait()
-        return int(self._code if self._code is not None else 1)
+        code = read_status(self._status_fd)
+        self._done = True
+        # whatever the role started and left (torchrun's ranks, reward workers) goes too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._pgid, signal.SIGKILL)
+        os.close(self._life_fd)
+        return code
 
     def signal(self, sig: int) -> None:
-        if self._proc is not None and self._proc.poll() is None:
+        if self._pgid and not self._done:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._proc.pid, sig)
+                os.killpg(self._pgid, sig)
 
 
 class NatsHost:
@@ -573,8 +576,6 @@ def proxy_main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     env = _child_env(dict(os.environ))  # before ray.init adds its own
     stop = threading.Event()
-    # the supervisor's SIGTERM is for the role's process; the proxy stays to report its exit
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     ray = require_ray()
     from ray.util.scheduling_strategies import (
         NodeAffinitySchedulingStrategy,
@@ -587,6 +588,9 @@ def proxy_main(argv: list[str] | None = None) -> int:
         log_to_driver=False,
         logging_level="ERROR",
     )
+    # the supervisor's SIGTERM is for the role's process; the proxy stays to report its
+    # exit. Set after ray.init, whose own handler would end the proxy at once.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     say = lambda text: print(f"ray: {text}", flush=True)  # noqa: E731
     options: dict[str, Any] = {
         "name": args.log_id,
@@ -631,8 +635,8 @@ def proxy_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:3] == ["--reap", "--"]:
-        sys.exit(reap_main(sys.argv[3:]))
+    if sys.argv[1:2] == ["--reap"] and sys.argv[4:5] == ["--"]:
+        sys.exit(reap_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[5:]))
     sys.exit(proxy_main())
 
 
