@@ -114,3 +114,26 @@ def test_asyncrl_check_names_the_key(tmp_path: Path) -> None:
 def test_unknown_placement_key_fails(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r"nodes\.gpu-a\.gpu"):
         recipe_from(tmp_path, "[nodes.gpu-a]\ngpu = 8\n")
+
+
+def test_a_node_name_finds_the_alive_node_that_declares_it() -> None:
+    from asyncrl.ray_launch import find_node, nodes_used
+
+    nodes = [
+        {"NodeID": "dead", "Alive": False, "Resources": {"gpu-b": 1.0}},
+        {
+            "NodeID": "a",
+            "Alive": True,
+            "Resources": {"CPU": 4.0, "gpu-a": 1.0},
+            "Labels": {"zone": "z1"},
+            "NodeManagerHostname": "host-a",
+            "NodeManagerAddress": "10.0.0.1",
+        },
+        {"NodeID": "b", "Alive": True, "Resources": {"gpu-b": 1.0}},
+    ]
+    assert [find_node(n, nodes) for n in ("gpu-a", "z1", "host-a", "10.0.0.1")] == ["a"] * 4
+    assert find_node("gpu-b", nodes) == "b"  # the dead node that declares it is skipped
+    assert find_node("gpu-c", nodes) is None
+    # the nodes of the nats-servers: the trainer's and the buffer's first
+    r = load_recipe(None, ["rollout.node=gpu-a", "buffer.node=gpu-b", "trainer.node=gpu-b"])
+    assert nodes_used(r, nodes) == ["b", "a"]

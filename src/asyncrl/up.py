@@ -339,6 +339,10 @@ def up(
     processes and nats-servers are placed on that cluster (:mod:`asyncrl.ray_launch`)."""
     for warning in enforce_recipe(recipe):  # a recipe that cannot run fails here, first
         print(f"asyncrl: warning: {warning}", file=sys.stderr, flush=True)
+    if ray:  # no ray, no run folder touched
+        from asyncrl.ray_launch import require_ray
+
+        require_ray()
     run_dir = prepare_run_dir(recipe, resume=resume, overwrite=overwrite)
     with open(run_dir / "logs" / "up.log", "a") as up_log:
         configure_logging("INFO", stream=up_log)
