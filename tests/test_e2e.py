@@ -96,7 +96,7 @@ async def test_ci_recipe_learns_within_the_staleness_bound(tmp_path: Path) -> No
     assert (run_dir / "logs" / "trainer-0.log").is_file()
     assert oct((run_dir / "nats.json").stat().st_mode & 0o777) == "0o600"
     # the recipe pins nothing, so up placed generation and training on disjoint cores
-    # where it may use two or more (asyncrl.placement), and each process applied it
+    # where it may use two or more (asyncrl.cores), and each process applied it
     if len(os.sched_getaffinity(0)) >= 2:
         placed = json.loads((run_dir / "placement.json").read_text())
         assert not set(placed["generation"]) & set(placed["training"]), placed

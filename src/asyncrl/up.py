@@ -21,8 +21,8 @@ from typing import Any
 
 from asyncrl.checks import enforce_recipe
 from asyncrl.config import Recipe, RecipeError, dump_recipe
+from asyncrl.cores import CorePlacement, auto_placement
 from asyncrl.messages import Metrics
-from asyncrl.placement import Placement, auto_placement
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
 from asyncrl.subjects import Subjects
@@ -75,7 +75,7 @@ def prepare_run_dir(recipe: Recipe, *, resume: bool, overwrite: bool) -> Path:
     return run_dir
 
 
-def actor_specs(recipe: Recipe, run_dir: Path, placement: Placement | None = None) -> list:
+def actor_specs(recipe: Recipe, run_dir: Path, placement: CorePlacement | None = None) -> list:
     """One spec per actor process. Every role is replaced when it dies in mid-run (up to
     ``run.max_restarts`` times each): rollout, reward and eval actors hold nothing that is
     not also on the stream or in the buffer's leases, the buffer restores its durable
@@ -192,7 +192,7 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
 
 
 async def _up(
-    recipe: Recipe, run_dir: Path, quiet: bool, resume: bool, placement: Placement | None
+    recipe: Recipe, run_dir: Path, quiet: bool, resume: bool, placement: CorePlacement | None
 ) -> int:
     from asyncrl.actors.buffer.durable import forget as forget_buffer_state
     from asyncrl.actors.buffer.durable import keep_for_resume as keep_buffer_position

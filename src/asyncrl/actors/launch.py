@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from asyncrl.config import Recipe, role_cpus
-from asyncrl.placement import placed_cpus, placed_threads
+from asyncrl.cores import placed_cpus, placed_threads
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
@@ -62,7 +62,7 @@ def pin_cpus(role: str, cpus: list[int]) -> None:
 def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
     """Pins this process to its role's cores and sizes torch's thread pools, before torch
     is imported: the recipe's ``<role>.cpus`` and ``<role>.threads`` when set, else what
-    ``up``'s automatic placement chose (:mod:`asyncrl.placement`). Returns (cores, threads),
+    ``up``'s automatic placement chose (:mod:`asyncrl.cores`). Returns (cores, threads),
     empty and 0 where nothing was set."""
     threads = {
         "rollout": recipe.rollout.threads,

@@ -54,13 +54,13 @@ __all__ = [
 def trainer_threads(threads: int = 0) -> int:
     """Torch intra-op threads for one trainer process: ``threads`` (``trainer.threads``)
     when set, else the share ``up``'s automatic placement chose
-    (:func:`asyncrl.placement.placed_threads`), else the CPUs this process may run on (its
+    (:func:`asyncrl.cores.placed_threads`), else the CPUs this process may run on (its
     affinity, ``trainer.cpus`` when pinned) shared among the trainer processes on this
     machine (``LOCAL_WORLD_SIZE``), at least 1. Never more threads than those cores:
     OpenMP workers beyond them spin and wait on each other."""
     import os
 
-    from asyncrl.placement import placed_threads
+    from asyncrl.cores import placed_threads
 
     if threads > 0:
         return threads

@@ -1,4 +1,5 @@
-"""Where the processes of a one-machine CPU run go when the recipe pins none of them.
+"""Core placement: where the processes of a one-machine CPU run go when the recipe pins
+none of them.
 
 On a CPU, generation and training compete for the same cores, and torch's thread pools
 oversubscribe them: two pools of N threads on N cores spin and wait on each other. So when
@@ -44,7 +45,7 @@ GENERATION_ROLES = ("buffer", "reward", "rollout", "eval")
 
 
 @dataclass(frozen=True)
-class Placement:
+class CorePlacement:
     """Cores and torch threads per role, as chosen by :func:`auto_placement`."""
 
     generation: list[int]
@@ -109,7 +110,7 @@ def why_not_placed(recipe: Recipe, cores: list[int], *, cuda: bool) -> str | Non
 
 def auto_placement(
     recipe: Recipe, cores: list[int] | None = None, *, cuda: bool | None = None
-) -> Placement | None:
+) -> CorePlacement | None:
     """The placement of a run whose roles all run here on the CPU, or None (see
     :func:`why_not_placed`). ``cores``: the CPUs this process may use (default: its
     affinity); ``cuda``: whether a CUDA device runs the trainer or the rollout engines
@@ -129,7 +130,7 @@ def auto_placement(
         "eval": len(gen),
         "trainer": max(1, len(train) // trainer_procs),
     }
-    return Placement(gen, train, threads)
+    return CorePlacement(gen, train, threads)
 
 
 def uses_cuda(recipe: Recipe) -> bool:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_recipe
-from asyncrl.placement import (
+from asyncrl.cores import (
     CPUS_ENV,
     THREADS_ENV,
-    Placement,
+    CorePlacement,
     auto_placement,
     split_cores,
     why_not_placed,
@@ -125,11 +125,11 @@ def probe(role: str, env: dict[str, str], *sets: str) -> dict[str, object]:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to place on")
 def test_a_process_pins_itself_where_it_was_placed_and_the_recipe_wins() -> None:
     last = max(os.sched_getaffinity(0))
-    env = Placement([0], [last], {"rollout": 1, "trainer": 1}).env("trainer")
+    env = CorePlacement([0], [last], {"rollout": 1, "trainer": 1}).env("trainer")
     assert probe("trainer", env) == {"cpus": [last], "omp": "1"}
     # a recipe's own cores and threads win over the placement
     assert probe("trainer", env, "trainer.cpus=[0]", "trainer.threads=2") == {
         "cpus": [0],
         "omp": "2",
     }
-    assert probe("buffer", Placement([0], [last]).env("buffer"))["cpus"] == [0]
+    assert probe("buffer", CorePlacement([0], [last]).env("buffer"))["cpus"] == [0]
