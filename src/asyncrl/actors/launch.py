@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from asyncrl.config import Recipe, role_cpus
+from asyncrl.cores import placed_cpus, placed_threads
 from asyncrl.runtime.actor import ActorContext
-from asyncrl.runtime.log import configure_logging
+from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
 
 
@@ -58,6 +59,25 @@ def pin_cpus(role: str, cpus: list[int]) -> None:
         raise SystemExit(f"{role}.cpus = {cpus}: cannot pin this process ({exc})") from None
 
 
+def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
+    """Pins this process to its role's cores and sizes torch's thread pools, before torch
+    is imported: the recipe's ``<role>.cpus`` and ``<role>.threads`` when set, else what
+    ``up``'s automatic placement chose (:mod:`asyncrl.cores`). Returns (cores, threads),
+    empty and 0 where nothing was set."""
+    threads = {
+        "rollout": recipe.rollout.threads,
+        "trainer": recipe.trainer.threads,
+        "eval": recipe.eval.threads,
+    }.get(role) or placed_threads()
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    cpus = role_cpus(recipe).get(role) or placed_cpus()
+    pin_cpus(role, cpus)
+    if cpus or threads:
+        get_logger(role=role).info("placed", cpus=cpus, threads=threads or "default")
+    return cpus, threads
+
+
 def run_actor(
     role: str, run_dir: Path, actor_id: str = "", *, nats_file: Path | None = None
 ) -> int:
@@ -65,15 +85,7 @@ def run_actor(
 
     configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"))
     ctx = build_context(run_dir, actor_id, nats_file)
-    threads = {
-        "rollout": ctx.recipe.rollout.threads,
-        "trainer": ctx.recipe.trainer.threads,
-        "eval": ctx.recipe.eval.threads,
-    }
-    if threads.get(role):
-        # before torch is imported, so its thread pools start at this size
-        os.environ["OMP_NUM_THREADS"] = str(threads[role])
-    pin_cpus(role, role_cpus(ctx.recipe).get(role, []))
+    place_process(role, ctx.recipe)
     if role == "trainer" and dist_rank() > 0:
         # torchrun ranks > 0 are not actors: they follow rank 0's collective commands
         from asyncrl.train import build_train_engine

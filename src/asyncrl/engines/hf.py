@@ -44,7 +44,7 @@ from asyncrl.engines.base import (
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode
-from asyncrl.models import ModelConfig
+from asyncrl.models import ModelConfig, resolve_dtype
 from asyncrl.schema import resolve_device
 
 MEMORY_TAG = "asyncrl-hf-weights"
@@ -102,8 +102,8 @@ class HFEngine(InferenceEngine):
         model = model if isinstance(model, ModelConfig) else ModelConfig(path=model)
         self.config = config or HFEngineConfig()
         self.model_spec = model.path
-        self.dtype = model.dtype
         self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(model.dtype, self.device)
         self.logprob_mode: LogprobMode = logprob_mode
         self.on_step = on_step
         # torch-memory-saver keeps the weights' virtual addresses while their physical

@@ -42,7 +42,8 @@ from asyncrl.engines.base import (
 )
 from asyncrl.engines.config import ServerEngineConfig
 from asyncrl.engines.server import ServerError, ServerProcess, free_port, tail
-from asyncrl.models import ModelConfig
+from asyncrl.models import ModelConfig, resolve_dtype
+from asyncrl.schema import resolve_device
 
 AFFINITY_SLOTS = 4096
 """Routing keys remembered. Groups in flight are bounded by the actor's concurrency (tens
@@ -122,7 +123,9 @@ class RemoteEngine(InferenceEngine):
         model = model if isinstance(model, ModelConfig) else ModelConfig(path=model)
         self.config = config
         self.model_spec = model.path
-        self.dtype = model.dtype
+        # a server started here runs on CUDA where there is one, else on this CPU
+        device = resolve_device("auto") if model.dtype == "auto" else "cpu"
+        self.dtype = resolve_dtype(model.dtype, device)
         self.urls = [u.rstrip("/") for u in config.urls]
         self.n_servers = config.servers
         self.log_dir = Path(log_dir) if log_dir is not None else Path("logs")

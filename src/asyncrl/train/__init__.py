@@ -53,14 +53,19 @@ __all__ = [
 
 def trainer_threads(threads: int = 0) -> int:
     """Torch intra-op threads for one trainer process: ``threads`` (``trainer.threads``)
-    when set, else the CPUs this process may run on (its affinity, ``trainer.cpus`` when
-    pinned) shared among the trainer processes on this machine (``LOCAL_WORLD_SIZE``), at
-    least 1. Never more threads than those cores: OpenMP workers beyond them spin and wait
-    on each other."""
+    when set, else the share ``up``'s automatic placement chose
+    (:func:`asyncrl.cores.placed_threads`), else the CPUs this process may run on (its
+    affinity, ``trainer.cpus`` when pinned) shared among the trainer processes on this
+    machine (``LOCAL_WORLD_SIZE``), at least 1. Never more threads than those cores:
+    OpenMP workers beyond them spin and wait on each other."""
     import os
+
+    from asyncrl.cores import placed_threads
 
     if threads > 0:
         return threads
+    if placed_threads() > 0:
+        return placed_threads()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return max(1, (cpus or 1) // local)

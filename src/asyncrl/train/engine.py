@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncrl.algo.loss import agg_count, policy_loss
-from asyncrl.models import ModelConfig, resolve_model_path, torch_dtype
+from asyncrl.models import ModelConfig, resolve_dtype, resolve_model_path, torch_dtype
 from asyncrl.schema import resolve_device
 from asyncrl.train import checkpoint as ckpt
 from asyncrl.train.batch import Batch
@@ -92,7 +92,8 @@ class TrainEngine:
         )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.param_dtype = torch_dtype(model.dtype)
+        self.dtype_name = resolve_dtype(model.dtype, self.device.type)
+        self.param_dtype = torch_dtype(self.dtype_name)
         self.step = 0
         self.version = 0
         self.skipped_nonfinite = 0
@@ -525,7 +526,7 @@ class TrainEngine:
         ckpt.export_hf(
             path,
             self.lm,
-            dtype=torch_dtype(dtype or self.model_config.dtype),
+            dtype=torch_dtype(dtype or self.dtype_name),
             tokenizer=self.tokenizer if self.rank == 0 else None,  # only rank 0 writes
         )
 
@@ -538,7 +539,7 @@ class TrainEngine:
         """
         self._reshard()
         return ckpt.iter_full_weights(
-            self.lm, bucket_bytes, dtype=torch_dtype(dtype or self.model_config.dtype)
+            self.lm, bucket_bytes, dtype=torch_dtype(dtype or self.dtype_name)
         )
 
     @property

@@ -1,0 +1,158 @@
+"""Core placement: where the processes of a one-machine CPU run go when the recipe pins
+none of them.
+
+On a CPU, generation and training compete for the same cores, and torch's thread pools
+oversubscribe them: two pools of N threads on N cores spin and wait on each other. So when
+every role runs on this machine's CPU and no ``<role>.cpus`` is set, ``asyncrl up`` splits
+the cores it may use into two disjoint sets:
+
+- **generation** (rollout, reward, eval and the buffer): ``max(1, round(N / 4))`` cores;
+- **training** (every trainer process): the other ``N − G``.
+
+The trainer gets most of the machine because on a CPU it is the bottleneck: a train step
+costs about three forward passes per token (forward, backward, and the proximal pass),
+while generation, decoupled by the staleness bound, only has to keep the next batch
+ready. On 2 cores the rule gives one core each. ``bench/async_vs_sync.py --placements``
+compares the rule against hand placements.
+
+Each process gets torch threads equal to its share of its set (the rollout actors divide
+the generation cores among them; trainer processes divide the training cores). A role's
+explicit ``threads`` key still wins. The choice travels to the processes ``up`` starts
+as environment variables (:data:`CPUS_ENV`, :data:`THREADS_ENV`), never into the run's
+recipe: an actor attached from another machine must not inherit this machine's core ids.
+``run.placement = "none"`` turns the rule off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config import Recipe
+
+CPUS_ENV = "ASYNCRL_CPUS"
+"""Comma-separated CPU ids ``up`` placed this process on (unset: no placement)."""
+THREADS_ENV = "ASYNCRL_THREADS"
+"""Torch intra-op threads ``up`` chose for this process (unset: no placement)."""
+
+GEN_SHARE = 0.25
+"""Share of the cores generation gets (at least one)."""
+
+GENERATION_ROLES = ("buffer", "reward", "rollout", "eval")
+
+
+@dataclass(frozen=True)
+class CorePlacement:
+    """Cores and torch threads per role, as chosen by :func:`auto_placement`."""
+
+    generation: list[int]
+    training: list[int]
+    threads: dict[str, int] = field(default_factory=dict)
+
+    def cpus(self, role: str) -> list[int]:
+        return self.training if role == "trainer" else self.generation
+
+    def env(self, role: str) -> dict[str, str]:
+        """The environment a process of ``role`` is started with."""
+        env = {CPUS_ENV: ",".join(map(str, self.cpus(role)))}
+        if role in self.threads:
+            env[THREADS_ENV] = str(self.threads[role])
+        return env
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"generation": self.generation, "training": self.training, "threads": self.threads}
+        )
+
+    def describe(self) -> str:
+        def ids(cores: list[int]) -> str:
+            return ",".join(map(str, cores))
+
+        n = len(self.generation) + len(self.training)
+        return (
+            f"placement: {n} cores; generation (rollout, reward, eval, buffer) on "
+            f"[{ids(self.generation)}], {self.threads.get('rollout', 1)} thread(s) per "
+            f"rollout actor; training on [{ids(self.training)}], "
+            f"{self.threads.get('trainer', 1)} thread(s) per trainer process "
+            f'(run.placement = "none" turns this off)'
+        )
+
+
+def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
+    """(generation, training) cores: the first ``max(1, round(N · GEN_SHARE))`` for
+    generation, the rest for training. Needs at least 2 cores."""
+    if len(cores) < 2:
+        raise ValueError(f"cannot split {len(cores)} core(s) into two sets")
+    ordered = sorted(cores)
+    gen = max(1, round(len(ordered) * GEN_SHARE))
+    return ordered[:gen], ordered[gen:]
+
+
+def why_not_placed(recipe: Recipe, cores: list[int], *, cuda: bool) -> str | None:
+    """Why :func:`auto_placement` leaves this run's processes where the OS puts them, or
+    None when it places them."""
+    from asyncrl.config import role_cpus
+
+    if recipe.run.placement == "none":
+        return 'run.placement is "none"'
+    pinned = [role for role, ids in role_cpus(recipe).items() if ids]
+    if pinned:
+        return f"the recipe pins {', '.join(f'{r}.cpus' for r in pinned)} itself"
+    if cuda:
+        return "a CUDA device runs the model"
+    if len(cores) < 2:
+        return f"this process may use {len(cores)} core"
+    return None
+
+
+def auto_placement(
+    recipe: Recipe, cores: list[int] | None = None, *, cuda: bool | None = None
+) -> CorePlacement | None:
+    """The placement of a run whose roles all run here on the CPU, or None (see
+    :func:`why_not_placed`). ``cores``: the CPUs this process may use (default: its
+    affinity); ``cuda``: whether a CUDA device runs the trainer or the rollout engines
+    (default: resolved from the recipe's devices on this machine)."""
+    if cores is None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cuda is None:
+        cuda = uses_cuda(recipe)
+    if why_not_placed(recipe, cores, cuda=cuda) is not None:
+        return None
+    gen, train = split_cores(cores)
+    t = recipe.trainer
+    # trainer nodes on loopback all run here; with a rendezvous elsewhere only the first
+    trainer_procs = t.nproc * (1 if t.rendezvous else t.nodes)
+    threads = {
+        "rollout": max(1, len(gen) // max(1, recipe.rollout.actors)),
+        "eval": len(gen),
+        "trainer": max(1, len(train) // trainer_procs),
+    }
+    return CorePlacement(gen, train, threads)
+
+
+def uses_cuda(recipe: Recipe) -> bool:
+    """Whether the trainer or the rollout engines resolve to a CUDA device here (an
+    inference server started here uses CUDA where there is one)."""
+    from asyncrl.schema import resolve_device
+
+    engine = recipe.rollout.engine
+    engine_device = getattr(engine, "device", "cpu" if engine.type == "instant" else "auto")
+    devices = [recipe.trainer.device, engine_device]
+    if all(d == "cpu" for d in devices):
+        return False  # without importing torch
+    return any(resolve_device(d).startswith("cuda") for d in devices)
+
+
+def placed_cpus() -> list[int]:
+    """The cores ``up`` placed this process on (:data:`CPUS_ENV`), or []."""
+    raw = os.environ.get(CPUS_ENV, "")
+    return [int(x) for x in raw.split(",") if x.strip()]
+
+
+def placed_threads() -> int:
+    """The torch threads ``up`` chose for this process (:data:`THREADS_ENV`), or 0."""
+    raw = os.environ.get(THREADS_ENV, "")
+    return int(raw) if raw.strip() else 0

@@ -1,0 +1,135 @@
+"""Automatic placement of a one-machine CPU run: the split rule, when it applies, and
+that each process applies what it was given."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_recipe
+from asyncrl.cores import (
+    CPUS_ENV,
+    THREADS_ENV,
+    CorePlacement,
+    auto_placement,
+    split_cores,
+    why_not_placed,
+)
+from asyncrl.train import trainer_threads
+from asyncrl.train.torchrun import UP_NODE_ENV
+from asyncrl.up import actor_specs
+
+REPO = Path(__file__).resolve().parents[1]
+CI = REPO / "recipes" / "ci.toml"
+
+
+@pytest.mark.parametrize(
+    ("n", "gen"),
+    [(2, [0]), (3, [0]), (4, [0]), (8, [0, 1]), (16, [0, 1, 2, 3]), (64, list(range(16)))],
+)
+def test_generation_takes_a_quarter_of_the_cores_and_at_least_one(n: int, gen: list[int]) -> None:
+    g, t = split_cores(list(range(n)))
+    assert g == gen
+    assert t == list(range(len(gen), n))
+
+
+def test_one_core_cannot_be_split() -> None:
+    with pytest.raises(ValueError, match="1 core"):
+        split_cores([5])
+
+
+def test_cores_are_split_in_id_order_whatever_the_affinity_order() -> None:
+    assert split_cores([7, 3, 5, 4]) == ([3], [4, 5, 7])
+
+
+def test_threads_divide_each_set_among_its_processes() -> None:
+    recipe = load_recipe(CI, ["rollout.actors=2", "trainer.nproc=2"])
+    p = auto_placement(recipe, list(range(16)), cuda=False)
+    assert p is not None
+    assert (p.generation, p.training) == ([0, 1, 2, 3], list(range(4, 16)))
+    # 4 generation cores for 2 rollout actors; 12 training cores for 2 ranks
+    assert p.threads == {"rollout": 2, "eval": 4, "trainer": 6}
+    two_nodes = load_recipe(CI, ["trainer.nodes=2"])
+    p2 = auto_placement(two_nodes, list(range(8)), cuda=False)
+    assert p2 is not None and p2.threads["trainer"] == 3  # both loopback nodes run here
+
+
+@pytest.mark.parametrize(
+    ("sets", "cores", "cuda", "why"),
+    [
+        (["run.placement=none"], [0, 1], False, 'run.placement is "none"'),
+        (["trainer.cpus=[1]"], [0, 1], False, "the recipe pins trainer.cpus itself"),
+        (["rollout.cpus=[0]", "eval.cpus=[0]"], [0, 1], False, "rollout.cpus, eval.cpus"),
+        ([], [0, 1], True, "a CUDA device runs the model"),
+        ([], [0], False, "may use 1 core"),
+    ],
+)
+def test_no_placement_where_the_user_or_the_machine_decides(
+    sets: list[str], cores: list[int], cuda: bool, why: str
+) -> None:
+    recipe = load_recipe(CI, sets)
+    reason = why_not_placed(recipe, cores, cuda=cuda)
+    assert reason is not None and why in reason
+    assert auto_placement(recipe, cores, cuda=cuda) is None
+
+
+def test_every_process_up_starts_carries_its_roles_cores(tmp_path: Path) -> None:
+    recipe = load_recipe(CI, ["eval.every=2", "trainer.nodes=2"])
+    p = auto_placement(recipe, [0, 1, 2, 3], cuda=False)
+    assert p is not None
+    specs = actor_specs(recipe, tmp_path, p)
+    assert {s.role for s in specs} == {"buffer", "reward", "rollout", "eval", "trainer"}
+    for s in specs:
+        want = "1,2,3" if s.role == "trainer" else "0"
+        assert s.env[CPUS_ENV] == want, (s.actor_id, s.env)
+    # the trainer gang keeps its own environment beside the placement
+    assert all(UP_NODE_ENV in s.env for s in specs if s.role == "trainer")
+    assert all(CPUS_ENV not in s.env for s in actor_specs(recipe, tmp_path))
+
+
+def test_the_placed_threads_size_the_trainer_unless_the_recipe_sets_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert trainer_threads(0) == 3
+    assert trainer_threads(2) == 2
+
+
+PROBE = """
+import json, os, sys
+from asyncrl.actors.launch import place_process
+from asyncrl.config import load_recipe
+recipe = load_recipe(sys.argv[1], sys.argv[3:])
+place_process(sys.argv[2], recipe)
+print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)),
+                  "omp": os.environ.get("OMP_NUM_THREADS")}))
+"""
+
+
+def probe(role: str, env: dict[str, str], *sets: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(CI), role, *sets],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to place on")
+def test_a_process_pins_itself_where_it_was_placed_and_the_recipe_wins() -> None:
+    last = max(os.sched_getaffinity(0))
+    env = CorePlacement([0], [last], {"rollout": 1, "trainer": 1}).env("trainer")
+    assert probe("trainer", env) == {"cpus": [last], "omp": "1"}
+    # a recipe's own cores and threads win over the placement
+    assert probe("trainer", env, "trainer.cpus=[0]", "trainer.threads=2") == {
+        "cpus": [0],
+        "omp": "2",
+    }
+    assert probe("buffer", CorePlacement([0], [last]).env("buffer"))["cpus"] == [0]
