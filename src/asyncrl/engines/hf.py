@@ -14,6 +14,12 @@ the logprob of the sampled token under the distribution that sampled it (tempera
 then the top-k/top-p cut, renormalised), as vLLM reports and the trainer recomputes — at
 T = 1 without a cut, exactly a teacher-forced forward pass of the same tokens.
 
+A weight update is full weights (every parameter, HF names) or a LoRA adapter (a peft
+adapter directory, :mod:`asyncrl.lora`): the adapter is merged, in float32, into a copy of
+the base weights of the layers it adapts, kept since the first adapter arrived (the base
+is what the engine loaded, or the last full update), so each adapter replaces the one
+before rather than adding to it and no rounding piles up over updates.
+
 Pausing takes effect between two steps: the running sequences end as ``abort`` with their
 partial tokens and the KV cache is dropped; :class:`~asyncrl.engines.base.InferenceEngine`
 resubmits them after ``resume()``, so their continuation is prefilled from the partial
@@ -44,6 +50,7 @@ from asyncrl.engines.base import (
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode
+from asyncrl.lora import LoraAdapter, is_adapter_dir, merged, read_adapter
 from asyncrl.models import ModelConfig
 from asyncrl.schema import resolve_device
 
@@ -131,6 +138,8 @@ class HFEngine(InferenceEngine):
         self._interrupt_requested = False
         self._interrupted = asyncio.Event()
         self._failure: BaseException | None = None
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """The base weights of the layers that adapters adapt (name -> a copy)."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -366,13 +375,19 @@ class HFEngine(InferenceEngine):
 
     async def stage_weights(self, source: WeightSource) -> WeightSource:
         """Reads a directory's safetensors into host memory off the model thread, so that
-        generation goes on meanwhile and the pause only copies tensors."""
+        generation goes on meanwhile and the pause only copies tensors. An adapter directory
+        is left to the load: it is small, and its merge needs the model thread anyway."""
         if isinstance(source, str | Path):
+            if is_adapter_dir(source):
+                return source
             return await asyncio.to_thread(lambda: list(_read_safetensors_dir(Path(source))))
         return source
 
     async def _load_weights(self, source: WeightSource) -> None:
-        if isinstance(source, AsyncIterable):
+        if isinstance(source, str | Path) and is_adapter_dir(source):
+            adapter = await asyncio.to_thread(read_adapter, source)
+            await self._in_model_thread(self._apply_adapter, adapter)
+        elif isinstance(source, AsyncIterable):
             pairs = [pair async for pair in source]
             await self._in_model_thread(self._copy_weights, pairs)
         elif isinstance(source, str | Path):
@@ -406,6 +421,32 @@ class HFEngine(InferenceEngine):
             raise KeyError(f"weight update lacks {len(missing)} parameters, e.g. {missing[:3]}")
         for target, tensor in staged:
             target.copy_(tensor)
+        self._lora_base.clear()  # these are the base weights now
+
+    @torch.no_grad()
+    def _apply_adapter(self, adapter: LoraAdapter) -> None:
+        """Sets each adapted weight to its base weight merged with ``adapter``. A layer an
+        earlier adapter adapted but this one does not goes back to its base weight. Checks
+        every name and shape before changing anything."""
+        params = dict(self.model.named_parameters())
+        for name, (a, b) in adapter.factors.items():
+            target = params.get(name)
+            if target is None:
+                raise KeyError(f"the adapter adapts {name!r}, which the model does not have")
+            if (b.shape[0], a.shape[1]) != tuple(target.shape) or a.shape[0] != b.shape[1]:
+                raise ValueError(
+                    f"adapter of {name!r}: B {tuple(b.shape)} @ A {tuple(a.shape)} does not "
+                    f"give the model's {tuple(target.shape)}"
+                )
+        for name in adapter.factors:
+            if name not in self._lora_base:
+                self._lora_base[name] = params[name].detach().clone()
+        for name, base in self._lora_base.items():
+            if name in adapter.factors:
+                a, b = adapter.factors[name]
+                params[name].copy_(merged(base, a, b, adapter.scale))
+            else:
+                params[name].copy_(base)
 
 
 def _read_safetensors_dir(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
