@@ -168,3 +168,52 @@ def test_merge_formula() -> None:
     out = merged(w, a, b, 2.0)
     assert torch.equal(out, torch.tensor([[7.0, 12.0], [-2.0, -3.0]]))
     assert torch.equal(w, torch.eye(2))  # not changed in place
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
+    """Two gloo ranks, FSDP2 over the adapted model: the same steps, logprobs, reference
+    logprobs and merged weights as one process; the checkpoint (adapters only) loads in
+    one process, and the adapter export is the one process's."""
+    import os
+    import subprocess
+
+    from train_helpers.tiny import full_weights, lora_fsdp_engine
+
+    from asyncrl.train.torchrun import torchrun_argv
+
+    worker = Path(__file__).parent / "train_helpers" / "worker.py"
+    out, ckpt, export = tmp_path / "out.pt", tmp_path / "ckpt", tmp_path / "adapter"
+    target = [str(worker), "lora", "--out", str(out), "--ckpt", str(ckpt)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = torchrun_argv([*target, "--export", str(export)], nproc=2)
+    subprocess.run(argv, check=True, timeout=240, env=env)
+    sharded = torch.load(out, weights_only=True)
+
+    engine = lora_fsdp_engine()
+    stats = [engine.train_step(random_batch(step)) for step in range(2)]
+    for got, want in zip(sharded["stats"], stats, strict=True):
+        for key in ("loss", "pg_loss", "grad_norm", "kl_ref"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert stats[1]["kl_ref"] > 0  # the reference (adapters off) is not the policy
+    batch = random_batch(7)
+    for a, b in zip(sharded["logprobs"], engine.compute_logprobs(batch), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for a, b in zip(sharded["ref"], engine.compute_ref_logprobs(batch), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    plain = full_weights(engine)
+    assert sharded["weights"].keys() == plain.keys()
+    assert not any("lora" in name or "base_layer" in name for name in plain)
+    for name, tensor in plain.items():
+        torch.testing.assert_close(sharded["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
+
+    resumed = lora_fsdp_engine()
+    resumed.load_checkpoint(ckpt)
+    for name, tensor in full_weights(resumed).items():
+        torch.testing.assert_close(tensor, sharded["weights"][name], rtol=0, atol=0, msg=name)
+    engine.export_weights(tmp_path / "plain")
+    got, want = read_adapter(export), read_adapter(tmp_path / "plain")
+    assert got.factors.keys() == want.factors.keys() and got.scale == want.scale
+    for name, (a, b) in want.factors.items():
+        torch.testing.assert_close(got.factors[name][0], a, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(got.factors[name][1], b, rtol=0, atol=1e-5, msg=name)

@@ -1,6 +1,7 @@
-"""Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on)
-or ``fsdp`` (under torchrun, any world size; the first step through the ranks' command
-protocol, as the trainer actor runs it). Results go to ``--out`` via torch.save."""
+"""Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on),
+``fsdp`` (under torchrun, any world size; the first step through the ranks' command
+protocol, as the trainer actor runs it) or ``lora`` (under torchrun, with LoRA adapters).
+Results go to ``--out`` via torch.save."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.train.commands import Leader, follow
-from train_helpers.tiny import fsdp_engine, full_weights, random_batch, resume_engine
+from train_helpers.tiny import (
+    fsdp_engine,
+    full_weights,
+    lora_fsdp_engine,
+    random_batch,
+    resume_engine,
+)
 
 
 def resume(args: argparse.Namespace) -> None:
@@ -55,15 +62,32 @@ def fsdp(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def lora(args: argparse.Namespace) -> None:
+    """Two LoRA steps under FSDP2: stats, logprobs (policy and reference), merged weights,
+    a checkpoint and the adapter export."""
+    dist.init_process_group("gloo")
+    engine = lora_fsdp_engine()
+    stats = [engine.train_step(random_batch(step)) for step in range(2)]
+    logprobs = engine.compute_logprobs(random_batch(7))
+    ref_logprobs = engine.compute_ref_logprobs(random_batch(7))
+    weights = full_weights(engine)
+    engine.save_checkpoint(args.ckpt)
+    engine.export_weights(args.export)
+    if dist.get_rank() == 0:
+        result = {"stats": stats, "logprobs": logprobs, "ref": ref_logprobs, "weights": weights}
+        torch.save(result, args.out)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["resume", "fsdp"])
+    parser.add_argument("mode", choices=["resume", "fsdp", "lora"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--export", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    {"resume": resume, "fsdp": fsdp}[args.mode](args)
+    {"resume": resume, "fsdp": fsdp, "lora": lora}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class TrainEngine:
         if self.lora:
             from asyncrl.train.lora import apply_lora
 
-            lm = apply_lora(lm, config.lora)  # before FSDP: it shards the adapters too
+            lm = apply_lora(lm, config.lora, seed=seed)  # before FSDP, which shards them too
         self.lm = lm
         self.module: nn.Module = self._wrap(lm)
         # The reference policy of the KL penalty: the initial weights, frozen, laid out

@@ -27,10 +27,14 @@ from asyncrl.train.config import LoraConfig
 ADAPTER_NAME = "default"
 
 
-def apply_lora(lm: nn.Module, config: LoraConfig) -> nn.Module:
+def apply_lora(lm: nn.Module, config: LoraConfig, *, seed: int = 0) -> nn.Module:
     """``lm`` with adapters on its ``target_modules`` (a ``peft`` model around it): A
-    random (Kaiming), B zero, so the adapted model starts as the base model exactly; only
-    the adapters require grad."""
+    random (Kaiming, drawn from ``seed``), B zero, so the adapted model starts as the base
+    model exactly; only the adapters require grad.
+
+    Every rank must pass the same ``seed``: FSDP2 keeps each rank's own slice of the
+    tensor it is given, so adapters drawn from per-rank RNG streams would be stitched
+    together from different initialisations."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -46,7 +50,9 @@ def apply_lora(lm: nn.Module, config: LoraConfig) -> nn.Module:
         warnings.filterwarnings(
             "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
         )
-        return get_peft_model(lm, peft_config)  # type: ignore[arg-type,no-any-return]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return get_peft_model(lm, peft_config)  # type: ignore[arg-type,no-any-return]
 
 
 def is_adapter_param(name: str) -> bool:
