@@ -270,6 +270,10 @@ def sglang_app(model: FakeModel) -> web.Application:
             return web.json_response(
                 {"object": "error", "message": "memory is released", "code": 400}, status=400
             )
+        model.models.append(body.get("lora_path") or "")
+        if body.get("lora_path") and body["lora_path"] not in model.adapters:
+            message = f"LoRA adapter {body['lora_path']!r} is not loaded"
+            return web.json_response({"object": "error", "message": message}, status=400)
         sp = body["sampling_params"]
         stops = set(sp.get("stop_token_ids") or [])
         if not sp.get("ignore_eos"):
@@ -351,11 +355,31 @@ def sglang_app(model: FakeModel) -> web.Application:
         state["released"] = False
         return web.Response(status=200)
 
+    async def load_lora_adapter(request: web.Request) -> web.Response:
+        # SGLang's LoadLoRAAdapterReqInput: lora_name, lora_path (pinned: optional)
+        body = await request.json()
+        model.calls.append(("load_lora_adapter", body))
+        name, path = body["lora_name"], body["lora_path"]
+        if name in model.adapters:
+            message = f"LoRA adapter {name!r} is already loaded"
+            return web.json_response({"success": False, "error_message": message}, status=400)
+        model.adapters[name] = path
+        model.weights += 1
+        return web.json_response({"success": True, "loaded_adapters": dict(model.adapters)})
+
+    async def unload_lora_adapter(request: web.Request) -> web.Response:
+        body = await request.json()
+        model.calls.append(("unload_lora_adapter", body))
+        model.adapters.pop(body["lora_name"], None)
+        return web.json_response({"success": True, "loaded_adapters": dict(model.adapters)})
+
     app = web.Application()
     app.add_routes(
         [
             web.get("/health", health),
             web.post("/generate", generate),
+            web.post("/load_lora_adapter", load_lora_adapter),
+            web.post("/unload_lora_adapter", unload_lora_adapter),
             web.post("/pause_generation", pause_generation),
             web.post("/continue_generation", continue_generation),
             web.post("/abort_request", abort_request),

@@ -84,3 +84,30 @@ def test_vllm_servers_start_with_lora_for_the_adapters_rank() -> None:
     assert engine.server_env()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert "--enable-lora" not in VLLMEngine(MODEL, config).server_argv(8000)
     assert [max_lora_rank(r) for r in (1, 8, 9, 320, 321)] == [1, 8, 16, 320, 512]
+
+
+async def test_sglang_loads_each_adapter_by_version_and_requests_name_it(tmp_path: Path) -> None:
+    from fake_servers import sglang_app
+
+    from asyncrl.engines.config import SGLangEngineConfig
+    from asyncrl.engines.sglang import SGLangEngine
+
+    model = FakeModel(step_s=0.0)
+    async with RunningServer(sglang_app(model), model) as server:
+        config = SGLangEngineConfig(urls=[server.url], retry_backoff=0.01)
+        async with SGLangEngine(MODEL, config, lora_rank=8) as engine:
+            await engine.update_weights(adapter_dir(tmp_path / "v1"), version=1)
+            await engine.agenerate(request("a/0"))
+            await engine.update_weights(adapter_dir(tmp_path / "v2"), version=2)
+            out = await engine.agenerate(request("b/0"))
+    assert model.models == ["policy-v1", "policy-v2"]
+    assert out.output_versions == [2] * 3
+    assert [c for c in model.calls if "lora" in c[0]] == [
+        ("load_lora_adapter", {"lora_name": "policy-v1", "lora_path": str(tmp_path / "v1")}),
+        ("load_lora_adapter", {"lora_name": "policy-v2", "lora_path": str(tmp_path / "v2")}),
+        ("unload_lora_adapter", {"lora_name": "policy-v1"}),
+    ]
+    assert not any(c[0] == "update_weights_from_disk" for c in model.calls)
+    assert not (tmp_path / "v1" / "config.json").exists()  # an adapter is no model folder
+    argv = SGLangEngine(MODEL, SGLangEngineConfig(command=["sglang"]), lora_rank=8).server_argv(1)
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"
