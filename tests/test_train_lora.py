@@ -171,24 +171,18 @@ def test_merge_formula() -> None:
 
 
 @pytest.mark.slow
-def test_lora_under_fsdp_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
+def test_lora_under_fsdp_on_two_ranks_matches_one_process(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Two gloo ranks, FSDP2 over the adapted model: the same steps, logprobs, reference
     logprobs and merged weights as one process; the checkpoint (adapters only) loads in
-    one process, and the adapter export is the one process's."""
-    import os
-    import subprocess
-
+    one process, and the adapter export is the one process's. (The two ranks are the
+    world-2 torchrun of test_train_distributed.py, whose worker runs these steps too.)"""
+    from test_train_distributed import launch
     from train_helpers.tiny import full_weights, lora_fsdp_engine
 
-    from asyncrl.train.torchrun import torchrun_argv
-
-    worker = Path(__file__).parent / "train_helpers" / "worker.py"
-    out, ckpt, export = tmp_path / "out.pt", tmp_path / "ckpt", tmp_path / "adapter"
-    target = [str(worker), "lora", "--out", str(out), "--ckpt", str(ckpt)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = torchrun_argv([*target, "--export", str(export)], nproc=2)
-    subprocess.run(argv, check=True, timeout=240, env=env)
-    sharded = torch.load(out, weights_only=True)
+    folder = launch("world2", tmp_path_factory)["dir"] / "lora"
+    sharded = torch.load(folder / "out.pt", weights_only=True)
 
     engine = lora_fsdp_engine()
     stats = [engine.train_step(random_batch(step)) for step in range(2)]
@@ -208,11 +202,11 @@ def test_lora_under_fsdp_on_two_ranks_matches_one_process(tmp_path: Path) -> Non
         torch.testing.assert_close(sharded["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
 
     resumed = lora_fsdp_engine()
-    resumed.load_checkpoint(ckpt)
+    resumed.load_checkpoint(folder / "ckpt")
     for name, tensor in full_weights(resumed).items():
         torch.testing.assert_close(tensor, sharded["weights"][name], rtol=0, atol=0, msg=name)
     engine.export_weights(tmp_path / "plain")
-    got, want = read_adapter(export), read_adapter(tmp_path / "plain")
+    got, want = read_adapter(folder / "adapter"), read_adapter(tmp_path / "plain")
     assert got.factors.keys() == want.factors.keys() and got.scale == want.scale
     for name, (a, b) in want.factors.items():
         torch.testing.assert_close(got.factors[name][0], a, rtol=0, atol=1e-5, msg=name)

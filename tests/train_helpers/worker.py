@@ -1,7 +1,7 @@
 """Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on),
 ``fsdp`` (under torchrun, any world size; the first step through the ranks' command
-protocol, as the trainer actor runs it) or ``lora`` (under torchrun, with LoRA adapters).
-Results go to ``--out`` via torch.save."""
+protocol, as the trainer actor runs it; with ``--lora``, then the same with LoRA
+adapters). Results go to ``--out`` via torch.save."""
 
 from __future__ import annotations
 
@@ -59,35 +59,37 @@ def fsdp(args: argparse.Namespace) -> None:
         torch.save({"stats": stats, "logprobs": logprobs, "weights": weights}, args.out)
     else:
         assert weights == {}, "only rank 0 receives full weights"
+    if args.lora:
+        lora(Path(args.lora))
     dist.destroy_process_group()
 
 
-def lora(args: argparse.Namespace) -> None:
-    """Two LoRA steps under FSDP2: stats, logprobs (policy and reference), merged weights,
-    a checkpoint and the adapter export."""
-    dist.init_process_group("gloo")
+def lora(folder: Path) -> None:
+    """Two LoRA steps under FSDP2 (in the process group of ``fsdp``, which costs less than
+    a torchrun of its own): stats, logprobs (policy and reference) and merged weights to
+    ``folder/out.pt``, a checkpoint to ``folder/ckpt``, the adapter to ``folder/adapter``."""
     engine = lora_fsdp_engine()
     stats = [engine.train_step(random_batch(step)) for step in range(2)]
     logprobs = engine.compute_logprobs(random_batch(7))
     ref_logprobs = engine.compute_ref_logprobs(random_batch(7))
     weights = full_weights(engine)
-    engine.save_checkpoint(args.ckpt)
-    engine.export_weights(args.export)
+    engine.save_checkpoint(folder / "ckpt")
+    engine.export_weights(folder / "adapter")
     if dist.get_rank() == 0:
         result = {"stats": stats, "logprobs": logprobs, "ref": ref_logprobs, "weights": weights}
-        torch.save(result, args.out)
-    dist.destroy_process_group()
+        torch.save(result, folder / "out.pt")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["resume", "fsdp", "lora"])
+    parser.add_argument("mode", choices=["resume", "fsdp"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--export", default="")
+    parser.add_argument("--lora", default="", help="fsdp: then LoRA steps, results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    {"resume": resume, "fsdp": fsdp, "lora": lora}[args.mode](args)
+    {"resume": resume, "fsdp": fsdp}[args.mode](args)
 
 
 if __name__ == "__main__":
