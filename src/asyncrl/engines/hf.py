@@ -18,7 +18,9 @@ A weight update is full weights (every parameter, HF names) or a LoRA adapter (a
 adapter directory, :mod:`asyncrl.lora`): the adapter is merged, in float32, into a copy of
 the base weights of the layers it adapts, kept since the first adapter arrived (the base
 is what the engine loaded, or the last full update), so each adapter replaces the one
-before rather than adding to it and no rounding piles up over updates.
+before rather than adding to it and no rounding piles up over updates. The merge is
+staged like a download, while generation goes on; the pause only copies the merged
+weights in.
 
 Pausing takes effect between two steps: the running sequences end as ``abort`` with their
 partial tokens and the KV cache is dropped; :class:`~asyncrl.engines.base.InferenceEngine`
@@ -75,6 +77,11 @@ class EngineStats:
     @property
     def max_decode_batch(self) -> int:
         return max(self.decode_batch_sizes, default=0)
+
+
+class _MergedAdapter(list[tuple[str, torch.Tensor]]):
+    """The weights of the layers an adapter adapts (and of those an earlier one adapted,
+    back at their base), merged by :meth:`HFEngine.stage_weights`: a partial update."""
 
 
 @dataclass
@@ -375,18 +382,19 @@ class HFEngine(InferenceEngine):
 
     async def stage_weights(self, source: WeightSource) -> WeightSource:
         """Reads a directory's safetensors into host memory off the model thread, so that
-        generation goes on meanwhile and the pause only copies tensors. An adapter directory
-        is left to the load: it is small, and its merge needs the model thread anyway."""
+        generation goes on meanwhile and the pause only copies tensors; an adapter is read
+        and merged into the base weights here too."""
         if isinstance(source, str | Path):
             if is_adapter_dir(source):
-                return source
+                return await asyncio.to_thread(self._merge_adapter, read_adapter(source))
             return await asyncio.to_thread(lambda: list(_read_safetensors_dir(Path(source))))
         return source
 
     async def _load_weights(self, source: WeightSource) -> None:
         if isinstance(source, str | Path) and is_adapter_dir(source):
-            adapter = await asyncio.to_thread(read_adapter, source)
-            await self._in_model_thread(self._apply_adapter, adapter)
+            source = await self.stage_weights(source)
+        if isinstance(source, _MergedAdapter):
+            await self._in_model_thread(self._copy_merged, source)
         elif isinstance(source, AsyncIterable):
             pairs = [pair async for pair in source]
             await self._in_model_thread(self._copy_weights, pairs)
@@ -424,10 +432,17 @@ class HFEngine(InferenceEngine):
         self._lora_base.clear()  # these are the base weights now
 
     @torch.no_grad()
-    def _apply_adapter(self, adapter: LoraAdapter) -> None:
-        """Sets each adapted weight to its base weight merged with ``adapter``. A layer an
-        earlier adapter adapted but this one does not goes back to its base weight. Checks
-        every name and shape before changing anything."""
+    def _copy_merged(self, weights: _MergedAdapter) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in weights:
+            params[name].copy_(tensor)
+
+    @torch.no_grad()
+    def _merge_adapter(self, adapter: LoraAdapter) -> _MergedAdapter:
+        """Each adapted weight as its base weight merged with ``adapter``, and a layer an
+        earlier adapter adapted but this one does not back at its base weight. Checks every
+        name and shape first. Reads the model's weights while it generates: they change
+        only in a load, and loads and their staging come one after the other."""
         params = dict(self.model.named_parameters())
         for name, (a, b) in adapter.factors.items():
             target = params.get(name)
@@ -439,14 +454,16 @@ class HFEngine(InferenceEngine):
                     f"give the model's {tuple(target.shape)}"
                 )
         for name in adapter.factors:
-            if name not in self._lora_base:
+            if name not in self._lora_base:  # not adapted yet: the live weight is the base
                 self._lora_base[name] = params[name].detach().clone()
+        out = _MergedAdapter()
         for name, base in self._lora_base.items():
             if name in adapter.factors:
                 a, b = adapter.factors[name]
-                params[name].copy_(merged(base, a, b, adapter.scale))
+                out.append((name, merged(base, a, b, adapter.scale)))
             else:
-                params[name].copy_(base)
+                out.append((name, base))
+        return out
 
 
 def _read_safetensors_dir(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
