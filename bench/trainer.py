@@ -7,6 +7,8 @@ batch hand-off between trainer ranks.
         --max-new 64 --modes packed --steps 2               # the CPU trainer against its peak
     python bench/trainer.py --shape qwen2.5-1.5b --seqs 256 --grad-ckpt   # on a GPU
     python bench/trainer.py --modes handoff --seqs 256 --steps 10        # 2 ranks, gloo
+    python bench/trainer.py --shape smollm2-135m --modes lora --seqs 8 --resp-median 64 \
+        --resp-sigma 0 --max-new 64 --steps 2               # full fine-tuning against LoRA
 
 The model is randomly initialised at the chosen shape (no download). Every step trains on
 a GRPO-like batch with GSM8K-like lengths: prompt lengths from the GSM8K questions
@@ -30,6 +32,13 @@ where the CPU has AVX512-BF16 or AMX, per /proc/cpuinfo). The packed mode's mode
 over the fp32 peak is printed as ``trainer: N% of measured fp32 peak``; for bf16 compute
 (``--dtype bfloat16``) the bf16 peak is the reference too.
 
+Mode ``lora`` trains the same batches with every weight and with LoRA adapters
+(``--lora-rank``, alpha = rank, the default projections), one engine after the other (two
+at once would not fit beside a shared machine's other work), and prints side by side: step
+time, trainable parameters, optimizer state bytes (AdamW's two moments, all that
+``optimizer.state`` holds) and the bytes of one weight update (all weights in the model
+dtype, against the adapter).
+
 Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
 rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
 batch hand-off, the same code), median over ``--steps``.
@@ -50,6 +59,7 @@ import torch
 
 from asyncrl.models import ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
+from asyncrl.train.config import LoraConfig
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = next(
@@ -182,8 +192,11 @@ def measured_gemm_peak(dtype: torch.dtype, size: int, reps: int = 5) -> float:
     return 2.0 * size**3 / best
 
 
-def build_engine(args: argparse.Namespace, packing: bool, batches: list[list[Sample]]) -> Any:
+def build_engine(
+    args: argparse.Namespace, packing: bool, batches: list[list[Sample]], lora_rank: int = 0
+) -> Any:
     max_len = max(len(s) for b in batches for s in b)
+    lora = LoraConfig(rank=lora_rank, alpha=max(1, lora_rank))
     return TrainEngine(
         TrainerConfig(
             device=args.device,
@@ -193,10 +206,44 @@ def build_engine(args: argparse.Namespace, packing: bool, batches: list[list[Sam
             packing=packing,
             optim=OptimConfig(lr=1e-6),
             loss=LossConfig(behav_imp_weight_cap=None),
+            lora=lora,
         ),
         ModelConfig(path=args.shape, dtype=args.dtype),
         architecture=model_config(args.shape, max_len),
     )
+
+
+def run_lora(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, dict[str, float]]:
+    """Packed steps with full fine-tuning, then with LoRA: step time, trainable
+    parameters, optimizer state bytes and the bytes of one published weight update."""
+    out = {}
+    for name, rank in (("full", 0), (f"lora r={args.lora_rank}", args.lora_rank)):
+        engine = build_engine(args, True, batches, lora_rank=rank)
+        times = []
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            engine.train_step(batch)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+                print(f"  {name} step {i}: {times[-1]:.2f} s", flush=True)
+        itemsize = torch.empty((), dtype=engine.param_dtype).element_size()
+        trainable = [p for p in engine.lm.parameters() if p.requires_grad]
+        optim_bytes = sum(
+            t.numel() * t.element_size()
+            for state in engine.optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor) and t.ndim > 0
+        )
+        # an update carries what is trained (the adapters) or every weight, tied ones once
+        published = trainable if rank else list(engine.lm.parameters())
+        out[name] = {
+            "step_s": statistics.median(times),
+            "trainable": float(sum(p.numel() for p in trainable)),
+            "optim_bytes": float(optim_bytes),
+            "update_bytes": float(sum(p.numel() for p in published) * itemsize),
+        }
+        del engine
+    return out
 
 
 def run_proximal(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, float]:
@@ -359,8 +406,9 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="packed,padded,proximal",
-        help="comma list of packed, padded, proximal, head, handoff",
+        help="comma list of packed, padded, proximal, head, handoff, lora",
     )
+    parser.add_argument("--lora-rank", type=int, default=16, help="adapter rank of mode lora")
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
     parser.add_argument("--resp-median", type=float, default=200.0, help="median response tokens")
     parser.add_argument("--resp-sigma", type=float, default=0.7, help="lognormal σ of responses")
@@ -406,8 +454,9 @@ def main() -> None:
             + f" ({args.peak_size}² matmuls, {torch.get_num_threads()} threads)"
         )
     modes = args.modes.split(",")
-    if set(modes) - {"packed", "padded", "proximal", "head", "handoff"}:
-        parser.error(f"--modes {args.modes!r}: allowed packed, padded, proximal, head, handoff")
+    allowed = {"packed", "padded", "proximal", "head", "handoff", "lora"}
+    if set(modes) - allowed:
+        parser.error(f"--modes {args.modes!r}: allowed {', '.join(sorted(allowed))}")
     head = run_head(args, batches) if "head" in modes else None
     results = {}
     if "handoff" in modes:
@@ -457,6 +506,20 @@ def main() -> None:
     if {"packed", "padded"} <= results.keys():
         ratio = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
         print(f"packed / padded tokens/s: {ratio:.2f}x")
+    if "lora" in modes:
+        lora = run_lora(args, batches)
+        print(f"{'training':12} {'step_s':>8} {'trainable':>11} {'optim MB':>10} {'update MB':>10}")
+        for name, r in lora.items():
+            print(
+                f"{name:12} {r['step_s']:8.3f} {r['trainable'] / 1e6:10.2f}M"
+                f" {r['optim_bytes'] / 2**20:10.1f} {r['update_bytes'] / 2**20:10.2f}"
+            )
+        full, low = lora["full"], lora[f"lora r={args.lora_rank}"]
+        print(
+            f"LoRA / full: step time {low['step_s'] / full['step_s']:.2f}x, optimizer state"
+            f" {low['optim_bytes'] / full['optim_bytes']:.4f}x, update bytes"
+            f" {low['update_bytes'] / full['update_bytes']:.4f}x"
+        )
     if "proximal" in modes:
         r = run_proximal(args, batches)
         print(

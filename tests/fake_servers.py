@@ -3,7 +3,7 @@
 They generate deterministic tokens one step at a time (``step_s`` apart): token ``t`` is
 followed by ``(t + 1) % VOCAB``, and each token's logprob is ``-(1 + weights)`` where
 ``weights`` counts the weight loads so far, so a test can tell which weights made a token.
-Pausing follows the real servers: running requests return ``abort`` with their partial
+A loaded LoRA adapter counts as a weight load too. Pausing follows the real servers: running requests return ``abort`` with their partial
 tokens, requests arriving while paused wait (queued) until resumed or aborted.
 
 Run one as a process (the engines' ``command``):
@@ -47,6 +47,8 @@ class FakeModel:
         self.calls: list[tuple[str, Any]] = []  # control calls, in order
         self.drop_connections = 0  # the next n requests lose their connection
         self.healthy = True
+        self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
+        self.models: list[str] = []  # the model each generation request named, in order
         self.tokens = 0  # generated so far, all requests together
         self.job_arrived = asyncio.Event()
         self._watch: list[tuple[int, asyncio.Event]] = []
@@ -134,6 +136,18 @@ def vllm_app(model: FakeModel, max_model_len: int = 4096) -> web.Application:
             return web.Response()
         body = await request.json()
         prompt = body["prompt"]
+        model.models.append(body["model"])
+        if body["model"] != "policy" and body["model"] not in model.adapters:
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"The model `{body['model']}` does not exist.",
+                        "type": "NotFoundError",
+                        "code": 404,
+                    }
+                },
+                status=404,
+            )
         if len(prompt) + body["max_tokens"] > max_model_len:
             return web.json_response(
                 {
@@ -196,11 +210,36 @@ def vllm_app(model: FakeModel, max_model_len: int = 4096) -> web.Application:
         model.calls.append(("update_weight_version", body["new_version"]))
         return web.json_response({"success": True, "new_version": body["new_version"]})
 
+    async def load_lora_adapter(request: web.Request) -> web.Response:
+        # vLLM's LoadLoRAAdapterRequest: lora_name, lora_path
+        body = await request.json()
+        model.calls.append(("load_lora_adapter", body))
+        name, path = body["lora_name"], body["lora_path"]
+        if name in model.adapters:
+            message = f"The lora adapter '{name}' has already been loaded."
+            return web.json_response({"error": {"message": message, "code": 400}}, status=400)
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):  # noqa: ASYNC240
+            message = f"No adapter found for {path}"
+            return web.json_response({"error": {"message": message, "code": 404}}, status=404)
+        model.adapters[name] = path
+        model.weights += 1
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(request: web.Request) -> web.Response:
+        body = await request.json()
+        model.calls.append(("unload_lora_adapter", body))
+        if model.adapters.pop(body["lora_name"], None) is None:
+            message = f"The lora adapter '{body['lora_name']}' cannot be found."
+            return web.json_response({"error": {"message": message, "code": 404}}, status=404)
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed.")
+
     app = web.Application()
     app.add_routes(
         [
             web.get("/health", health),
             web.get("/v1/models", models),
+            web.post("/v1/load_lora_adapter", load_lora_adapter),
+            web.post("/v1/unload_lora_adapter", unload_lora_adapter),
             web.post("/v1/completions", completions),
             web.post("/pause", pause),
             web.post("/abort_requests", abort_requests),
@@ -231,6 +270,10 @@ def sglang_app(model: FakeModel) -> web.Application:
             return web.json_response(
                 {"object": "error", "message": "memory is released", "code": 400}, status=400
             )
+        model.models.append(body.get("lora_path") or "")
+        if body.get("lora_path") and body["lora_path"] not in model.adapters:
+            message = f"LoRA adapter {body['lora_path']!r} is not loaded"
+            return web.json_response({"object": "error", "message": message}, status=400)
         sp = body["sampling_params"]
         stops = set(sp.get("stop_token_ids") or [])
         if not sp.get("ignore_eos"):
@@ -312,11 +355,31 @@ def sglang_app(model: FakeModel) -> web.Application:
         state["released"] = False
         return web.Response(status=200)
 
+    async def load_lora_adapter(request: web.Request) -> web.Response:
+        # SGLang's LoadLoRAAdapterReqInput: lora_name, lora_path (pinned: optional)
+        body = await request.json()
+        model.calls.append(("load_lora_adapter", body))
+        name, path = body["lora_name"], body["lora_path"]
+        if name in model.adapters:
+            message = f"LoRA adapter {name!r} is already loaded"
+            return web.json_response({"success": False, "error_message": message}, status=400)
+        model.adapters[name] = path
+        model.weights += 1
+        return web.json_response({"success": True, "loaded_adapters": dict(model.adapters)})
+
+    async def unload_lora_adapter(request: web.Request) -> web.Response:
+        body = await request.json()
+        model.calls.append(("unload_lora_adapter", body))
+        model.adapters.pop(body["lora_name"], None)
+        return web.json_response({"success": True, "loaded_adapters": dict(model.adapters)})
+
     app = web.Application()
     app.add_routes(
         [
             web.get("/health", health),
             web.post("/generate", generate),
+            web.post("/load_lora_adapter", load_lora_adapter),
+            web.post("/unload_lora_adapter", unload_lora_adapter),
             web.post("/pause_generation", pause_generation),
             web.post("/continue_generation", continue_generation),
             web.post("/abort_request", abort_request),

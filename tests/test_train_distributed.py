@@ -43,6 +43,8 @@ def launch(kind: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp / "out.pt"
     target = [str(WORKER), "fsdp", "--out", str(out), "--ckpt", str(tmp / "ckpt")]
     target += ["--export", str(tmp / "hf")]
+    if kind == "world2":  # LoRA under FSDP rides along (test_train_lora.py checks it)
+        target += ["--lora", str(tmp / "lora")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if nodes == 1:
         # --standalone: rendezvous on a free local port that torchrun picks itself

@@ -90,6 +90,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             'weight would be biased; set top_p = 1 and top_k = 0, or use "vllm" or "hf"'
         )
     errors.extend(kl_problems(recipe))
+    errors.extend(lora_problems(recipe))
     errors.extend(workflow_problems(recipe))
     loss = t.loss
     if loss.kl_coef > 0 and loss.kl_type == "k3" and loss.kl_in == "loss":
@@ -148,6 +149,20 @@ def trainer_node_problems(recipe: Recipe) -> list[str]:
             'trainer.device = "cpu"'
         )
     return errors
+
+
+def lora_problems(recipe: Recipe) -> list[str]:
+    """LoRA settings that a rollout engine cannot serve."""
+    lora, engine = recipe.trainer.lora, recipe.rollout.engine.type
+    if not lora.enabled or lora.publish != "adapter":
+        return []
+    if engine == "vllm" and lora.rank > 512:
+        return [
+            f'trainer.lora.rank = {lora.rank} with rollout.engine.type = "vllm": vLLM '
+            "serves adapters up to rank 512; lower the rank, or set "
+            'trainer.lora.publish = "merged"'
+        ]
+    return []
 
 
 def kl_problems(recipe: Recipe) -> list[str]:

@@ -125,3 +125,13 @@ def fsdp_engine() -> TrainEngine:
         ),
     )
     return tiny_engine(config, architecture=tiny_config("qwen2", tie_word_embeddings=True))
+
+
+def lora_fsdp_engine() -> TrainEngine:
+    """:func:`fsdp_engine`'s model and loss (tied embeddings, gradient checkpointing, a KL
+    penalty, two minibatches) with rank-4 LoRA adapters (no dropout: each rank draws its
+    own masks, so a sharded step would not match one process)."""
+    from asyncrl.train.config import LoraConfig
+
+    config = fsdp_engine().config.model_copy(update={"lora": LoraConfig(rank=4, alpha=8)})
+    return tiny_engine(config, architecture=tiny_config("qwen2", tie_word_embeddings=True))

@@ -1,6 +1,7 @@
-"""Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on)
-or ``fsdp`` (under torchrun, any world size; the first step through the ranks' command
-protocol, as the trainer actor runs it). Results go to ``--out`` via torch.save."""
+"""Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on),
+``fsdp`` (under torchrun, any world size; the first step through the ranks' command
+protocol, as the trainer actor runs it; with ``--lora``, then the same with LoRA
+adapters). Results go to ``--out`` via torch.save."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.train.commands import Leader, follow
-from train_helpers.tiny import fsdp_engine, full_weights, random_batch, resume_engine
+from train_helpers.tiny import (
+    fsdp_engine,
+    full_weights,
+    lora_fsdp_engine,
+    random_batch,
+    resume_engine,
+)
 
 
 def resume(args: argparse.Namespace) -> None:
@@ -52,7 +59,25 @@ def fsdp(args: argparse.Namespace) -> None:
         torch.save({"stats": stats, "logprobs": logprobs, "weights": weights}, args.out)
     else:
         assert weights == {}, "only rank 0 receives full weights"
+    if args.lora:
+        lora(Path(args.lora))
     dist.destroy_process_group()
+
+
+def lora(folder: Path) -> None:
+    """Two LoRA steps under FSDP2 (in the process group of ``fsdp``, which costs less than
+    a torchrun of its own): stats, logprobs (policy and reference) and merged weights to
+    ``folder/out.pt``, a checkpoint to ``folder/ckpt``, the adapter to ``folder/adapter``."""
+    engine = lora_fsdp_engine()
+    stats = [engine.train_step(random_batch(step)) for step in range(2)]
+    logprobs = engine.compute_logprobs(random_batch(7))
+    ref_logprobs = engine.compute_ref_logprobs(random_batch(7))
+    weights = full_weights(engine)
+    engine.save_checkpoint(folder / "ckpt")
+    engine.export_weights(folder / "adapter")
+    if dist.get_rank() == 0:
+        result = {"stats": stats, "logprobs": logprobs, "ref": ref_logprobs, "weights": weights}
+        torch.save(result, folder / "out.pt")
 
 
 def main() -> None:
@@ -61,6 +86,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--export", default="")
+    parser.add_argument("--lora", default="", help="fsdp: then LoRA steps, results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     {"resume": resume, "fsdp": fsdp}[args.mode](args)

@@ -1,9 +1,10 @@
 """Moving exported weights between the trainer and rollout actors over the object store.
 
-A version is exported to ``weights/<name>`` and, over the object store, stored as one blob
-per safetensors file, ``weights-<name>/<file>``, plus a manifest blob ``weights-<name>``
-listing the files; ``WeightsUpdated.location`` names the folder or the manifest. Sharded
-exports of large models therefore travel like single files.
+A version is exported to ``weights/<name>`` (full weights, or a LoRA adapter) and, over
+the object store, stored as one blob per file (:func:`safetensors_files`),
+``weights-<name>/<file>``, plus a manifest blob ``weights-<name>`` listing the files;
+``WeightsUpdated.location`` names the folder or the manifest. Sharded exports of large
+models therefore travel like single files.
 
 ``<name>`` (:func:`export_name`) holds the trainer's epoch as well as the version: a
 trainer restarted from its checkpoint (or from the initial weights) publishes versions
@@ -28,6 +29,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from asyncrl.lora import ADAPTER_CONFIG
 from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
 
@@ -83,9 +85,18 @@ def link_export(source: Path, target: Path) -> None:
     tmp.rename(target)
 
 
-def safetensors_files(export_dir: Path) -> list[str]:
+def _uploaded_files(export_dir: Path) -> list[str]:
     files = sorted(p.name for p in export_dir.glob("*.safetensors"))
-    if not files:
+    if (export_dir / ADAPTER_CONFIG).is_file():
+        files.append(ADAPTER_CONFIG)
+    return files
+
+
+def safetensors_files(export_dir: Path) -> list[str]:
+    """The files an export travels as: its safetensors files, and a LoRA adapter's config
+    (:mod:`asyncrl.lora`; full exports need none, the engines have the model's)."""
+    files = _uploaded_files(export_dir)
+    if not files or files == [ADAPTER_CONFIG]:
         raise FileNotFoundError(f"no safetensors files in {export_dir}")
     return files
 
@@ -105,7 +116,7 @@ async def delete_weights(bus: Bus, bucket: str, export_dir: Path) -> None:
     """Deletes the object-store copy of an export (the manifest first, so that no reader
     finds a manifest whose files are gone); blobs already gone are no error."""
     key = manifest_key(export_dir.name)
-    files = await asyncio.to_thread(lambda: [p.name for p in export_dir.glob("*.safetensors")])
+    files = await asyncio.to_thread(_uploaded_files, export_dir)
     await bus.delete_blob(bucket, key)
     for name in files:
         await bus.delete_blob(bucket, f"{key}/{name}")

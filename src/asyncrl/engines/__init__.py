@@ -34,7 +34,8 @@ def build_engine(recipe: Recipe) -> InferenceEngine:
     """The recipe's rollout engine, not started: the ``rollout.engine.type`` backend built
     from the ``model`` and ``rollout.engine`` sections themselves. Server engines log
     under ``<run>/logs``; ``rollout.colocate`` asks for engines that can release their
-    memory (hf, sglang; the recipe checks refuse vllm)."""
+    memory (hf, sglang; the recipe checks refuse vllm). Server engines of a run that
+    publishes LoRA adapters start their servers with LoRA on."""
     cfg = recipe.rollout.engine
     module, _, name = BACKENDS[cfg.type].partition(":")
     cls = getattr(importlib.import_module(module), name)
@@ -43,6 +44,9 @@ def build_engine(recipe: Recipe) -> InferenceEngine:
         options["log_dir"] = recipe.run.path / "logs"
     if cfg.type in ("hf", "sglang"):
         options["memory_saver"] = recipe.rollout.colocate
+    lora = recipe.trainer.lora
+    if cfg.type in ("vllm", "sglang") and lora.enabled and lora.publish == "adapter":
+        options["lora_rank"] = lora.rank  # the servers start with LoRA on
     return cls(recipe.model, cfg, **options)  # type: ignore[no-any-return]
 
 

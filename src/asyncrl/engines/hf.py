@@ -14,6 +14,14 @@ the logprob of the sampled token under the distribution that sampled it (tempera
 then the top-k/top-p cut, renormalised), as vLLM reports and the trainer recomputes — at
 T = 1 without a cut, exactly a teacher-forced forward pass of the same tokens.
 
+A weight update is full weights (every parameter, HF names) or a LoRA adapter (a peft
+adapter directory, :mod:`asyncrl.lora`): the adapter is merged, in float32, into a copy of
+the base weights of the layers it adapts, kept since the first adapter arrived (the base
+is what the engine loaded, or the last full update), so each adapter replaces the one
+before rather than adding to it and no rounding piles up over updates. The merge is
+staged like a download, while generation goes on; the pause only copies the merged
+weights in.
+
 Pausing takes effect between two steps: the running sequences end as ``abort`` with their
 partial tokens and the KV cache is dropped; :class:`~asyncrl.engines.base.InferenceEngine`
 resubmits them after ``resume()``, so their continuation is prefilled from the partial
@@ -44,6 +52,7 @@ from asyncrl.engines.base import (
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode
+from asyncrl.lora import LoraAdapter, is_adapter_dir, merged, read_adapter
 from asyncrl.models import ModelConfig, resolve_dtype
 from asyncrl.schema import resolve_device
 
@@ -68,6 +77,11 @@ class EngineStats:
     @property
     def max_decode_batch(self) -> int:
         return max(self.decode_batch_sizes, default=0)
+
+
+class _MergedAdapter(list[tuple[str, torch.Tensor]]):
+    """The weights of the layers an adapter adapts (and of those an earlier one adapted,
+    back at their base), merged by :meth:`HFEngine.stage_weights`: a partial update."""
 
 
 @dataclass
@@ -131,6 +145,8 @@ class HFEngine(InferenceEngine):
         self._interrupt_requested = False
         self._interrupted = asyncio.Event()
         self._failure: BaseException | None = None
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """The base weights of the layers that adapters adapt (name -> a copy)."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -366,13 +382,20 @@ class HFEngine(InferenceEngine):
 
     async def stage_weights(self, source: WeightSource) -> WeightSource:
         """Reads a directory's safetensors into host memory off the model thread, so that
-        generation goes on meanwhile and the pause only copies tensors."""
+        generation goes on meanwhile and the pause only copies tensors; an adapter is read
+        and merged into the base weights here too."""
         if isinstance(source, str | Path):
+            if is_adapter_dir(source):
+                return await asyncio.to_thread(self._merge_adapter, read_adapter(source))
             return await asyncio.to_thread(lambda: list(_read_safetensors_dir(Path(source))))
         return source
 
     async def _load_weights(self, source: WeightSource) -> None:
-        if isinstance(source, AsyncIterable):
+        if isinstance(source, str | Path) and is_adapter_dir(source):
+            source = await self.stage_weights(source)
+        if isinstance(source, _MergedAdapter):
+            await self._in_model_thread(self._copy_merged, source)
+        elif isinstance(source, AsyncIterable):
             pairs = [pair async for pair in source]
             await self._in_model_thread(self._copy_weights, pairs)
         elif isinstance(source, str | Path):
@@ -406,6 +429,41 @@ class HFEngine(InferenceEngine):
             raise KeyError(f"weight update lacks {len(missing)} parameters, e.g. {missing[:3]}")
         for target, tensor in staged:
             target.copy_(tensor)
+        self._lora_base.clear()  # these are the base weights now
+
+    @torch.no_grad()
+    def _copy_merged(self, weights: _MergedAdapter) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in weights:
+            params[name].copy_(tensor)
+
+    @torch.no_grad()
+    def _merge_adapter(self, adapter: LoraAdapter) -> _MergedAdapter:
+        """Each adapted weight as its base weight merged with ``adapter``, and a layer an
+        earlier adapter adapted but this one does not back at its base weight. Checks every
+        name and shape first. Reads the model's weights while it generates: they change
+        only in a load, and loads and their staging come one after the other."""
+        params = dict(self.model.named_parameters())
+        for name, (a, b) in adapter.factors.items():
+            target = params.get(name)
+            if target is None:
+                raise KeyError(f"the adapter adapts {name!r}, which the model does not have")
+            if (b.shape[0], a.shape[1]) != tuple(target.shape) or a.shape[0] != b.shape[1]:
+                raise ValueError(
+                    f"adapter of {name!r}: B {tuple(b.shape)} @ A {tuple(a.shape)} does not "
+                    f"give the model's {tuple(target.shape)}"
+                )
+        for name in adapter.factors:
+            if name not in self._lora_base:  # not adapted yet: the live weight is the base
+                self._lora_base[name] = params[name].detach().clone()
+        out = _MergedAdapter()
+        for name, base in self._lora_base.items():
+            if name in adapter.factors:
+                a, b = adapter.factors[name]
+                out.append((name, merged(base, a, b, adapter.scale)))
+            else:
+                out.append((name, base))
+        return out
 
 
 def _read_safetensors_dir(path: Path) -> Iterable[tuple[str, torch.Tensor]]:

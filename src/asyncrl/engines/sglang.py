@@ -15,6 +15,10 @@ Endpoints used:
   ``POST /continue_generation``;
 - ``POST /update_weights_from_disk`` with ``model_path`` (a directory holding the new
   safetensors and the model's config files) and ``weight_version``, then ``POST /flush_cache``;
+- LoRA (``lora_rank`` > 0: ``--enable-lora``): an adapter directory is loaded with
+  ``POST /load_lora_adapter`` ``{"lora_name": "policy-v<version>", "lora_path": DIR}``,
+  the one before it dropped with ``POST /unload_lora_adapter``, and each ``/generate``
+  names the loaded adapter in ``lora_path``;
 - ``POST /release_memory_occupation`` and ``POST /resume_memory_occupation`` for
   ``rollout.colocate`` (the server must run with ``--enable-memory-saver``, which this
   engine adds when ``memory_saver`` is set).
@@ -37,6 +41,7 @@ from asyncrl.engines.base import GenerateRequest, GenerateResponse, WeightSource
 from asyncrl.engines.config import SGLangEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
 from asyncrl.engines.server import ServerError
+from asyncrl.lora import is_adapter_dir
 from asyncrl.models import ModelConfig
 
 MODEL_FILES = (
@@ -113,7 +118,8 @@ class SGLangEngine(RemoteEngine):
 
     ``memory_saver`` starts the servers with ``--enable-memory-saver`` so that
     :meth:`release_memory` can free their weights and KV cache while a trainer steps on
-    the same GPU.
+    the same GPU. ``lora_rank`` > 0 starts them with LoRA on, for adapters up to that
+    rank (``trainer.lora.rank``).
     """
 
     kind = "sglang"
@@ -128,9 +134,11 @@ class SGLangEngine(RemoteEngine):
         memory_saver: bool = False,
         log_dir: str | Path | None = None,
         version: int = 0,
+        lora_rank: int = 0,
     ) -> None:
         super().__init__(model, config or SGLangEngineConfig(), log_dir=log_dir, version=version)
         self.memory_saver = memory_saver
+        self.lora_rank = lora_rank
 
     def server_command(self) -> list[str]:
         return self.config.command or [sys.executable, "-m", "sglang.launch_server"]
@@ -151,6 +159,9 @@ class SGLangEngine(RemoteEngine):
             argv.append("--enable-memory-saver")
         if self.config.mem_fraction_static is not None:
             argv += ["--mem-fraction-static", str(self.config.mem_fraction_static)]
+        if self.lora_rank:
+            argv += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)]
+            argv += ["--lora-target-modules", "all", "--max-loras-per-batch", "1"]
         return argv + self.config.args
 
     async def _complete(self, server: Server, request: GenerateRequest) -> GenerateResponse:
@@ -159,6 +170,8 @@ class SGLangEngine(RemoteEngine):
                 rid=request.rid, input_ids=list(request.input_ids), finish_reason="length"
             )
         payload = generate_payload(request, self.new_request_id(request.rid))
+        if server.info.get("lora"):
+            payload["lora_path"] = server.info["lora"]
         return parse_generate(request, await self._call(server, "/generate", payload))
 
     async def _server_pause(self, server: Server) -> None:
@@ -173,7 +186,7 @@ class SGLangEngine(RemoteEngine):
     async def stage_weights(self, source: WeightSource) -> WeightSource:
         """Completes a directory of safetensors with the model's config and tokenizer
         files (SGLang loads a directory as a model), while generation goes on."""
-        if isinstance(source, str | Path) and self.model_path:
+        if isinstance(source, str | Path) and self.model_path and not is_adapter_dir(source):
             directory = Path(source)
             for name in MODEL_FILES:
                 src = Path(self.model_path) / name
@@ -182,6 +195,9 @@ class SGLangEngine(RemoteEngine):
         return source
 
     async def _server_load(self, server: Server, path: Path, version: int) -> None:
+        if is_adapter_dir(path):
+            await self._load_adapter(server, path, version)
+            return
         answer = await self._call(
             server,
             "/update_weights_from_disk",
@@ -190,6 +206,28 @@ class SGLangEngine(RemoteEngine):
         if isinstance(answer, dict) and answer.get("success") is False:
             raise ServerError(f"{server.url}/update_weights_from_disk: {answer.get('message')}")
         await self._call(server, "/flush_cache")
+
+    async def _load_adapter(self, server: Server, path: Path, version: int) -> None:
+        """Loads the adapter in ``path`` as ``policy-v<version>``, then drops the one
+        before (a failed load leaves the old one serving)."""
+        if not self.lora_rank:
+            raise ServerError(
+                f"{path} is a LoRA adapter, but the SGLang servers were started without "
+                '--enable-lora; publish merged weights (trainer.lora.publish = "merged")'
+            )
+        name = f"policy-v{version}"
+        old = server.info.get("lora")
+        if old == name:  # the same version again (a restarted trainer): reload it
+            await self._call(server, "/unload_lora_adapter", {"lora_name": old})
+            old = None
+        answer = await self._call(
+            server, "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}
+        )
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise ServerError(f"{server.url}/load_lora_adapter: {answer.get('error_message')}")
+        server.info["lora"] = name
+        if old:
+            await self._call(server, "/unload_lora_adapter", {"lora_name": old})
 
     async def _release_memory(self) -> int:
         await self._each(lambda s: self._call(s, "/release_memory_occupation", {}))

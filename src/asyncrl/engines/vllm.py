@@ -12,7 +12,12 @@ and ``--logprobs-mode processed_logprobs``. The endpoints used:
 - ``POST /collective_rpc`` with ``{"method": "reload_weights", "kwargs": {"weights_path":
   DIR}}`` (a directory of safetensors files in the HF naming), then
   ``POST /reset_prefix_cache`` — cached KV computed by the old weights must not serve new
-  samples — and ``POST /update_weight_version``.
+  samples — and ``POST /update_weight_version``;
+- LoRA (``lora_rank`` > 0: ``--enable-lora``, and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``):
+  an adapter directory is loaded with ``POST /v1/load_lora_adapter`` ``{"lora_name":
+  "policy-v<version>", "lora_path": DIR}``, the adapter before it is dropped with ``POST
+  /v1/unload_lora_adapter`` ``{"lora_name": ...}``, and requests name the loaded adapter
+  as their ``model``. The base weights stay those the server started with.
 
 **Logprobs.** vLLM's ``processed_logprobs`` are ``log_softmax`` of the logits after the
 sampling transforms: divided by the temperature and, when ``top_k``/``top_p`` cut the
@@ -32,11 +37,23 @@ from asyncrl.engines.base import FinishReason, GenerateRequest, GenerateResponse
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
 from asyncrl.engines.server import ServerError
+from asyncrl.lora import is_adapter_dir
 from asyncrl.models import ModelConfig
 
 LAUNCHER = Path(__file__).with_name("vllm_launch.py")
 
 FINISH_REASONS = set(get_args(FinishReason))
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``--max-lora-rank``."""
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` value that holds adapters of ``rank``."""
+    for allowed in LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}, not {rank}")
 
 
 def completion_payload(
@@ -98,6 +115,8 @@ class VLLMEngine(RemoteEngine):
     ``.venv-vllm``); it runs the launcher unless ``command`` replaces it. ``cpu_kvcache_gib``
     and ``cpu_threads_bind`` set vLLM's CPU backend (``VLLM_CPU_KVCACHE_SPACE``,
     ``VLLM_CPU_OMP_THREADS_BIND``); ``max_model_len`` caps the context (0: the model's).
+    ``lora_rank`` > 0 starts the servers with LoRA on, for adapters up to that rank
+    (``trainer.lora.rank``).
     """
 
     kind = "vllm"
@@ -112,8 +131,10 @@ class VLLMEngine(RemoteEngine):
         *,
         log_dir: str | Path | None = None,
         version: int = 0,
+        lora_rank: int = 0,
     ) -> None:
         super().__init__(model, config or VLLMEngineConfig(), log_dir=log_dir, version=version)
+        self.lora_rank = lora_rank
 
     def server_command(self) -> list[str]:
         if self.config.command:
@@ -139,11 +160,17 @@ class VLLMEngine(RemoteEngine):
         ]
         if self.config.max_model_len:
             argv += ["--max-model-len", str(self.config.max_model_len)]
+        if self.lora_rank:
+            # one adapter at a time: each update replaces the one before
+            argv += ["--enable-lora", "--max-loras", "1"]
+            argv += ["--max-lora-rank", str(max_lora_rank(self.lora_rank))]
         return argv + self.config.args
 
     def server_env(self) -> dict[str, str]:
+        lora = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if self.lora_rank else {}
         return {
             "VLLM_SERVER_DEV_MODE": "1",
+            **lora,
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.cpu_kvcache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": self.config.cpu_threads_bind,
             **self.config.env,
@@ -165,7 +192,7 @@ class VLLMEngine(RemoteEngine):
                 rid=request.rid, input_ids=list(request.input_ids), finish_reason="length"
             )
         payload = completion_payload(
-            server.info.get("model", self.served_name),
+            server.info.get("lora") or server.info.get("model", self.served_name),
             request,
             budget,
             self.new_request_id(request.rid),
@@ -182,12 +209,39 @@ class VLLMEngine(RemoteEngine):
         await self._call(server, "/resume")
 
     async def _server_load(self, server: Server, path: Path, version: int) -> None:
+        if is_adapter_dir(path):
+            await self._load_adapter(server, path, version)
+            return
+        if server.info.get("lora"):  # new base weights: the adapter belonged to the old
+            await self._call(server, "/v1/unload_lora_adapter", {"lora_name": server.info["lora"]})
+            server.info["lora"] = None
         await self._call(
             server,
             "/collective_rpc",
             {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
         )
         await self._call(server, "/reset_prefix_cache")
+        await self._call(server, "/update_weight_version", {"new_version": str(version)})
+
+    async def _load_adapter(self, server: Server, path: Path, version: int) -> None:
+        """Loads the adapter in ``path`` as ``policy-v<version>`` and drops the one before
+        (after: the load may fail, and then the old one still serves)."""
+        if not self.lora_rank:
+            raise ServerError(
+                f"{path} is a LoRA adapter, but the vLLM servers were started without "
+                '--enable-lora; publish merged weights (trainer.lora.publish = "merged")'
+            )
+        name = f"{self.served_name}-v{version}"
+        old = server.info.get("lora")
+        if old == name:  # the same version again (a restarted trainer): reload it
+            await self._call(server, "/v1/unload_lora_adapter", {"lora_name": old})
+            old = None
+        await self._call(
+            server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}
+        )
+        server.info["lora"] = name
+        if old:
+            await self._call(server, "/v1/unload_lora_adapter", {"lora_name": old})
         await self._call(server, "/update_weight_version", {"new_version": str(version)})
 
 

@@ -169,10 +169,15 @@ def save_checkpoint(
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
+    *,
+    trainable_only: bool = False,
 ) -> None:
     """Saves a resumable checkpoint; collective: every rank calls it.
 
     ``trainer_state`` must be JSON-serialisable (step, version, the caller's extra state).
+    ``trainable_only`` leaves out the frozen parameters (LoRA: the base model, which a
+    restore reloads from its source) and so keeps only the adapters and their optimizer
+    state.
     The directory is complete when this returns; a run makes it its latest checkpoint
     through :func:`commit_checkpoint`.
     """
@@ -184,7 +189,8 @@ def save_checkpoint(
     root = Path(path)
     rank, _ = _rank_world()
     blob = json.dumps(trainer_state, indent=2, sort_keys=True)  # fail before writing anything
-    model_sd, optim_sd = get_state_dict(module, optimizer)
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=_options(trainable_only))
+    model_sd = _trainable(module, model_sd) if trainable_only else model_sd
     with _single_process_quiet():
         save(
             {"model": model_sd, "optim": optim_sd},
@@ -202,8 +208,11 @@ def load_checkpoint(
     path: str | os.PathLike[str],
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
+    *,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Restores model, optimizer and this rank's RNG in place; returns the trainer state.
+    ``trainable_only``: as saved with it (the frozen parameters are left as they are).
 
     Collective. With a different world size than at save time, DCP reshards the model and
     optimizer; rank ``r`` then takes the RNG of saved rank ``r mod saved_world``.
@@ -217,19 +226,37 @@ def load_checkpoint(
     if not (root / STATE_FILE).is_file():
         raise FileNotFoundError(f"{root} is not a complete checkpoint (no {STATE_FILE})")
     trainer_state: dict[str, Any] = json.loads((root / STATE_FILE).read_text())
-    model_sd, optim_sd = get_state_dict(module, optimizer)
+    options = _options(trainable_only)
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
+    model_sd = _trainable(module, model_sd) if trainable_only else model_sd
     with _single_process_quiet():
         load(
             {"model": model_sd, "optim": optim_sd},
             checkpoint_id=str(root / "dcp"),
             no_dist=not dist.is_initialized(),
         )
-    set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(
+        module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+    )
     rank, _ = _rank_world()
     saved = sorted((root / "rng").glob("rank*.pt"))
     rng_file = root / "rng" / f"rank{rank % max(1, len(saved))}.pt"
     set_rng_state(torch.load(rng_file, weights_only=True))
     return trainer_state
+
+
+def _options(trainable_only: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # strict=False: the frozen parameters are absent from the state dict by design
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def _trainable(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without frozen entries that ``ignore_frozen_params`` keeps: a tied LM head
+    is a state-dict key but no parameter name of its own, so it escapes that filter."""
+    names = {name for name, p in module.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in names}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -288,9 +315,12 @@ def export_hf(
     dtype: torch.dtype | None = None,
     tokenizer: Any = None,
     max_shard_bytes: int = 4 << 30,
+    buckets: Callable[[int], Iterator[list[tuple[str, torch.Tensor]]]] | None = None,
 ) -> None:
     """Writes an HF model directory (safetensors shards + index, config, generation config,
     tokenizer if given) that ``AutoModelForCausalLM.from_pretrained`` and vLLM/SGLang load.
+    ``buckets(max_bytes)`` yields the weights (default: :func:`iter_full_weights` of
+    ``lm``; a LoRA model passes its merged weights).
 
     Collective; rank 0 writes.
     """
@@ -298,17 +328,21 @@ def export_hf(
 
     rank, _ = _rank_world()
     root = Path(path)
-    itemsize = dtype.itemsize if dtype is not None else None
-    total = sum(t.numel() * (itemsize or t.element_size()) for _, t in _named_tensors(lm))
+    total = 0
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
     shards: list[list[str]] = []
-    for bucket in iter_full_weights(lm, max_shard_bytes, dtype=dtype):
+    if buckets is None:
+        stream = iter_full_weights(lm, max_shard_bytes, dtype=dtype)
+    else:
+        stream = buckets(max_shard_bytes)
+    for bucket in stream:
         if rank != 0:
             continue
         # contiguous(): safetensors writes raw storage; clone(): tied or viewed tensors
         # must not share memory inside one file.
         tensors = {k: v.contiguous().clone() for k, v in bucket}
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
         tmp = root / f".shard-{len(shards)}.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         shards.append(list(tensors))

@@ -81,9 +81,10 @@ class Leader:
         return stats
 
     def export(self, path: str | os.PathLike[str]) -> None:
-        """The weights as an HF directory at ``path`` (rank 0 writes)."""
+        """The weights a rollout engine loads, at ``path`` (rank 0 writes): an HF directory,
+        or a LoRA adapter (:meth:`~asyncrl.train.engine.TrainEngine.export_weights`)."""
         self._path_command(Command.EXPORT, path)
-        self.engine.export_hf(path)
+        self.engine.export_weights(path)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """A resumable checkpoint (model, optimizer, RNG, step, version) at ``path``."""
@@ -151,7 +152,7 @@ def follow(engine: Any) -> int:
         if isinstance(arg, TrainShard):
             engine.train_shard(arg)
         elif command is Command.EXPORT:
-            engine.export_hf(arg)
+            engine.export_weights(arg)
         elif command is Command.SAVE:
             engine.save_checkpoint(arg)
         elif command is Command.LOAD:

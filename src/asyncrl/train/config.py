@@ -78,7 +78,8 @@ class LossConfig(Section):
     built without a recipe divides by the longest loss span of each batch.)"""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the per-token KL penalty to a frozen copy of the initial policy; 0: off
-    (above 0 the trainer holds that second model)."""
+    (above 0 the trainer holds that second model; with ``trainer.lora``, the reference is
+    the base model, its adapters disabled, and no copy is made)."""
     kl_type: Literal["k1", "k2", "k3"] = "k2"
     """KL estimator, with d = log π_ref − log π: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d.
     The default, k2 in the loss, is the one placement whose expected gradient is exactly
@@ -116,6 +117,43 @@ class ShapingConfig(Section):
     many tokens lose up to ``overlong_penalty``, linearly; 0: off."""
     overlong_penalty: float = Field(1.0, ge=0)
     """Penalty at the full generation budget."""
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""The attention and MLP projections of Llama-style models (Llama, Qwen2, SmolLM2)."""
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, through ``peft``): the base weights stay frozen, only the
+    adapters train, hold optimizer state, are checkpointed and (``publish = "adapter"``)
+    reach the rollout engines."""
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank r; 0: off (every weight trains)."""
+    alpha: int = Field(16, gt=0)
+    """Scale numerator: the adapter adds ``(alpha / rank) · B·A`` to each target weight."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (0: none; the rollout engines never
+    apply it)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """Names (last component) of the linear layers that get adapters; the default is the
+    attention and MLP projections of Llama-style models."""
+    publish: Literal["adapter", "merged"] = "adapter"
+    """What a weight update sends: the adapter alone (``adapter_model.safetensors`` +
+    ``adapter_config.json``; the hf engine merges it into its base weights, vLLM and
+    SGLang load it as a LoRA adapter) or the merged full weights (any engine)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, value: list[str]) -> list[str]:
+        bad = [n for n in value if not n or not n.replace("_", "").isalnum()]
+        if bad:
+            raise ValueError(f"module names are identifiers like q_proj, not {bad}")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 DERIVED_KEYS = {
@@ -190,6 +228,8 @@ class TrainerConfig(Placement):
     """Advantage and loss settings."""
     shaping: ShapingConfig = Field(default_factory=ShapingConfig)
     """Reward shaping before advantages."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (``rank`` > 0)."""
     ppo_minibatches: int = Field(1, ge=1)
     """Optimizer steps per batch: the batch is split into this many minibatches of whole
     sequences, all clipped against the policy before the first step. The version and the

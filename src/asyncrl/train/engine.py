@@ -62,7 +62,11 @@ class TrainEngine:
             directly only outside the engine's collectives, e.g. for sampling in one process.
         module: the FSDP root, :class:`~asyncrl.train.models.TokenLogprobs` around ``lm``.
         ref_module: the frozen reference policy (initial weights), or None when
-            ``loss.kl_coef`` is 0.
+            ``loss.kl_coef`` is 0 or with LoRA (whose reference is the base model: ``lm``
+            with its adapters disabled, no second copy).
+        lora: whether ``trainer.lora`` put adapters on the model: then ``lm`` is a peft
+            model, only the adapters train and have optimizer state, and checkpoints hold
+            only them (the base is reloaded from ``model.path``).
         step: train steps (batches) taken, skipped non-finite steps included.
         version: policy version of the current weights; starts at 0 and is bumped by every
             ``train_step`` (a skipped step too: the buffer counts batches consumed).
@@ -114,13 +118,18 @@ class TrainEngine:
                 hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.lora = config.lora.enabled
+        if self.lora:
+            from asyncrl.train.lora import apply_lora
+
+            lm = apply_lora(lm, config.lora, seed=seed)  # before FSDP, which shards them too
         self.lm = lm
         self.module: nn.Module = self._wrap(lm)
         # The reference policy of the KL penalty: the initial weights, frozen, laid out
         # like the policy (same device, dtype and sharding). A restore never touches it, so
         # a resumed run keeps penalising the distance to where training began.
         self.ref_module: nn.Module | None = None
-        if config.loss.kl_coef > 0:
+        if config.loss.kl_coef > 0 and not self.lora:
             ref_lm = load_causal_lm(
                 self._source,
                 attn_implementation=config.attn_implementation,
@@ -262,9 +271,19 @@ class TrainEngine:
     def compute_ref_logprobs(self, batch: Batch) -> list[torch.Tensor]:
         """Like :meth:`compute_logprobs`, under the frozen reference weights (the initial
         ones). Only when ``loss.kl_coef > 0``; collective."""
+        module, scope = self._reference()
+        with scope:
+            return self._score(batch, module, all_positions=False)
+
+    def _reference(self) -> tuple[nn.Module, AbstractContextManager[Any]]:
+        """The reference policy's root, and the context to score under: the frozen copy,
+        or with LoRA the policy itself with its adapters disabled (the base model)."""
+        if self.lora:
+            peft_lm: Any = self.lm
+            return self.module, peft_lm.disable_adapter()
         if self.ref_module is None:
             raise ValueError("no reference model: loss.kl_coef is 0")
-        return self._score(batch, self.ref_module, all_positions=False)
+        return self.ref_module, nullcontext()
 
     def _score(self, batch: Batch, module: nn.Module, *, all_positions: bool) -> list[torch.Tensor]:
         if not batch:
@@ -335,10 +354,12 @@ class TrainEngine:
             samples = _fill(samples, "old_logprobs", self._score_shard(shard, self.module))
             stats["time/proximal_s"] = time.perf_counter() - t_start
         if shard.fill_ref:
-            if self.ref_module is None:
-                raise ValueError("no reference model: loss.kl_coef is 0")
             t_ref = time.perf_counter()
-            samples = _fill(samples, "ref_logprobs", self._score_shard(shard, self.ref_module))
+            module, scope = self._reference()
+            module.eval()
+            with scope:
+                ref_logprobs = self._score_shard(shard, module)
+            samples = _fill(samples, "ref_logprobs", ref_logprobs)
             stats["time/ref_s"] = time.perf_counter() - t_ref
         lr = lr_at(
             self.step,
@@ -507,27 +528,51 @@ class TrainEngine:
             "extra_state": extra_state or {},
         }
         self._reshard()
-        ckpt.save_checkpoint(path, self.module, self.optimizer, state)
+        ckpt.save_checkpoint(path, self.module, self.optimizer, state, trainable_only=self.lora)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restores everything :meth:`save_checkpoint` saved; returns ``extra_state``.
         Collective; the world size may differ from the saving run's."""
         self._reshard()
-        state = ckpt.load_checkpoint(path, self.module, self.optimizer)
+        state = ckpt.load_checkpoint(path, self.module, self.optimizer, trainable_only=self.lora)
         self.step = int(state["step"])
         self.version = int(state["version"])
         self.skipped_nonfinite = int(state.get("skipped_nonfinite", 0))
         return dict(state["extra_state"])
 
+    def export_weights(self, path: str | os.PathLike[str]) -> None:
+        """Writes what a weight update publishes: with ``trainer.lora.publish =
+        "adapter"`` the adapter alone (:func:`~asyncrl.train.lora.export_adapter`), else
+        the full HF directory (:meth:`export_hf`). Collective; rank 0 writes."""
+        if self.lora and self.config.lora.publish == "adapter":
+            from asyncrl.train.lora import export_adapter
+
+            self._reshard()
+            export_adapter(path, self.lm, dtype=torch_dtype(self.dtype_name))
+        else:
+            self.export_hf(path)
+
     def export_hf(self, path: str | os.PathLike[str], *, dtype: str | None = None) -> None:
         """Writes an HF directory (safetensors, config, tokenizer when one is known) in
-        ``dtype`` (default: ``model.dtype``). Collective; rank 0 writes."""
+        ``dtype`` (default: ``model.dtype``); with LoRA, of the merged weights, under the
+        base model's names. Collective; rank 0 writes."""
         self._reshard()
+        torch_type = torch_dtype(dtype or self.dtype_name)
+        lm: Any = self.lm
+        buckets = None
+        if self.lora:
+            from asyncrl.train.lora import iter_merged_weights
+
+            def buckets(size: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                return iter_merged_weights(self.lm, size, dtype=torch_type)
+
+            lm = lm.get_base_model()  # its config and generation config
         ckpt.export_hf(
             path,
-            self.lm,
-            dtype=torch_dtype(dtype or self.dtype_name),
+            lm,
+            dtype=torch_type,
             tokenizer=self.tokenizer if self.rank == 0 else None,  # only rank 0 writes
+            buckets=buckets,
         )
 
     def iter_weights(
@@ -538,9 +583,12 @@ class TrainEngine:
         rank must exhaust the iterator. See :func:`asyncrl.train.checkpoint.iter_full_weights`.
         """
         self._reshard()
-        return ckpt.iter_full_weights(
-            self.lm, bucket_bytes, dtype=torch_dtype(dtype or self.dtype_name)
-        )
+        torch_type = torch_dtype(dtype or self.dtype_name)
+        if self.lora:
+            from asyncrl.train.lora import iter_merged_weights
+
+            return iter_merged_weights(self.lm, bucket_bytes, dtype=torch_type)
+        return ckpt.iter_full_weights(self.lm, bucket_bytes, dtype=torch_type)
 
     @property
     def tokenizer(self) -> Any:
@@ -565,7 +613,7 @@ class TrainEngine:
         return self._tokenizer
 
     def num_params(self, *, exclude_embeddings: bool = False) -> int:
-        """Parameter count of the full (unsharded) model."""
+        """Parameter count of the full (unsharded) model (adapters included)."""
         total = sum(p.numel() for p in self.lm.parameters())
         if exclude_embeddings:
             emb: Any = self.lm.get_input_embeddings()  # type: ignore[operator]

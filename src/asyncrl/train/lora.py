@@ -1,0 +1,130 @@
+"""LoRA in the train engine: adapters put into the model (through ``peft``, before FSDP2
+shards it), and the two exports of an adapted model, the adapter alone and the merged
+full weights.
+
+Under ``peft`` the model's parameters are named ``base_model.model.<module>.base_layer
+.weight`` (the frozen base weight of an adapted layer), ``...lora_A.default.weight`` and
+``...lora_B.default.weight`` (the adapter), and ``base_model.model.<name>`` for the rest.
+Only the adapters require grad. The exports use the names of peft's files
+(:mod:`asyncrl.lora`) and of the base model's HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncrl.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, merged
+from asyncrl.train import checkpoint as ckpt
+from asyncrl.train.config import LoraConfig
+
+ADAPTER_NAME = "default"
+
+
+def apply_lora(lm: nn.Module, config: LoraConfig, *, seed: int = 0) -> nn.Module:
+    """``lm`` with adapters on its ``target_modules`` (a ``peft`` model around it): A
+    random (Kaiming, drawn from ``seed``), B zero, so the adapted model starts as the base
+    model exactly; only the adapters require grad.
+
+    Every rank must pass the same ``seed``: FSDP2 keeps each rank's own slice of the
+    tensor it is given, so adapters drawn from per-rank RNG streams would be stitched
+    together from different initialisations."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_config = PeftLoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=list(config.target_modules),
+        bias="none",
+    )
+    with warnings.catch_warnings():
+        # peft asks transformers 5 by the method name it deprecated; nothing to act on
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return get_peft_model(lm, peft_config)  # type: ignore[arg-type,no-any-return]
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_key(name: str) -> str:
+    """The key of parameter ``name`` in peft's ``adapter_model.safetensors`` (no adapter
+    name): ``...q_proj.lora_A.default.weight`` → ``...q_proj.lora_A.weight``."""
+    return name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def base_key(name: str) -> str:
+    """The HF checkpoint name of a base parameter: ``base_model.model.X.base_layer.weight``
+    → ``X.weight``."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def export_adapter(
+    path: str | os.PathLike[str], lm: nn.Module, *, dtype: torch.dtype | None = None
+) -> None:
+    """Writes the adapter of the peft model ``lm`` as peft does (``adapter_config.json``,
+    ``adapter_model.safetensors``), in ``dtype`` (default: as trained). Collective: each
+    adapter tensor is gathered; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    rank, _ = ckpt._rank_world()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in lm.named_parameters():
+        if not is_adapter_param(name):
+            continue
+        full = ckpt._full(param.detach())
+        if rank == 0:
+            tensors[adapter_key(name)] = full.to("cpu", dtype or full.dtype, copy=True)
+    if rank == 0:
+        root = Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(root / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        peft_lm: Any = lm
+        peft_lm.peft_config[ADAPTER_NAME].save_pretrained(str(root))
+    ckpt._barrier()
+
+
+def iter_merged_weights(
+    lm: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """:func:`~asyncrl.train.checkpoint.iter_full_weights` of the peft model ``lm`` with
+    every adapter merged into its base weight (:func:`asyncrl.lora.merged`, in float32),
+    under the base model's HF names. Collective, with the same bucket count on every rank
+    (rank 0 gets the tensors).
+
+    peft lists an adapted layer's ``base_layer.weight`` before its ``lora_A`` and
+    ``lora_B``, so a base weight waits (across buckets if need be) until both arrive."""
+    peft_lm: Any = lm
+    scale = (
+        float(peft_lm.peft_config[ADAPTER_NAME].lora_alpha) / peft_lm.peft_config[ADAPTER_NAME].r
+    )
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # layer prefix -> its gathered parts
+    for bucket in ckpt.iter_full_weights(lm, bucket_bytes, dtype=torch.float32):
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in bucket:
+            if name.endswith(".base_layer.weight") or is_adapter_param(name):
+                layer = name.removesuffix(".base_layer.weight").split(".lora_")[0]
+                part = "A" if ".lora_A." in name else "B" if ".lora_B." in name else "W"
+                parts = waiting.setdefault(layer, {})
+                parts[part] = tensor
+                if len(parts) == 3:
+                    del waiting[layer]
+                    weight = merged(parts["W"], parts["A"], parts["B"], scale)
+                    out.append((base_key(layer) + ".weight", weight.to(dtype or weight.dtype)))
+            else:
+                out.append((base_key(name), tensor.to(dtype or tensor.dtype)))
+        yield out
+    if waiting:
+        raise RuntimeError(f"adapted layers without all of W, A, B: {sorted(waiting)[:3]}")
