@@ -1,8 +1,8 @@
 """``sglang``: generation on SGLang servers over SGLang's native HTTP API.
 
-**Not run against a real SGLang**: SGLang has no CPU build, and these machines have no
-GPU. Request building and response parsing follow SGLang's documented API and are tested
-against an in-test server speaking those payloads (``tests/test_engine_sglang.py``).
+Tested against a real SGLang 0.5.23 server on the CPU (``rollout.engine.cpu``; ``make
+sglang``, ``make test-sglang``, ``tests/test_engine_sglang_real.py``) and against an in-test
+server speaking the same payloads (``tests/test_engine_sglang.py``).
 
 Endpoints used:
 
@@ -36,7 +36,7 @@ from typing import Any
 from asyncrl.engines.base import GenerateRequest, GenerateResponse, WeightSource
 from asyncrl.engines.config import SGLangEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
-from asyncrl.engines.server import ServerError
+from asyncrl.engines.server import ServerError, resolve_interpreter
 from asyncrl.models import ModelConfig
 
 MODEL_FILES = (
@@ -49,6 +49,22 @@ MODEL_FILES = (
 )
 """Files SGLang reads beside the weights when it loads a directory; a weights update from
 the trainer carries only safetensors, so they are copied in from the model directory."""
+
+
+CPU_ARGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-overlap-schedule",
+    "--grammar-backend",
+    "none",
+]
+"""Flags of a CPU server (``rollout.engine.cpu``), with ``SGLANG_USE_CPU_ENGINE=1``: the
+torch-native attention and sampling need no compiled kernels; the overlap scheduler and
+the grammar backends do."""
 
 
 def generate_payload(request: GenerateRequest, request_id: str) -> dict[str, Any]:
@@ -133,7 +149,11 @@ class SGLangEngine(RemoteEngine):
         self.memory_saver = memory_saver
 
     def server_command(self) -> list[str]:
-        return self.config.command or [sys.executable, "-m", "sglang.launch_server"]
+        if self.config.command:
+            return self.config.command
+        python = self.config.python
+        python = resolve_interpreter(python, "SGLang", "sglang") if python else sys.executable
+        return [python, "-m", "sglang.launch_server"]
 
     def server_argv(self, port: int) -> list[str]:
         argv = [
@@ -151,7 +171,15 @@ class SGLangEngine(RemoteEngine):
             argv.append("--enable-memory-saver")
         if self.config.mem_fraction_static is not None:
             argv += ["--mem-fraction-static", str(self.config.mem_fraction_static)]
+        if self.config.max_total_tokens:
+            argv += ["--max-total-tokens", str(self.config.max_total_tokens)]
+        if self.config.cpu:
+            argv += CPU_ARGS
         return argv + self.config.args
+
+    def server_env(self) -> dict[str, str]:
+        env = {"SGLANG_USE_CPU_ENGINE": "1"} if self.config.cpu else {}
+        return {**env, **self.config.env}
 
     async def _complete(self, server: Server, request: GenerateRequest) -> GenerateResponse:
         if request.sampling.max_new_tokens <= 0:
