@@ -9,11 +9,9 @@ stand-in for its compiled kernel package (tests/sglang/sgl_kernel_stub).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import shutil
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -180,8 +178,9 @@ async def test_weights_from_disk_change_generation_and_the_old_ones_restore_it(
 async def test_release_and_resume_memory_are_accepted_no_ops_on_the_cpu(
     engine: SGLangEngine,
 ) -> None:
-    """On the CPU there is no device memory to hand over: SGLang accepts both calls (its
-    memory saver only acts on CUDA), and generation goes on as before."""
+    """On the CPU there is no device memory to hand over, and SGLang's release synchronizes
+    CUDA, which kills a CPU server: the engine keeps both calls to itself, and the server
+    generates as before."""
     greedy = GenerateRequest(
         input_ids=PROMPT, sampling=sampling(4, temperature=0.0, stop_token_ids=())
     )
@@ -192,35 +191,3 @@ async def test_release_and_resume_memory_are_accepted_no_ops_on_the_cpu(
     await engine.resume()
     after = await engine.agenerate(greedy)
     assert after.output_ids == before.output_ids
-
-
-# --- the quickstart on SGLang ---------------------------------------------------------------
-
-
-async def test_quickstart_runs_on_sglang(tmp_path: Path) -> None:
-    from e2e_kit import running_up
-
-    sets = [
-        f"run.dir={tmp_path}",
-        "run.name=qs",
-        "run.tensorboard=false",
-        "run.plots=false",
-        "rollout.engine.type=sglang",
-        f"rollout.engine.python={SGLANG_PYTHON}",
-        "rollout.engine.cpu=true",
-        f"rollout.engine.max_total_tokens={KV_TOKENS}",
-        "rollout.engine.startup_timeout=1200",
-        "trainer.max_steps=2",
-        "buffer.batch_size=2",
-        "eval.every=0",  # an eval actor would start a second server
-    ]
-    argv = [sys.executable, "-m", "asyncrl.cli", "up", str(REPO / "recipes" / "quickstart.toml")]
-    for s in [*sets, "--quiet"]:
-        argv += ["--set", s] if s != "--quiet" else [s]
-    async with running_up(tmp_path, "qs", argv=argv) as run:
-        code = await asyncio.wait_for(run.proc.wait(), 1100)
-        logs = run.run_dir / "logs"
-        assert code == 0, (logs / "up.log").read_text()[-3000:]
-    metrics = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "step" in m][-1] == 2
-    assert list(logs.glob("sglang-*.log")), "the rollout actor started no SGLang server"

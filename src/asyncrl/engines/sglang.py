@@ -17,7 +17,8 @@ Endpoints used:
   safetensors and the model's config files) and ``weight_version``, then ``POST /flush_cache``;
 - ``POST /release_memory_occupation`` and ``POST /resume_memory_occupation`` for
   ``rollout.colocate`` (the server must run with ``--enable-memory-saver``, which this
-  engine adds when ``memory_saver`` is set).
+  engine adds when ``memory_saver`` is set); never sent to a CPU server (nothing to free,
+  and the call kills it).
 
 **Logprobs.** SGLang reports ``log_softmax(logits / T)`` of the sampled token, before any
 top-k/top-p cut, unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` set (then
@@ -220,8 +221,16 @@ class SGLangEngine(RemoteEngine):
         await self._call(server, "/flush_cache")
 
     async def _release_memory(self) -> int:
+        if self.config.cpu:
+            return 0  # see _resume_memory
         await self._each(lambda s: self._call(s, "/release_memory_occupation", {}))
         return 0  # SGLang does not say how much it freed
 
     async def _resume_memory(self) -> None:
+        # On the CPU there is no device memory to hand to a trainer, and SGLang 0.5.23's
+        # release synchronizes CUDA (weight_updater.release_memory_occupation calls
+        # torch.get_device_module().synchronize()), which kills a CPU server's scheduler:
+        # release and resume are no-ops there, the server never hears of them.
+        if self.config.cpu:
+            return
         await self._each(lambda s: self._call(s, "/resume_memory_occupation", {}))
