@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean vllm test-vllm test-ray
+.PHONY: run test lint setup clean vllm test-vllm test-ray sglang test-sglang
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -59,5 +59,32 @@ test-ray: $(STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[ray]"
 	ASYNCRL_RAY_TESTS=1 $(BIN)/python -m pytest -q -ra -m ray
 
+# SGLang on the CPU in a virtualenv of its own. torch 2.14.1 and torchvision 0.29.1 first
+# (SGLang pins that torch, and imports torchvision at start; the registry's torchvision does
+# not load beside 2.13.0+cpu); sglang with --no-deps, since its declared dependencies pull
+# CUDA-only kernels; then what its server imports on the CPU path. The registry's
+# sglang-kernel wheel cannot import without the NVIDIA driver (libcuda.so.1), so a
+# test-only stand-in for the eight functions SGLang imports from it goes on the path
+# (tests/sglang/sgl_kernel_stub: each raises if ever called).
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP): tests/sglang/requirements.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet --disable-pip-version-check --upgrade pip
+	$(SGLANG_VENV)/bin/pip install --quiet --disable-pip-version-check "torch==2.14.1" "torchvision==0.29.1"
+	$(SGLANG_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps "sglang==0.5.23"
+	$(SGLANG_VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/sglang/requirements.txt
+	$(SGLANG_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])" > $(SGLANG_VENV)/.site
+	echo "$(CURDIR)/tests/sglang/sgl_kernel_stub" > "$$(cat $(SGLANG_VENV)/.site)/asyncrl_sgl_kernel_stub.pth"
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)
+
+# The tests that drive a real SGLang server on the CPU (marker `sglang`, minutes on 2
+# cores); `make test` skips them unless ASYNCRL_SGLANG_TESTS=1.
+test-sglang: $(STAMP) $(SGLANG_STAMP)
+	ASYNCRL_SGLANG_TESTS=1 $(BIN)/python -m pytest -q -ra -m sglang
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) runs

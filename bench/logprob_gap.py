@@ -3,6 +3,7 @@
     python bench/logprob_gap.py                        # vllm and hf, SmolLM2 fp32, T = 0.7
     python bench/logprob_gap.py --engines vllm --temperature 1.0 --prompts 64
     python bench/logprob_gap.py --engines hf --top-k 5 --top-p 0.9
+    python bench/logprob_gap.py --engines sglang --prompts 8  # SGLang on the CPU (make sglang)
 
 Each engine samples ``--new`` tokens for ``--prompts`` GSM8K questions (chat template) at
 ``--temperature``, cut by ``--top-k``/``--top-p`` (default: no cut); the train engine
@@ -27,6 +28,14 @@ from rollout import chat_prompts
 
 
 def build(kind: str, model: str) -> Any:
+    if kind == "sglang":
+        from asyncrl.engines.config import SGLangEngineConfig
+        from asyncrl.engines.sglang import SGLangEngine
+
+        config = SGLangEngineConfig(
+            python=".venv-sglang/bin/python", cpu=True, max_total_tokens=16384
+        )
+        return SGLangEngine(model, config, log_dir="runs/bench-logs")
     if kind == "vllm":
         from asyncrl.engines.config import VLLMEngineConfig
         from asyncrl.engines.vllm import VLLMEngine
@@ -85,7 +94,7 @@ def gap(outs: list[Any], trainer: Any) -> tuple[float, float, float, int]:
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--engines", nargs="+", default=["vllm", "hf"])
+    ap.add_argument("--engines", nargs="+", default=["vllm", "hf"], help="vllm, sglang, hf")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new", type=int, default=64, help="new tokens per prompt (at most)")
     ap.add_argument("--temperature", type=float, default=0.7)

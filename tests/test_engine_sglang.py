@@ -1,5 +1,6 @@
-"""The sglang engine against an in-test server speaking SGLang's documented native API (no
-real SGLang runs here: it has no CPU build)."""
+"""The sglang engine against an in-test server speaking SGLang's native API as a real SGLang
+0.5.23 server answers it (tests/test_engine_sglang_real.py drives the real one on the CPU,
+opt-in: ``make test-sglang``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from fake_servers import FakeModel, RunningServer, sglang_app
 
 from asyncrl.engines import GenerateRequest, SamplingParams
 from asyncrl.engines.config import SGLangEngineConfig
-from asyncrl.engines.server import ServerError
-from asyncrl.engines.sglang import SGLangEngine, generate_payload, parse_generate
+from asyncrl.engines.server import ServerError, resolve_interpreter
+from asyncrl.engines.sglang import CPU_ARGS, SGLangEngine, generate_payload, parse_generate
 
 MODEL = "tiny-random-llama"
 
@@ -131,3 +132,47 @@ async def test_release_and_resume_memory_for_colocation(tmp_path: Path) -> None:
     names = [c[0] for c in model.calls]
     assert names.index("pause_generation") < names.index("release_memory_occupation")
     assert names.index("release_memory_occupation") < names.index("resume_memory_occupation")
+
+
+def test_a_cpu_engine_starts_sglangs_cpu_path_from_its_own_virtualenv() -> None:
+    config = SGLangEngineConfig(python="/opt/sg/bin/python", cpu=True, max_total_tokens=4096)
+    engine = SGLangEngine(MODEL, config)
+    argv = engine.server_argv(31001)
+    assert argv[:3] == ["/opt/sg/bin/python", "-m", "sglang.launch_server"]
+    i = argv.index("--max-total-tokens")
+    assert argv[i + 1] == "4096"
+    assert argv[-len(CPU_ARGS) :] == CPU_ARGS and "torch_native" in CPU_ARGS
+    assert engine.server_env() == {"SGLANG_USE_CPU_ENGINE": "1"}
+    gpu = SGLangEngine(MODEL, SGLangEngineConfig())
+    assert "--device" not in gpu.server_argv(31001) and gpu.server_env() == {}
+    assert "--max-total-tokens" not in gpu.server_argv(31001)
+
+
+def test_a_relative_interpreter_is_found_in_the_checkout_or_named_with_its_make_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # not the checkout: the path resolves against the checkout
+    assert resolve_interpreter("src/asyncrl/__init__.py", "SGLang", "sglang") == str(
+        Path(__file__).resolve().parents[1] / "src" / "asyncrl" / "__init__.py"
+    )
+    assert resolve_interpreter("python3", "SGLang", "sglang") == "python3"
+    with pytest.raises(ServerError, match=r"run `make sglang`"):
+        resolve_interpreter(".venv-none/bin/python", "SGLang", "sglang")
+
+
+async def test_a_cpu_engine_keeps_release_and_resume_memory_to_itself() -> None:
+    """A real CPU server dies of /release_memory_occupation (it synchronizes CUDA), and has
+    no device memory to free: the engine only pauses."""
+    model = FakeModel(step_s=0.001)
+    async with RunningServer(sglang_app(model), model) as server:
+        config = SGLangEngineConfig(urls=[server.url], retry_backoff=0.01, cpu=True)
+        async with SGLangEngine(MODEL, config) as engine:
+            assert await engine.release_memory() == 0
+            assert engine.released and engine.paused
+            await engine.resume_memory()
+            await engine.resume()
+            out = await engine.agenerate(request("c/0", n=2))
+    assert out.output_ids == [8, 9]
+    names = [c[0] for c in model.calls]
+    assert "release_memory_occupation" not in names and "resume_memory_occupation" not in names
+    assert names.index("pause_generation") < names.index("continue_generation")

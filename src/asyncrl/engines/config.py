@@ -83,7 +83,18 @@ class VLLMEngineConfig(ServerEngineConfig):
 
 class SGLangEngineConfig(ServerEngineConfig):
     type: Literal["sglang"] = "sglang"
-    """SGLang servers (GPU only; install the ``gpu`` extra)."""
+    """SGLang servers: on GPUs, or on the CPU with ``cpu = true`` (``make sglang`` installs
+    SGLang in ``.venv-sglang``)."""
+    python: str = ""
+    """Interpreter of the virtualenv holding SGLang; it runs ``-m sglang.launch_server``
+    unless ``command`` is set. Empty: the interpreter running asyncrl. A relative path is
+    looked up in the working directory, then in the project checkout."""
+    cpu: bool = False
+    """Serve on the CPU: SGLang's CPU engine with plain-torch attention and sampling, no
+    overlap scheduler, no grammar backend. Slow; for tests and small models."""
+    max_total_tokens: int = Field(0, ge=0)
+    """KV cache size in tokens (SGLang's ``--max-total-tokens``); 0 lets SGLang size it from
+    ``mem_fraction_static`` (on the CPU, a fraction of the free host memory)."""
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)
     """Fraction of GPU memory for weights and KV cache (SGLang's ``--mem-fraction-static``);
     None leaves SGLang's default. Lower it when a trainer shares the GPU."""

@@ -150,3 +150,22 @@ class ServerProcess:
             except ProcessLookupError:
                 pass
             await asyncio.to_thread(proc.wait)
+
+
+def resolve_interpreter(python: str, what: str, make_target: str) -> str:
+    """The interpreter ``python`` of a server's virtualenv: as given if it exists (absolute,
+    or relative to the working directory) or is a bare command name, else relative to the
+    project checkout this package runs from (an editable install), so that a recipe's
+    ``.venv-x/bin/python`` works from any directory. Raises :class:`ServerError` naming
+    ``make <make_target>`` when it is nowhere."""
+    path = Path(python).expanduser()
+    if path.is_absolute() or path.exists() or "/" not in python:
+        return str(path) if "/" in python else python
+    checkout = Path(__file__).resolve().parents[3] / path
+    if checkout.exists():
+        return str(checkout)
+    raise ServerError(
+        f"the {what} interpreter {python!r} does not exist (neither in {Path.cwd()} nor in "
+        f"{Path(__file__).resolve().parents[3]}); run `make {make_target}`, or set "
+        "rollout.engine.python"
+    )

@@ -1,8 +1,8 @@
 """``sglang``: generation on SGLang servers over SGLang's native HTTP API.
 
-**Not run against a real SGLang**: SGLang has no CPU build, and these machines have no
-GPU. Request building and response parsing follow SGLang's documented API and are tested
-against an in-test server speaking those payloads (``tests/test_engine_sglang.py``).
+Tested against a real SGLang 0.5.23 server on the CPU (``rollout.engine.cpu``; ``make
+sglang``, ``make test-sglang``, ``tests/test_engine_sglang_real.py``) and against an in-test
+server speaking the same payloads (``tests/test_engine_sglang.py``).
 
 Endpoints used:
 
@@ -21,7 +21,8 @@ Endpoints used:
   names the loaded adapter in ``lora_path``;
 - ``POST /release_memory_occupation`` and ``POST /resume_memory_occupation`` for
   ``rollout.colocate`` (the server must run with ``--enable-memory-saver``, which this
-  engine adds when ``memory_saver`` is set).
+  engine adds when ``memory_saver`` is set); never sent to a CPU server (nothing to free,
+  and the call kills it).
 
 **Logprobs.** SGLang reports ``log_softmax(logits / T)`` of the sampled token, before any
 top-k/top-p cut, unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` set (then
@@ -40,7 +41,7 @@ from typing import Any
 from asyncrl.engines.base import GenerateRequest, GenerateResponse, WeightSource
 from asyncrl.engines.config import SGLangEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
-from asyncrl.engines.server import ServerError
+from asyncrl.engines.server import ServerError, resolve_interpreter
 from asyncrl.lora import is_adapter_dir
 from asyncrl.models import ModelConfig
 
@@ -54,6 +55,22 @@ MODEL_FILES = (
 )
 """Files SGLang reads beside the weights when it loads a directory; a weights update from
 the trainer carries only safetensors, so they are copied in from the model directory."""
+
+
+CPU_ARGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-overlap-schedule",
+    "--grammar-backend",
+    "none",
+]
+"""Flags of a CPU server (``rollout.engine.cpu``), with ``SGLANG_USE_CPU_ENGINE=1``: the
+torch-native attention and sampling need no compiled kernels; the overlap scheduler and
+the grammar backends do."""
 
 
 def generate_payload(request: GenerateRequest, request_id: str) -> dict[str, Any]:
@@ -141,7 +158,11 @@ class SGLangEngine(RemoteEngine):
         self.lora_rank = lora_rank
 
     def server_command(self) -> list[str]:
-        return self.config.command or [sys.executable, "-m", "sglang.launch_server"]
+        if self.config.command:
+            return self.config.command
+        python = self.config.python
+        python = resolve_interpreter(python, "SGLang", "sglang") if python else sys.executable
+        return [python, "-m", "sglang.launch_server"]
 
     def server_argv(self, port: int) -> list[str]:
         argv = [
@@ -162,7 +183,15 @@ class SGLangEngine(RemoteEngine):
         if self.lora_rank:
             argv += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)]
             argv += ["--lora-target-modules", "all", "--max-loras-per-batch", "1"]
+        if self.config.max_total_tokens:
+            argv += ["--max-total-tokens", str(self.config.max_total_tokens)]
+        if self.config.cpu:
+            argv += CPU_ARGS
         return argv + self.config.args
+
+    def server_env(self) -> dict[str, str]:
+        env = {"SGLANG_USE_CPU_ENGINE": "1"} if self.config.cpu else {}
+        return {**env, **self.config.env}
 
     async def _complete(self, server: Server, request: GenerateRequest) -> GenerateResponse:
         if request.sampling.max_new_tokens <= 0:
@@ -230,8 +259,16 @@ class SGLangEngine(RemoteEngine):
             await self._call(server, "/unload_lora_adapter", {"lora_name": old})
 
     async def _release_memory(self) -> int:
+        if self.config.cpu:
+            return 0  # see _resume_memory
         await self._each(lambda s: self._call(s, "/release_memory_occupation", {}))
         return 0  # SGLang does not say how much it freed
 
     async def _resume_memory(self) -> None:
+        # On the CPU there is no device memory to hand to a trainer, and SGLang 0.5.23's
+        # release synchronizes CUDA (weight_updater.release_memory_occupation calls
+        # torch.get_device_module().synchronize()), which kills a CPU server's scheduler:
+        # release and resume are no-ops there, the server never hears of them.
+        if self.config.cpu:
+            return
         await self._each(lambda s: self._call(s, "/resume_memory_occupation", {}))
