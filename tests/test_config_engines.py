@@ -29,7 +29,7 @@ def test_an_engine_key_without_a_type_means_the_default_hf_engine() -> None:
     ("sets", "key"),
     [
         (["rollout.engine.type=vllm", "rollout.engine.max_batch_size=8"], "max_batch_size"),
-        (["rollout.engine.type=sglang", "rollout.engine.python=x"], "python"),
+        (["rollout.engine.type=sglang", "rollout.engine.cpu_kvcache_gib=4"], "cpu_kvcache_gib"),
         (["rollout.engine.urls=['http://a:1']"], "urls"),  # hf has no servers
         (["rollout.engine.type=vllm", "rollout.engine.ports=[9,3]"], "ports"),
         (["rollout.engine.type=sglang", "rollout.engine.urls=['a:1']"], "urls"),
