@@ -36,7 +36,7 @@ from typing import Any, get_args
 from asyncrl.engines.base import FinishReason, GenerateRequest, GenerateResponse
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
-from asyncrl.engines.server import ServerError
+from asyncrl.engines.server import ServerError, resolve_interpreter
 from asyncrl.lora import is_adapter_dir
 from asyncrl.models import ModelConfig
 
@@ -139,7 +139,7 @@ class VLLMEngine(RemoteEngine):
     def server_command(self) -> list[str]:
         if self.config.command:
             return self.config.command
-        return [resolve_python(self.config.python), str(LAUNCHER)]
+        return [resolve_interpreter(self.config.python, "vLLM", "vllm"), str(LAUNCHER)]
 
     def server_argv(self, port: int) -> list[str]:
         argv = [
@@ -243,20 +243,3 @@ class VLLMEngine(RemoteEngine):
         if old:
             await self._call(server, "/v1/unload_lora_adapter", {"lora_name": old})
         await self._call(server, "/update_weight_version", {"new_version": str(version)})
-
-
-def resolve_python(python: str) -> str:
-    """``python`` as given if it exists (absolute, or relative to the working directory),
-    else relative to the project checkout this package runs from (an editable install),
-    so ``.venv-vllm/bin/python`` works from any directory."""
-    path = Path(python).expanduser()
-    if path.is_absolute() or path.exists() or "/" not in python:
-        return str(path) if "/" in python else python
-    checkout = Path(__file__).resolve().parents[3] / path
-    if checkout.exists():
-        return str(checkout)
-    raise ServerError(
-        f"the vLLM interpreter {python!r} does not exist (neither in {Path.cwd()} nor in "
-        f"{checkout.parent.parent.parent}); run `make vllm` to create .venv-vllm, or set "
-        "rollout.engine.python"
-    )
