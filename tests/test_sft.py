@@ -156,6 +156,13 @@ def test_a_bad_sft_recipe_fails_naming_the_key(sets: list[str], names: list[str]
     assert all(n in str(err.value) for n in names), str(err.value)
 
 
+def test_up_refuses_an_sft_recipe_naming_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncrl.cli import main
+
+    assert main(["up", str(CI_SFT)]) == 2
+    assert "asyncrl sft" in capsys.readouterr().err
+
+
 def test_every_sft_recipe_key_has_a_description() -> None:
     def walk(model: type) -> list[str]:
         missing = []

@@ -194,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                 submit=args.submit,
             )
         if args.command == "up":
+            if is_sft_data(read_recipe_data(args.recipe, args.overrides)):
+                raise RecipeError(
+                    f"{args.recipe} has an [sft] section: it is a supervised fine-tuning "
+                    f"recipe, run it with asyncrl sft {args.recipe}"
+                )
             if args.trace:
                 args.overrides.append(f"run.trace_steps={args.trace_steps}")
             for key in ("listen", "tls_cert", "tls_key", "tls_ca"):
