@@ -21,7 +21,8 @@ from asyncrl.models import TINY_NAME, ModelConfig
 from asyncrl.train import TrainEngine, TrainerConfig
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPES = sorted((REPO / "recipes").glob("*.toml"))
+RECIPES = [p for p in sorted((REPO / "recipes").glob("*.toml")) if "[sft]" not in p.read_text()]
+"""The shipped GRPO recipes (SFT recipes, with an ``[sft]`` section, are tests/test_sft.py's)."""
 
 OFFLINE_MODELS = {"smollm2-135m-instruct", TINY_NAME}
 """Models available without a download; any other ``model.path`` is replaced by the tiny

@@ -15,6 +15,7 @@ from pathlib import Path
 from asyncrl import __version__
 from asyncrl.checks import enforce_recipe
 from asyncrl.config import RecipeError, dump_recipe, load_recipe
+from asyncrl.sft.config import is_sft_data, load_sft_recipe, read_recipe_data
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -97,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="place every actor on a Ray cluster (its address, or auto; the ray extra)",
     )
 
+    sft = sub.add_parser("sft", help="supervised fine-tuning: a recipe with an [sft] section")
+    _add_recipe_args(sft)
+    sft.add_argument(
+        "--overwrite", action="store_true", help="replace an existing run folder of that name"
+    )
+    sft.add_argument("--quiet", action="store_true", help="no progress lines")
+
     check = sub.add_parser("check", help="validate a recipe and print the resolved config")
     _add_recipe_args(check)
     check.add_argument(
@@ -153,6 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "sft" or (
+            args.command == "check" and is_sft_data(read_recipe_data(args.recipe, args.overrides))
+        ):
+            sft_recipe = load_sft_recipe(args.recipe, args.overrides)
+            if args.command == "check":
+                print(dump_recipe(sft_recipe), end="")
+                return 0
+            from asyncrl.sft.run import sft
+
+            return sft(sft_recipe, overwrite=args.overwrite, quiet=args.quiet)
         if args.command == "check":
             recipe = load_recipe(args.recipe, args.overrides)
             if args.nodes is not None:
@@ -182,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                 submit=args.submit,
             )
         if args.command == "up":
+            if is_sft_data(read_recipe_data(args.recipe, args.overrides)):
+                raise RecipeError(
+                    f"{args.recipe} has an [sft] section: it is a supervised fine-tuning "
+                    f"recipe, run it with asyncrl sft {args.recipe}"
+                )
             if args.trace:
                 args.overrides.append(f"run.trace_steps={args.trace_steps}")
             for key in ("listen", "tls_cert", "tls_key", "tls_ca"):

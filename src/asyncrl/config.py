@@ -477,13 +477,19 @@ class RecipeError(ValueError):
 
 
 def _format_validation(exc: ValidationError) -> str:
+    return format_validation_error(exc, Recipe)
+
+
+def format_validation_error(exc: ValidationError, root: type[BaseModel]) -> str:
+    """Every error of ``exc`` on one line naming its key (``root``'s dotted path); an
+    unknown key lists the allowed ones."""
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
-            parent = _model_at(err["loc"][:-1])
+            parent = _model_at(err["loc"][:-1], root)
             if parent is not None:
                 msg += f" (allowed: {', '.join(sorted(parent.model_fields))})"
         if not err["loc"]:  # a check across sections: its message names its keys
@@ -498,8 +504,8 @@ _URL_CREDENTIALS = re.compile(r"://[^/@\s'\"]+@")
 """The ``user:password@`` of a URL, kept out of error messages (a terminal, a CI log)."""
 
 
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    model: type[BaseModel] = Recipe
+def _model_at(loc: tuple[Any, ...], root: type[BaseModel]) -> type[BaseModel] | None:
+    model: type[BaseModel] = root
     for part in loc:
         field = model.model_fields.get(str(part))
         if field is None:
@@ -684,7 +690,7 @@ def _check_cpus(recipe: Recipe) -> None:
         raise RecipeError("invalid recipe:\n" + "\n".join(problems))
 
 
-def dump_recipe(recipe: Recipe) -> str:
+def dump_recipe(recipe: BaseModel) -> str:
     """The resolved recipe as TOML-ish text (what the run folder keeps)."""
     return _to_toml(recipe.model_dump(mode="json"))
 
