@@ -222,7 +222,9 @@ async def test_kill_9_of_a_rollout_actor_loses_no_prompt(tmp_path: Path) -> None
     async with running_up(
         tmp_path,
         "kill",
-        "trainer.max_steps=8",  # killed after step 2: six more steps (>10 s) to return its leases
+        # no step budget worth the name: the test stops the run (SIGTERM) once the killed
+        # actor's leases came back, however fast this machine steps
+        "trainer.max_steps=100000",
         "rollout.actors=2",
         "rollout.lease_ttl=3",
         "rollout.sampling.max_new_tokens=48",  # episodes long enough to kill one mid-way
@@ -247,7 +249,16 @@ async def test_kill_9_of_a_rollout_actor_loses_no_prompt(tmp_path: Path) -> None
             while not outstanding_leases(run_dir, "rollout-1"):  # noqa: ASYNC110 - another process's log
                 await asyncio.sleep(0.02)
         os.kill(info.pid, signal.SIGKILL)
-        assert await asyncio.wait_for(up.proc.wait(), RUN_TIMEOUT) == 0
+        async with asyncio.timeout(RUN_TIMEOUT):
+            # its leases expire (lease_ttl) and return to the pool; a replacement starts
+            while (
+                outstanding_leases(run_dir, "rollout-1")
+                or not (run_dir / "logs" / "rollout-1-r1.log").is_file()
+            ):
+                assert up.proc.returncode is None, "the run ended before the leases came back"
+                await asyncio.sleep(0.1)
+        up.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(up.proc.wait(), 120) == 0
 
     events = read_jsonl(run_dir / "buffer_events.jsonl")
     finished = {e["prompt"] for e in events if e["event"] in ("admit", "reject", "filter")}
