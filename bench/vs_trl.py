@@ -201,6 +201,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         f"run.dir={args.work}",
         f"run.seed={args.seed}",
         "run.tensorboard=false",
+        "model.dtype=float32",  # TRL's side runs fp32 (bf16=False): matched
         f"trainer.max_steps={args.steps}",
         f"eval.every={args.steps}",  # version 0 and the last: the split, and a cross-check
         f"eval.max_prompts={args.heldout}",

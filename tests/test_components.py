@@ -17,7 +17,7 @@ from train_helpers.tiny import one_torch_thread, tiny_config
 
 from asyncrl.config import Recipe, RecipeError, load_recipe
 from asyncrl.engines.config import EngineConfig
-from asyncrl.models import TINY_NAME, ModelConfig
+from asyncrl.models import TINY_NAME, ModelConfig, resolve_dtype
 from asyncrl.train import TrainEngine, TrainerConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,7 +104,7 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
         s.top_k,
         s.top_p,
     )
-    assert trainer.param_dtype == getattr(torch, recipe.model.dtype)
+    assert trainer.param_dtype == getattr(torch, resolve_dtype(recipe.model.dtype, "cpu"))
 
 
 # --- the property: the recipe accepts exactly what the components accept --------------------

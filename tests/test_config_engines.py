@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import RecipeError, dump_recipe, load_recipe
+from asyncrl.models import resolve_dtype
 
 QUICKSTART = "recipes/quickstart.toml"
 
@@ -55,7 +56,8 @@ def test_server_engines_are_built_with_model_logs_and_options(tmp_path: Path) ->
     )
     assert isinstance(vllm, VLLMEngine)
     assert vllm.urls == ["http://h:1"] and vllm.model_spec == "smollm2-135m-instruct"
-    assert vllm.log_dir == tmp_path / "r" / "logs" and vllm.dtype == "float32"
+    # the quickstart's "auto" resolved for a server started on this machine's CPU
+    assert vllm.log_dir == tmp_path / "r" / "logs" and vllm.dtype == resolve_dtype("auto", "cpu")
     sglang = build_engine(
         load_recipe(
             QUICKSTART,

@@ -45,6 +45,7 @@ async def test_quickstart_runs_on_sglang(tmp_path: Path) -> None:
         "trainer.max_steps=2",
         "buffer.batch_size=2",
         "eval.every=0",  # an eval actor would start a second server
+        "model.dtype=float32",  # what this test ran with; "auto" may pick bf16 here
     ]
     argv = [sys.executable, "-m", "asyncrl.cli", "up", str(REPO / "recipes" / "quickstart.toml")]
     argv += [x for s in sets for x in ("--set", s)] + ["--quiet"]
