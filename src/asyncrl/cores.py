@@ -41,7 +41,9 @@ THREADS_ENV = "ASYNCRL_THREADS"
 GEN_SHARE = 0.25
 """Share of the cores generation gets (at least one)."""
 
-GENERATION_ROLES = ("buffer", "reward", "rollout", "eval")
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""Device files of the NVIDIA, ROCm and WSL GPU drivers: without any of them torch finds
+no CUDA device, so ``auto`` devices resolve to the CPU."""
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,8 @@ def uses_cuda(recipe: Recipe) -> bool:
     engine = recipe.rollout.engine
     engine_device = getattr(engine, "device", "cpu" if engine.type == "instant" else "auto")
     devices = [recipe.trainer.device, engine_device]
-    if all(d == "cpu" for d in devices):
-        return False  # without importing torch
+    if all(d == "cpu" for d in devices) or not any(map(os.path.exists, GPU_DEVICE_NODES)):
+        return False  # without importing torch into up, which never needs it otherwise
     return any(resolve_device(d).startswith("cuda") for d in devices)
 
 
