@@ -551,6 +551,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def read_recipe_file(path: str | Path) -> dict[str, Any]:
+    """The TOML recipe at ``path`` as a dict (nothing validated). Raises
+    :class:`RecipeError` when the file is missing or is not TOML."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"recipe {str(p)!r} is not valid TOML: {exc}") from None
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
     """Reads a TOML recipe (or the defaults when ``path`` is None), applies overrides,
     validates. Raises :class:`RecipeError` naming every bad key.
@@ -560,14 +572,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     travel together; specs given with ``--set`` are relative to the working directory."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise RecipeError(f"recipe {str(p)!r} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise RecipeError(f"recipe {str(p)!r} is not valid TOML: {exc}") from None
-        _anchor_code_specs(data, p.parent)
+        data = read_recipe_file(path)
+        _anchor_code_specs(data, Path(path).parent)
     apply_overrides(data, overrides or [])
     if isinstance(data.get("data"), dict):
         data["data"].setdefault("type", "arithmetic")  # the default dataset's type

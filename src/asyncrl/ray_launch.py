@@ -279,8 +279,12 @@ class RayNats:
     async def start(self) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from asyncrl.runtime.nats_cluster import JETSTREAM_READY_TIMEOUT_S, wait_for_jetstream
-        from asyncrl.runtime.nats_server import NATS_JSON, EmbeddedNats, NatsInfo
+        from asyncrl.runtime.nats_cluster import (
+            JETSTREAM_READY_TIMEOUT_S,
+            cluster_info,
+            wait_for_jetstream,
+        )
+        from asyncrl.runtime.nats_server import NATS_JSON, EmbeddedNats
 
         ray, run, n = self.ray, self.run, self.run.nats_servers
         host_cls = ray.remote(num_cpus=0, max_restarts=0)(NatsHost)
@@ -329,15 +333,7 @@ class RayNats:
                 )
             refs = [h.start.remote(s) for h, s in zip(self.hosts, servers, strict=True)]
             infos = await asyncio.to_thread(ray.get, refs)
-            info = NatsInfo(
-                url=infos[0].url,
-                token=infos[0].token,
-                user=infos[0].user,
-                password=infos[0].password,
-                tls_ca=infos[0].tls_ca,
-                urls=tuple(i.url for i in infos) if n > 1 else (),
-                replicas=run.nats_replicas,
-            )
+            info = cluster_info(infos, run.nats_replicas)
             if n > 1:
                 await wait_for_jetstream(info, time.monotonic() + JETSTREAM_READY_TIMEOUT_S)
         except BaseException:

@@ -22,7 +22,7 @@ import contextlib
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,22 @@ def free_ports(host: str, n: int) -> list[int]:
             s.bind((host, 0))
             ports.append(int(s.getsockname()[1]))
         return ports
+
+
+def cluster_info(infos: Sequence[NatsInfo], replicas: int) -> NatsInfo:
+    """The connection info of started servers as one run's: the first server's URL and
+    credentials (every server has the same), every URL when there are several (actors fail
+    over between them), and the run's replica count."""
+    first = infos[0]
+    return NatsInfo(
+        url=first.url,
+        token=first.token,
+        user=first.user,
+        password=first.password,
+        tls_ca=first.tls_ca,
+        urls=tuple(i.url for i in infos) if len(infos) > 1 else (),
+        replicas=replicas,
+    )
 
 
 class NatsCluster:
@@ -125,16 +141,7 @@ class NatsCluster:
         JetStream is not ready within ``ready_timeout`` seconds; nothing is left running."""
         try:
             infos = await asyncio.gather(*(s.start() for s in self.servers))
-            first = infos[0]
-            info = NatsInfo(
-                url=first.url,
-                token=first.token,
-                user=first.user,
-                password=first.password,
-                tls_ca=first.tls_ca,
-                urls=tuple(i.url for i in infos) if len(infos) > 1 else (),
-                replicas=self.replicas,
-            )
+            info = cluster_info(infos, self.replicas)
             if len(self.servers) > 1:
                 await wait_for_jetstream(info, time.monotonic() + ready_timeout)
         except BaseException:

@@ -10,7 +10,6 @@ Imports no torch.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -23,6 +22,7 @@ from asyncrl.config import (
     RunConfig,
     apply_overrides,
     format_validation_error,
+    read_recipe_file,
 )
 from asyncrl.data.gsm8k import BOXED_INSTRUCTION
 from asyncrl.models import ModelConfig
@@ -143,15 +143,7 @@ def is_sft_data(data: dict[str, Any]) -> bool:
 
 def read_recipe_data(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
     """The TOML recipe at ``path`` as a dict, ``overrides`` applied (nothing validated)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise RecipeError(f"recipe {str(p)!r} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise RecipeError(f"recipe {str(p)!r} is not valid TOML: {exc}") from None
+    data = read_recipe_file(path) if path is not None else {}
     return apply_overrides(data, overrides or [])
 
 

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from asyncrl.sft.loss import masked_ce
 from asyncrl.train.batch import Batch
 from asyncrl.train.engine import TrainEngine
-from asyncrl.train.schedule import lr_at
 
 if TYPE_CHECKING:
     from asyncrl.sft.config import SftRecipe
@@ -35,19 +34,9 @@ class SFTEngine(TrainEngine):
         gradient norm is not finite changes no weight (counted in ``skipped_nonfinite``).
         Collective. Returns ``loss`` (the batch's token-mean cross-entropy), ``grad_norm``,
         ``lr``, token counts and timings."""
-        cfg = self.config
         t0 = time.perf_counter()
         num_tokens = sum(s.num_loss_tokens for s in batch)
-        lr = lr_at(
-            self.step,
-            lr=cfg.optim.lr,
-            warmup_steps=cfg.optim.warmup_steps,
-            schedule=cfg.optim.schedule,
-            total_steps=cfg.max_steps,
-            min_lr_ratio=cfg.optim.min_lr_ratio,
-        )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = self._apply_lr()
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)

@@ -345,7 +345,6 @@ class TrainEngine:
         clip fractions, ratio, KLs and importance weights are means over the batch's loss
         tokens; ``optimizer_steps`` counts the steps taken, ``minibatches`` those planned.
         """
-        cfg = self.config
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
         samples: Batch = shard.samples
@@ -361,16 +360,7 @@ class TrainEngine:
                 ref_logprobs = self._score_shard(shard, module)
             samples = _fill(samples, "ref_logprobs", ref_logprobs)
             stats["time/ref_s"] = time.perf_counter() - t_ref
-        lr = lr_at(
-            self.step,
-            lr=cfg.optim.lr,
-            warmup_steps=cfg.optim.warmup_steps,
-            schedule=cfg.optim.schedule,
-            total_steps=cfg.max_steps,
-            min_lr_ratio=cfg.optim.min_lr_ratio,
-        )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = self._apply_lr()
 
         self.module.train()
         totals = StepTotals(device=self.device)
@@ -502,6 +492,22 @@ class TrainEngine:
         totals.forward_backward_s += t_opt - t_fb
         totals.optimizer_s += time.perf_counter() - t_opt
         return grad_norm
+
+    def _apply_lr(self) -> float:
+        """Sets every parameter group's learning rate to the schedule's value at this step
+        (``trainer.optim``, over ``trainer.max_steps``) and returns it."""
+        optim = self.config.optim
+        lr = lr_at(
+            self.step,
+            lr=optim.lr,
+            warmup_steps=optim.warmup_steps,
+            schedule=optim.schedule,
+            total_steps=self.config.max_steps,
+            min_lr_ratio=optim.min_lr_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _clip_grad_norm(self) -> float:
         """Global gradient norm (all ranks), clipping to ``optim.grad_clip`` when set."""
