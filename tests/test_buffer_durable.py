@@ -13,15 +13,18 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 from actor_helpers.buffer_kit import recipe, running_buffer
 from test_buffer_actor import S, sample, score, take_lease
 
+from asyncrl.actors.buffer import actor as buffer_actor
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.durable import keep_for_resume
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.messages import Array, BatchRequest, TrainBatchRef, TrainSample, Trajectory
 from asyncrl.observe.records import drop_records_after
+from asyncrl.runtime.actor import awaiting
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.runtime.staleness import StalenessManager
@@ -115,6 +118,41 @@ async def test_resume_keeps_the_dataset_position_of_the_checkpoints_step(
         assert [p.uid for p in (await take_lease(bus, 2)).prompts] == [p.uid for p in more.prompts]
     # nothing recorded for a step (a buffer without durable state): the dataset restarts
     assert await keep_for_resume(bus, S.buffer_bucket, step=9, version=9, batch_size=2) is None
+
+
+async def test_a_stopping_buffer_ends_its_batch_wait_and_writes_its_last_changes(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop while a batch request waits for groups answers that request "not ready" at
+    once, not after the wait (here longer than the test's limit), and the stopping
+    buffer writes what changed since its writer's last write (a lease here), so its
+    replacement holds it. Before, the connection's drain waited for such a handler, and
+    one that waited on the cancelled writer held the actor until the supervisor's
+    SIGKILL."""
+    monkeypatch.setattr(buffer_actor, "BATCH_WAIT", 3600.0)
+    r = recipe()
+    async with running_buffer(tmp_path, nats_server, bus, r) as buf:
+        assert buf.durable is not None
+        buf.durable.min_interval = 3600.0  # after its next write, the writer waits
+        first = await take_lease(bus, 2)
+        await buf.durable.persisted()
+        writes = buf.durable.writes
+        second = await take_lease(bus, 1)  # a change the writer will not write
+        req = BatchRequest(step=0, version=0)
+        waiting = asyncio.create_task(bus.request(S.batch, req, TrainBatchRef, timeout=3600))
+        async with asyncio.timeout(30):  # until the request waits inside the buffer
+            while not any("on_batch_request" in awaiting(t) for t in asyncio.all_tasks()):  # noqa: ASYNC110 - no event marks it
+                await asyncio.sleep(0.02)
+        assert buf.durable.writes == writes
+        buf.stop("test")
+        async with asyncio.timeout(60):
+            answer = await waiting
+        assert answer.waiting is not None and not answer.samples
+    assert buf.durable.writes == writes + 1
+    async with running_buffer(tmp_path, nats_server, bus, r) as again:
+        assert sorted(again.leases.leased) == sorted(
+            p.uid for p in (*first.prompts, *second.prompts)
+        )
 
 
 def admission(tmp_path: Path, version: int) -> Admission:

@@ -18,6 +18,7 @@ non-zero exit code, after the same teardown: errors propagate, they are not swal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -53,6 +54,26 @@ class ActorContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+STOP_STALL_S = 5.0
+"""Seconds after a stop request past which the actor logs what it still waits for."""
+
+
+def awaiting(task: asyncio.Task[Any]) -> str:
+    """Where ``task`` waits, outermost first: the chain of coroutines each awaits (a
+    task's own stack shows only the outermost)."""
+    where: list[str] = []
+    coro: Any = task.get_coro()
+    while coro is not None and len(where) < 16:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        where.append(
+            f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+        )
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " > ".join(where)
+
+
 class _StopRequested(Exception):
     """Raised inside the TaskGroup to end it; never escapes :meth:`Actor.main`."""
 
@@ -73,6 +94,8 @@ class Actor:
         self._stop = asyncio.Event()
         self._stop_reason = ""
         self._bus: Bus | None = None
+        self._stopped = False
+        self._stall_watch: asyncio.TimerHandle | None = None
         self.tracer = self._make_tracer()
 
     def _make_tracer(self) -> Tracer:
@@ -119,6 +142,20 @@ class Actor:
         if not self._stop.is_set():
             self._stop_reason = reason
             self._stop.set()
+            with contextlib.suppress(RuntimeError):  # no loop: nothing to watch
+                loop = asyncio.get_running_loop()
+                self._stall_watch = loop.call_later(STOP_STALL_S, self._log_stalled_stop)
+
+    def _log_stalled_stop(self) -> None:
+        """Logs each task still alive ``STOP_STALL_S`` after the stop was asked for, with
+        where it waits: a task that swallows its cancellation keeps the actor alive until
+        the supervisor's grace ends in SIGKILL, and this names it."""
+        if self._stopped:
+            return
+        for task in asyncio.all_tasks():
+            if task is asyncio.current_task() or task.done():
+                continue
+            self.log.warning("stop stalled", task=task.get_name(), waiting_in=awaiting(task))
 
     def info(self) -> ActorInfo:
         return ActorInfo(
@@ -199,6 +236,9 @@ class Actor:
             await self.bus.close()
         except Exception as exc:  # the server may already be gone at the end of a run
             self.log.warning("could not say goodbye", error=str(exc))
+        self._stopped = True
+        if self._stall_watch is not None:
+            self._stall_watch.cancel()
         self.log.info("stopped", ok=ok, reason=reason)
         return 0 if ok else 1
 

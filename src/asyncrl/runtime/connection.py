@@ -27,6 +27,9 @@ from asyncrl.runtime.nats_server import NatsInfo
 log = structlog.get_logger("asyncrl.bus")
 
 RECONNECT_WAIT_S = 2  # nats-py's default pause between reconnect attempts
+DRAIN_TIMEOUT_S = 10
+"""Seconds a closing connection lets its handlers in flight finish before it closes anyway
+(nats-py waits 30 s, as long as the supervisor's whole grace before SIGKILL)."""
 
 
 class PayloadTooLarge(ValueError):
@@ -108,6 +111,7 @@ class Connection:
             max_reconnect_attempts=1,
             reconnect_time_wait=0,
             connect_timeout=max(1, round(connect_timeout)),
+            drain_timeout=DRAIN_TIMEOUT_S,
             error_cb=bus._on_client_error,
             disconnected_cb=bus._on_disconnected,
             reconnected_cb=bus._on_reconnected,

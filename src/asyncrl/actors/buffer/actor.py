@@ -90,6 +90,7 @@ class BufferActor(Actor):
             self.admission, self.staleness, self.journal, batch_size=r.buffer.batch_size
         )
         self.ready_changed = asyncio.Event()
+        self.stopping = False
         self.weights: WeightsUpdated | None = None
         self.durable: DurableState | None = None
         self._encoded = EncodedParts()
@@ -183,6 +184,14 @@ class BufferActor(Actor):
         tg.create_task(self._expire_leases(), name="lease-expiry")
 
     async def teardown(self) -> None:
+        # Requests still being answered end now (a batch request that waits answers "not
+        # ready"), and what changed since the last write is written once more: the
+        # connection's drain waits for every handler, and none may wait on a writer that
+        # the stop has cancelled.
+        self.stopping = True
+        self.ready_changed.set()
+        if self.durable is not None:
+            await self.durable.close()
         self.journal.event("stop", **self._state_summary())
         self.journal.close()
 
@@ -278,7 +287,9 @@ class BufferActor(Actor):
             self.version = published
             try:
                 async with asyncio.timeout(BATCH_WAIT):
-                    while not self.batcher.ready():
+                    while not self.batcher.ready() or self.stopping:
+                        if self.stopping:  # a stopping buffer serves no new batch
+                            raise TimeoutError
                         self.ready_changed.clear()
                         await self.ready_changed.wait()
             except TimeoutError:

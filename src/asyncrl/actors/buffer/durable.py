@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 SNAPSHOT_KEY = "state"
 RETRY_PAUSE = 0.5
+FINAL_WRITE_S = 5.0
+"""Seconds the stopping buffer gives its last write."""
 """Seconds between tries of a write that failed (the server is restarting, say)."""
 
 log = get_logger(role="buffer")
@@ -201,6 +203,7 @@ class DurableState:
         self._written = 0
         self._changed = asyncio.Event()
         self._cond = asyncio.Condition()
+        self._closed = False
 
     def touch(self) -> None:
         """The state changed: the next write holds the change."""
@@ -214,7 +217,31 @@ class DurableState:
             return
         target = self._changes
         async with self._cond:
-            await self._cond.wait_for(lambda: self._written >= target)
+            await self._cond.wait_for(lambda: self._written >= target or self._closed)
+        if self._written < target:
+            raise RuntimeError("the buffer stopped before its state was written")
+
+    async def close(self) -> None:
+        """After :meth:`run` has been cancelled: writes what changed since its last write
+        (within ``FINAL_WRITE_S``), then releases every :meth:`persisted` waiter, each with an
+        error if the state it waits for is not written. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        target = self._changes
+        if self.enabled and self._written < target:
+            data = encode(self.take())
+            try:
+                async with asyncio.timeout(FINAL_WRITE_S):
+                    await self.bus.put_blob(self.bucket, SNAPSHOT_KEY, data)
+            except Exception as exc:  # the server may be gone: the snapshot stays older
+                log.warning("last buffer state write failed", error=repr(exc))
+            else:
+                self.writes += 1
+                self.bytes_written += len(data)
+                self._written = target
+        async with self._cond:
+            self._cond.notify_all()
 
     async def load(self) -> BufferSnapshot | None:
         """The last snapshot written in this run, or None."""
