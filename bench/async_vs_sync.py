@@ -315,11 +315,14 @@ def placement_candidates(cores: list[int]) -> dict[str, list[str]]:
     """Label -> placement overrides. ``default`` is asyncrl's own rule
     (:mod:`asyncrl.cores`: no override at all); the others are placed by hand: disjoint
     splits giving generation k cores, and the shared machine (no pinning) with torch's
-    default threads, or with one generation thread and every core for the trainer."""
+    default threads, or with one generation thread and every core for the trainer; and the
+    overlapping placement: the trainer on every core, generation pinned to N/4 of them."""
     n = len(cores)
     out: dict[str, list[str]] = {"default": []}
     for k in sorted({1, max(1, n // 4), max(1, n // 2), n - 1}):
         out[f"gen {k} / train {n - k}"] = pinned(cores[:k], cores[k:])
+    k = max(1, n // 4)  # overlapping: the trainer on every core, generation on k of them
+    out[f"gen {k} / train all {n}"] = pinned(cores[:k], cores)
     out["shared, torch defaults"] = ["run.placement=none"]
     out[f"shared, gen 1 / train {n} threads"] = [
         "run.placement=none",

@@ -32,31 +32,35 @@ CI = REPO / "recipes" / "ci.toml"
     ("n", "gen"),
     [(2, [0]), (3, [0]), (4, [0]), (8, [0, 1]), (16, [0, 1, 2, 3]), (64, list(range(16)))],
 )
-def test_generation_takes_a_quarter_of_the_cores_and_at_least_one(n: int, gen: list[int]) -> None:
+def test_generation_takes_a_quarter_of_the_cores_and_training_all(n: int, gen: list[int]) -> None:
     g, t = split_cores(list(range(n)))
     assert g == gen
-    assert t == list(range(len(gen), n))
+    assert t == list(range(n))
 
 
-def test_one_core_cannot_be_split() -> None:
+def test_one_core_is_not_placed() -> None:
     with pytest.raises(ValueError, match="1 core"):
         split_cores([5])
 
 
-def test_cores_are_split_in_id_order_whatever_the_affinity_order() -> None:
-    assert split_cores([7, 3, 5, 4]) == ([3], [4, 5, 7])
+def test_cores_are_taken_in_id_order_whatever_the_affinity_order() -> None:
+    assert split_cores([7, 3, 5, 4]) == ([3], [3, 4, 5, 7])
 
 
 def test_threads_divide_each_set_among_its_processes() -> None:
     recipe = load_recipe(CI, ["rollout.actors=2", "trainer.nproc=2"])
     p = auto_placement(recipe, list(range(16)), cuda=False)
     assert p is not None
-    assert (p.generation, p.training) == ([0, 1, 2, 3], list(range(4, 16)))
-    # 4 generation cores for 2 rollout actors; 12 training cores for 2 ranks
-    assert p.threads == {"rollout": 2, "eval": 4, "trainer": 6}
+    assert (p.generation, p.training) == ([0, 1, 2, 3], list(range(16)))
+    # 4 generation cores for 2 rollout actors; all 16 cores for 2 ranks
+    assert p.threads == {"rollout": 2, "eval": 4, "trainer": 8}
+    assert p.describe().startswith("placement: 16 cores;")
+    assert "training on [0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15] (generation's included)" in (
+        p.describe()
+    )
     two_nodes = load_recipe(CI, ["trainer.nodes=2"])
     p2 = auto_placement(two_nodes, list(range(8)), cuda=False)
-    assert p2 is not None and p2.threads["trainer"] == 3  # both loopback nodes run here
+    assert p2 is not None and p2.threads["trainer"] == 4  # both loopback nodes run here
 
 
 @pytest.mark.parametrize(
@@ -85,7 +89,7 @@ def test_every_process_up_starts_carries_its_roles_cores(tmp_path: Path) -> None
     specs = actor_specs(recipe, tmp_path, p)
     assert {s.role for s in specs} == {"buffer", "reward", "rollout", "eval", "trainer"}
     for s in specs:
-        want = "1,2,3" if s.role == "trainer" else "0"
+        want = "0,1,2,3" if s.role == "trainer" else "0"
         assert s.env[CPUS_ENV] == want, (s.actor_id, s.env)
     # the trainer gang keeps its own environment beside the placement
     assert all(UP_NODE_ENV in s.env for s in specs if s.role == "trainer")

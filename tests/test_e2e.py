@@ -95,11 +95,12 @@ async def test_ci_recipe_learns_within_the_staleness_bound(tmp_path: Path) -> No
     assert (run_dir / "checkpoints" / "latest.json").is_file()
     assert (run_dir / "logs" / "trainer-0.log").is_file()
     assert oct((run_dir / "nats.json").stat().st_mode & 0o777) == "0o600"
-    # the recipe pins nothing, so up placed generation and training on disjoint cores
+    # the recipe pins nothing, so up pinned generation to some cores and training to all
     # where it may use two or more (asyncrl.cores), and each process applied it
     if len(os.sched_getaffinity(0)) >= 2:
         placed = json.loads((run_dir / "placement.json").read_text())
-        assert not set(placed["generation"]) & set(placed["training"]), placed
+        assert placed["training"] == sorted(os.sched_getaffinity(0)), placed
+        assert set(placed["generation"]) < set(placed["training"]), placed
         trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
         assert f"cpus={placed['training']}" in trainer_log, "the trainer was not placed"
         assert f"cpus={placed['generation']}" in (run_dir / "logs" / "rollout-0.log").read_text()
