@@ -7,6 +7,8 @@ batch hand-off between trainer ranks.
         --max-new 64 --modes packed --steps 2               # the CPU trainer against its peak
     python bench/trainer.py --shape qwen2.5-1.5b --seqs 256 --grad-ckpt   # on a GPU
     python bench/trainer.py --modes handoff --seqs 256 --steps 10        # 2 ranks, gloo
+    python bench/trainer.py --shape smollm2-135m --seqs 32 --resp-median 64 --resp-sigma 0 \
+        --max-new 64 --modes compile --steps 4              # eager against torch.compile
     python bench/trainer.py --shape smollm2-135m --modes lora --seqs 8 --resp-median 64 \
         --resp-sigma 0 --max-new 64 --steps 2               # full fine-tuning against LoRA
 
@@ -38,6 +40,11 @@ at once would not fit beside a shared machine's other work), and prints side by 
 time, trainable parameters, optimizer state bytes (AdamW's two moments, all that
 ``optimizer.state`` holds) and the bytes of one weight update (all weights in the model
 dtype, against the adapter).
+
+Mode ``compile`` trains the same batches eager and with ``trainer.compile`` (every decoder
+layer under ``torch.compile``, dynamic shapes), one engine after the other, and prints the
+steady step times, their ratio, the first step of each (the compiled one's holds the
+compilation) and after how many steps the compilation has paid for itself.
 
 Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
 rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
@@ -193,7 +200,11 @@ def measured_gemm_peak(dtype: torch.dtype, size: int, reps: int = 5) -> float:
 
 
 def build_engine(
-    args: argparse.Namespace, packing: bool, batches: list[list[Sample]], lora_rank: int = 0
+    args: argparse.Namespace,
+    packing: bool,
+    batches: list[list[Sample]],
+    lora_rank: int = 0,
+    compile: bool = False,
 ) -> Any:
     max_len = max(len(s) for b in batches for s in b)
     lora = LoraConfig(rank=lora_rank, alpha=max(1, lora_rank))
@@ -204,6 +215,7 @@ def build_engine(
             gradient_checkpointing=args.grad_ckpt,
             max_tokens_per_microbatch=args.max_tokens,
             packing=packing,
+            compile=compile,
             optim=OptimConfig(lr=1e-6),
             loss=LossConfig(behav_imp_weight_cap=None),
             lora=lora,
@@ -242,6 +254,26 @@ def run_lora(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str,
             "optim_bytes": float(optim_bytes),
             "update_bytes": float(sum(p.numel() for p in published) * itemsize),
         }
+        del engine
+    return out
+
+
+def run_compile(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, float]:
+    """Packed steps eager, then with ``trainer.compile`` (each decoder layer compiled with
+    dynamic shapes), one engine after the other on the same batches: each one's first
+    step (the compiled one's includes compilation) and the median of the rest."""
+    out = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        engine = build_engine(args, True, batches, compile=compiled)
+        times = []
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            engine.train_step(batch)
+            times.append(time.perf_counter() - t0)
+            print(f"  {name} step {i}: {times[-1]:.2f} s", flush=True)
+        out[f"{name}_first_s"] = times[0]
+        out[f"{name}_s"] = statistics.median(times[args.warmup :])
+        out["flops"] = statistics.mean(model_flops(engine, b) for b in batches[args.warmup :])
         del engine
     return out
 
@@ -454,7 +486,7 @@ def main() -> None:
             + f" ({args.peak_size}² matmuls, {torch.get_num_threads()} threads)"
         )
     modes = args.modes.split(",")
-    allowed = {"packed", "padded", "proximal", "head", "handoff", "lora"}
+    allowed = {"packed", "padded", "proximal", "head", "handoff", "lora", "compile"}
     if set(modes) - allowed:
         parser.error(f"--modes {args.modes!r}: allowed {', '.join(sorted(allowed))}")
     head = run_head(args, batches) if "head" in modes else None
@@ -520,6 +552,27 @@ def main() -> None:
             f" {low['optim_bytes'] / full['optim_bytes']:.4f}x, update bytes"
             f" {low['update_bytes'] / full['update_bytes']:.4f}x"
         )
+    if "compile" in modes:
+        r = run_compile(args, batches)
+        line = (
+            f"packed step time, eager {r['eager_s']:.3f} s | compiled {r['compiled_s']:.3f} s"
+            f" | eager / compiled {r['eager_s'] / r['compiled_s']:.2f}x | first step (compiling)"
+            f" {r['compiled_first_s']:.1f} s against eager's {r['eager_first_s']:.1f} s"
+        )
+        extra = r["compiled_first_s"] - r["eager_first_s"]
+        saved = r["eager_s"] - r["compiled_s"]
+        line += (
+            f" | compilation paid back after {extra / saved:.0f} steps"
+            if saved > 0
+            else " | never paid back"
+        )
+        if peaks:
+            line += (
+                f" | trainer: {r['flops'] / r['eager_s'] / peaks['float32']:.0%} eager vs"
+                f" {r['flops'] / r['compiled_s'] / peaks['float32']:.0%} compiled, of measured"
+                " fp32 peak"
+            )
+        print(line)
     if "proximal" in modes:
         r = run_proximal(args, batches)
         print(

@@ -624,8 +624,9 @@ def main() -> None:
     print(f"TRL venv: {versions} (created in {venv_s:.0f} s, not counted)" if venv_s else
           f"TRL venv: {versions}")  # fmt: skip
     pairs = []
-    for workload in args.workloads:
-        for seed in args.seeds:
+    RESULTS.mkdir(exist_ok=True)
+    for seed in args.seeds:  # seed-major: a run cut short still has every workload's early seeds
+        for workload in args.workloads:
             w = WORKLOADS[workload]
             pair = argparse.Namespace(**vars(args))
             pair.workload, pair.seed = workload, seed
@@ -636,13 +637,16 @@ def main() -> None:
             result = bench_pair(pair)
             plot(result, pair.work / "vs_trl.png")
             pairs.append(result)
+            partial_out = {"machine": info, "trl_versions": versions, "pairs": pairs}
+            (RESULTS / "vs_trl.partial.json").write_text(json.dumps(partial_out, indent=2))
+            for line in summary_table(pairs):
+                print(line, flush=True)
     info["loadavg_end"] = os.getloadavg()
     total = time.time() - t_start
     print(
         f"benchmark {total / 60:.1f} min (+ venv {venv_s / 60:.1f} min); load average "
         f"{info['loadavg_end']} (other processes on these cores distort the speeds)"
     )
-    RESULTS.mkdir(exist_ok=True)
     out = {"machine": info, "trl_versions": versions, "venv_creation_s": venv_s, "pairs": pairs}
     (RESULTS / "vs_trl.json").write_text(json.dumps(out, indent=2))
     print(f"wrote {RESULTS / 'vs_trl.json'} and a vs_trl.png per pair under {WORK}")

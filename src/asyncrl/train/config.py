@@ -217,6 +217,11 @@ class TrainerConfig(Placement):
     float32) until backward, so the LM head runs once per chunk; true keeps one chunk alive
     at a time and recomputes its logits in backward (less memory, one more LM-head matmul
     and softmax per chunk)."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (dynamic shapes, so packed lengths that change
+    every step reuse one graph). The first steps pay the compilation (tens of seconds on a
+    CPU, which needs a C++ compiler); ``bench/trainer.py --modes compile`` measures whether
+    the later steps win it back on a machine."""
     reshard_after_forward: bool = True
     """FSDP: free the gathered layer weights after forward (ZeRO-3)."""
     reduce_dtype: DType = "float32"

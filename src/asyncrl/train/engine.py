@@ -29,7 +29,7 @@ from asyncrl.schema import resolve_device
 from asyncrl.train import checkpoint as ckpt
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig
-from asyncrl.train.models import TokenLogprobs, apply_fsdp, load_causal_lm
+from asyncrl.train.models import TokenLogprobs, apply_fsdp, decoder_layers, load_causal_lm
 from asyncrl.train.packing import (
     MicroBatch,
     build_micro_batch,
@@ -118,6 +118,9 @@ class TrainEngine:
                 hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if config.compile:
+            for layer in decoder_layers(lm):
+                layer.compile(dynamic=True)
         self.lora = config.lora.enabled
         if self.lora:
             from asyncrl.train.lora import apply_lora
