@@ -111,9 +111,10 @@ async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
                     f"trainer.max_steps={STEPS}",
                     "trainer.checkpoint_every=1000",
                     "rollout.sampling.max_new_tokens=64",
-                    # few rows decode together, so generation is slower than a trainer
-                    # step and every weight update lands while sequences are running
-                    "rollout.engine.max_batch_size=4",
+                    # one row decodes at a time, so generation is slower than a trainer
+                    # step (whichever cores each gets) and weight updates land while
+                    # sequences are running
+                    "rollout.engine.max_batch_size=1",
                     "rollout.group_size=4",  # half the samples: still slower than a step
                 )
             )
