@@ -67,6 +67,7 @@ def test_layout_choices_do_not_change_the_step(variant: dict, loss_agg: str) -> 
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_a_compiled_engine_takes_the_same_step() -> None:
     """``trainer.compile``: every decoder layer under ``torch.compile`` (dynamic shapes),
     two steps on batches of different lengths (one graph for both), the same losses and
