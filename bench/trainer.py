@@ -225,19 +225,29 @@ def build_engine(
     )
 
 
+def timed_steps(
+    engine: Any, batches: list[list[Sample]], label: str, warmup: int
+) -> tuple[list[float], dict[str, float]]:
+    """Trains ``engine`` on each batch in turn; returns every step's seconds (printed as
+    each ends, the first ``warmup`` marked as not counted) and the last step's stats."""
+    times: list[float] = []
+    stats: dict[str, float] = {}
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        stats = engine.train_step(batch)
+        times.append(time.perf_counter() - t0)  # train_step synchronises on CUDA
+        note = " (warm-up, not counted)" if i < warmup else ""
+        print(f"  {label} step {i}: {times[-1]:.2f} s{note}", flush=True)
+    return times, stats
+
+
 def run_lora(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, dict[str, float]]:
     """Packed steps with full fine-tuning, then with LoRA: step time, trainable
     parameters, optimizer state bytes and the bytes of one published weight update."""
     out = {}
     for name, rank in (("full", 0), (f"lora r={args.lora_rank}", args.lora_rank)):
         engine = build_engine(args, True, batches, lora_rank=rank)
-        times = []
-        for i, batch in enumerate(batches):
-            t0 = time.perf_counter()
-            engine.train_step(batch)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-                print(f"  {name} step {i}: {times[-1]:.2f} s", flush=True)
+        times = timed_steps(engine, batches, name, args.warmup)[0][args.warmup :]
         itemsize = torch.empty((), dtype=engine.param_dtype).element_size()
         trainable = [p for p in engine.lm.parameters() if p.requires_grad]
         optim_bytes = sum(
@@ -265,12 +275,7 @@ def run_compile(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[s
     out = {}
     for name, compiled in (("eager", False), ("compiled", True)):
         engine = build_engine(args, True, batches, compile=compiled)
-        times = []
-        for i, batch in enumerate(batches):
-            t0 = time.perf_counter()
-            engine.train_step(batch)
-            times.append(time.perf_counter() - t0)
-            print(f"  {name} step {i}: {times[-1]:.2f} s", flush=True)
+        times, _ = timed_steps(engine, batches, name, args.warmup)
         out[f"{name}_first_s"] = times[0]
         out[f"{name}_s"] = statistics.median(times[args.warmup :])
         out["flops"] = statistics.mean(model_flops(engine, b) for b in batches[args.warmup :])
@@ -334,14 +339,9 @@ def run_mode(
     engine = build_engine(args, packing, batches)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, stats = [], {}
-    for i, batch in enumerate(batches):
-        t0 = time.perf_counter()
-        stats = engine.train_step(batch)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)  # train_step synchronises on CUDA
-            print(f"  {'packed' if packing else 'padded'} step {i}: {times[-1]:.2f} s", flush=True)
-    step_s = statistics.median(times)
+    label = "packed" if packing else "padded"
+    times, stats = timed_steps(engine, batches, label, args.warmup)
+    step_s = statistics.median(times[args.warmup :])
     measured = batches[args.warmup :]
     tokens = statistics.mean(sum(len(s) for s in b) for b in measured)
     flops = statistics.mean(model_flops(engine, b) for b in measured)

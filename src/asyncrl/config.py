@@ -96,7 +96,8 @@ class RunConfig(Section):
     """``auto``: when every role runs on this machine's CPU and no ``<role>.cpus`` is set,
     ``up`` pins generation (rollout, reward, eval, buffer) to a quarter of the cores and
     the trainer to all of them (it takes generation's back while generation waits), with
-    torch threads to match, and prints the placement first (:mod:`asyncrl.cores`). ``none``: processes go where the OS puts them."""
+    torch threads to match, and prints the placement first (:mod:`asyncrl.cores`).
+    ``none``: processes go where the OS puts them."""
     plots: bool = True
     """Draw the run's curves as PNG files under ``<run>/plots`` when it finishes (a few
     seconds; ``asyncrl plot --run RUN`` draws them at any time)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import socket
 import time
@@ -59,16 +60,8 @@ def cluster_info(infos: Sequence[NatsInfo], replicas: int) -> NatsInfo:
     """The connection info of started servers as one run's: the first server's URL and
     credentials (every server has the same), every URL when there are several (actors fail
     over between them), and the run's replica count."""
-    first = infos[0]
-    return NatsInfo(
-        url=first.url,
-        token=first.token,
-        user=first.user,
-        password=first.password,
-        tls_ca=first.tls_ca,
-        urls=tuple(i.url for i in infos) if len(infos) > 1 else (),
-        replicas=replicas,
-    )
+    urls = tuple(i.url for i in infos) if len(infos) > 1 else ()
+    return dataclasses.replace(infos[0], urls=urls, replicas=replicas)
 
 
 class NatsCluster:

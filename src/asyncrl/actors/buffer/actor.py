@@ -287,9 +287,11 @@ class BufferActor(Actor):
             self.version = published
             try:
                 async with asyncio.timeout(BATCH_WAIT):
-                    while not self.batcher.ready() or self.stopping:
+                    while True:
                         if self.stopping:  # a stopping buffer serves no new batch
                             raise TimeoutError
+                        if self.batcher.ready():
+                            break
                         self.ready_changed.clear()
                         await self.ready_changed.wait()
             except TimeoutError:

@@ -57,9 +57,9 @@ if TYPE_CHECKING:
 
 SNAPSHOT_KEY = "state"
 RETRY_PAUSE = 0.5
+"""Seconds between tries of a write that failed (the server is restarting, say)."""
 FINAL_WRITE_S = 5.0
 """Seconds the stopping buffer gives its last write."""
-"""Seconds between tries of a write that failed (the server is restarting, say)."""
 
 log = get_logger(role="buffer")
 
