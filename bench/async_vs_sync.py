@@ -37,9 +37,13 @@ asyncrl's own placement (no ``cpus`` or ``threads`` override: :mod:`asyncrl.core
 and once under each hand placement: generation (rollout, reward, eval) on the first k
 cores and the trainer on the rest, for k in {1, N/4, N/2, N − 1}, and the unpinned
 machine with torch's default threads or with one generation thread and N trainer
-threads. It prints steps/h, training seconds per step, idle fractions and held-out
+threads, and the overlapping one (the trainer on every core, generation pinned to N/4
+of them). It prints steps/h, training seconds per step, idle fractions and held-out
 accuracy per placement, then the default's steps/h as a share of the best hand
-placement's.
+placement's. Short runs of one placement differ by about ±10%: ``--repeats R`` runs
+every placement R times, in rounds, and compares medians; ``--only`` keeps the hand
+placements whose labels contain one of its words (the default always runs), e.g.
+``--only "train all" "shared, gen 1"``.
 
 **Simulated mode** (``--simulate``) replays a model of the GPU-cluster regime, without a
 model or a network: a generation server with S concurrent sequence slots, each sequence
@@ -53,7 +57,8 @@ output says it is simulated.
 
 Results go to ``bench/results/`` (git-ignored): a JSON file and a PNG (reward per step of
 both runs against wall time, and the idle fractions), and the run folders under
-``bench/results/async_vs_sync/``.
+``bench/results/async_vs_sync/``, without their checkpoints, published weights and NATS
+store (about 3 GB a SmolLM2 run), which are deleted once the run is summarised.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -235,6 +241,17 @@ def summarise_run(run_dir: Path, process_s: float | None) -> dict[str, Any]:
     }
 
 
+BULKY = ("checkpoints", "weights", "nats")
+"""A finished run's folders that the summary does not read: about 3 GB a run of
+SmolLM2 (checkpoints and published weights), removed once it is summarised."""
+
+
+def prune(run_dir: Path) -> None:
+    """Deletes a summarised run's :data:`BULKY` folders (its records stay)."""
+    for sub in BULKY:
+        shutil.rmtree(run_dir / sub, ignore_errors=True)
+
+
 def fmt_frac(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
 
@@ -302,6 +319,7 @@ def real(args: argparse.Namespace) -> dict[str, Any]:
             print(f"running {label} (η = {eta}, {args.steps} steps) ...", flush=True)
         process_s = None if args.reuse else run_up(args, label, eta)
         runs[label] = summarise_run(RUNS / label, process_s)
+        prune(RUNS / label)
     print_run("sync", runs["sync"])
     print_run("async", runs["async"])
     speedup = runs["async"]["steps_per_hour"] / runs["sync"]["steps_per_hour"]
@@ -333,45 +351,83 @@ def placement_candidates(cores: list[int]) -> dict[str, list[str]]:
     return out
 
 
+def median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    mid = len(ys) // 2
+    return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
+
+
 def placements(args: argparse.Namespace) -> dict[str, Any]:
-    """The async run (η = ``--eta``) under each of :func:`placement_candidates`, one after
-    the other; the default's steps/h against the best hand placement's."""
+    """The async run (η = ``--eta``) under each of :func:`placement_candidates` (or those
+    ``--only`` names, with the default always), ``--repeats`` times in rounds; the
+    default's median steps/h against the best hand placement's."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("placements: needs two cores or more")
-    runs: dict[str, dict[str, Any]] = {}
-    for i, (label, sets) in enumerate(placement_candidates(cores).items()):
-        name = f"place{i}"
-        if not args.reuse:
-            print(f"running '{label}' (η = {args.eta}, {args.steps} steps) ...", flush=True)
-        all_sets = [*common_sets(args, name, args.eta), *sets, *args.set]
-        process_s = None if args.reuse else run_up(args, name, args.eta, all_sets)
-        runs[label] = summarise_run(RUNS / name, process_s)
-        if (RUNS / name / "placement.json").is_file():
-            runs[label]["placement"] = json.loads((RUNS / name / "placement.json").read_text())
+    candidates = {
+        i: (label, sets)
+        for i, (label, sets) in enumerate(placement_candidates(cores).items())
+        if label == "default" or not args.only or any(o in label for o in args.only)
+    }
+    repeats: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in candidates.values()}
+    # in rounds, every placement once a round: a slow spell of the machine (another job,
+    # a noisy neighbour) then slows one run of each rather than every run of one
+    for r in range(args.repeats):
+        for i, (label, sets) in candidates.items():
+            name = f"place{i}" if r == 0 else f"place{i}-r{r + 1}"
+            if not args.reuse:
+                print(f"running '{label}' (η = {args.eta}, {args.steps} steps, round {r + 1}) ...",
+                      flush=True)  # fmt: skip
+            all_sets = [*common_sets(args, name, args.eta), *sets, *args.set]
+            process_s = None if args.reuse else run_up(args, name, args.eta, all_sets)
+            run = summarise_run(RUNS / name, process_s)
+            if (RUNS / name / "placement.json").is_file():
+                run["placement"] = json.loads((RUNS / name / "placement.json").read_text())
+            prune(RUNS / name)
+            repeats[label].append(run)
+    runs = {label: summarise_repeats(rs) for label, rs in repeats.items()}
     print(
         f"{'placement':<28} {'steps/h':>8} {'train s':>8} {'trainer idle':>13} "
-        f"{'gen idle':>9} {'held-out':>9}"
+        f"{'gen idle':>9} {'held-out':>9}  steps/h of each run"
     )
     for label, r in runs.items():
         acc = "n/a" if r["accuracy_final"] is None else f"{r['accuracy_final']:.3f}"
+        each = " ".join(f"{x:.0f}" for x in r["steps_per_hour_runs"])
         print(
             f"{label:<28} {r['steps_per_hour']:>8.0f} {r['train_s_mean']:>8.1f} "
-            f"{fmt_frac(r['trainer_idle_frac']):>13} {fmt_frac(r['gen_idle_frac']):>9} {acc:>9}"
+            f"{fmt_frac(r['trainer_idle_frac']):>13} {fmt_frac(r['gen_idle_frac']):>9} "
+            f"{acc:>9}  {each}"
         )
     default = runs["default"]
     hand = {k: v for k, v in runs.items() if k != "default"}
+    if not hand:
+        return {"runs": runs, "summary": "summary: only the default ran (see --only)"}
     best = max(hand, key=lambda k: hand[k]["steps_per_hour"])
     ratio = default["steps_per_hour"] / hand[best]["steps_per_hour"]
     chosen = default.get("placement", {})
+    of = f"median of {args.repeats} runs each" if args.repeats > 1 else "one run each"
     summary = (
         f"summary: the default placement (generation on {chosen.get('generation')}, training "
         f"on {chosen.get('training')}) makes {default['steps_per_hour']:.0f} steps/h, "
         f"{ratio:.0%} of the best hand placement ('{best}', "
-        f"{hand[best]['steps_per_hour']:.0f} steps/h): "
+        f"{hand[best]['steps_per_hour']:.0f} steps/h; {of}): "
         f"{'within' if ratio >= 0.95 else 'NOT within'} 5%"
     )
     return {"runs": runs, "best_hand": best, "default_ratio": ratio, "summary": summary}
+
+
+def summarise_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One placement's figures over its repeats: the medians of the timing figures, the
+    mean held-out accuracy, every run's own summary under ``repeats``."""
+    out = dict(runs[0])
+    for key in ("steps_per_hour", "train_s_mean", "trainer_idle_frac", "gen_idle_frac"):
+        values = [r[key] for r in runs if r[key] is not None]
+        out[key] = median(values) if values else None
+    accs = [r["accuracy_final"] for r in runs if r["accuracy_final"] is not None]
+    out["accuracy_final"] = sum(accs) / len(accs) if accs else None
+    out["steps_per_hour_runs"] = [r["steps_per_hour"] for r in runs]
+    out["repeats"] = runs
+    return out
 
 
 # -- simulation -----------------------------------------------------------------------------------
@@ -639,6 +695,15 @@ def main() -> None:
         "--placements",
         action="store_true",
         help="the async run under the default placement and hand placements, not η = 0",
+    )
+    real_args.add_argument(
+        "--repeats", type=int, default=1, help="--placements: runs of each placement, in rounds"
+    )
+    real_args.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="--placements: the hand placements whose label contains one of these (and the default)",
     )
     sim = p.add_argument_group("simulation")
     sim.add_argument("--group-size", type=int, default=8)

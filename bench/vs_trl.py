@@ -3,6 +3,11 @@
     .venv/bin/python bench/vs_trl.py                                  # both workloads, seeds 1 2 3
     .venv/bin/python bench/vs_trl.py --workloads quick --seeds 1      # one pair of runs
     .venv/bin/python bench/vs_trl.py --workloads quick --seeds 1 --steps 2   # a smoke run
+    .venv/bin/python bench/vs_trl.py --summarize                      # the pairs run so far
+
+Each pair's figures are also kept in ``bench/results/vs_trl/<workload>-s<seed>/result.json``,
+so seeds run in separate sittings (``--seeds 2 3`` after ``--seeds 1``) are summarised
+together by ``--summarize``, which runs nothing.
 
 Workloads (both the quickstart's arithmetic problems, both recipes' defaults otherwise):
 
@@ -594,6 +599,23 @@ def summary_table(pairs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def summarize(workloads: list[str], seeds: list[int]) -> None:
+    """Prints :func:`summary_table` of the pairs kept under ``WORK`` (``result.json`` of
+    each ``<workload>-s<seed>`` folder), naming the pairs that are missing."""
+    pairs, missing = [], []
+    for workload in workloads:
+        for seed in seeds:
+            path = WORK / f"{workload}-s{seed}" / "result.json"
+            if path.is_file():
+                pairs.append(json.loads(path.read_text()))
+            else:
+                missing.append(f"{workload} seed {seed}")
+    if missing:
+        print(f"not run (no result.json): {', '.join(missing)}")
+    for line in summary_table(pairs):
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -608,10 +630,17 @@ def main() -> None:
     )
     parser.add_argument("--trl-venv", default=str(REPO / ".venv-trl"), help="TRL's virtualenv")
     parser.add_argument("--run-name", default="asyncrl", help="asyncrl's run folder name")
+    parser.add_argument(
+        "--summarize",
+        action="store_true",
+        help="run nothing; summarise the kept pairs of --workloads and --seeds",
+    )
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker is not None:
         return trl_worker(args.trl_worker)
+    if args.summarize:
+        return summarize(args.workloads, args.seeds)
     if args.steps is not None and args.steps < 2:
         parser.error("--steps must be at least 2 (the timing spans steps 2..N)")
 
@@ -636,6 +665,7 @@ def main() -> None:
             print(f"workload {workload}, seed {seed}:", flush=True)
             result = bench_pair(pair)
             plot(result, pair.work / "vs_trl.png")
+            (pair.work / "result.json").write_text(json.dumps(result, indent=2))
             pairs.append(result)
             partial_out = {"machine": info, "trl_versions": versions, "pairs": pairs}
             (RESULTS / "vs_trl.partial.json").write_text(json.dumps(partial_out, indent=2))
