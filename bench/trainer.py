@@ -11,6 +11,8 @@ batch hand-off between trainer ranks.
         --max-new 64 --modes compile --steps 4              # eager against torch.compile
     python bench/trainer.py --shape smollm2-135m --modes lora --seqs 8 --resp-median 64 \
         --resp-sigma 0 --max-new 64 --steps 2               # full fine-tuning against LoRA
+    python bench/trainer.py --shape smollm2-135m --seqs 32 --resp-median 64 --resp-sigma 0 \
+        --max-new 64 --steps 4 --compare-malloc             # malloc's defaults against kept memory
 
 The model is randomly initialised at the chosen shape (no download). Every step trains on
 a GRPO-like batch with GSM8K-like lengths: prompt lengths from the GSM8K questions
@@ -46,6 +48,12 @@ layer under ``torch.compile``, dynamic shapes), one engine after the other, and 
 steady step times, their ratio, the first step of each (the compiled one's holds the
 compilation) and after how many steps the compilation has paid for itself.
 
+On a CPU the bench configures malloc as a CPU trainer process does (``asyncrl.runtime.heap``:
+freed memory stays in the process for the next step); ``--system-malloc`` leaves the C
+library's defaults, and ``--compare-malloc`` runs the packed mode both ways, a process each,
+and prints the two step times and their ratio. Every step's line gives its kernel CPU time
+and page faults, where the cost of fresh memory shows.
+
 Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
 rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
 batch hand-off, the same code), median over ``--steps``.
@@ -56,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import statistics
 import sys
 import time
@@ -65,6 +74,7 @@ from typing import Any
 import torch
 
 from asyncrl.models import ModelConfig
+from asyncrl.runtime.heap import retain_heap
 from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 from asyncrl.train.config import LoraConfig
 
@@ -214,6 +224,7 @@ def build_engine(
             attn_implementation=args.attn,
             gradient_checkpointing=args.grad_ckpt,
             max_tokens_per_microbatch=args.max_tokens,
+            lm_head_chunk_tokens=args.head_chunk,
             packing=packing,
             compile=compile,
             optim=OptimConfig(lr=1e-6),
@@ -233,11 +244,18 @@ def timed_steps(
     times: list[float] = []
     stats: dict[str, float] = {}
     for i, batch in enumerate(batches):
+        before = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         stats = engine.train_step(batch)
         times.append(time.perf_counter() - t0)  # train_step synchronises on CUDA
+        after = resource.getrusage(resource.RUSAGE_SELF)
         note = " (warm-up, not counted)" if i < warmup else ""
-        print(f"  {label} step {i}: {times[-1]:.2f} s{note}", flush=True)
+        print(
+            f"  {label} step {i}: {times[-1]:.2f} s{note}; kernel CPU "
+            f"{after.ru_stime - before.ru_stime:.1f} s, "
+            f"{(after.ru_minflt - before.ru_minflt) / 1e3:.0f}k page faults",
+            flush=True,
+        )
     return times, stats
 
 
@@ -412,21 +430,35 @@ def run_handoff(args: argparse.Namespace, world: int = 2) -> None:
         mp.spawn(_handoff_rank, args=(world, f"{tmp}/init", args), nprocs=world)
 
 
-def keep_freed_memory() -> None:
-    """On a CPU with glibc: keep freed memory in the heap. By default glibc maps large
-    blocks afresh and returns them on free, so the first forward of every step pays the
-    page faults of its activations, a cost that lands on whichever pass runs first (the
-    separate proximal forward, when there is one) and blurs the comparison."""
-    import ctypes
-    import ctypes.util
+def compare_malloc(argv: list[str]) -> None:
+    """Runs this bench's packed mode under both malloc settings, one process each (a
+    process's malloc is set once, before its threads start), and prints the step times."""
+    import subprocess
 
-    name = ctypes.util.find_library("c")
-    if sys.platform != "linux" or name is None:
-        return
-    libc = ctypes.CDLL(name)
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
-    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest allowed on 64-bit
+    argv = [a for a in argv if a != "--system-malloc"]
+    if "--modes" in argv:
+        i = argv.index("--modes")
+        del argv[i : i + 2]
+    step_s = {}
+    for label, extra in (("C library's defaults", ["--system-malloc"]), ("freed memory kept", [])):
+        print(f"== malloc: {label}", flush=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, *argv, "--modes", "packed", *extra],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print("  " + line, end="", flush=True)
+            if line.startswith("packed "):
+                step_s[label] = float(line.split()[2])
+        if proc.wait() != 0:
+            raise SystemExit(f"the run with malloc as {label!r} failed ({proc.returncode})")
+    system, kept = step_s["C library's defaults"], step_s["freed memory kept"]
+    print(
+        f"malloc: packed step {system:.2f} s with the C library's defaults, {kept:.2f} s with"
+        f" freed memory kept: {system / kept:.2f}x"
+    )
 
 
 def main() -> None:
@@ -442,6 +474,10 @@ def main() -> None:
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="adapter rank of mode lora")
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
+    parser.add_argument(
+        "--head-chunk", type=int, default=TrainerConfig().lm_head_chunk_tokens,
+        help="tokens per LM-head chunk (trainer.lm_head_chunk_tokens)",
+    )  # fmt: skip
     parser.add_argument("--resp-median", type=float, default=200.0, help="median response tokens")
     parser.add_argument("--resp-sigma", type=float, default=0.7, help="lognormal σ of responses")
     parser.add_argument("--max-new", type=int, default=1024, help="response length cap")
@@ -453,12 +489,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--peak-size", type=int, default=2048, help="matmul size of the CPU peak")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--system-malloc", action="store_true",
+        help="leave glibc's malloc as it is (default: as in a CPU trainer process, keep freed memory)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compare-malloc", action="store_true",
+        help="run the packed mode twice, each in a process of its own: malloc as the C"
+        " library sets it, then as a CPU trainer process sets it; print both step times",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.compare_malloc:
+        compare_malloc([a for a in sys.argv[1:] if a != "--compare-malloc"])
+        return
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    # before torch's thread pools start, as the trainer process does (asyncrl.runtime.heap)
+    retained = not cuda and not args.system_malloc and retain_heap()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if not cuda:
-        keep_freed_memory()
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cuda else "float32"
 
@@ -467,7 +515,10 @@ def main() -> None:
     batches = [make_batch(args, vocab, g) for _ in range(args.warmup + args.steps)]
     lengths = sorted(len(s) for s in batches[0])
     device = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"shape {args.shape}  device {device}  dtype {args.dtype}  attn {args.attn}")
+    malloc = "freed memory kept" if retained else "the C library's defaults"
+    print(
+        f"shape {args.shape}  device {device}  dtype {args.dtype}  attn {args.attn}  malloc: {malloc}"
+    )
     print(
         f"batch: {args.seqs} seqs, {sum(lengths)} tokens; length p50 {lengths[len(lengths) // 2]}"
         f" p90 {lengths[int(len(lengths) * 0.9)]} max {lengths[-1]};"
