@@ -48,11 +48,14 @@ layer under ``torch.compile``, dynamic shapes), one engine after the other, and 
 steady step times, their ratio, the first step of each (the compiled one's holds the
 compilation) and after how many steps the compilation has paid for itself.
 
-On a CPU the bench configures malloc as a CPU trainer process does (``asyncrl.runtime.heap``:
-freed memory stays in the process for the next step); ``--system-malloc`` leaves the C
-library's defaults, and ``--compare-malloc`` runs the packed mode both ways, a process each,
-and prints the two step times and their ratio. Every step's line gives its kernel CPU time
-and page faults, where the cost of fresh memory shows.
+Every step's line gives its kernel CPU time, page faults and resident memory, where the
+cost of fresh memory shows: glibc's malloc maps each large block afresh and unmaps it when
+freed, and the kernel zeroes every fresh page. ``--keep-freed-memory`` turns that off in
+the bench's process (no per-block ``mmap``, no trimming); ``--compare-malloc`` runs the
+packed mode with and without it, a process each, and prints both step times.
+``--in-thread`` runs the steps in a worker thread, as the trainer actor does
+(``asyncio.to_thread``): a thread's malloc arena maps any block over 64 MB afresh whatever
+the setting. The trainer itself keeps the C library's defaults (bench/README.md says why).
 
 Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
 rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
@@ -74,7 +77,6 @@ from typing import Any
 import torch
 
 from asyncrl.models import ModelConfig
-from asyncrl.runtime.heap import retain_heap
 from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 from asyncrl.train.config import LoraConfig
 
@@ -237,25 +239,34 @@ def build_engine(
 
 
 def timed_steps(
-    engine: Any, batches: list[list[Sample]], label: str, warmup: int
+    engine: Any, batches: list[list[Sample]], label: str, warmup: int, in_thread: bool = False
 ) -> tuple[list[float], dict[str, float]]:
-    """Trains ``engine`` on each batch in turn; returns every step's seconds (printed as
-    each ends, the first ``warmup`` marked as not counted) and the last step's stats."""
+    """Trains ``engine`` on each batch in turn, in one worker thread if ``in_thread``;
+    returns every step's seconds (printed as each ends, the first ``warmup`` marked as not
+    counted) and the last step's stats."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    worker = ThreadPoolExecutor(max_workers=1) if in_thread else None
     times: list[float] = []
     stats: dict[str, float] = {}
     for i, batch in enumerate(batches):
         before = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
-        stats = engine.train_step(batch)
+        if worker is None:
+            stats = engine.train_step(batch)
+        else:
+            stats = worker.submit(engine.train_step, batch).result()
         times.append(time.perf_counter() - t0)  # train_step synchronises on CUDA
         after = resource.getrusage(resource.RUSAGE_SELF)
         note = " (warm-up, not counted)" if i < warmup else ""
         print(
             f"  {label} step {i}: {times[-1]:.2f} s{note}; kernel CPU "
             f"{after.ru_stime - before.ru_stime:.1f} s, "
-            f"{(after.ru_minflt - before.ru_minflt) / 1e3:.0f}k page faults",
+            f"{(after.ru_minflt - before.ru_minflt) / 1e3:.0f}k page faults, RSS {rss_gib():.2f} GiB",
             flush=True,
         )
+    if worker is not None:
+        worker.shutdown()
     return times, stats
 
 
@@ -265,7 +276,7 @@ def run_lora(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str,
     out = {}
     for name, rank in (("full", 0), (f"lora r={args.lora_rank}", args.lora_rank)):
         engine = build_engine(args, True, batches, lora_rank=rank)
-        times = timed_steps(engine, batches, name, args.warmup)[0][args.warmup :]
+        times = timed_steps(engine, batches, name, args.warmup, args.in_thread)[0][args.warmup :]
         itemsize = torch.empty((), dtype=engine.param_dtype).element_size()
         trainable = [p for p in engine.lm.parameters() if p.requires_grad]
         optim_bytes = sum(
@@ -293,7 +304,7 @@ def run_compile(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[s
     out = {}
     for name, compiled in (("eager", False), ("compiled", True)):
         engine = build_engine(args, True, batches, compile=compiled)
-        times, _ = timed_steps(engine, batches, name, args.warmup)
+        times, _ = timed_steps(engine, batches, name, args.warmup, args.in_thread)
         out[f"{name}_first_s"] = times[0]
         out[f"{name}_s"] = statistics.median(times[args.warmup :])
         out["flops"] = statistics.mean(model_flops(engine, b) for b in batches[args.warmup :])
@@ -358,7 +369,7 @@ def run_mode(
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     label = "packed" if packing else "padded"
-    times, stats = timed_steps(engine, batches, label, args.warmup)
+    times, stats = timed_steps(engine, batches, label, args.warmup, args.in_thread)
     step_s = statistics.median(times[args.warmup :])
     measured = batches[args.warmup :]
     tokens = statistics.mean(sum(len(s) for s in b) for b in measured)
@@ -430,17 +441,48 @@ def run_handoff(args: argparse.Namespace, world: int = 2) -> None:
         mp.spawn(_handoff_rank, args=(world, f"{tmp}/init", args), nprocs=world)
 
 
+def rss_gib() -> float:
+    """This process's resident memory now (Linux; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return 0.0
+    return pages * resource.getpagesize() / 2**30
+
+
+def keep_freed_memory() -> bool:
+    """Has glibc's malloc in this process serve every block from its heaps (no per-block
+    ``mmap``) and never trim them, so freed memory is reused without page faults. Call it
+    before torch starts its threads. False where the C library is not glibc.
+
+    Not the trainer's setting: on glibc 2.36 an aligned allocation (torch's) cannot reuse
+    a freed block of its own size, so with no ``mmap`` the heap grows on variable shapes
+    (bench/README.md)."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h; a threshold of -1 turns trimming off
+    return mallopt(m_mmap_max, 0) == 1 and mallopt(m_trim_threshold, -1) == 1
+
+
 def compare_malloc(argv: list[str]) -> None:
     """Runs this bench's packed mode under both malloc settings, one process each (a
     process's malloc is set once, before its threads start), and prints the step times."""
     import subprocess
 
-    argv = [a for a in argv if a != "--system-malloc"]
+    argv = [a for a in argv if a != "--keep-freed-memory"]
     if "--modes" in argv:
         i = argv.index("--modes")
         del argv[i : i + 2]
     step_s = {}
-    for label, extra in (("C library's defaults", ["--system-malloc"]), ("freed memory kept", [])):
+    for label, extra in (
+        ("C library's defaults", []),
+        ("freed memory kept", ["--keep-freed-memory"]),
+    ):
         print(f"== malloc: {label}", flush=True)
         proc = subprocess.Popen(
             [sys.executable, __file__, *argv, "--modes", "packed", *extra],
@@ -490,21 +532,24 @@ def main() -> None:
     parser.add_argument("--peak-size", type=int, default=2048, help="matmul size of the CPU peak")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--system-malloc", action="store_true",
-        help="leave glibc's malloc as it is (default: as in a CPU trainer process, keep freed memory)",
+        "--keep-freed-memory", action="store_true",
+        help="glibc's malloc keeps freed memory for reuse (default: the C library's settings)",
     )  # fmt: skip
     parser.add_argument(
         "--compare-malloc", action="store_true",
-        help="run the packed mode twice, each in a process of its own: malloc as the C"
-        " library sets it, then as a CPU trainer process sets it; print both step times",
+        help="run the packed mode twice, a process each: malloc as the C library sets it,"
+        " then with --keep-freed-memory; print both step times",
+    )  # fmt: skip
+    parser.add_argument(
+        "--in-thread", action="store_true",
+        help="run the timed steps in a worker thread, as the trainer actor does",
     )  # fmt: skip
     args = parser.parse_args()
     if args.compare_malloc:
         compare_malloc([a for a in sys.argv[1:] if a != "--compare-malloc"])
         return
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    # before torch's thread pools start, as the trainer process does (asyncrl.runtime.heap)
-    retained = not cuda and not args.system_malloc and retain_heap()
+    retained = not cuda and args.keep_freed_memory and keep_freed_memory()  # before torch's threads
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.dtype == "auto":
@@ -516,8 +561,10 @@ def main() -> None:
     lengths = sorted(len(s) for s in batches[0])
     device = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
     malloc = "freed memory kept" if retained else "the C library's defaults"
+    thread = "a worker thread" if args.in_thread else "the main thread"
     print(
-        f"shape {args.shape}  device {device}  dtype {args.dtype}  attn {args.attn}  malloc: {malloc}"
+        f"shape {args.shape}  device {device}  dtype {args.dtype}  attn {args.attn}"
+        f"  malloc: {malloc}, steps in {thread}"
     )
     print(
         f"batch: {args.seqs} seqs, {sum(lengths)} tokens; length p50 {lengths[len(lengths) // 2]}"

@@ -154,26 +154,6 @@ def uses_cuda(recipe: Recipe) -> bool:
     return any(resolve_device(d).startswith("cuda") for d in devices)
 
 
-def computes_on_cpu(role: str, recipe: Recipe) -> bool:
-    """Whether a process of ``role`` runs a torch model on this machine's CPU: the trainer
-    on a ``cpu`` device (or ``auto`` where no GPU driver is present), a rollout or eval
-    process with an ``hf`` engine likewise. Clients of an inference server and the other
-    roles compute nothing heavy. Decided without importing torch."""
-    if role == "trainer":
-        device = recipe.trainer.device
-    elif role in ("rollout", "eval") and recipe.rollout.engine.type == "hf":
-        device = recipe.rollout.engine.device
-    else:
-        return False
-    return is_cpu_device(device)
-
-
-def is_cpu_device(device: str) -> bool:
-    """Whether a :data:`~asyncrl.schema.Device` choice is this machine's CPU: ``cpu``, or
-    ``auto`` where no GPU driver is present (without importing torch)."""
-    return device == "cpu" or (device == "auto" and not any(map(os.path.exists, GPU_DEVICE_NODES)))
-
-
 def placed_cpus() -> list[int]:
     """The cores ``up`` placed this process on (:data:`CPUS_ENV`), or []."""
     raw = os.environ.get(CPUS_ENV, "")

@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 from asyncrl.config import Recipe, role_cpus
-from asyncrl.cores import computes_on_cpu, placed_cpus, placed_threads
+from asyncrl.cores import placed_cpus, placed_threads
 from asyncrl.runtime.actor import ActorContext
-from asyncrl.runtime.heap import RETAIN_HEAP_ENV, retain_heap
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
 
@@ -63,9 +62,8 @@ def pin_cpus(role: str, cpus: list[int]) -> None:
 def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
     """Pins this process to its role's cores and sizes torch's thread pools, before torch
     is imported: the recipe's ``<role>.cpus`` and ``<role>.threads`` when set, else what
-    ``up``'s automatic placement chose (:mod:`asyncrl.cores`). A process that runs a torch
-    model on the CPU also has malloc keep what it frees (:mod:`asyncrl.runtime.heap`).
-    Returns (cores, threads), empty and 0 where nothing was set."""
+    ``up``'s automatic placement chose (:mod:`asyncrl.cores`). Returns (cores, threads),
+    empty and 0 where nothing was set."""
     threads = {
         "rollout": recipe.rollout.threads,
         "trainer": recipe.trainer.threads,
@@ -77,8 +75,6 @@ def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
     pin_cpus(role, cpus)
     if cpus or threads:
         get_logger(role=role).info("placed", cpus=cpus, threads=threads or "default")
-    if computes_on_cpu(role, recipe) and retain_heap():
-        get_logger(role=role).info("malloc keeps freed memory for reuse", env=RETAIN_HEAP_ENV)
     return cpus, threads
 
 

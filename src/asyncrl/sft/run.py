@@ -92,12 +92,8 @@ def run_rank(run_dir: Path, *, quiet: bool = False) -> int:
     """One rank of the SFT run in ``run_dir`` (its ``recipe.json``)."""
     recipe = SftRecipe.model_validate_json((run_dir / "recipe.json").read_text())
     from asyncrl.actors.launch import pin_cpus
-    from asyncrl.cores import is_cpu_device
-    from asyncrl.runtime.heap import retain_heap
 
     pin_cpus("trainer", recipe.trainer.cpus)
-    if is_cpu_device(recipe.trainer.device):
-        retain_heap()  # before torch starts its threads
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per model load says nothing in a run's log
