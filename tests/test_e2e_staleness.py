@@ -1,8 +1,8 @@
 """The staleness bound, checked from the raw data rather than the trainer's own records.
 
-A whole ``asyncrl up recipes/ci.toml`` run whose answers are long enough (64 tokens) that
-weight updates land while a sample is being generated, so one sample carries tokens of two
-policy versions. The test reads every raw trajectory the rollout actor published, as it
+A whole ``asyncrl up recipes/ci.toml`` run whose answers are long enough (up to 256
+tokens) that weight updates land while a sample is being generated, so one sample carries
+tokens of two policy versions. The test reads every raw trajectory the rollout actor published, as it
 was published, and recomputes from their per-token versions what the buffer and the
 trainer claim in ``trained_samples.jsonl``.
 
@@ -110,12 +110,16 @@ async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
                     f"run.nats_url={url}",
                     f"trainer.max_steps={STEPS}",
                     "trainer.checkpoint_every=1000",
-                    "rollout.sampling.max_new_tokens=64",
-                    # one row decodes at a time, so generation is slower than a trainer
-                    # step (whichever cores each gets) and weight updates land while
-                    # sequences are running
+                    # One row decodes at a time and answers are long, so generating a
+                    # step's samples takes longer than training on them (whichever cores
+                    # each gets) and weight updates land while sequences are running.
+                    # Were generation only as fast as training, the rollout would reach
+                    # the staleness bound just before each update and wait for it between
+                    # samples: 64 tokens failed a third of the time on a fast CPU, and
+                    # more samples a step slow training as much as generation.
+                    "rollout.sampling.max_new_tokens=256",
                     "rollout.engine.max_batch_size=1",
-                    "rollout.group_size=4",  # half the samples: still slower than a step
+                    "rollout.group_size=4",
                 )
             )
             assert code == 0, out
