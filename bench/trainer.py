@@ -12,7 +12,7 @@ batch hand-off between trainer ranks.
     python bench/trainer.py --shape smollm2-135m --modes lora --seqs 8 --resp-median 64 \
         --resp-sigma 0 --max-new 64 --steps 2               # full fine-tuning against LoRA
     python bench/trainer.py --shape smollm2-135m --seqs 32 --resp-median 64 --resp-sigma 0 \
-        --max-new 64 --steps 4 --compare-malloc             # malloc's defaults against kept memory
+        --max-new 64 --steps 4 --in-thread --compare-malloc # glibc against mimalloc
 
 The model is randomly initialised at the chosen shape (no download). Every step trains on
 a GRPO-like batch with GSM8K-like lengths: prompt lengths from the GSM8K questions
@@ -50,12 +50,14 @@ compilation) and after how many steps the compilation has paid for itself.
 
 Every step's line gives its kernel CPU time, page faults and resident memory, where the
 cost of fresh memory shows: glibc's malloc maps each large block afresh and unmaps it when
-freed, and the kernel zeroes every fresh page. ``--keep-freed-memory`` turns that off in
-the bench's process (no per-block ``mmap``, no trimming); ``--compare-malloc`` runs the
-packed mode with and without it, a process each, and prints both step times.
-``--in-thread`` runs the steps in a worker thread, as the trainer actor does
-(``asyncio.to_thread``): a thread's malloc arena maps any block over 64 MB afresh whatever
-the setting. The trainer itself keeps the C library's defaults (bench/README.md says why).
+freed, and the kernel zeroes every fresh page. ``--allocator`` picks the bench process's
+allocator: ``system`` (the C library's, as it comes), ``keep-freed`` (glibc with no
+per-block ``mmap`` and no trimming) or ``mimalloc`` (what the CPU trainer runs under,
+``trainer.allocator = "auto"``: the same command again with it preloaded, purging off);
+``--compare-malloc`` runs the packed mode under each, a process each, and prints the step
+times. ``--in-thread`` runs the steps in a worker thread, as the trainer actor does
+(``asyncio.to_thread``): a thread's glibc arena maps any block over 64 MB afresh whatever
+the setting, so ``keep-freed`` does not reach the trainer; mimalloc does.
 
 Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
 rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
@@ -469,37 +471,52 @@ def keep_freed_memory() -> bool:
     return mallopt(m_mmap_max, 0) == 1 and mallopt(m_trim_threshold, -1) == 1
 
 
-def compare_malloc(argv: list[str]) -> None:
-    """Runs this bench's packed mode under both malloc settings, one process each (a
-    process's malloc is set once, before its threads start), and prints the step times."""
+ALLOCATORS = {
+    "system": "the C library's defaults",
+    "keep-freed": "glibc keeping freed memory",
+    "mimalloc": "mimalloc (the trainer's)",
+}
+
+
+def compare_malloc(argv: list[str], names: list[str]) -> None:
+    """Runs this bench's packed mode under each allocator of ``names``, one process each (a
+    process's malloc is set once, before its threads start), and prints the step times
+    against the first's."""
     import subprocess
 
-    argv = [a for a in argv if a != "--keep-freed-memory"]
+    from asyncrl.runtime.allocator import mimalloc_library, preload_env
+
+    if "--allocator" in argv:
+        i = argv.index("--allocator")
+        del argv[i : i + 2]
     if "--modes" in argv:
         i = argv.index("--modes")
         del argv[i : i + 2]
     step_s = {}
-    for label, extra in (
-        ("C library's defaults", []),
-        ("freed memory kept", ["--keep-freed-memory"]),
-    ):
+    library = mimalloc_library()
+    for name in names:
+        label = ALLOCATORS[name]
+        if name == "mimalloc" and library is None:
+            print("== malloc: mimalloc skipped (the cmeel-mimalloc wheel is not installed)")
+            continue
         print(f"== malloc: {label}", flush=True)
         proc = subprocess.Popen(
-            [sys.executable, __file__, *argv, "--modes", "packed", *extra],
+            [sys.executable, __file__, *argv, "--modes", "packed", "--allocator", name],
             stdout=subprocess.PIPE,
             text=True,
+            env=preload_env(library) if name == "mimalloc" and library else None,
         )
         assert proc.stdout is not None
         for line in proc.stdout:
             print("  " + line, end="", flush=True)
             if line.startswith("packed "):
-                step_s[label] = float(line.split()[2])
+                step_s[name] = float(line.split()[2])
         if proc.wait() != 0:
             raise SystemExit(f"the run with malloc as {label!r} failed ({proc.returncode})")
-    system, kept = step_s["C library's defaults"], step_s["freed memory kept"]
+    first = step_s[names[0]]
     print(
-        f"malloc: packed step {system:.2f} s with the C library's defaults, {kept:.2f} s with"
-        f" freed memory kept: {system / kept:.2f}x"
+        "malloc: packed step "
+        + ", ".join(f"{ALLOCATORS[k]} {v:.2f} s ({first / v:.2f}x)" for k, v in step_s.items())
     )
 
 
@@ -532,13 +549,14 @@ def main() -> None:
     parser.add_argument("--peak-size", type=int, default=2048, help="matmul size of the CPU peak")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--keep-freed-memory", action="store_true",
-        help="glibc's malloc keeps freed memory for reuse (default: the C library's settings)",
+        "--allocator", choices=sorted(ALLOCATORS), default="system",
+        help="system: the C library's malloc as it comes; keep-freed: glibc's keeping freed"
+        " memory for reuse; mimalloc: this process's own command again with it preloaded",
     )  # fmt: skip
     parser.add_argument(
-        "--compare-malloc", action="store_true",
-        help="run the packed mode twice, a process each: malloc as the C library sets it,"
-        " then with --keep-freed-memory; print both step times",
+        "--compare-malloc", nargs="?", const=",".join(ALLOCATORS), default="",
+        metavar="A,B,...", help="run the packed mode under each of these --allocator values"
+        f" (default {','.join(ALLOCATORS)}), a process each; print the step times",
     )  # fmt: skip
     parser.add_argument(
         "--in-thread", action="store_true",
@@ -546,10 +564,24 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     if args.compare_malloc:
-        compare_malloc([a for a in sys.argv[1:] if a != "--compare-malloc"])
+        names = args.compare_malloc.split(",")
+        if not names or set(names) - ALLOCATORS.keys():
+            parser.error(
+                f"--compare-malloc {args.compare_malloc!r}: allowed {', '.join(ALLOCATORS)}"
+            )
+        argv = [a for a in sys.argv[1:] if not a.startswith("--compare-malloc")]
+        if args.compare_malloc in argv:
+            argv.remove(args.compare_malloc)  # its value, given as a separate word
+        compare_malloc(argv, names)
         return
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    retained = not cuda and args.keep_freed_memory and keep_freed_memory()  # before torch's threads
+    if args.allocator == "mimalloc":
+        from asyncrl.runtime.allocator import use_mimalloc
+
+        if use_mimalloc() != "mimalloc":  # runs this command again with it preloaded
+            raise SystemExit(f"--allocator mimalloc: {use_mimalloc()}")
+    elif args.allocator == "keep-freed" and not keep_freed_memory():  # before torch's threads
+        raise SystemExit("--allocator keep-freed: this C library is not glibc")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.dtype == "auto":
@@ -560,7 +592,7 @@ def main() -> None:
     batches = [make_batch(args, vocab, g) for _ in range(args.warmup + args.steps)]
     lengths = sorted(len(s) for s in batches[0])
     device = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
-    malloc = "freed memory kept" if retained else "the C library's defaults"
+    malloc = ALLOCATORS[args.allocator]
     thread = "a worker thread" if args.in_thread else "the main thread"
     print(
         f"shape {args.shape}  device {device}  dtype {args.dtype}  attn {args.attn}"

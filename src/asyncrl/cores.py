@@ -154,6 +154,12 @@ def uses_cuda(recipe: Recipe) -> bool:
     return any(resolve_device(d).startswith("cuda") for d in devices)
 
 
+def is_cpu_device(device: str) -> bool:
+    """Whether a :data:`~asyncrl.schema.Device` choice is this machine's CPU: ``cpu``, or
+    ``auto`` where no GPU driver is present (decided without importing torch)."""
+    return device == "cpu" or (device == "auto" and not any(map(os.path.exists, GPU_DEVICE_NODES)))
+
+
 def placed_cpus() -> list[int]:
     """The cores ``up`` placed this process on (:data:`CPUS_ENV`), or []."""
     raw = os.environ.get(CPUS_ENV, "")

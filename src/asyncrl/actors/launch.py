@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 from asyncrl.config import Recipe, role_cpus
-from asyncrl.cores import placed_cpus, placed_threads
+from asyncrl.cores import is_cpu_device, placed_cpus, placed_threads
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
+from asyncrl.train.config import TrainerConfig
 
 
 def build_context(run_dir: Path, actor_id: str = "", nats_file: Path | None = None) -> ActorContext:
@@ -78,6 +79,31 @@ def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
     return cpus, threads
 
 
+def system_malloc_reason(trainer: TrainerConfig) -> str | None:
+    """Why a trainer process with these settings keeps the C library's malloc, or None
+    when it runs under mimalloc (:mod:`asyncrl.runtime.allocator`)."""
+    if trainer.allocator == "system":
+        return "the C library's malloc (trainer.allocator = system)"
+    if not is_cpu_device(trainer.device):
+        return "the C library's malloc (the trainer computes on a GPU)"
+    return None
+
+
+def choose_allocator(role: str, recipe: Recipe) -> str | None:
+    """A CPU trainer process runs under mimalloc unless ``trainer.allocator = "system"``:
+    this executes the process's command again with it preloaded (same process id; see
+    :mod:`asyncrl.runtime.allocator`). Returns the allocator in use for a trainer process
+    (or why it is the C library's), None for the other roles. Call it before torch is
+    imported."""
+    if role != "trainer":
+        return None
+    if (reason := system_malloc_reason(recipe.trainer)) is not None:
+        return reason
+    from asyncrl.runtime.allocator import use_mimalloc
+
+    return use_mimalloc()
+
+
 def run_actor(
     role: str, run_dir: Path, actor_id: str = "", *, nats_file: Path | None = None
 ) -> int:
@@ -85,7 +111,10 @@ def run_actor(
 
     configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"))
     ctx = build_context(run_dir, actor_id, nats_file)
+    allocator = choose_allocator(role, ctx.recipe)
     place_process(role, ctx.recipe)
+    if allocator is not None and dist_rank() == 0:
+        get_logger(role=role).info("memory allocator", allocator=allocator)
     if role == "trainer" and dist_rank() > 0:
         # torchrun ranks > 0 are not actors: they follow rank 0's collective commands
         from asyncrl.train import build_train_engine

@@ -62,11 +62,19 @@ def sft(recipe: SftRecipe, *, overwrite: bool = False, quiet: bool = False) -> i
     """Runs ``recipe`` to its last step; returns the exit status."""
     run_dir = prepare_run_dir(recipe, overwrite=overwrite)
     target = ["-m", "asyncrl.sft.run", str(run_dir)] + (["--quiet"] if quiet else [])
-    if recipe.trainer.nproc == 1:
+    from asyncrl.actors.launch import system_malloc_reason
+    from asyncrl.runtime.allocator import mimalloc_env
+
+    # a CPU trainer's ranks start under mimalloc (trainer.allocator), so a single rank runs
+    # in a child process then rather than in this one, whose allocator is fixed already
+    env = None if system_malloc_reason(recipe.trainer) else mimalloc_env()
+    if recipe.trainer.nproc == 1 and env is None:
         return run_rank(run_dir, quiet=quiet)
+    if recipe.trainer.nproc == 1:
+        return subprocess.call([sys.executable, *target], env=env)
     from asyncrl.train.torchrun import torchrun_argv
 
-    return subprocess.call(torchrun_argv(target, nproc=recipe.trainer.nproc))
+    return subprocess.call(torchrun_argv(target, nproc=recipe.trainer.nproc), env=env)
 
 
 class _Records:
@@ -98,6 +106,7 @@ def run_rank(run_dir: Path, *, quiet: bool = False) -> int:
 
     hf_logging.disable_progress_bar()  # a bar per model load says nothing in a run's log
     from asyncrl.data.sampler import ShardSampler
+    from asyncrl.runtime.allocator import loaded_mimalloc
     from asyncrl.sft.data import render_records, split_records
     from asyncrl.sft.engine import build_sft_engine
     from asyncrl.train.checkpoint import commit_checkpoint
@@ -113,7 +122,8 @@ def run_rank(run_dir: Path, *, quiet: bool = False) -> int:
         raise SystemExit(f"sft: no example fits sft.max_length={cfg.max_length}")
     say(
         f"sft: {len(train.samples)} training examples ({train.dropped} dropped, "
-        f"{train.truncated} cut at sft.max_length), {len(held.samples)} held out",
+        f"{train.truncated} cut at sft.max_length), {len(held.samples)} held out; memory"
+        f" allocator {'mimalloc' if loaded_mimalloc() else 'the C library malloc'}",
         flush=True,
     )
     records = _Records(run_dir, lead)

@@ -222,6 +222,11 @@ class TrainerConfig(Placement):
     every step reuse one graph). The first steps pay the compilation (tens of seconds on a
     CPU, which needs a C++ compiler); ``bench/trainer.py --modes compile`` measures whether
     the later steps win it back on a machine."""
+    allocator: Literal["auto", "system"] = "auto"
+    """Memory allocator of a trainer process on the CPU: ``auto`` runs it with mimalloc
+    (the ``cmeel-mimalloc`` wheel, Linux), which keeps freed memory for the next step
+    instead of having the kernel zero fresh pages (:mod:`asyncrl.runtime.allocator`);
+    ``system``: the C library's malloc. A CUDA trainer keeps the C library's."""
     reshard_after_forward: bool = True
     """FSDP: free the gathered layer weights after forward (ZeRO-3)."""
     reduce_dtype: DType = "float32"

@@ -1,0 +1,97 @@
+"""mimalloc for the processes that train a torch model on the CPU.
+
+glibc's malloc serves each block above its mmap threshold with an ``mmap`` of its own and
+unmaps it when freed, and a worker thread's arena does so for every block over 64 MB
+whatever the settings. A CPU train step allocates its activations and gradients afresh
+each time, so the kernel zeroes and faults in about a million pages a step (a fifth of a
+SmolLM2 step's CPU time; ``bench/trainer.py --compare-malloc``). mimalloc keeps what the
+process frees in its own arenas and hands it back lazily (``MADV_FREE``): the pages stay
+mapped, and a later step reuses them without a fault unless the kernel took them back for
+someone else in between.
+
+A process cannot change its allocator once it runs, so :func:`use_mimalloc` executes the
+same command again with mimalloc preloaded (``LD_PRELOAD``); the process id stays, so
+supervisors, torchrun and Ray see nothing. The library comes from the ``cmeel-mimalloc``
+wheel (a dependency on Linux x86_64 and aarch64); without it, or elsewhere, the process
+keeps the C library's malloc."""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+REEXEC_ENV = "ASYNCRL_MIMALLOC"
+"""Set (to the library's path) in the command that :func:`use_mimalloc` runs again, so
+that a preload the dynamic loader refused cannot start a loop of executions."""
+
+PURGE_ENV = "MIMALLOC_PURGE_DECOMMITS"
+"""0: mimalloc gives freed memory back with ``MADV_FREE`` (reclaimed by the kernel only
+under memory pressure, reused without a page fault otherwise) instead of decommitting it
+(zeroed pages again on reuse). A user's own setting, like any ``MIMALLOC_*``, is kept."""
+
+
+def mimalloc_library() -> Path | None:
+    """The shared mimalloc library of the installed ``cmeel-mimalloc`` wheel, or None."""
+    try:
+        files = metadata.files("cmeel-mimalloc") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name == "libmimalloc.so":
+            path = Path(str(file.locate())).resolve()
+            return path if path.is_file() else None
+    return None
+
+
+def loaded_mimalloc() -> bool:
+    """Whether mimalloc is mapped into this process (Linux; False elsewhere)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return "libmimalloc" in maps
+
+
+def preload_env(library: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with ``library`` preloaded first and freed memory
+    given back lazily unless the user said otherwise."""
+    env = dict(os.environ if env is None else env)
+    others = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    env["LD_PRELOAD"] = ":".join([str(library), *others])
+    env.setdefault(PURGE_ENV, "0")
+    return env
+
+
+def mimalloc_env() -> dict[str, str] | None:
+    """The environment in which a child process starts with mimalloc preloaded, or None
+    where it cannot (not Linux, no wheel) or this process has it already (a child then
+    inherits it)."""
+    if loaded_mimalloc() or not sys.platform.startswith("linux"):
+        return None
+    library = mimalloc_library()
+    return None if library is None else preload_env(library)
+
+
+def use_mimalloc() -> str:
+    """Runs this process's command again with mimalloc preloaded, unless it has it already
+    (then returns ``"mimalloc"``) or cannot: not Linux, no ``cmeel-mimalloc`` wheel, or a
+    preload that already failed once (then returns why, and the process carries on with
+    the C library's malloc). Call it first thing, before threads or open resources that
+    the new image would lose. Does not return when it executes the command again."""
+    if loaded_mimalloc():
+        return "mimalloc"
+    if not sys.platform.startswith("linux"):
+        return f"the C library's malloc (mimalloc is preloaded on Linux only, not {sys.platform})"
+    library = mimalloc_library()
+    if library is None:
+        return "the C library's malloc (the cmeel-mimalloc wheel is not installed)"
+    if os.environ.get(REEXEC_ENV):
+        return f"the C library's malloc (the dynamic loader did not preload {library})"
+    env = preload_env(library)
+    env[REEXEC_ENV] = str(library)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    raise AssertionError("unreachable")  # pragma: no cover
