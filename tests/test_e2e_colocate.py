@@ -28,13 +28,14 @@ async def test_colocated_run_releases_memory_every_step_and_reports_update_pause
         "trainer.checkpoint_every=0",
         "trainer.weights_transport=object_store",
         "rollout.colocate=true",
-        # One row decodes at a time and answers are long, so generation is slower than a
-        # trainer step and each release finds sequences running (with 24-token answers it
-        # kept pace, and the rollout sometimes waited at the staleness bound through every
-        # release: tests/test_e2e_staleness.py says more)
+        # One row decodes at a time, answers are long and the trainer keeps to one thread,
+        # so generation is slower than a trainer step and each release finds sequences
+        # running (with 24-token answers it kept pace, and the rollout sometimes waited at
+        # the staleness bound through every release: tests/test_e2e_staleness.py says more)
         "rollout.sampling.max_new_tokens=256",
         "rollout.engine.max_batch_size=1",
         "rollout.group_size=4",
+        "trainer.threads=1",
     ) as up:
         run_dir = up.run_dir
         bus = await connect(run_dir)

@@ -110,16 +110,19 @@ async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
                     f"run.nats_url={url}",
                     f"trainer.max_steps={STEPS}",
                     "trainer.checkpoint_every=1000",
-                    # One row decodes at a time and answers are long, so generating a
-                    # step's samples takes longer than training on them (whichever cores
-                    # each gets) and weight updates land while sequences are running.
-                    # Were generation only as fast as training, the rollout would reach
-                    # the staleness bound just before each update and wait for it between
-                    # samples: 64 tokens failed a third of the time on a fast CPU, and
-                    # more samples a step slow training as much as generation.
+                    # Weight updates must land while a sequence is running, so generating
+                    # a step's samples has to take longer than training on them: were
+                    # generation as fast, the rollout would reach the staleness bound just
+                    # before each update and wait for it between samples. So one row
+                    # decodes at a time, answers run up to 256 tokens, and the trainer
+                    # keeps to one thread: with two, its threads wait on the core that
+                    # decodes, and a step of this tiny model took ~1 s instead of ~0.05 s,
+                    # as long as generating the batch (the test failed every time once
+                    # the trainer's allocator made its steps faster).
                     "rollout.sampling.max_new_tokens=256",
                     "rollout.engine.max_batch_size=1",
                     "rollout.group_size=4",
+                    "trainer.threads=1",
                 )
             )
             assert code == 0, out
