@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import os
@@ -305,6 +306,29 @@ async def test_js_cancelled_consumer_hands_its_message_back(bus: Bus) -> None:
         tg.create_task(second.run())
         assert [m.step for m in await inbox.wait(1)] == [5]
         await second.stop()
+
+
+async def test_js_consumer_ends_even_if_a_handler_swallows_its_cancellation(bus: Bus) -> None:
+    """A handler that catches the cancellation and returns (as Python 3.11's
+    ``asyncio.wait_for`` can, when a result and the cancel arrive together) must not keep
+    the consumer's worker looping: the stop then waits on it forever (a reward actor sat out
+    the supervisor's whole grace that way)."""
+    await bus.ensure_stream("SWALLOW", ["t.swallow"])
+    got_it = asyncio.Event()
+
+    async def swallow(_: Metrics) -> None:
+        got_it.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+
+    consumer = await bus.js_consume("SWALLOW", "t.swallow", "d", Metrics, swallow)
+    await bus.js_publish("t.swallow", metrics(1), msg_id="s1")
+    task = asyncio.create_task(consumer.run())
+    async with asyncio.timeout(WAIT):
+        await got_it.wait()
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=WAIT)
+    assert done == {task}, "the consumer kept running after its cancellation"
 
 
 async def test_js_failed_handler_naks_and_bad_payload_is_terminated(bus: Bus) -> None:

@@ -344,6 +344,7 @@ class JsConsumer(Generic[M]):
                 await sub.unsubscribe()
 
     async def _work(self) -> None:
+        task = asyncio.current_task()
         while True:
             msg = await self._queue.get()
             try:
@@ -351,6 +352,11 @@ class JsConsumer(Generic[M]):
             finally:
                 self._held.pop(id(msg), None)
                 self._room.release()
+            if task is not None and task.cancelling():
+                # the handler swallowed its cancellation (Python 3.11's asyncio.wait_for
+                # can, when a result arrives with the cancel): end as asked, or the task
+                # group that cancelled this worker waits for it forever
+                raise asyncio.CancelledError
 
     async def _handle(self, raw: Msg) -> None:
         try:
