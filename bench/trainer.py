@@ -53,7 +53,8 @@ cost of fresh memory shows: glibc's malloc maps each large block afresh and unma
 freed, and the kernel zeroes every fresh page. ``--allocator`` picks the bench process's
 allocator: ``system`` (the C library's, as it comes), ``keep-freed`` (glibc with no
 per-block ``mmap`` and no trimming) or ``mimalloc`` (what the CPU trainer runs under,
-``trainer.allocator = "auto"``: the same command again with it preloaded, purging off);
+``trainer.allocator = "auto"``: the same command again with it preloaded, freed memory
+handed back lazily);
 ``--compare-malloc`` runs the packed mode under each, a process each, and prints the step
 times. ``--in-thread`` runs the steps in a worker thread, as the trainer actor does
 (``asyncio.to_thread``): a thread's glibc arena maps any block over 64 MB afresh whatever
@@ -484,7 +485,7 @@ def compare_malloc(argv: list[str], names: list[str]) -> None:
     against the first's."""
     import subprocess
 
-    from asyncrl.runtime.allocator import mimalloc_library, preload_env
+    from asyncrl.runtime.allocator import mimalloc_library
 
     if "--allocator" in argv:
         i = argv.index("--allocator")
@@ -493,10 +494,9 @@ def compare_malloc(argv: list[str], names: list[str]) -> None:
         i = argv.index("--modes")
         del argv[i : i + 2]
     step_s = {}
-    library = mimalloc_library()
     for name in names:
         label = ALLOCATORS[name]
-        if name == "mimalloc" and library is None:
+        if name == "mimalloc" and mimalloc_library() is None:
             print("== malloc: mimalloc skipped (the cmeel-mimalloc wheel is not installed)")
             continue
         print(f"== malloc: {label}", flush=True)
@@ -504,7 +504,6 @@ def compare_malloc(argv: list[str], names: list[str]) -> None:
             [sys.executable, __file__, *argv, "--modes", "packed", "--allocator", name],
             stdout=subprocess.PIPE,
             text=True,
-            env=preload_env(library) if name == "mimalloc" and library else None,
         )
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -578,8 +577,9 @@ def main() -> None:
     if args.allocator == "mimalloc":
         from asyncrl.runtime.allocator import use_mimalloc
 
-        if use_mimalloc() != "mimalloc":  # runs this command again with it preloaded
-            raise SystemExit(f"--allocator mimalloc: {use_mimalloc()}")
+        chosen = use_mimalloc()  # runs this command again with it preloaded
+        if chosen != "mimalloc":
+            raise SystemExit(f"--allocator mimalloc: {chosen}")
     elif args.allocator == "keep-freed" and not keep_freed_memory():  # before torch's threads
         raise SystemExit("--allocator keep-freed: this C library is not glibc")
     if args.threads:

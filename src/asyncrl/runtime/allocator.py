@@ -54,24 +54,34 @@ def loaded_mimalloc() -> bool:
     return "libmimalloc" in maps
 
 
-def preload_env(library: Path, env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) with ``library`` preloaded first and freed memory
-    given back lazily unless the user said otherwise."""
-    env = dict(os.environ if env is None else env)
+def preload_env(library: Path) -> dict[str, str]:
+    """This process's environment with ``library`` preloaded first and freed memory given
+    back lazily unless the user said otherwise."""
+    env = dict(os.environ)
     others = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
     env["LD_PRELOAD"] = ":".join([str(library), *others])
     env.setdefault(PURGE_ENV, "0")
     return env
 
 
+def _library_or_why() -> Path | str:
+    """The library to preload here, or why there is none (not Linux, no wheel)."""
+    if not sys.platform.startswith("linux"):
+        return f"the C library's malloc (mimalloc is preloaded on Linux only, not {sys.platform})"
+    library = mimalloc_library()
+    if library is None:
+        return "the C library's malloc (the cmeel-mimalloc wheel is not installed)"
+    return library
+
+
 def mimalloc_env() -> dict[str, str] | None:
     """The environment in which a child process starts with mimalloc preloaded, or None
     where it cannot (not Linux, no wheel) or this process has it already (a child then
     inherits it)."""
-    if loaded_mimalloc() or not sys.platform.startswith("linux"):
+    if loaded_mimalloc():
         return None
-    library = mimalloc_library()
-    return None if library is None else preload_env(library)
+    library = _library_or_why()
+    return preload_env(library) if isinstance(library, Path) else None
 
 
 def use_mimalloc() -> str:
@@ -82,11 +92,9 @@ def use_mimalloc() -> str:
     the new image would lose. Does not return when it executes the command again."""
     if loaded_mimalloc():
         return "mimalloc"
-    if not sys.platform.startswith("linux"):
-        return f"the C library's malloc (mimalloc is preloaded on Linux only, not {sys.platform})"
-    library = mimalloc_library()
-    if library is None:
-        return "the C library's malloc (the cmeel-mimalloc wheel is not installed)"
+    library = _library_or_why()
+    if isinstance(library, str):
+        return library
     if os.environ.get(REEXEC_ENV):
         return f"the C library's malloc (the dynamic loader did not preload {library})"
     env = preload_env(library)
