@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import torch
 from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
-from asyncrl.engines.hf_batch import StepResult
+from asyncrl.engines.hf_batch import StepResult, cache_keyword
 from asyncrl.tiny_model import tiny_model_dir
 
 LOGPROB_ATOL = 1e-4
@@ -224,6 +226,24 @@ async def test_greedy_seeded_and_stop_tokens(engine: HFEngine):
     s1 = await engine.agenerate(GenerateRequest(input_ids=prompt, sampling=seeded))
     s2 = await engine.agenerate(GenerateRequest(input_ids=prompt, sampling=seeded))
     assert s1.output_ids == s2.output_ids
+
+
+async def test_the_cache_goes_in_under_the_keyword_the_model_names(engine: HFEngine):
+    """transformers renamed the forward's ``past_key_values`` to ``cache`` and will drop
+    the old name (5.24 warns: removed in 5.40); the engine passes whichever the installed
+    model's forward takes, so generation neither warns now nor breaks then."""
+    kw = cache_keyword(engine.model)
+    assert kw in inspect.signature(engine.model.forward).parameters
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resp = await engine.agenerate(
+            GenerateRequest(
+                input_ids=prompt_ids(engine, "abc"),
+                sampling=sampling(temperature=0.0, max_new_tokens=6),
+            )
+        )
+    assert len(resp.output_ids) == 6
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
 
 
 async def test_default_stop_is_eos_and_processed_logprobs(tmp_path: Path):

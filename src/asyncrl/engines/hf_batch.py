@@ -20,12 +20,16 @@ make SDPA return NaN, which would then poison the cache. Buffers are zeroed befo
 the same reason (a NaN times a zero attention weight is still NaN).
 
 Everything here runs in the engine's single model thread; nothing is shared. Models are
-full-attention decoders whose attention layers call ``past_key_values.update(k, v, layer)``
-and take an explicit ``position_ids`` (Llama, Qwen2, Mistral and their kin).
+full-attention decoders whose attention layers call ``update(k, v, layer)`` on the cache
+object passed to the model and take an explicit ``position_ids`` (Llama, Qwen2, Mistral and
+their kin). The cache goes in under the keyword the model's ``forward`` names:
+``cache`` in recent transformers releases, ``past_key_values`` in older ones (5.24 warns
+that the old name goes away in 5.40).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +139,13 @@ class _InPlace:
         return b.keys[layer_idx][:, :, : col + 1], b.values[layer_idx][:, :, : col + 1]
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword under which ``model``'s ``forward`` takes a cache object: ``cache`` in
+    transformers releases that renamed it, ``past_key_values`` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class DecodeBatch:
     """Continuous batching state: rows, the in-place KV cache, and one step of work."""
 
@@ -155,6 +166,7 @@ class DecodeBatch:
             )
         self.max_prefill_padding = max_prefill_padding
         self.model = model
+        self.cache_kw = cache_keyword(model)
         self.max_positions = max_positions
         self.logprob_mode: LogprobMode = logprob_mode
         self.n_layers = cfg.num_hidden_layers
@@ -328,7 +340,7 @@ class DecodeBatch:
             input_ids=ids_NP,
             attention_mask=mask_N1PP,
             position_ids=pos_NP,
-            past_key_values=_WriteThrough(self, rows_N, end - longest, end),
+            **{self.cache_kw: _WriteThrough(self, rows_N, end - longest, end)},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -348,7 +360,7 @@ class DecodeBatch:
             input_ids=self.next_R[:, None],
             attention_mask=mask_R11C[:, None, None, :],
             position_ids=self.pos_R[:, None],
-            past_key_values=_InPlace(self),
+            **{self.cache_kw: _InPlace(self)},
             use_cache=True,
             logits_to_keep=1,
         )
