@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from asyncrl.runtime.allocator import PURGE_ENV, REEXEC_ENV, mimalloc_library
+from asyncrl.runtime.allocator import PURGE_ENV, REEXEC_ENV, mimalloc_library, wheel_platform
 
-linux_wheel = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
-pytestmark = pytest.mark.skipif(not linux_wheel, reason="cmeel-mimalloc ships Linux wheels only")
+pytestmark = pytest.mark.skipif(
+    not wheel_platform(), reason="cmeel-mimalloc ships Linux wheels only"
+)
 
 PROBE = """
 import json, os, sys

@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import re
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import pytest
 from e2e_kit import REPO, cli, run, running_up, up_args
 
 from asyncrl.messages import ActorInfo, Metrics
+from asyncrl.runtime.allocator import wheel_platform
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import nats_info_for_run
 from asyncrl.subjects import Subjects
@@ -96,7 +95,7 @@ async def test_ci_recipe_learns_within_the_staleness_bound(tmp_path: Path) -> No
     assert len(trained) == steps * batch
     assert (run_dir / "checkpoints" / "latest.json").is_file()
     trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
-    if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64"):
+    if wheel_platform():
         # a CPU trainer runs under mimalloc (asyncrl.runtime.allocator), mapped, not just asked
         assert "memory allocator allocator=mimalloc" in trainer_log, trainer_log[:3000]
     assert oct((run_dir / "nats.json").stat().st_mode & 0o777) == "0o600"

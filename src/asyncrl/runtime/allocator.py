@@ -18,6 +18,7 @@ keeps the C library's malloc."""
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -30,6 +31,13 @@ PURGE_ENV = "MIMALLOC_PURGE_DECOMMITS"
 """0: mimalloc gives freed memory back with ``MADV_FREE`` (reclaimed by the kernel only
 under memory pressure, reused without a page fault otherwise) instead of decommitting it
 (zeroed pages again on reuse). A user's own setting, like any ``MIMALLOC_*``, is kept."""
+
+
+def wheel_platform() -> bool:
+    """Whether ``cmeel-mimalloc`` is a dependency here (pyproject's marker: Linux on x86_64
+    or aarch64), so that a missing library is a broken install, not a platform without
+    it."""
+    return sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
 
 
 def mimalloc_library() -> Path | None:
@@ -66,8 +74,11 @@ def preload_env(library: Path) -> dict[str, str]:
 
 def _library_or_why() -> Path | str:
     """The library to preload here, or why there is none (not Linux, no wheel)."""
-    if not sys.platform.startswith("linux"):
-        return f"the C library's malloc (mimalloc is preloaded on Linux only, not {sys.platform})"
+    if not wheel_platform():
+        return (
+            "the C library's malloc (mimalloc is preloaded on Linux x86_64 and aarch64 only, "
+            f"not {sys.platform} {platform.machine()})"
+        )
     library = mimalloc_library()
     if library is None:
         return "the C library's malloc (the cmeel-mimalloc wheel is not installed)"
