@@ -473,6 +473,21 @@ def keep_freed_memory() -> bool:
     return mallopt(m_mmap_max, 0) == 1 and mallopt(m_trim_threshold, -1) == 1
 
 
+def without_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` without option ``name`` and its value, given as ``name value`` or
+    ``name=value``."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
 ALLOCATORS = {
     "system": "the C library's defaults",
     "keep-freed": "glibc keeping freed memory",
@@ -488,12 +503,8 @@ def compare_malloc(argv: list[str], names: list[str]) -> None:
 
     from asyncrl.runtime.allocator import mimalloc_library
 
-    if "--allocator" in argv:
-        i = argv.index("--allocator")
-        del argv[i : i + 2]
-    if "--modes" in argv:
-        i = argv.index("--modes")
-        del argv[i : i + 2]
+    for name in ("--allocator", "--modes"):
+        argv = without_option(argv, name)
     step_s = {}
     for name in names:
         label = ALLOCATORS[name]
@@ -565,7 +576,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.compare_malloc:
         names = args.compare_malloc.split(",")
-        if not names or set(names) - ALLOCATORS.keys():
+        if set(names) - ALLOCATORS.keys():
             parser.error(
                 f"--compare-malloc {args.compare_malloc!r}: allowed {', '.join(ALLOCATORS)}"
             )

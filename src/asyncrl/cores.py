@@ -141,6 +141,12 @@ def auto_placement(
     return CorePlacement(gen, train, threads)
 
 
+def gpu_driver_present() -> bool:
+    """Whether a GPU driver's device file exists (:data:`GPU_DEVICE_NODES`): without one,
+    ``auto`` devices resolve to the CPU, known without importing torch."""
+    return any(map(os.path.exists, GPU_DEVICE_NODES))
+
+
 def uses_cuda(recipe: Recipe) -> bool:
     """Whether the trainer or the rollout engines resolve to a CUDA device here (an
     inference server started here uses CUDA where there is one)."""
@@ -149,7 +155,7 @@ def uses_cuda(recipe: Recipe) -> bool:
     engine = recipe.rollout.engine
     engine_device = getattr(engine, "device", "cpu" if engine.type == "instant" else "auto")
     devices = [recipe.trainer.device, engine_device]
-    if all(d == "cpu" for d in devices) or not any(map(os.path.exists, GPU_DEVICE_NODES)):
+    if all(d == "cpu" for d in devices) or not gpu_driver_present():
         return False  # without importing torch into up, which never needs it otherwise
     return any(resolve_device(d).startswith("cuda") for d in devices)
 
@@ -157,7 +163,7 @@ def uses_cuda(recipe: Recipe) -> bool:
 def is_cpu_device(device: str) -> bool:
     """Whether a :data:`~asyncrl.schema.Device` choice is this machine's CPU: ``cpu``, or
     ``auto`` where no GPU driver is present (decided without importing torch)."""
-    return device == "cpu" or (device == "auto" and not any(map(os.path.exists, GPU_DEVICE_NODES)))
+    return device == "cpu" or (device == "auto" and not gpu_driver_present())
 
 
 def placed_cpus() -> list[int]:

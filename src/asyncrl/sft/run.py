@@ -68,13 +68,13 @@ def sft(recipe: SftRecipe, *, overwrite: bool = False, quiet: bool = False) -> i
     # a CPU trainer's ranks start under mimalloc (trainer.allocator), so a single rank runs
     # in a child process then rather than in this one, whose allocator is fixed already
     env = None if system_malloc_reason(recipe.trainer) else mimalloc_env()
-    if recipe.trainer.nproc == 1 and env is None:
-        return run_rank(run_dir, quiet=quiet)
-    if recipe.trainer.nproc == 1:
-        return subprocess.call([sys.executable, *target], env=env)
-    from asyncrl.train.torchrun import torchrun_argv
+    if recipe.trainer.nproc > 1:
+        from asyncrl.train.torchrun import torchrun_argv
 
-    return subprocess.call(torchrun_argv(target, nproc=recipe.trainer.nproc), env=env)
+        return subprocess.call(torchrun_argv(target, nproc=recipe.trainer.nproc), env=env)
+    if env is None:
+        return run_rank(run_dir, quiet=quiet)
+    return subprocess.call([sys.executable, *target], env=env)
 
 
 class _Records:
@@ -120,10 +120,11 @@ def run_rank(run_dir: Path, *, quiet: bool = False) -> int:
     held = render_records(engine.tokenizer, held_records, cfg)
     if len(train.samples) < 1:
         raise SystemExit(f"sft: no example fits sft.max_length={cfg.max_length}")
+    allocator = "mimalloc" if loaded_mimalloc() else "the C library's malloc"
     say(
         f"sft: {len(train.samples)} training examples ({train.dropped} dropped, "
         f"{train.truncated} cut at sft.max_length), {len(held.samples)} held out; memory"
-        f" allocator {'mimalloc' if loaded_mimalloc() else 'the C library malloc'}",
+        f" allocator {allocator}",
         flush=True,
     )
     records = _Records(run_dir, lead)
