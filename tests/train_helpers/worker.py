@@ -15,6 +15,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.train.commands import Leader, follow
+from asyncrl.train.torchrun import exit_rank
 from train_helpers.tiny import (
     fsdp_engine,
     full_weights,
@@ -61,7 +62,6 @@ def fsdp(args: argparse.Namespace) -> None:
         assert weights == {}, "only rank 0 receives full weights"
     if args.lora:
         lora(Path(args.lora))
-    dist.destroy_process_group()
 
 
 def lora(folder: Path) -> None:
@@ -94,3 +94,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # destroys the process group and leaves as every trainer rank does

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 from asyncrl.config import Recipe, role_cpus
@@ -139,4 +138,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from asyncrl.train.torchrun import exit_rank
+
+    exit_rank(main())

@@ -208,14 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    code = run_rank(args.run_dir, quiet=args.quiet)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    return code
+    return run_rank(args.run_dir, quiet=args.quiet)
 
 
 if __name__ == "__main__":
+    from asyncrl.train.torchrun import exit_rank
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    exit_rank(main())

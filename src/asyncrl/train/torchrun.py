@@ -10,14 +10,18 @@ That is why every node runs the same command (the same ``--actor-id``), and why 
 started outside ``up`` (by a Slurm script) must never win rank 0: ``up``'s own nodes carry
 :data:`UP_NODE_ENV`, and a rank 0 without it refuses to run (:func:`check_lead_node`).
 
+How they end: :func:`exit_rank`.
+
 Imports no torch.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
+from typing import NoReturn
 
 UP_NODE_ENV = "ASYNCRL_TRAINER_NODE"
 """Set by ``up`` on the trainer nodes it starts itself: that node's index."""
@@ -85,4 +89,31 @@ def check_lead_node() -> None:
         )
 
 
-__all__ = ["UP_NODE_ENV", "check_lead_node", "free_port", "torchrun_argv"]
+def exit_rank(code: int) -> NoReturn:
+    """Ends a process with exit status ``code``; the way out of every torchrun rank.
+
+    In a process that joined a torch process group, the group is destroyed and the process
+    leaves without the interpreter's finalization, after running the exit handlers and
+    flushing the standard streams. Finalization is what goes wrong there: a gloo worker
+    thread can still be releasing the tensors of the last collective (their Python objects
+    need the GIL) when the interpreter finalizes, and CPython ends a thread that asks for
+    the GIL at that point by unwinding it, through a C++ destructor that may not throw:
+    std::terminate, SIGABRT, "terminate called without an active exception", after a run
+    that did all its work (about one two-node launch in ten on 2 cores). Those threads
+    cannot be joined first: torch keeps the group alive after ``destroy_process_group``
+    (FSDP2's sharded parameters leave their device mesh, which holds the group, in DTensor's
+    sharding cache). Elsewhere this is ``sys.exit(code)``."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        sys.exit(code)
+    dist.destroy_process_group()
+    atexit._run_exitfuncs()  # logging's shutdown among them
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to write there
+            pass
+    os._exit(code)
+
+
+__all__ = ["UP_NODE_ENV", "check_lead_node", "exit_rank", "free_port", "torchrun_argv"]
