@@ -184,32 +184,56 @@ def test_two_nodes_train_exactly_as_one_node_of_two_ranks(
 
 
 EXITING_RANK = """
-import atexit, os, sys
+import atexit, sys
 from pathlib import Path
 import torch.distributed as dist
-from asyncrl.train.torchrun import exit_rank
-folder = Path(sys.argv[1])
-if sys.argv[2] == "group":
-    dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0, world_size=1)
-    dist.barrier()
-atexit.register(lambda: (folder / "atexit").write_text("ran"))
-print("buffered, no newline", end="")
-exit_rank(3)
+from asyncrl.train.torchrun import rank_main
+folder, group, ending = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+
+def main():
+    if group == "group":
+        init = f"file://{folder / 'store'}"
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+        dist.barrier()
+    atexit.register(lambda: (folder / "atexit").write_text("ran"))
+    print("buffered, no newline", end="")
+    if ending == "raise":
+        raise ValueError("no checkpoint there")
+    if ending == "refuse":
+        raise SystemExit("refused to lead")
+    return 3
+
+
+rank_main(main)
 """
 
 
-@pytest.mark.parametrize("group", ["group", "none"])
-def test_exit_rank_keeps_the_status_exit_handlers_and_output(tmp_path: Path, group: str) -> None:
-    """A rank leaves through exit_rank (without finalization when it joined a process
-    group): its status is the one given, exit handlers ran, buffered output came out."""
+@pytest.mark.parametrize(
+    ("group", "ending", "status", "stderr"),
+    [
+        ("group", "return", 3, ""),
+        ("none", "return", 3, ""),
+        ("group", "raise", 1, "ValueError: no checkpoint there"),
+        ("group", "refuse", 1, "refused to lead"),
+    ],
+)
+def test_a_rank_leaves_with_its_status_exit_handlers_and_output(
+    tmp_path: Path, group: str, ending: str, status: int, stderr: str
+) -> None:
+    """A rank leaves through rank_main and exit_rank (without finalization when it joined
+    a process group), whether its main returned, raised or refused: with its status,
+    after its exit handlers, with its buffered output and its error written out."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered stdout
     proc = subprocess.run(
-        [sys.executable, "-c", EXITING_RANK, str(tmp_path), group],
+        [sys.executable, "-c", EXITING_RANK, str(tmp_path), group, ending],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 3, proc.stderr
+    assert proc.returncode == status, proc.stderr
     assert proc.stdout == "buffered, no newline"
     assert (tmp_path / "atexit").read_text() == "ran"
+    assert stderr in proc.stderr
+    assert ("Traceback" in proc.stderr) == (ending == "raise")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.train.commands import Leader, follow
-from asyncrl.train.torchrun import exit_rank
+from asyncrl.train.torchrun import rank_main
 from train_helpers.tiny import (
     fsdp_engine,
     full_weights,
@@ -93,5 +93,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    exit_rank(0)  # destroys the process group and leaves as every trainer rank does
+    rank_main(main)  # destroys the process group and leaves as every trainer rank does

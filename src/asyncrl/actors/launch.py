@@ -138,6 +138,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from asyncrl.train.torchrun import exit_rank
+    from asyncrl.train.torchrun import rank_main
 
-    exit_rank(main())
+    rank_main(main)

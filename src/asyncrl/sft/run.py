@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from asyncrl.train.torchrun import exit_rank
+    from asyncrl.train.torchrun import rank_main
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    exit_rank(main())
+    rank_main(main)

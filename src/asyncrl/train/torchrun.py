@@ -10,7 +10,7 @@ That is why every node runs the same command (the same ``--actor-id``), and why 
 started outside ``up`` (by a Slurm script) must never win rank 0: ``up``'s own nodes carry
 :data:`UP_NODE_ENV`, and a rank 0 without it refuses to run (:func:`check_lead_node`).
 
-How they end: :func:`exit_rank`.
+How they end: :func:`rank_main` and :func:`exit_rank`.
 
 Imports no torch.
 """
@@ -21,6 +21,8 @@ import atexit
 import os
 import socket
 import sys
+import traceback
+from collections.abc import Callable
 from typing import NoReturn
 
 UP_NODE_ENV = "ASYNCRL_TRAINER_NODE"
@@ -116,4 +118,31 @@ def exit_rank(code: int) -> NoReturn:
     os._exit(code)
 
 
-__all__ = ["UP_NODE_ENV", "check_lead_node", "exit_rank", "free_port", "torchrun_argv"]
+def rank_main(main: Callable[[], int | None]) -> NoReturn:
+    """Runs a rank's ``main`` and leaves through :func:`exit_rank` however it ends, so that
+    a rank that failed reports its own status, not the SIGABRT of the finalization it would
+    otherwise go through: an exception prints its traceback and gives status 1, a
+    ``SystemExit`` its status (a message is printed, status 1, as the interpreter does)."""
+    try:
+        code: object = main()
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    exit_rank(code)
+
+
+__all__ = [
+    "UP_NODE_ENV",
+    "check_lead_node",
+    "exit_rank",
+    "free_port",
+    "rank_main",
+    "torchrun_argv",
+]
