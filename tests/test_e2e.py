@@ -348,6 +348,53 @@ async def test_a_trainer_across_two_torchrun_nodes_and_weights_through_the_objec
     check_staleness_and_uniqueness(run_dir, eta=1)
 
 
+def started_pid(log: Path) -> int:
+    """The pid an actor's log says it started with."""
+    found = re.search(r"started actor=\S+ pid=(\d+)", log.read_text())
+    assert found, log.read_text()[-2000:]
+    return int(found.group(1))
+
+
+async def test_ctrl_c_stops_a_trainer_of_two_ranks_whose_other_rank_went_first(
+    tmp_path: Path,
+) -> None:
+    """SIGINT to ``up`` with a trainer of two torchrun nodes: ``up`` signals every rank at
+    once, and the other rank can be gone before rank 0 sends it ``stop`` (it was, in five
+    Ctrl-Cs of five by hand). Made certain here: rank 0 is frozen (SIGSTOP) while it waits
+    for a batch (the rollout actor frozen first) until the other node has exited. Rank 0
+    must still stop as asked (ok), with no error in its log, and ``up`` exit with 130."""
+    async with running_up(tmp_path, "stop2", "trainer.max_steps=1000", "trainer.nodes=2") as up:
+        logs = up.run_dir / "logs"
+        bus = await connect(up.run_dir)
+        try:
+            await wait_for_step(bus, up.run_dir, 3)
+        finally:
+            await bus.close()
+        # rank 0 is on the node whose address sorts first: here both are 127.0.0.1
+        nodes = {name: logs / f"{name}.log" for name in ("trainer-0", "trainer-0-node1")}
+        lead = next(n for n, log in nodes.items() if "started actor=trainer-0" in log.read_text())
+        other = next(n for n in nodes if n != lead)
+        rollout, rank0 = started_pid(logs / "rollout-0.log"), started_pid(nodes[lead])
+        os.kill(rollout, signal.SIGSTOP)  # no more batches: the trainer ends up waiting
+        await asyncio.sleep(2.0)  # a step of this model takes ~0.05 s
+        os.kill(rank0, signal.SIGSTOP)
+        up.proc.send_signal(signal.SIGINT)
+        up_log = logs / "up.log"
+        try:
+            async with asyncio.timeout(60):  # polls the log that up (another process) writes
+                while f"exited actor={other} code" not in up_log.read_text():  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+        finally:
+            for pid in (rank0, rollout):
+                os.kill(pid, signal.SIGCONT)
+        code = await asyncio.wait_for(up.proc.wait(), RUN_TIMEOUT)
+    log = nodes[lead].read_text()
+    seen = f"{up_log.read_text()[-2000:]}\n== {lead}\n{log[-3000:]}"
+    assert code == 130, seen
+    assert re.search(r"stopped .*actor=trainer-0 ok=True", log), seen
+    assert "[error" not in log, seen
+
+
 @pytest.mark.parametrize(
     ("override", "named"),
     [

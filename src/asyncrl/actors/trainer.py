@@ -119,7 +119,16 @@ class TrainerActor(Actor):
 
     async def teardown(self) -> None:
         if self.ranks is not None:
-            await asyncio.to_thread(self.ranks.stop)
+            try:
+                await asyncio.to_thread(self.ranks.stop)
+            except RuntimeError as exc:  # what gloo and NCCL raise for a peer gone
+                if self._stop_reason in ("", "finished"):
+                    raise
+                # asked to stop (a signal, or up's stop, which signals every rank at
+                # once): the other ranks may be gone before they hear it, which is all
+                # that stop asks of them
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self.log.info("other trainer ranks stopped first", error=first[:200])
         self.records.close()
 
     # -- the step loop ----------------------------------------------------------------------

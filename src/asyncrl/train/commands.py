@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 from typing import Any
 
 import torch
@@ -67,39 +68,47 @@ def _recv(numel: int, dtype: torch.dtype) -> torch.Tensor:
 class Leader:
     """Rank 0's side: each method sends its command to the other ranks, then runs it on
     ``engine``; the other ranks run :func:`follow`. Methods block until the command is
-    done (call them from a worker thread in async code)."""
+    done (call them from a worker thread in async code), one command at a time: a call
+    from another thread waits for the command in flight (a stop asked for while a step
+    runs in its thread must not put its collective between the step's)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.world_size = _world()
+        self._one_at_a_time = threading.Lock()
 
     def train(self, batch: Batch) -> dict[str, float]:
         """One train step on the global ``batch`` (:func:`lead_train`)."""
-        stats: dict[str, float] = self.engine.train_shard(
-            lead_train(batch, self.engine.config, self.world_size)
-        )
+        with self._one_at_a_time:
+            stats: dict[str, float] = self.engine.train_shard(
+                lead_train(batch, self.engine.config, self.world_size)
+            )
         return stats
 
     def export(self, path: str | os.PathLike[str]) -> None:
         """The weights a rollout engine loads, at ``path`` (rank 0 writes): an HF directory,
         or a LoRA adapter (:meth:`~asyncrl.train.engine.TrainEngine.export_weights`)."""
-        self._path_command(Command.EXPORT, path)
-        self.engine.export_weights(path)
+        with self._one_at_a_time:
+            self._path_command(Command.EXPORT, path)
+            self.engine.export_weights(path)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """A resumable checkpoint (model, optimizer, RNG, step, version) at ``path``."""
-        self._path_command(Command.SAVE, path)
-        self.engine.save_checkpoint(path)
+        with self._one_at_a_time:
+            self._path_command(Command.SAVE, path)
+            self.engine.save_checkpoint(path)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Restores the checkpoint at ``path`` on every rank."""
-        self._path_command(Command.LOAD, path)
-        self.engine.load_checkpoint(path)
+        with self._one_at_a_time:
+            self._path_command(Command.LOAD, path)
+            self.engine.load_checkpoint(path)
 
     def stop(self) -> None:
         """Ends :func:`follow` on the other ranks."""
         if self.world_size > 1:
-            self._header(Command.STOP)
+            with self._one_at_a_time:
+                self._header(Command.STOP)
 
     def _header(self, command: Command, argument_bytes: int = 0) -> None:
         _broadcast(torch.tensor([int(command), argument_bytes], dtype=torch.int64))
