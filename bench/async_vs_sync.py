@@ -43,7 +43,12 @@ accuracy per placement, then the default's steps/h as a share of the best hand
 placement's. Short runs of one placement differ by about ±10%: ``--repeats R`` runs
 every placement R times, in rounds, and compares medians; ``--only`` keeps the hand
 placements whose labels contain one of its words (the default always runs), e.g.
-``--only "train all" "shared, gen 1"``.
+``--only "train all" "shared, gen 1"``. A sweep too long for one job (a machine lent for
+minutes at a time) runs in parts: ``--time-limit S`` starts no run that would end after
+S seconds, judged by the longest run so far, and stops saying what is left; the same
+command with ``--resume`` then runs only the runs not yet finished with the same
+overrides (each finished run leaves ``bench.json`` in its folder), and the last part
+prints the whole table.
 
 **Simulated mode** (``--simulate``) replays a model of the GPU-cluster regime, without a
 model or a network: a generation server with S concurrent sequence slots, each sequence
@@ -132,7 +137,8 @@ def common_sets(args: argparse.Namespace, name: str, eta: int) -> list[str]:
 
 def pinned(gen: list[int], train: list[int]) -> list[str]:
     """A hand placement: rollout, reward and eval on ``gen``, the trainer on ``train``, a
-    torch thread per core."""
+    torch thread per core; the eval actor one, as under the default (a second pool of
+    threads on the rollout actor's cores slows both many times over)."""
     g, t = ",".join(map(str, gen)), ",".join(map(str, train))
     return [
         f"rollout.cpus=[{g}]",
@@ -140,7 +146,7 @@ def pinned(gen: list[int], train: list[int]) -> list[str]:
         f"eval.cpus=[{g}]",
         f"trainer.cpus=[{t}]",
         f"rollout.threads={len(gen)}",
-        f"eval.threads={len(gen)}",
+        "eval.threads=1",
         f"trainer.threads={len(train)}",
     ]
 
@@ -351,6 +357,21 @@ def placement_candidates(cores: list[int]) -> dict[str, list[str]]:
     return out
 
 
+FINISHED = "bench.json"
+"""Written into a placement run's folder once the run has finished and been summarised:
+its process seconds and overrides, for ``--resume``."""
+
+
+def finished_run(run_dir: Path, sets: list[str]) -> float | None:
+    """The process seconds of a run that finished with exactly these overrides (read
+    from its :data:`FINISHED` file), or None: then it must run (again)."""
+    try:
+        done = json.loads((run_dir / FINISHED).read_text())
+    except (OSError, ValueError):
+        return None
+    return float(done["process_s"]) if done.get("sets") == sets else None
+
+
 def median(xs: list[float]) -> float:
     ys = sorted(xs)
     mid = len(ys) // 2
@@ -370,20 +391,37 @@ def placements(args: argparse.Namespace) -> dict[str, Any]:
         if label == "default" or not args.only or any(o in label for o in args.only)
     }
     repeats: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in candidates.values()}
+    started, longest = time.monotonic(), 0.0
+    total = args.repeats * len(candidates)
     # in rounds, every placement once a round: a slow spell of the machine (another job,
     # a noisy neighbour) then slows one run of each rather than every run of one
     for r in range(args.repeats):
         for i, (label, sets) in candidates.items():
             name = f"place{i}" if r == 0 else f"place{i}-r{r + 1}"
-            if not args.reuse:
+            all_sets = [*common_sets(args, name, args.eta), *sets, *args.set]
+            finished = finished_run(RUNS / name, all_sets) if args.resume else None
+            if args.reuse or finished is not None:
+                process_s = finished
+            else:
+                if args.time_limit and time.monotonic() - started + longest > args.time_limit:
+                    done = sum(map(len, repeats.values()))
+                    raise SystemExit(
+                        f"--time-limit {args.time_limit:.0f} s: stopped before '{label}' of "
+                        f"round {r + 1} ({done} of {total} runs done, the longest "
+                        f"{longest:.0f} s); the same command with --resume runs the rest"
+                    )
                 print(f"running '{label}' (η = {args.eta}, {args.steps} steps, round {r + 1}) ...",
                       flush=True)  # fmt: skip
-            all_sets = [*common_sets(args, name, args.eta), *sets, *args.set]
-            process_s = None if args.reuse else run_up(args, name, args.eta, all_sets)
+                process_s = run_up(args, name, args.eta, all_sets)
+                longest = max(longest, process_s)
             run = summarise_run(RUNS / name, process_s)
             if (RUNS / name / "placement.json").is_file():
                 run["placement"] = json.loads((RUNS / name / "placement.json").read_text())
             prune(RUNS / name)
+            if process_s is not None:
+                (RUNS / name / FINISHED).write_text(
+                    json.dumps({"process_s": process_s, "sets": all_sets})
+                )
             repeats[label].append(run)
     runs = {label: summarise_repeats(rs) for label, rs in repeats.items()}
     print(
@@ -704,6 +742,19 @@ def main() -> None:
         nargs="+",
         default=None,
         help="--placements: the hand placements whose label contains one of these (and the default)",
+    )
+    real_args.add_argument(
+        "--resume",
+        action="store_true",
+        help="--placements: runs that finished with the same overrides are read, not run again",
+    )
+    real_args.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="S",
+        help="--placements: start no run that the longest so far says would end after S "
+        "seconds; stops naming what is left (continue with --resume)",
     )
     sim = p.add_argument_group("simulation")
     sim.add_argument("--group-size", type=int, default=8)

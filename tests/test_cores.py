@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import cores
 from asyncrl.config import load_recipe
 from asyncrl.cores import (
     CPUS_ENV,
@@ -29,13 +30,20 @@ CI = REPO / "recipes" / "ci.toml"
 
 
 @pytest.mark.parametrize(
-    ("n", "gen"),
-    [(2, [0]), (3, [0]), (4, [0]), (8, [0, 1]), (16, [0, 1, 2, 3]), (64, list(range(16)))],
+    ("n", "gen", "train"),
+    [
+        (2, [0], [0, 1]),  # overlapping on 2 cores
+        (3, [0], [1, 2]),
+        (4, [0], [1, 2, 3]),
+        (8, [0, 1], list(range(2, 8))),
+        (16, [0, 1, 2, 3], list(range(4, 16))),
+        (64, list(range(16)), list(range(16, 64))),
+    ],
 )
-def test_generation_takes_a_quarter_of_the_cores_and_training_all(n: int, gen: list[int]) -> None:
-    g, t = split_cores(list(range(n)))
-    assert g == gen
-    assert t == list(range(n))
+def test_generation_takes_a_quarter_of_the_cores_and_training_the_rest(
+    n: int, gen: list[int], train: list[int]
+) -> None:
+    assert split_cores(list(range(n))) == (gen, train)
 
 
 def test_one_core_is_not_placed() -> None:
@@ -44,23 +52,26 @@ def test_one_core_is_not_placed() -> None:
 
 
 def test_cores_are_taken_in_id_order_whatever_the_affinity_order() -> None:
-    assert split_cores([7, 3, 5, 4]) == ([3], [3, 4, 5, 7])
+    assert split_cores([7, 3, 5, 4]) == ([3], [4, 5, 7])
+    assert split_cores([9, 2]) == ([2], [2, 9])
 
 
 def test_threads_divide_each_set_among_its_processes() -> None:
     recipe = load_recipe(CI, ["rollout.actors=2", "trainer.nproc=2"])
     p = auto_placement(recipe, list(range(16)), cuda=False)
     assert p is not None
-    assert (p.generation, p.training) == ([0, 1, 2, 3], list(range(16)))
-    # 4 generation cores for 2 rollout actors; all 16 cores for 2 ranks
-    assert p.threads == {"rollout": 2, "eval": 4, "trainer": 8}
+    assert (p.generation, p.training) == ([0, 1, 2, 3], list(range(4, 16)))
+    # 4 generation cores for 2 rollout actors, the eval actor one thread beside them; the
+    # other 12 cores for 2 ranks
+    assert p.threads == {"rollout": 2, "eval": 1, "trainer": 6}
     assert p.describe().startswith("placement: 16 cores;")
-    assert "training on [0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15] (generation's included)" in (
-        p.describe()
-    )
+    assert "training on [4,5,6,7,8,9,10,11,12,13,14,15], 6 thread(s)" in p.describe()
     two_nodes = load_recipe(CI, ["trainer.nodes=2"])
     p2 = auto_placement(two_nodes, list(range(8)), cuda=False)
-    assert p2 is not None and p2.threads["trainer"] == 4  # both loopback nodes run here
+    assert p2 is not None and p2.threads["trainer"] == 3  # both loopback nodes run here
+    on_two = auto_placement(recipe, [0, 1], cuda=False)
+    assert on_two is not None and on_two.threads == {"rollout": 1, "eval": 1, "trainer": 1}
+    assert "training on [0,1] (generation's included)" in on_two.describe()
 
 
 @pytest.mark.parametrize(
@@ -89,11 +100,26 @@ def test_every_process_up_starts_carries_its_roles_cores(tmp_path: Path) -> None
     specs = actor_specs(recipe, tmp_path, p)
     assert {s.role for s in specs} == {"buffer", "reward", "rollout", "eval", "trainer"}
     for s in specs:
-        want = "0,1,2,3" if s.role == "trainer" else "0"
+        want = "1,2,3" if s.role == "trainer" else "0"
         assert s.env[CPUS_ENV] == want, (s.actor_id, s.env)
     # the trainer gang keeps its own environment beside the placement
     assert all(UP_NODE_ENV in s.env for s in specs if s.role == "trainer")
     assert all(CPUS_ENV not in s.env for s in actor_specs(recipe, tmp_path))
+
+
+@pytest.mark.parametrize(("visible", "gpu"), [("", False), ("-1", False), ("0", True)])
+def test_cuda_visible_devices_can_hide_the_gpu_from_auto(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, visible: str, gpu: bool
+) -> None:
+    driver = tmp_path / "nvidiactl"
+    driver.touch()  # a GPU driver's device file, as on a GPU machine
+    monkeypatch.setattr(cores, "GPU_DEVICE_NODES", (str(driver),))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert cores.gpu_visible() is gpu
+    assert cores.is_cpu_device("auto") is not gpu
+    assert cores.is_cpu_device("cpu")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert cores.gpu_visible()
 
 
 def test_the_placed_threads_size_the_trainer_unless_the_recipe_sets_them(

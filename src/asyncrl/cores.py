@@ -2,27 +2,33 @@
 none of them.
 
 On a CPU, generation and training compete for the same cores, and torch's thread pools
-oversubscribe them: two pools of N threads on N cores spin and wait on each other (on 2
-cores, unplaced processes with torch's default threads made 4x fewer steps an hour than
-any placement below). So when every role runs on this machine's CPU and no
-``<role>.cpus`` is set, ``asyncrl up`` places them:
+oversubscribe them: two pools of threads on the same cores spin and wait on each other.
+So when every role runs on this machine's CPU and no ``<role>.cpus`` is set, ``asyncrl up``
+places them:
 
 - **generation** (rollout, reward, eval and the buffer): pinned to the first
-  ``max(1, round(N / 4))`` cores, a torch thread per core;
-- **training** (every trainer process): **every** core, a thread per core, generation's
-  included.
+  ``max(1, round(N / 4))`` cores; each rollout actor gets a torch thread per core of its
+  share, the eval actor **one** thread;
+- **training** (every trainer process): the **other** cores, a thread per core; on a
+  2-core machine (:data:`OVERLAP_MAX_CORES`) every core, generation's included.
 
-The trainer is the bottleneck of a CPU run (a step costs about three forward passes per
-token), while generation, decoupled by the staleness bound, only has to keep the next
-batch ready and idles most of the time (about 70% in the quickstart). On disjoint cores
-its cores idle with it. Overlapping, the trainer takes them back whenever generation
-waits; while generation runs, the two share those cores. ``bench/async_vs_sync.py
---placements`` measured it on 2 cores (SmolLM2-135M, fp32): 125 steps/h against 104 for
-the disjoint split (one core each), which the rule was before.
+``bench/async_vs_sync.py --placements`` measured it (SmolLM2-135M, the quickstart):
+
+- on **16 cores** (an Intel Xeon with AMX, bf16), disjoint sets win by far: the trainer on
+  the 12 cores generation does not use took 4.0-4.3 s a step; on all 16, four of them
+  shared with generation's 4-thread pool, 24-144 s. Generation on 4 cores kept a
+  12-core trainer fed (763 and 840 steps/h), on 2 it did not (614), and 8 cores for each
+  made 630. An eval actor with 4 threads beside the rollout actor's 4 on the same 4
+  cores slowed both about 12-fold (4.6 against 56 tokens/s), hence its one thread.
+- on **2 cores** the overlap wins instead: generation runs one thread on one core and
+  idles most of the time (about 70%), and the trainer takes that core back whenever it
+  waits: 125 steps/h against 104 for one core each (fp32), 118 against 109-112 for the
+  best hand placements over three rounds. On disjoint cores there it would lose half the
+  machine.
 
 Each process gets torch threads equal to its share of its set (the rollout actors divide
-the generation cores among them; trainer processes divide all cores). A role's explicit
-``threads`` key still wins. The choice travels to the processes ``up`` starts as
+the generation cores among them; trainer processes divide the training cores). A role's
+explicit ``threads`` key still wins. The choice travels to the processes ``up`` starts as
 environment variables (:data:`CPUS_ENV`, :data:`THREADS_ENV`), never into the run's
 recipe: an actor attached from another machine must not inherit this machine's core ids.
 ``run.placement = "none"`` turns the rule off.
@@ -45,6 +51,11 @@ THREADS_ENV = "ASYNCRL_THREADS"
 
 GEN_SHARE = 0.25
 """Share of the cores generation gets (at least one)."""
+
+OVERLAP_MAX_CORES = 2
+"""Up to this many cores the trainer runs on generation's cores too (measured on 2 cores:
+it then loses no core to a generation that mostly idles); above it the two are
+disjoint (measured on 16: a trainer sharing cores with generation's threads stalls)."""
 
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 """Device files of the NVIDIA, ROCm and WSL GPU drivers: without any of them torch finds
@@ -91,12 +102,15 @@ class CorePlacement:
 
 def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
     """(generation, training) cores: the first ``max(1, round(N · GEN_SHARE))`` for
-    generation; all of them for training. Needs at least 2 cores."""
+    generation, the rest for training (all of them up to :data:`OVERLAP_MAX_CORES`).
+    Needs at least 2 cores."""
     if len(cores) < 2:
         raise ValueError(f"cannot place generation and training on {len(cores)} core(s)")
     ordered = sorted(cores)
     gen = max(1, round(len(ordered) * GEN_SHARE))
-    return ordered[:gen], ordered
+    if len(ordered) <= OVERLAP_MAX_CORES:
+        return ordered[:gen], ordered
+    return ordered[:gen], ordered[gen:]
 
 
 def why_not_placed(recipe: Recipe, cores: list[int], *, cuda: bool) -> str | None:
@@ -135,15 +149,20 @@ def auto_placement(
     trainer_procs = t.nproc * (1 if t.rendezvous else t.nodes)
     threads = {
         "rollout": max(1, len(gen) // max(1, recipe.rollout.actors)),
-        "eval": len(gen),
+        # one: it runs beside the rollout actors, on their cores (see the module's text)
+        "eval": 1,
         "trainer": max(1, len(train) // trainer_procs),
     }
     return CorePlacement(gen, train, threads)
 
 
-def gpu_driver_present() -> bool:
-    """Whether a GPU driver's device file exists (:data:`GPU_DEVICE_NODES`): without one,
-    ``auto`` devices resolve to the CPU, known without importing torch."""
+def gpu_visible() -> bool:
+    """Whether a GPU driver's device file exists (:data:`GPU_DEVICE_NODES`) and
+    ``CUDA_VISIBLE_DEVICES`` does not hide every device (set empty or to ``-1``, as for a
+    CPU job on a GPU machine): otherwise ``auto`` devices resolve to the CPU, known
+    without importing torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+        return False
     return any(map(os.path.exists, GPU_DEVICE_NODES))
 
 
@@ -155,7 +174,7 @@ def uses_cuda(recipe: Recipe) -> bool:
     engine = recipe.rollout.engine
     engine_device = getattr(engine, "device", "cpu" if engine.type == "instant" else "auto")
     devices = [recipe.trainer.device, engine_device]
-    if all(d == "cpu" for d in devices) or not gpu_driver_present():
+    if all(d == "cpu" for d in devices) or not gpu_visible():
         return False  # without importing torch into up, which never needs it otherwise
     return any(resolve_device(d).startswith("cuda") for d in devices)
 
@@ -163,7 +182,7 @@ def uses_cuda(recipe: Recipe) -> bool:
 def is_cpu_device(device: str) -> bool:
     """Whether a :data:`~asyncrl.schema.Device` choice is this machine's CPU: ``cpu``, or
     ``auto`` where no GPU driver is present (decided without importing torch)."""
-    return device == "cpu" or (device == "auto" and not gpu_driver_present())
+    return device == "cpu" or (device == "auto" and not gpu_visible())
 
 
 def placed_cpus() -> list[int]:
