@@ -102,3 +102,26 @@ def test_a_preload_the_loader_refuses_runs_once_more_and_no_more(tmp_path: Path)
     assert out.count("start") == 2, out
     assert not report["mapped"]
     assert "did not preload" in report["chosen"], report
+
+
+def test_a_trainer_that_up_starts_has_mimalloc_from_its_first_start(tmp_path: Path) -> None:
+    """``up`` puts the preload in the trainer's own environment (every node of a gang
+    too), so the trainer does not execute itself a second time; the other roles and a
+    ``system`` trainer get none."""
+    from asyncrl.config import load_recipe
+    from asyncrl.up import actor_specs
+
+    ci = Path(__file__).resolve().parents[1] / "recipes" / "ci.toml"
+    specs = actor_specs(load_recipe(ci, ["trainer.nodes=2", "trainer.device=cpu"]), tmp_path)
+    trainers = [s for s in specs if s.role == "trainer"]
+    assert len(trainers) == 2
+    for s in trainers:
+        assert s.env["LD_PRELOAD"].split(":")[0] == str(mimalloc_library()), s.env
+    assert all("LD_PRELOAD" not in s.env for s in specs if s.role != "trainer")
+    system = load_recipe(ci, ["trainer.allocator=system", "trainer.device=cpu"])
+    assert all("LD_PRELOAD" not in s.env for s in actor_specs(system, tmp_path))
+    # such an environment starts the trainer once, under mimalloc
+    (one,) = [s for s in actor_specs(load_recipe(ci, ["trainer.device=cpu"]), tmp_path)
+              if s.role == "trainer"]  # fmt: skip
+    report, out = probe({"device": "cpu"}, env=one.env)
+    assert out.count("start") == 1 and report["mapped"] and report["chosen"] == "mimalloc"

@@ -111,15 +111,20 @@ def trainer_nodes(recipe: Recipe, run_dir: Path) -> list[tuple[str, list[str], d
     ``trainer.rendezvous`` only the first, which hosts it; the others join from their
     machines). Each node runs the same ``--actor-id trainer-0``: the rendezvous decides
     which holds global rank 0 (:mod:`asyncrl.train.torchrun`)."""
+    from asyncrl.actors.launch import system_malloc_reason
+    from asyncrl.runtime.allocator import mimalloc_preload
     from asyncrl.runtime.supervisor import actor_argv
     from asyncrl.train.torchrun import LOOPBACK, UP_NODE_ENV, free_port, torchrun_argv
 
     t, actor_id = recipe.trainer, "trainer-0"
     target = actor_argv("trainer", run_dir, actor_id)[1:]  # after the interpreter
+    # a CPU trainer starts with its allocator preloaded, rather than executing itself
+    # again once its imports are done (asyncrl.runtime.allocator.use_mimalloc)
+    preload = {} if system_malloc_reason(t) else mimalloc_preload()
     if t.nodes == 1:
         if t.nproc == 1:
-            return [(actor_id, [sys.executable, *target], {})]
-        return [(actor_id, torchrun_argv(target, nproc=t.nproc), {})]
+            return [(actor_id, [sys.executable, *target], {"env": preload})]
+        return [(actor_id, torchrun_argv(target, nproc=t.nproc), {"env": preload})]
     local = not t.rendezvous
     endpoint = t.rendezvous or f"{LOOPBACK}:{free_port()}"
     return [
@@ -134,7 +139,7 @@ def trainer_nodes(recipe: Recipe, run_dir: Path) -> list[tuple[str, list[str], d
                 is_host=k == 0,
                 local_addr=LOOPBACK if local else "",
             ),
-            {"gang": actor_id, "env": {UP_NODE_ENV: str(k)}},
+            {"gang": actor_id, "env": {**preload, UP_NODE_ENV: str(k)}},
         )
         for k in range(t.nodes if local else 1)
     ]

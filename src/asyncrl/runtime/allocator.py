@@ -11,7 +11,9 @@ someone else in between.
 
 A process cannot change its allocator once it runs, so :func:`use_mimalloc` executes the
 same command again with mimalloc preloaded (``LD_PRELOAD``); the process id stays, so
-supervisors, torchrun and Ray see nothing. The library comes from the ``cmeel-mimalloc``
+supervisors, torchrun and Ray see nothing. ``asyncrl up`` and ``asyncrl sft`` spare their
+trainers that second start: they preload it in the child's environment
+(:func:`mimalloc_preload`). The library comes from the ``cmeel-mimalloc``
 wheel (a dependency on Linux x86_64 and aarch64); without it, or elsewhere, the process
 keeps the C library's malloc."""
 
@@ -62,14 +64,20 @@ def loaded_mimalloc() -> bool:
     return "libmimalloc" in maps
 
 
+def preload_vars(library: Path) -> dict[str, str]:
+    """The variables that, added to this process's environment, preload ``library`` first
+    (before any preload the user set) and have freed memory given back lazily unless the
+    user said otherwise."""
+    others = [p for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    out = {"LD_PRELOAD": ":".join([str(library), *others])}
+    if PURGE_ENV not in os.environ:
+        out[PURGE_ENV] = "0"
+    return out
+
+
 def preload_env(library: Path) -> dict[str, str]:
-    """This process's environment with ``library`` preloaded first and freed memory given
-    back lazily unless the user said otherwise."""
-    env = dict(os.environ)
-    others = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
-    env["LD_PRELOAD"] = ":".join([str(library), *others])
-    env.setdefault(PURGE_ENV, "0")
-    return env
+    """This process's environment with :func:`preload_vars` applied."""
+    return {**os.environ, **preload_vars(library)}
 
 
 def _library_or_why() -> Path | str:
@@ -85,14 +93,22 @@ def _library_or_why() -> Path | str:
     return library
 
 
-def mimalloc_env() -> dict[str, str] | None:
-    """The environment in which a child process starts with mimalloc preloaded, or None
-    where it cannot (not Linux, no wheel) or this process has it already (a child then
-    inherits it)."""
+def mimalloc_preload() -> dict[str, str]:
+    """The variables a child process needs, beside this process's environment, to start
+    with mimalloc preloaded; none where it cannot (not Linux, no wheel) or this process has
+    it already (a child then inherits it). A trainer started so skips
+    :func:`use_mimalloc`'s second execution."""
     if loaded_mimalloc():
-        return None
+        return {}
     library = _library_or_why()
-    return preload_env(library) if isinstance(library, Path) else None
+    return preload_vars(library) if isinstance(library, Path) else {}
+
+
+def mimalloc_env() -> dict[str, str] | None:
+    """The whole environment in which a child process starts with mimalloc preloaded, or
+    None (see :func:`mimalloc_preload`)."""
+    extra = mimalloc_preload()
+    return {**os.environ, **extra} if extra else None
 
 
 def use_mimalloc() -> str:
