@@ -48,7 +48,9 @@ minutes at a time) runs in parts: ``--time-limit S`` starts no run that would en
 S seconds, judged by the longest run so far, and stops saying what is left; the same
 command with ``--resume`` then runs only the runs not yet finished with the same
 overrides (each finished run leaves ``bench.json`` in its folder), and the last part
-prints the whole table.
+prints the whole table. ``--run-timeout S`` stops a run after S seconds, as Ctrl-C would,
+and counts the steps it finished (marked ``*``): on 16 cores a placement whose thread
+pools share cores can take minutes a step, and is then reported rather than waited for.
 
 **Simulated mode** (``--simulate``) replays a model of the GPU-cluster regime, without a
 model or a network: a generation server with S concurrent sequence slots, each sequence
@@ -76,6 +78,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -168,10 +171,18 @@ def run_sets(args: argparse.Namespace, name: str, eta: int) -> list[str]:
     ]
 
 
-def run_up(args: argparse.Namespace, name: str, eta: int, sets: list[str] | None = None) -> float:
+def run_up(
+    args: argparse.Namespace,
+    name: str,
+    eta: int,
+    sets: list[str] | None = None,
+    timeout: float | None = None,
+) -> float:
     """One ``asyncrl up`` in a subprocess (``sets``: its overrides, default
     :func:`run_sets`); returns its wall seconds. Its output goes to ``<runs>/<name>.log``;
-    a failed run stops the bench naming that log."""
+    a failed run stops the bench naming that log. A run still going after ``timeout``
+    seconds is stopped as Ctrl-C stops it (its actors stop, its records stay) and marked
+    with :data:`STOPPED` in its folder."""
     RUNS.mkdir(parents=True, exist_ok=True)
     recipe = str(args.recipe)
     cmd = [sys.executable, "-m", "asyncrl.cli", "up", recipe, "--overwrite", "--quiet"]
@@ -179,13 +190,34 @@ def run_up(args: argparse.Namespace, name: str, eta: int, sets: list[str] | None
         cmd += ["--set", s]
     log = RUNS / f"{name}.log"
     t0 = time.monotonic()
+    stopped = False
     with open(log, "w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stopped = True
+            proc.send_signal(signal.SIGINT)
+            try:
+                code = proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+        except BaseException:
+            proc.send_signal(signal.SIGINT)  # the bench itself interrupted: stop the run too
+            proc.wait(timeout=120)
+            raise
     seconds = time.monotonic() - t0
-    if code != 0:
+    if stopped:
+        (RUNS / name / STOPPED).write_text(json.dumps({"after_s": timeout, "exit": code}))
+    elif code != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise SystemExit(f"run {name} (η = {eta}) failed with exit {code}; {log}:\n{tail}")
     return seconds
+
+
+STOPPED = "stopped.json"
+"""Written into the folder of a run that ``--run-timeout`` stopped."""
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -195,10 +227,27 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def summarise_run(run_dir: Path, process_s: float | None) -> dict[str, Any]:
-    """The figures of one finished run, from its run folder."""
+    """The figures of one finished run, from its run folder; of a run ``--run-timeout``
+    stopped, those of the steps it finished (``stopped``: after how many seconds), and 0
+    steps/h where it finished fewer than two."""
     recipe = json.loads((run_dir / "recipe.json").read_text())
     steps = read_jsonl(run_dir / "metrics.jsonl")
     evals = read_jsonl(run_dir / "eval.jsonl")
+    stopped = json.loads((run_dir / STOPPED).read_text()) if (run_dir / STOPPED).is_file() else None
+    if stopped is not None and len(steps) < 2:
+        train = [s["time_train_s"] for s in steps]
+        return {
+            "eta": recipe["buffer"]["max_head_offpolicyness"],
+            "steps": len(steps),
+            "stopped": stopped["after_s"],
+            "process_s": process_s,
+            "steps_per_hour": 0.0,
+            "train_s_mean": sum(train) / len(train) if train else None,
+            "trainer_idle_frac": None,
+            "gen_idle_frac": None,
+            "accuracy": {},
+            "accuracy_final": None,
+        }
     if not steps:
         raise SystemExit(f"{run_dir}: no trainer records in metrics.jsonl")
     if len(steps) < 2:
@@ -239,6 +288,7 @@ def summarise_run(run_dir: Path, process_s: float | None) -> dict[str, Any]:
         "step_end_s": [s["time"] - start for s in steps],
         "accuracy": accuracy,
         "accuracy_final": accuracy.get(len(steps)),  # None if version N was not scored
+        "stopped": stopped["after_s"] if stopped is not None else None,
         "response_tokens": [
             s["response_tokens"]
             for s in read_jsonl(run_dir / "trained_samples.jsonl")
@@ -412,7 +462,7 @@ def placements(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 print(f"running '{label}' (η = {args.eta}, {args.steps} steps, round {r + 1}) ...",
                       flush=True)  # fmt: skip
-                process_s = run_up(args, name, args.eta, all_sets)
+                process_s = run_up(args, name, args.eta, all_sets, args.run_timeout)
                 longest = max(longest, process_s)
             run = summarise_run(RUNS / name, process_s)
             if (RUNS / name / "placement.json").is_file():
@@ -430,17 +480,30 @@ def placements(args: argparse.Namespace) -> dict[str, Any]:
     )
     for label, r in runs.items():
         acc = "n/a" if r["accuracy_final"] is None else f"{r['accuracy_final']:.3f}"
-        each = " ".join(f"{x:.0f}" for x in r["steps_per_hour_runs"])
+        each = " ".join(
+            f"{x['steps_per_hour']:.0f}" + ("*" if x.get("stopped") else "") for x in r["repeats"]
+        )
+        train_s = "n/a" if r["train_s_mean"] is None else f"{r['train_s_mean']:.1f}"
         print(
-            f"{label:<28} {r['steps_per_hour']:>8.0f} {r['train_s_mean']:>8.1f} "
+            f"{label:<28} {r['steps_per_hour']:>8.0f} {train_s:>8} "
             f"{fmt_frac(r['trainer_idle_frac']):>13} {fmt_frac(r['gen_idle_frac']):>9} "
             f"{acc:>9}  {each}"
+        )
+    if any(x.get("stopped") for r in runs.values() for x in r["repeats"]):
+        print(
+            f"* stopped by --run-timeout {args.run_timeout:.0f} s: steps/h of the steps it "
+            "finished (0 under two)"
         )
     default = runs["default"]
     hand = {k: v for k, v in runs.items() if k != "default"}
     if not hand:
         return {"runs": runs, "summary": "summary: only the default ran (see --only)"}
     best = max(hand, key=lambda k: hand[k]["steps_per_hour"])
+    if not hand[best]["steps_per_hour"]:
+        return {
+            "runs": runs,
+            "summary": "summary: no hand placement made two steps (--run-timeout)",
+        }
     ratio = default["steps_per_hour"] / hand[best]["steps_per_hour"]
     chosen = default.get("placement", {})
     of = f"median of {args.repeats} runs each" if args.repeats > 1 else "one run each"
@@ -747,6 +810,14 @@ def main() -> None:
         "--resume",
         action="store_true",
         help="--placements: runs that finished with the same overrides are read, not run again",
+    )
+    real_args.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="--placements: stop a run after S seconds (as Ctrl-C does) and count the steps "
+        "it finished: a placement that stalls the machine is reported, not waited for",
     )
     real_args.add_argument(
         "--time-limit",

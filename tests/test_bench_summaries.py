@@ -106,3 +106,38 @@ def test_repeats_are_summarised_by_their_medians() -> None:
     assert out["steps_per_hour_runs"] == [121.0, 115.0, 130.0]
     assert out["repeats"] == runs
     assert bench.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+
+
+def test_a_finished_run_is_resumed_only_with_the_same_overrides(tmp_path: Path) -> None:
+    bench = load("async_vs_sync")
+    assert bench.finished_run(tmp_path, ["a=1"]) is None  # never finished
+    (tmp_path / bench.FINISHED).write_text(json.dumps({"process_s": 61.5, "sets": ["a=1"]}))
+    assert bench.finished_run(tmp_path, ["a=1"]) == 61.5
+    assert bench.finished_run(tmp_path, ["a=2"]) is None  # other overrides: run it again
+    (tmp_path / bench.FINISHED).write_text("{cut short")
+    assert bench.finished_run(tmp_path, ["a=1"]) is None
+
+
+def test_a_stopped_run_counts_the_steps_it_finished(tmp_path: Path) -> None:
+    bench = load("async_vs_sync")
+    (tmp_path / "recipe.json").write_text(
+        json.dumps({"buffer": {"max_head_offpolicyness": 2, "max_concurrent": 32, "batch_size": 8}})
+    )
+    (tmp_path / bench.STOPPED).write_text(json.dumps({"after_s": 180.0, "exit": 130}))
+
+    def steps(*times: float) -> None:
+        rows = [
+            {"time": t, "time_wait_batch_s": 1.0, "time_train_s": 40.0 + i, "time_weights_s": 0.5,
+             "reward_mean": 0.25, "staleness_mean": 1.0}
+            for i, t in enumerate(times)
+        ]  # fmt: skip
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    steps(1000.0)  # one step: no window to measure a rate over
+    one = bench.summarise_run(tmp_path, 180.0)
+    assert (one["steps_per_hour"], one["train_s_mean"], one["stopped"]) == (0.0, 40.0, 180.0)
+    steps(1000.0, 1050.0, 1150.0)  # steps 2..3 took 150 s: 2 steps in 150 s
+    three = bench.summarise_run(tmp_path, 180.0)
+    assert three["steps_per_hour"] == pytest.approx(48.0)
+    assert three["train_s_mean"] == pytest.approx(41.5)  # steps 2 and 3
+    assert three["stopped"] == 180.0 and three["accuracy_final"] is None
