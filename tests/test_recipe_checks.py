@@ -249,3 +249,22 @@ def test_trainer_nodes_that_cannot_start_are_refused() -> None:
 def test_a_gguf_file_the_rollout_engines_do_not_read_is_warned_about() -> None:
     _, warnings = problems("model.gguf_file=m.gguf")
     assert any("model.gguf_file" in w and "trainer only" in w for w in warnings)
+
+
+def test_roles_whose_thread_pools_share_cores_are_warned_about() -> None:
+    both = ("rollout.cpus=[0,1]", "trainer.cpus=[0,1]", "trainer.device=cpu")
+    _, warnings = problems(*both, "rollout.threads=2")
+    (w,) = warnings
+    assert w.startswith("rollout.cpus and trainer.cpus share cores [0, 1], where rollout runs 2")
+    assert "rollout.threads = 1" in w
+    # threads unset: a pinned process's torch default is a thread per core
+    assert len(problems(*both)[1]) == 1
+    # one side single-threaded (the 2-core default: generation's one thread), or disjoint
+    assert problems(*both, "rollout.threads=1")[1] == []
+    assert problems("rollout.cpus=[0]", "trainer.cpus=[1]", "trainer.device=cpu")[1] == []
+    # an eval pool beside the rollout actor's: the advice is for eval, the occasional one
+    _, warnings = problems("rollout.cpus=[0,1]", "eval.cpus=[0,1]", "eval.every=4")
+    assert len(warnings) == 1 and "eval.threads = 1" in warnings[0], warnings
+    assert problems("rollout.cpus=[0,1]", "eval.cpus=[0,1]", "eval.every=0")[1] == []
+    # a trainer on a GPU shares no CPU thread pool
+    assert problems(*both[:2], "trainer.device=cuda", "rollout.threads=2")[1] == []
