@@ -12,7 +12,8 @@ places them:
 - **training** (every trainer process): the **other** cores, a thread per core; on a
   2-core machine (:data:`OVERLAP_MAX_CORES`) every core, generation's included.
 
-``bench/async_vs_sync.py --placements`` measured it (SmolLM2-135M, the quickstart):
+Measured on the quickstart (SmolLM2-135M) with ``bench/async_vs_sync.py --placements``
+on 2 cores, and on 16 with ``asyncrl up`` given that bench's hand-placement overrides:
 
 - on **16 cores** (an Intel Xeon with AMX, bf16), disjoint sets win by far: the trainer on
   the 12 cores generation does not use took 4.0-4.3 s a step; on all 16, four of them
@@ -181,7 +182,8 @@ def uses_cuda(recipe: Recipe) -> bool:
 
 def is_cpu_device(device: str) -> bool:
     """Whether a :data:`~asyncrl.schema.Device` choice is this machine's CPU: ``cpu``, or
-    ``auto`` where no GPU driver is present (decided without importing torch)."""
+    ``auto`` where no GPU is visible (:func:`gpu_visible`; decided without importing
+    torch)."""
     return device == "cpu" or (device == "auto" and not gpu_visible())
 
 
