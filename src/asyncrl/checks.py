@@ -337,11 +337,11 @@ def shared_core_warnings(recipe: Recipe) -> list[str]:
     4.0-4.3 s on the other 12 (:mod:`asyncrl.cores`). Only roles computing on this
     machine's CPU count; a role's threads are its ``threads`` key, else its cores (torch's
     default on a pinned process), a trainer's shared among its ranks."""
-    from asyncrl.cores import is_cpu_device
+    from asyncrl.cores import engine_device, is_cpu_device
 
     r, e, t = recipe.rollout, recipe.eval, recipe.trainer
     pools: dict[str, tuple[set[int], int]] = {}
-    engine_cpu = r.engine.type == "hf" and is_cpu_device(getattr(r.engine, "device", "cpu"))
+    engine_cpu = r.engine.type == "hf" and is_cpu_device(engine_device(r.engine))
     if engine_cpu and r.cpus:
         pools["rollout"] = (set(r.cpus), r.threads or len(set(r.cpus)))
     if engine_cpu and e.every and e.cpus:

@@ -162,9 +162,18 @@ def gpu_visible() -> bool:
     ``CUDA_VISIBLE_DEVICES`` does not hide every device (set empty or to ``-1``, as for a
     CPU job on a GPU machine): otherwise ``auto`` devices resolve to the CPU, known
     without importing torch."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
         return False
     return any(map(os.path.exists, GPU_DEVICE_NODES))
+
+
+def engine_device(engine: object) -> str:
+    """The :data:`~asyncrl.schema.Device` a rollout engine computes on: its ``device`` key,
+    else ``cpu`` for the ``instant`` engine and ``auto`` for an inference server started
+    here (it uses CUDA where there is one)."""
+    default = "cpu" if getattr(engine, "type", "") == "instant" else "auto"
+    return str(getattr(engine, "device", default))
 
 
 def uses_cuda(recipe: Recipe) -> bool:
@@ -172,9 +181,7 @@ def uses_cuda(recipe: Recipe) -> bool:
     inference server started here uses CUDA where there is one)."""
     from asyncrl.schema import resolve_device
 
-    engine = recipe.rollout.engine
-    engine_device = getattr(engine, "device", "cpu" if engine.type == "instant" else "auto")
-    devices = [recipe.trainer.device, engine_device]
+    devices = [recipe.trainer.device, engine_device(recipe.rollout.engine)]
     if all(d == "cpu" for d in devices) or not gpu_visible():
         return False  # without importing torch into up, which never needs it otherwise
     return any(resolve_device(d).startswith("cuda") for d in devices)
