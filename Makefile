@@ -14,8 +14,9 @@ TEST_JOBS ?= 2
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
-	# CPU torch first, from the exact pin, so nothing later pulls a CUDA build.
-	$(BIN)/pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	# CPU torch first, from the exact pin in constraints.txt, so nothing later pulls a CUDA
+	# build.
+	$(BIN)/pip install --quiet --disable-pip-version-check -r constraints.txt
 	# The rest through uv, which resolves and unpacks in parallel (about 30 s against pip's
 	# 100 s on 2 cores); torch stays the one above, which satisfies every range asked for
 	# (the constraint keeps it so). Bytecode compiled now, as pip does, not by each test.
