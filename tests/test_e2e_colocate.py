@@ -26,7 +26,7 @@ async def test_colocated_run_releases_memory_every_step_and_reports_update_pause
         "colo",
         f"trainer.max_steps={steps}",
         "trainer.checkpoint_every=0",
-        "trainer.weights_transport=object_store",
+        "weights.transport=object_store",
         "rollout.colocate=true",
         # One row decodes at a time, answers are long and the trainer keeps to one thread,
         # so generation is slower than a trainer step and each release finds sequences

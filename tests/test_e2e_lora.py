@@ -23,7 +23,7 @@ async def test_ci_recipe_with_lora_trains_and_publishes_adapters_only(tmp_path: 
             "trainer.lora.rank=8",
             f"trainer.max_steps={steps}",
             "trainer.checkpoint_every=0",
-            "trainer.weights_transport=object_store",
+            "weights.transport=object_store",
         )
     )
     assert code == 0, out

@@ -10,9 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.checks import recipe_problems
+from asyncrl import cores
+from asyncrl.checks import machine_problems, recipe_problems
 from asyncrl.config import RecipeError, load_recipe
-from asyncrl.placement import node_for, placement_problems, process_gpus
+from asyncrl.placement import (
+    assign_gpus,
+    gpu_problems,
+    gpus_needed,
+    node_for,
+    placement_problems,
+    process_gpus,
+)
 
 CLUSTER = """
 [nodes.gpu-a]
@@ -137,3 +145,167 @@ def test_a_node_name_finds_the_alive_node_that_declares_it() -> None:
     # the nodes of the nats-servers: the trainer's and the buffer's first
     r = load_recipe(None, ["rollout.node=gpu-a", "buffer.node=gpu-b", "trainer.node=gpu-b"])
     assert nodes_used(r, nodes) == ["b", "a"]
+
+
+# --- GPUs of one node: what `asyncrl up` gives each process ----------------------------------
+
+EIGHT = Path(__file__).resolve().parent.parent / "recipes" / "gsm8k_8gpu.toml"
+
+
+def test_each_process_gets_the_next_gpus_in_role_order() -> None:
+    r = load_recipe(EIGHT)
+    sets = assign_gpus(r)
+    assert sets["rollout"] == [(0,), (1,), (2,)]
+    assert sets["trainer"] == [(3, 4, 5, 6)]  # trainer.gpus × trainer.nproc
+    assert sets["eval"] == [(7,)]
+    assert sets["buffer"] == [()] and sets["reward"] == [()]  # no GPU: they see the node's
+    assert gpus_needed(sets) == 8
+    assert gpu_problems(r) == []
+
+
+def test_up_starts_each_process_with_its_own_cuda_visible_devices(tmp_path: Path) -> None:
+    from asyncrl.up import actor_specs
+
+    # the node's GPUs as its CUDA_VISIBLE_DEVICES names them (a Slurm allocation)
+    node = [f"GPU-{i}" for i in range(8)]
+    specs = {s.actor_id: s.env for s in actor_specs(load_recipe(EIGHT), tmp_path, gpus=node)}
+    assert specs["rollout-1"]["CUDA_VISIBLE_DEVICES"] == "GPU-1"
+    assert specs["trainer-0"]["CUDA_VISIBLE_DEVICES"] == "GPU-3,GPU-4,GPU-5,GPU-6"
+    assert specs["eval-0"]["CUDA_VISIBLE_DEVICES"] == "GPU-7"
+    assert "CUDA_VISIBLE_DEVICES" not in specs["buffer-0"]  # gpus = 0: as today
+    # a replacement keeps its predecessor's GPUs
+    (rollout,) = [
+        s for s in actor_specs(load_recipe(EIGHT), tmp_path, gpus=node) if s.actor_id == "rollout-1"
+    ]
+    assert rollout.restarted(1).env["CUDA_VISIBLE_DEVICES"] == "GPU-1"
+    assert all(
+        "CUDA_VISIBLE_DEVICES" not in s.env for s in actor_specs(load_recipe(None), tmp_path)
+    )
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        # shares of a GPU are packed as Ray packs them
+        (
+            ["rollout.actors=3", "rollout.gpus=0.5", "trainer.gpus=1"],
+            {"rollout": [(0,), (0,), (1,)], "trainer": [(2,)]},
+        ),
+        # a colocated rollout takes the trainer's GPUs, actor i the i-th (wrapping round)
+        (
+            [
+                *["rollout.actors=3", "rollout.gpus=1", "rollout.colocate=true"],
+                *["trainer.nproc=2", "trainer.gpus=1"],
+            ],
+            {"rollout": [(0,), (1,), (0,)], "trainer": [(0, 1)]},
+        ),
+        (
+            ["rollout.actors=2", "rollout.colocate=true", "trainer.nproc=2", "trainer.gpus=1"],
+            {"rollout": [(0, 1), (0, 1)], "trainer": [(0, 1)]},
+        ),
+        # trainer nodes on loopback all run here; with a rendezvous only the first
+        (["trainer.nodes=2", "trainer.gpus=1"], {"trainer": [(0,), (1,)]}),
+        (
+            ["trainer.nodes=2", "trainer.gpus=1", 'trainer.rendezvous="h:1"'],
+            {"trainer": [(0,)]},
+        ),
+    ],
+    ids=["shares", "colocated", "colocated-all", "trainer-nodes", "rendezvous"],
+)
+def test_gpu_assignment(sets: list[str], expected: dict[str, list[tuple[int, ...]]]) -> None:
+    got = assign_gpus(load_recipe(None, sets))
+    assert {role: got[role] for role in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("sets", "keys"),
+    [
+        (
+            ["rollout.gpus=1", "trainer.device=cuda"],
+            ["trainer.device", "rollout.gpus", "GPU 0", "trainer.gpus = 1", "colocate"],
+        ),
+        (
+            ["trainer.gpus=1", "rollout.engine.device=cuda:0"],
+            ["rollout.engine.device", "trainer.gpus", "GPU 0"],
+        ),
+        (
+            ["rollout.gpus=1", "trainer.gpus=1", "eval.every=2", "rollout.engine.device=cuda"],
+            ["eval", "eval.gpus = 1"],
+        ),
+        (
+            ["rollout.gpus=1", "rollout.engine.device=cuda:1", "trainer.device=cpu"],
+            ['"cuda:1"', "rollout.gpus"],
+        ),
+        (
+            [
+                *["trainer.gpus=0.5", "trainer.nproc=2", "trainer.device=cuda"],
+                "rollout.engine.device=cpu",
+            ],
+            ["trainer.gpus = 0.5", "trainer.nproc = 2"],
+        ),
+    ],
+    ids=["inherits-a-taken-gpu", "cuda-n-taken", "eval", "beyond-its-own", "rank-share"],
+)
+def test_check_refuses_gpus_that_overlap_naming_the_keys(sets: list[str], keys: list[str]) -> None:
+    errors, _ = recipe_problems(load_recipe(None, sets))
+    assert len(errors) == 1, errors
+    assert all(k in errors[0] for k in keys), errors[0]
+
+
+def test_colocated_roles_may_share_and_roles_on_the_cpu_never_overlap() -> None:
+    colocated = ["rollout.gpus=1", "trainer.device=cuda", "rollout.colocate=true"]
+    assert gpu_problems(load_recipe(None, colocated)) == []
+    # a CPU trainer sees the GPUs but computes on none of them
+    assert gpu_problems(load_recipe(None, ["rollout.gpus=1", "trainer.device=cpu"])) == []
+    # two roles of gpus = 0 on one device: today's behaviour (cuda_ipc shares it)
+    both = ["trainer.device=cuda", "rollout.engine.device=cuda"]
+    assert gpu_problems(load_recipe(None, both)) == []
+
+
+def test_a_gpu_count_is_a_share_or_whole() -> None:
+    with pytest.raises(RecipeError, match=r"rollout\.gpus.*share of one GPU"):
+        load_recipe(None, ["rollout.gpus=1.5"])
+    assert load_recipe(None, ["rollout.gpus=0.25", "trainer.gpus=2"]).trainer.gpus == 2
+
+
+def test_up_refuses_a_machine_without_the_gpus_naming_keys_and_the_cpu_way() -> None:
+    r = load_recipe(EIGHT)
+    errors = machine_problems(r, [], cuda=False)
+    assert any('trainer.device = "cuda"' in e and "no GPU" in e for e in errors), errors
+    assert any('rollout.engine.device = "cuda"' in e for e in errors), errors
+    assert any("8 GPUs" in e and "has 0" in e for e in errors), errors
+    assert "recipes/quickstart.toml" in errors[-1] and "trainer.device=cpu" in errors[-1]
+    four = machine_problems(r, ["0", "1", "2", "3"], cuda=True)
+    assert len(four) == 1 and "take 8 GPUs" in four[0] and "has 4" in four[0], four
+    assert machine_problems(r, [str(i) for i in range(8)], cuda=True) == []
+    # auto resolves to the CPU where there is no GPU; a CPU recipe runs anywhere
+    assert machine_problems(load_recipe(None), [], cuda=False) == []
+
+
+@pytest.mark.parametrize(
+    ("visible", "files", "expected"),
+    [
+        (None, 2, ["0", "1"]),
+        (None, 0, []),
+        ("", 2, []),
+        ("-1", 2, []),
+        ("2,3", 8, ["2", "3"]),
+        ("GPU-a,-1,GPU-b", 8, ["GPU-a"]),  # CUDA stops at -1
+    ],
+)
+def test_the_node_gpus_come_from_cuda_visible_devices_or_the_device_files(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    visible: str | None,
+    files: int,
+    expected: list[str],
+) -> None:
+    for i in range(files):
+        (tmp_path / f"nvidia{i}").touch()
+    (tmp_path / "nvidiactl").touch()  # the driver's control file is no GPU
+    monkeypatch.setattr(cores, "NVIDIA_GPU_FILES", str(tmp_path / "nvidia[0-9]*"))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert cores.node_gpus() == expected

@@ -158,3 +158,17 @@ def test_rank_0_on_a_node_up_did_not_start_refuses_to_lead(
     monkeypatch.delenv(UP_NODE_ENV)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node: nothing to check
     check_lead_node()
+
+
+def test_a_one_node_job_runs_the_whole_run_under_up(tmp_path: Path) -> None:
+    """``--nodes 1``: up starts the rollout actors too, each on its GPUs, as on any machine;
+    NATS stays on loopback."""
+    overrides = [f"run.dir={tmp_path / 'runs'}", "rollout.actors=2", "rollout.colocate=true"]
+    recipe = load_recipe(CI, overrides)
+    assert placement_problems(recipe, 1) == []
+    text = sbatch_script(recipe, CI, overrides, 1)
+    sruns = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert len(sruns) == 1 and "asyncrl.cli up" in sruns[0], sruns
+    assert "rollout.actors=0" not in sruns[0] and "--listen" not in sruns[0]
+    two = load_recipe(CI, [*overrides, "trainer.nodes=2"])
+    assert any("trainer.nodes = 2 with --nodes = 1" in p for p in placement_problems(two, 1))

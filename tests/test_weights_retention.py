@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.actors.weights import (
+from asyncrl.config import RecipeError, load_recipe
+from asyncrl.messages import WeightsUpdated
+from asyncrl.runtime.bus import Bus
+from asyncrl.up import prepare_run_dir
+from asyncrl.weights.files import (
     KEEP_VERSIONS,
     KeptExports,
     delete_weights,
@@ -22,12 +26,6 @@ from asyncrl.actors.weights import (
     manifest_key,
     put_weights,
 )
-from asyncrl.config import RecipeError, load_recipe
-from asyncrl.messages import WeightsUpdated
-from asyncrl.runtime.actor import ActorContext
-from asyncrl.runtime.bus import Bus
-from asyncrl.runtime.nats_server import NatsInfo
-from asyncrl.up import prepare_run_dir
 
 
 def export(weights_dir: Path, epoch: int, version: int, when: float) -> Path:
@@ -109,24 +107,38 @@ def test_resume_without_a_checkpoint_starts_again_and_a_non_run_is_refused(
     assert (tmp_path / "early" / "metrics.jsonl").exists()  # the trainer drops its records
 
 
-async def test_the_eval_actor_takes_a_new_epochs_version_over_a_rolled_back_one(
-    tmp_path: Path, nats_server: NatsInfo
+async def test_the_eval_receiver_takes_a_new_epochs_version_over_a_rolled_back_one(
+    tmp_path: Path, bus: Bus
 ) -> None:
-    from asyncrl.actors.eval import EvalActor
+    """The eval actor's receiver keeps only due versions, and a newer trainer epoch wins
+    over a higher version of the lineage it rolled back."""
+    from asyncrl.actors.eval import is_due
+    from asyncrl.engines.instant import InstantEngine
+    from asyncrl.subjects import Subjects
+    from asyncrl.weights.receiver import EngineWeights
 
-    recipe = load_recipe(None, ["eval.every=4", "trainer.max_steps=10"])
-    ctx = ActorContext(run_name="t", run_dir=tmp_path, nats=nats_server, recipe=recipe)
-    actor = EvalActor(ctx)
+    receiver = EngineWeights(
+        InstantEngine(),
+        bus,
+        Subjects("t"),
+        "eval-0",
+        device="cpu",
+        want=lambda version: is_due(version, 4, 10),
+    )
 
     def weights(epoch: int, version: int) -> WeightsUpdated:
-        name = export_name(epoch, version)
-        return WeightsUpdated(version=version, kind="dir", location=name, epoch=epoch)
+        folder = tmp_path / export_name(epoch, version)
+        folder.mkdir(exist_ok=True)
+        return WeightsUpdated(version=version, kind="dir", location=str(folder), epoch=epoch)
 
-    await actor.on_weights(weights(0, 8))  # due, not evaluated yet: then the trainer dies
-    await actor.on_weights(weights(1, 0))  # restarted from the initial weights
-    assert actor._due == weights(1, 0)
-    await actor.on_weights(weights(1, 3))  # not due
-    await actor.on_weights(weights(1, 4))
-    await actor.on_weights(weights(0, 8))  # the dead lineage's late word changes nothing
-    assert actor._due == weights(1, 4)
-    assert actor.counters["skipped"] == 2
+    receiver.announce(weights(0, 8))  # due, not evaluated yet: then the trainer dies
+    receiver.announce(weights(1, 0))  # restarted from the initial weights
+    async with receiver.receive() as got:
+        assert (got.epoch, got.version) == (1, 0)
+    receiver.announce(weights(1, 3))  # not due
+    receiver.announce(weights(1, 4))
+    receiver.announce(weights(0, 8))  # the dead lineage's late word changes nothing
+    async with receiver.receive() as got:
+        assert (got.epoch, got.version, got.via) == (1, 4, "dir")
+        assert got.source == tmp_path / export_name(1, 4)
+    assert not receiver._pending  # the version not due was never kept

@@ -7,9 +7,24 @@ cannot work together (errors) or probably do not do what was meant (warnings).
 
 from __future__ import annotations
 
-from asyncrl.config import Recipe, RecipeError
+from pathlib import Path
+
+from asyncrl.config import HFData, JsonlData, Recipe, RecipeError, path_problems
 from asyncrl.config import generation_budget as generation_budget
-from asyncrl.placement import placement_problems
+from asyncrl.cores import gpu_visible, node_gpus
+from asyncrl.models import SMOLLM2_NAME, TINY_NAME
+from asyncrl.placement import (
+    ROLES,
+    assign_gpus,
+    describe_gpus,
+    gpu_device,
+    gpu_problems,
+    gpus_needed,
+    local_processes,
+    placement_problems,
+)
+from asyncrl.weights.choose import choose as choose_transport
+from asyncrl.weights.choose import transport_problems
 
 
 def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
@@ -114,6 +129,8 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
         )
     errors.extend(trainer_node_problems(recipe))
     errors.extend(placement_problems(recipe))
+    errors.extend(gpu_problems(recipe))
+    errors.extend(transport_problems(recipe))
     if recipe.model.gguf_file and r.engine.type != "instant":
         warnings.append(
             f"model.gguf_file = {recipe.model.gguf_file!r} is loaded by the trainer only: "
@@ -301,13 +318,13 @@ def data_problems(recipe: Recipe) -> list[str]:
     """Rows of the run's local JSONL data (``data``, ``eval.data``) that lack the field
     the recipe reads the question or the answer from: found here, each is an error
     before anything starts rather than a buffer or eval actor that dies at its start.
-    Hub datasets are left to the actors: reading one here could mean a download."""
-    from asyncrl.config import JsonlData
+    Hub datasets are left to the actors: reading one here could mean a download. A file
+    that is not here is :func:`asyncrl.config.path_problems`' to report."""
     from asyncrl.data import missing_fields, read_jsonl
 
     errors: list[str] = []
     for section, source in (("data", recipe.data), ("eval.data", recipe.eval.data)):
-        if not isinstance(source, JsonlData):
+        if not isinstance(source, JsonlData) or not Path(source.path).expanduser().is_file():
             continue
         try:
             rows = read_jsonl(source.path)
@@ -376,9 +393,9 @@ def listen_warnings(recipe: Recipe) -> list[str]:
             "cross the network in clear text; give --tls-cert/--tls-key on a network you "
             "do not trust"
         )
-    if recipe.trainer.weights_transport == "dir":
+    if choose_transport(recipe)[0] == "dir":
         warnings.append(
-            f'run.listen = {run.listen!r} with trainer.weights_transport = "dir": actors on '
+            f'run.listen = {run.listen!r} with weights.transport = "dir": actors on '
             "other machines can load new weights only if they see the run folder at the "
             'same path (a shared file system); "object_store" sends weights through NATS'
         )
@@ -407,6 +424,110 @@ def nats_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             "the run's stream cannot be created; list them all in run.nats_url"
         ]
     return [], []
+
+
+CPU_WAY = (
+    "on a CPU, run the quickstart (make run: asyncrl up recipes/quickstart.toml), or this "
+    "recipe with --set trainer.device=cpu --set rollout.engine.type=hf "
+    "--set rollout.engine.device=cpu (the README's GSM8K on a CPU)"
+)
+
+
+def machine_problems(recipe: Recipe, gpus: list[str], cuda: bool) -> list[str]:
+    """Why the recipe cannot run on this machine, which gives its processes the GPUs
+    ``gpus`` (:func:`asyncrl.cores.node_gpus`) and where ``cuda`` says whether any GPU is
+    visible (:func:`asyncrl.cores.gpu_visible`): a role set to a CUDA device (``cuda``,
+    ``cuda:N``) where there is none, or roles that take more GPUs (``<role>.gpus``) than
+    the machine has. ``asyncrl up`` refuses these before it starts anything."""
+    errors: list[str] = []
+    counts = local_processes(recipe)
+    if not cuda:
+        devices = {
+            found
+            for role in ROLES
+            if counts[role] and (found := gpu_device(recipe, role)) is not None
+        }
+        errors += [
+            f'{key} = "{device}" but this machine has no GPU (no /dev/nvidia* device, or '
+            "CUDA_VISIBLE_DEVICES hides them)"
+            for key, device in sorted(devices)
+            if device.startswith("cuda")
+        ]
+    sets = assign_gpus(recipe)
+    needed = gpus_needed(sets)
+    if needed > len(gpus):
+        errors.append(
+            f"the roles take {needed} GPUs ({describe_gpus(sets)}; <role>.gpus per process, "
+            f"× trainer.nproc for the trainer) but this machine has {len(gpus)}"
+            f"{' (CUDA_VISIBLE_DEVICES)' if gpus else ''}; lower <role>.gpus or the number "
+            "of processes"
+        )
+    if errors and not cuda:
+        errors.append(CPU_WAY)
+    return errors
+
+
+def enforce_machine(recipe: Recipe) -> list[str]:
+    """Raises :class:`RecipeError` listing :func:`machine_problems` for this machine;
+    returns the GPUs it has, which ``up`` hands out (:func:`asyncrl.placement.assign_gpus`)."""
+    gpus = node_gpus()
+    errors = machine_problems(recipe, gpus, gpu_visible())
+    if errors:
+        raise RecipeError("recipe cannot run here:\n" + "\n".join(f"  {e}" for e in errors))
+    return gpus
+
+
+def check_report(recipe: Recipe, nodes: int | None) -> tuple[list[str], list[str]]:
+    """What ``asyncrl check`` verified, and what it could not verify here, one line each.
+    With ``nodes`` (``--nodes``, a Slurm job) the run starts on the cluster, so this
+    machine's files and GPUs say nothing about it: a missing local path, the node's GPU
+    count (unless a ``[nodes.*]`` table declares it) and CUDA go to the second list; so
+    do, always, the model and datasets read from the HF hub (never fetched by ``check``)."""
+    verified = ["every key and value", "the combinations across sections"]
+    unverified = list(path_problems(recipe)) if nodes is not None else []
+    if nodes is not None:
+        verified.append(f"the placement on {nodes} Slurm node(s)")
+    local = [
+        f"{key}.path {source.path!r}"
+        for key, source in (("data", recipe.data), ("eval.data", recipe.eval.data))
+        if isinstance(source, JsonlData) and Path(source.path).expanduser().is_file()
+    ]
+    if local:
+        verified.append(f"the rows of {', '.join(local)}")
+    model = recipe.model.path
+    if model not in (SMOLLM2_NAME, TINY_NAME) and not Path(model).expanduser().is_dir():
+        if not model.startswith((".", "/", "~")):
+            unverified.append(f"model.path = {model!r}: a hub id, fetched where the run starts")
+    for key, source in (("data", recipe.data), ("eval.data", recipe.eval.data)):
+        if isinstance(source, HFData):
+            subset = f", {source.subset}" if source.subset else ""
+            unverified.append(
+                f"{key}: {source.name} ({source.split}{subset}) from the HF hub, read where "
+                "the run starts"
+            )
+    sets = assign_gpus(recipe)
+    needed = gpus_needed(sets)
+    if needed:
+        verified.append(f"GPUs do not overlap ({describe_gpus(sets)})")
+        declared = list(recipe.nodes.values())
+        here = node_gpus() if nodes is None else []
+        if len(declared) == 1 and needed <= declared[0].gpus:
+            verified.append(f"the node's {declared[0].gpus:g} GPUs ([nodes.*]) hold the {needed}")
+        elif here and needed <= len(here):
+            verified.append(f"this machine's {len(here)} GPUs hold the {needed}")
+        elif not declared:
+            unverified.append(
+                f"that the node has the {needed} GPUs the roles take"
+                f"{f' (this machine has {len(here)})' if here else ''}; declare it "
+                "([nodes.<name>] gpus = N), and asyncrl up checks it where it starts"
+            )
+    if nodes is None and not gpu_visible():
+        unverified += [
+            f"{line}: asyncrl up refuses it here; it runs where there is a GPU"
+            for line in machine_problems(recipe, [], False)
+            if "has no GPU" in line
+        ]
+    return verified, unverified
 
 
 def enforce_recipe(recipe: Recipe) -> list[str]:

@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 from asyncrl import __version__
-from asyncrl.checks import enforce_recipe
-from asyncrl.config import RecipeError, dump_recipe, load_recipe
+from asyncrl.checks import check_report, enforce_recipe
+from asyncrl.config import RecipeError, dump_recipe, load_recipe, path_problems
 from asyncrl.sft.config import is_sft_data, load_sft_recipe, read_recipe_data
+from asyncrl.weights.choose import choose as choose_transport
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -172,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return sft(sft_recipe, overwrite=args.overwrite, quiet=args.quiet)
         if args.command == "check":
-            recipe = load_recipe(args.recipe, args.overrides)
+            # with --nodes the run starts on the cluster: this machine's paths and GPUs
+            # are reported, not required
+            recipe = load_recipe(args.recipe, args.overrides, here=args.nodes is None)
             if args.nodes is not None:
                 from asyncrl.slurm import placement_problems
 
@@ -182,12 +185,24 @@ def main(argv: list[str] | None = None) -> int:
                     )
             for warning in enforce_recipe(recipe):
                 print(f"asyncrl: warning: {warning}", file=sys.stderr)
+            verified, unverified = check_report(recipe, args.nodes)
+            print(f"asyncrl check: verified: {'; '.join(verified)}", file=sys.stderr)
+            for line in unverified:
+                print(f"asyncrl check: not verified here: {line}", file=sys.stderr)
             print(dump_recipe(recipe), end="")
+            kind, why = choose_transport(recipe)
+            print(f"# weights travel by {kind}: {why}")
             return 0
         if args.command == "slurm":
             from asyncrl.slurm import write_and_submit
 
-            recipe = load_recipe(args.recipe, args.overrides)
+            # the job reads its files on the cluster: missing here is no reason to stop
+            recipe = load_recipe(args.recipe, args.overrides, here=False)
+            for line in path_problems(recipe):
+                print(
+                    f"asyncrl: warning: {line} here; it must exist on the cluster's nodes",
+                    file=sys.stderr,
+                )
             return write_and_submit(
                 recipe,
                 args.recipe,

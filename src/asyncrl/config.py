@@ -15,7 +15,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
@@ -26,6 +26,7 @@ from asyncrl.models import ModelConfig
 from asyncrl.placement import NodeSpec, Placement
 from asyncrl.schema import CpuList, Section
 from asyncrl.train.config import DERIVED_KEYS, TrainerConfig
+from asyncrl.weights.config import WeightsConfig
 
 
 def _importable(name: str) -> bool:
@@ -427,6 +428,8 @@ class Recipe(Section):
     """The trainer."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Periodic evaluation on held-out prompts (its own actor, role ``eval``)."""
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    """How new weights travel from the trainer to the engines (:mod:`asyncrl.weights`)."""
     nodes: dict[str, NodeSpec] = Field(default_factory=dict)
     """The cluster's nodes by name (``[nodes.gpu-a] gpus = 8``), for ``asyncrl check``
     to refuse a placement (``<role>.node``, ``<role>.gpus``) that cannot fit; empty: not
@@ -436,6 +439,11 @@ class Recipe(Section):
     @classmethod
     def _no_derived_keys(cls, data: Any) -> Any:
         trainer = data.get("trainer") if isinstance(data, dict) else None
+        if isinstance(trainer, dict) and "weights_transport" in trainer:
+            raise ValueError(
+                "trainer.weights_transport is now weights.transport (a [weights] section: "
+                f'transport = {trainer["weights_transport"]!r}, or "auto")'
+            )
         if isinstance(trainer, dict):
             given = [k for k in DERIVED_KEYS if k in trainer]
             if given:
@@ -564,17 +572,25 @@ def read_recipe_file(path: str | Path) -> dict[str, Any]:
         raise RecipeError(f"recipe {str(p)!r} is not valid TOML: {exc}") from None
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+def load_recipe(
+    path: str | Path | None, overrides: list[str] | None = None, *, here: bool = True
+) -> Recipe:
     """Reads a TOML recipe (or the defaults when ``path`` is None), applies overrides,
     validates. Raises :class:`RecipeError` naming every bad key.
 
     A ``file.py:name`` spec written in the recipe file (``reward.fn``,
     ``rollout.workflow``) is found beside the recipe, so a recipe and its reward can
-    travel together; specs given with ``--set`` are relative to the working directory."""
+    travel together; specs given with ``--set`` are relative to the working directory.
+
+    ``here``: the run starts on this machine, so what only this machine can tell is
+    checked too (:func:`path_problems`: local model folder, data files, sink packages).
+    False for a run that starts elsewhere (``asyncrl slurm``, ``check --nodes``), whose
+    caller reports those lines as not verified instead."""
     data: dict[str, Any] = {}
     if path is not None:
         data = read_recipe_file(path)
         _anchor_code_specs(data, Path(path).parent)
+    _switch_types(data, overrides or [])
     apply_overrides(data, overrides or [])
     if isinstance(data.get("data"), dict):
         data["data"].setdefault("type", "arithmetic")  # the default dataset's type
@@ -589,8 +605,43 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     except ValidationError as exc:
         raise RecipeError(_format_validation(exc)) from None
     _check_paths(recipe)
+    if here and (problems := path_problems(recipe)):
+        raise RecipeError("invalid recipe:\n" + "\n".join(f"  {p}" for p in problems))
     _check_cpus(recipe)
     return recipe
+
+
+TYPED_SECTIONS: dict[str, Any] = {
+    "data": DataConfig,
+    "eval.data": DataConfig,
+    "rollout.engine": EngineConfig,
+}
+"""The sections that are a choice of types (a discriminated union on ``type``)."""
+
+
+def _switch_types(data: dict[str, Any], overrides: list[str]) -> None:
+    """A ``--set <section>.type=...`` that switches a typed section (:data:`TYPED_SECTIONS`)
+    to another type drops the keys the recipe file gave it that the new type lacks, so
+    ``--set data.type=jsonl --set data.path=...`` turns a hub dataset (``name``,
+    ``subset``, ``split``) into a local file. Keys given with ``--set`` are all kept, and
+    checked as always."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section = key.strip().removesuffix(".type")
+        if not sep or section == key.strip() or section not in TYPED_SECTIONS:
+            continue
+        node: Any = data
+        for part in section.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        new_type = parse_value(value.strip())
+        if not isinstance(node, dict) or node.get("type", new_type) == new_type:
+            continue
+        union = get_args(get_args(TYPED_SECTIONS[section])[0])
+        fields = next(
+            (m.model_fields for m in union if m.model_fields["type"].default == new_type), None
+        )
+        for name in [k for k in node if fields is not None and k not in fields]:
+            del node[name]
 
 
 def _anchor_code_specs(data: dict[str, Any], base: Path) -> None:
@@ -637,16 +688,33 @@ def code_specs(recipe: Recipe) -> list[tuple[str, str]]:
     return [(key, spec) for key, spec in specs if ":" in spec]
 
 
-def _check_paths(recipe: Recipe) -> None:
-    """Local paths that must exist before anything starts."""
+def path_problems(recipe: Recipe) -> list[str]:
+    """What only the machine where the run starts can tell, each line naming its key: a
+    local model folder or data file that does not exist, a metrics sink whose package is
+    missing. ``asyncrl up`` refuses these; ``asyncrl slurm`` and ``check --nodes`` (the
+    run starts on the cluster) report them as not verified."""
     problems = []
     model_path = recipe.model.path
     looks_local = model_path.startswith((".", "/", "~")) or Path(model_path).exists()
     if looks_local and not Path(model_path).expanduser().is_dir():
-        problems.append(f"  model.path: directory {model_path!r} does not exist")
+        problems.append(f"model.path: directory {model_path!r} does not exist")
     for key, source in (("data", recipe.data), ("eval.data", recipe.eval.data)):
         if isinstance(source, JsonlData) and not Path(source.path).expanduser().is_file():
-            problems.append(f"  {key}.path: file {source.path!r} does not exist")
+            problems.append(f"{key}.path: file {source.path!r} does not exist")
+    # checked where a run starts, not where an actor reads the run's recipe: a rollout
+    # actor on another machine needs neither package
+    if recipe.run.tensorboard and not _importable("tensorboard"):
+        problems.append("run.tensorboard: true, but the tensorboard package is missing")
+    wandb = recipe.run.wandb
+    if wandb is not None and wandb.mode != "disabled" and not _importable("wandb"):
+        problems.append("run.wandb: set, but the wandb package is missing: pip install wandb")
+    return problems
+
+
+def _check_paths(recipe: Recipe) -> None:
+    """What must hold wherever the run starts: held-out prompts that leave data to train
+    on, and the recipe's own code files (they travel beside it)."""
+    problems = []
     if (
         recipe.eval.every
         and recipe.eval.data is None
@@ -663,13 +731,6 @@ def _check_paths(recipe: Recipe) -> None:
             file_part = spec.split(":", 1)[1]
         if file_part.endswith(".py") and not Path(file_part).is_file():
             problems.append(f"  {key}: file {file_part!r} does not exist")
-    # checked where a run starts, not where an actor reads the run's recipe: a rollout
-    # actor on another machine needs neither package
-    if recipe.run.tensorboard and not _importable("tensorboard"):
-        problems.append("  run.tensorboard: true, but the tensorboard package is missing")
-    wandb = recipe.run.wandb
-    if wandb is not None and wandb.mode != "disabled" and not _importable("wandb"):
-        problems.append("  run.wandb: set, but the wandb package is missing: pip install wandb")
     if problems:
         raise RecipeError("invalid recipe:\n" + "\n".join(problems))
 

@@ -37,6 +37,7 @@ recipe: an actor attached from another machine must not inherit this machine's c
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import dataclass, field
@@ -61,6 +62,12 @@ disjoint (measured on 16: a trainer sharing cores with generation's threads stal
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 """Device files of the NVIDIA, ROCm and WSL GPU drivers: without any of them torch finds
 no CUDA device, so ``auto`` devices resolve to the CPU."""
+
+NVIDIA_GPU_FILES = "/dev/nvidia[0-9]*"
+"""One device file per NVIDIA GPU (``/dev/nvidia0``, ...): how :func:`node_gpus` counts the
+GPUs of a machine without importing torch."""
+
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -162,10 +169,22 @@ def gpu_visible() -> bool:
     ``CUDA_VISIBLE_DEVICES`` does not hide every device (set empty or to ``-1``, as for a
     CPU job on a GPU machine): otherwise ``auto`` devices resolve to the CPU, known
     without importing torch."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = os.environ.get(VISIBLE_ENV)
     if visible is not None and visible.strip() in ("", "-1"):
         return False
     return any(map(os.path.exists, GPU_DEVICE_NODES))
+
+
+def node_gpus() -> list[str]:
+    """The GPUs this machine gives the processes it starts, as ``CUDA_VISIBLE_DEVICES``
+    entries: that variable's own entries where it is set (a Slurm or container allocation;
+    CUDA stops at a ``-1`` entry, and so does this), else ``0`` … ``n-1`` for the n NVIDIA
+    device files (:data:`NVIDIA_GPU_FILES`). Known without importing torch."""
+    visible = os.environ.get(VISIBLE_ENV)
+    if visible is not None:
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        return entries[: entries.index("-1")] if "-1" in entries else entries
+    return [str(i) for i in range(len(glob.glob(NVIDIA_GPU_FILES)))]
 
 
 def engine_device(engine: object) -> str:

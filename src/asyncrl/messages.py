@@ -411,12 +411,15 @@ class WeightsQuery(Message):
 
 
 class WeightsUpdated(Message):
-    """New weights exist. ``location`` is a directory of safetensors (kind ``dir``) or an
-    object-store bucket and key (kind ``object_store``)."""
+    """New weights exist (:mod:`asyncrl.weights`). ``location`` is, by ``kind``: a
+    directory of safetensors (``dir``); an object-store manifest key (``object_store``);
+    the broadcast group's id (``collective``: the weights follow on the group to the
+    engines in ``members``, and an engine not among them asks to join); a blob key of
+    CUDA IPC handles (``cuda_ipc``)."""
 
     KIND: ClassVar[str] = "weights_updated"
     version: int
-    kind: Literal["dir", "object_store"]
+    kind: Literal["dir", "object_store", "collective", "cuda_ipc"]
     location: str
     step: int = 0
     epoch: int = Field(
@@ -425,6 +428,54 @@ class WeightsUpdated(Message):
         "epoch replace any held version, even a higher one (a trainer that restarted from "
         "its last checkpoint rolled back the versions after it)",
     )
+    members: list[str] = Field(
+        default_factory=list,
+        description="collective: the actors this version is broadcast to, in no order",
+    )
+    seq: int = Field(
+        default=0, description="collective: the publisher's count of broadcasts, this one's"
+    )
+
+
+class WeightsJoin(Message):
+    """An engine asks the trainer's rank 0 for a place in the weight broadcast
+    (``collective``); the reply is a :class:`WeightsGrant`."""
+
+    KIND: ClassVar[str] = "weights_join"
+    actor_id: str
+    group: str = Field(description="the broadcast group the engine saw announced")
+    protocol: str = Field(
+        default="asyncrl",
+        description="what the engine speaks: asyncrl's wire (an in-process engine, or a "
+        "server with asyncrl's receiver), or a server's own broadcast protocol",
+    )
+
+
+class WeightsGrant(Message):
+    """Where and how to form the two-rank group with the trainer's rank 0 (rank 0 the
+    trainer, rank 1 the engine). The current weights follow on the group at once."""
+
+    KIND: ClassVar[str] = "weights_grant"
+    group: str
+    host: str
+    port: int
+    prefix: str = Field(description="the key prefix of this pair's rendezvous in the store")
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float
+    since_seq: int = Field(
+        description="the broadcasts this engine takes part in are those after this count"
+    )
+    version: int
+    epoch: int = 0
+
+
+class WeightsFallback(Message):
+    """An engine that cannot take the broadcast asks for the current weights in the object
+    store; the reply is a ``WeightsUpdated`` of kind ``object_store``."""
+
+    KIND: ClassVar[str] = "weights_fallback"
+    actor_id: str
+    reason: str = ""
 
 
 class MemoryControl(Message):

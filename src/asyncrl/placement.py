@@ -7,20 +7,24 @@ recipe's ``[nodes.<name>]`` tables declare what each node has (``gpus``, ``cpus`
 ``asyncrl check`` refuses a placement that cannot fit before anything starts.
 
 Who honours it: ``asyncrl up --ray`` places every process by these keys
-(:mod:`asyncrl.ray_launch`). The local launcher (one machine) and the Slurm script (one
-``srun`` per role on the allocated nodes) ignore ``node``, ``gpus`` and ``ray_cpus``; they
-start ``rollout.actors`` rollout actors as always, which ``check`` keeps equal to
-``actors_per_node`` × the nodes named. The checks below run for every launcher.
+(:mod:`asyncrl.ray_launch`). The local launcher (one machine, ``asyncrl up``) honours
+``gpus`` as Ray does: each process it starts gets ``CUDA_VISIBLE_DEVICES`` naming GPUs of
+its own (:func:`assign_gpus`), and a role with ``gpus = 0`` inherits the machine's. It
+and the Slurm script (one ``srun`` per role on the allocated nodes) ignore ``node`` and
+``ray_cpus``; they start ``rollout.actors`` rollout actors as always, which ``check`` keeps
+equal to ``actors_per_node`` × the nodes named. The checks below run for every launcher.
 
 This module imports neither torch nor ray: the recipe schema and ``check`` stay instant.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, field_validator
 
+from asyncrl.cores import engine_device
 from asyncrl.schema import Section
 
 ROLES = ("buffer", "reward", "rollout", "trainer", "eval")
@@ -46,10 +50,23 @@ class Placement(Section):
     fence: when a named node is gone (dead), a replacement runs on another node that fits."""
     gpus: float = Field(0.0, ge=0)
     """GPUs each process of the role takes (the trainer: each rank, so a trainer node
-    takes ``nproc × gpus``)."""
+    takes ``nproc × gpus``): a whole number, or a share of one below 1 (processes then
+    share a GPU). Each process sees only its own (``CUDA_VISIBLE_DEVICES``, set by Ray or
+    by ``asyncrl up``, :func:`assign_gpus`); 0: it takes none and sees every GPU of its
+    node."""
     ray_cpus: float = Field(1.0, ge=0)
     """Logical CPUs Ray reserves for each process of the role (Ray's accounting only:
     ``cpus`` pins cores)."""
+
+    @field_validator("gpus")
+    @classmethod
+    def _whole_or_a_share(cls, gpus: float) -> float:
+        if gpus > 1 and gpus != int(gpus):
+            raise ValueError(
+                "a share of one GPU (below 1: processes share it, as Ray packs them) or a "
+                f"whole number of GPUs, not {gpus:g}"
+            )
+        return gpus
 
 
 class NodeSpec(Section):
@@ -161,5 +178,161 @@ def placement_problems(recipe: Any) -> list[str]:
                 f"nodes.{name}.cpus = {spec.cpus:g} but {roles} placed there reserve "
                 f"{cpus[name]:g} CPUs (<role>.ray_cpus per process); lower <role>.ray_cpus "
                 "or move a role (<role>.node)"
+            )
+    return errors
+
+
+# --- GPUs on one node: what the local launcher hands each process ------------------------
+
+GpuSets = dict[str, list[tuple[int, ...]]]
+"""Per role, per process the local launcher starts (in its order), the GPUs the process
+takes as positions in the node's GPU list (:func:`asyncrl.cores.node_gpus`); ``()`` for a
+process that takes none and so sees every GPU of the node."""
+
+
+def local_processes(recipe: Any) -> dict[str, int]:
+    """How many processes of each role ``asyncrl up`` starts on its own machine: as
+    :func:`role_processes`, but with ``trainer.rendezvous`` only the first trainer node
+    (the others join from their machines)."""
+    counts = role_processes(recipe)
+    if recipe.trainer.rendezvous:
+        counts["trainer"] = 1
+    return counts
+
+
+def assign_gpus(recipe: Any) -> GpuSets:
+    """The GPUs of the node each process of the local launcher takes, handed out as Ray
+    does: role after role (:data:`ROLES`), each process the next ``<role>.gpus`` GPUs
+    nobody took (a trainer node: ``trainer.gpus × trainer.nproc``); a process of less than
+    one GPU shares the GPU the share before it opened while room is left on it (Ray packs
+    fractions alike); a process of ``gpus = 0`` takes none and sees the node's. A colocated
+    rollout (``rollout.colocate``, with a trainer that has GPUs) takes none of its own:
+    rollout actor i shares the trainer's GPUs i·g … i·g + g − 1 (g = ``rollout.gpus``
+    rounded up, wrapping round), or all of them with ``rollout.gpus = 0``. Pure: whether
+    the node has that many is :func:`gpus_needed` against its count."""
+    counts = local_processes(recipe)
+    colocated = recipe.rollout.colocate and recipe.trainer.gpus > 0
+    sets: GpuSets = {}
+    taken = 0  # GPUs handed out whole or opened for shares
+    room = 0.0  # what is left of the last GPU opened for shares
+    for role in ROLES:
+        need = process_gpus(recipe, role)
+        sets[role] = []
+        for _ in range(counts[role]):
+            if need == 0 or (role == "rollout" and colocated):
+                sets[role].append(())
+            elif need < 1:
+                if need > room + 1e-9:
+                    taken, room = taken + 1, 1.0
+                room -= need
+                sets[role].append((taken - 1,))
+            else:
+                whole = math.ceil(need)
+                sets[role].append(tuple(range(taken, taken + whole)))
+                taken, room = taken + whole, 0.0
+    if colocated and sets["trainer"]:
+        shared, g = sets["trainer"][0], math.ceil(recipe.rollout.gpus)
+        sets["rollout"] = [
+            tuple(dict.fromkeys(shared[(i * g + j) % len(shared)] for j in range(g)))
+            if g
+            else shared
+            for i in range(counts["rollout"])
+        ]
+    return sets
+
+
+def gpus_needed(sets: GpuSets) -> int:
+    """How many GPUs the node needs for ``sets``: one past the highest position taken."""
+    return 1 + max((i for per_role in sets.values() for s in per_role for i in s), default=-1)
+
+
+def describe_gpus(sets: GpuSets, ids: list[str] | None = None) -> str:
+    """``rollout-0: 0, rollout-1: 1, trainer-0: 2,3``: each process that takes GPUs with
+    its positions, or with ``ids`` the node's ``CUDA_VISIBLE_DEVICES`` entries."""
+
+    def name(i: int) -> str:
+        return ids[i] if ids is not None and i < len(ids) else str(i)
+
+    return ", ".join(
+        f"{role}-{k}: {','.join(map(name, s))}"
+        for role, per_role in sets.items()
+        for k, s in enumerate(per_role)
+        if s
+    )
+
+
+def gpu_device(recipe: Any, role: str) -> tuple[str, str] | None:
+    """``(key, device)`` for what a process of ``role`` computes on where that may be a
+    GPU (``auto`` included: a GPU where the node has one); None for a role on the CPU: the
+    buffer, the reward, a device of ``cpu``, the ``instant`` engine, SGLang with
+    ``cpu = true``. The eval actor runs the rollout's engine."""
+    if role == "trainer":
+        key, device = "trainer.device", recipe.trainer.device
+    elif role in ("rollout", "eval"):
+        engine = recipe.rollout.engine
+        if getattr(engine, "cpu", False) is True:
+            return None
+        key = "rollout.engine.device" if hasattr(engine, "device") else "rollout.engine.type"
+        device = engine_device(engine)
+    else:
+        return None
+    return None if device == "cpu" else (key, device)
+
+
+def _inherited_gpus(recipe: Any, role: str, device: str) -> set[int]:
+    """The node's GPUs a process that sees all of them computes on: ``cuda:N`` the N-th,
+    else the first (a trainer node's ranks one each: ``cuda:LOCAL_RANK``)."""
+    if ":" in device:
+        return {int(device.split(":", 1)[1])}
+    return set(range(recipe.trainer.nproc)) if role == "trainer" else {0}
+
+
+def gpu_problems(recipe: Any) -> list[str]:
+    """GPU assignments on one node that cannot work, each naming its keys: a role that
+    sees every GPU (``<role>.gpus = 0``) computing on one that ``<role>.gpus`` hands to
+    another role (two roles on one GPU, unless the rollout is colocated with the trainer),
+    a ``cuda:N`` beyond the GPUs a role is given, and a share of a GPU per trainer rank
+    (each rank takes a device of its own). Whether the node has enough GPUs is checked
+    where its size is known (:func:`gpus_needed`). Roles placed on several nodes
+    (``<role>.node``) are Ray's to place: only the last check applies to them."""
+    sets, t, errors = assign_gpus(recipe), recipe.trainer, []
+    if 0 < t.gpus < 1 and t.nproc > 1 and gpu_device(recipe, "trainer"):
+        errors.append(
+            f"trainer.gpus = {t.gpus:g} with trainer.nproc = {t.nproc}: each rank computes "
+            "on a device of its own (cuda:LOCAL_RANK); give each rank a whole GPU "
+            "(trainer.gpus = 1)"
+        )
+    if len({n for p in role_placements(recipe).values() for n in p.node}) > 1:
+        return errors
+    for role in ROLES:
+        found = gpu_device(recipe, role)
+        if found is None or not sets[role]:
+            continue
+        key, device = found
+        own = sets[role][0]
+        if own:
+            if ":" in device and int(device.split(":", 1)[1]) >= len(own):
+                errors.append(
+                    f'{key} = "{device}" but each {role} process sees only the {len(own)} '
+                    f"GPU(s) {role}.gpus gives it, cuda:0 to cuda:{len(own) - 1}; use "
+                    '"cuda"'
+                )
+            continue
+        used = _inherited_gpus(recipe, role, device)
+        for other in ROLES:
+            colocated = {role, other} == {"rollout", "trainer"} and recipe.rollout.colocate
+            hit = sorted(used & {i for s in sets[other] for i in s})
+            if other == role or colocated or not hit:
+                continue
+            hint = (
+                ", or colocate it with the trainer (rollout.colocate = true)"
+                if {role, other} == {"rollout", "trainer"}
+                else ""
+            )
+            errors.append(
+                f"{role} computes on GPU {','.join(map(str, hit))} of the node ({key} = "
+                f'"{device}" with {role}.gpus = 0: it sees every GPU), which {other}.gpus '
+                f"gives to {other}: two roles on one GPU; give {role} GPUs of its own "
+                f"({role}.gpus = 1){hint}"
             )
     return errors

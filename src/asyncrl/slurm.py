@@ -12,6 +12,10 @@ trainer's c10d rendezvous ranks nodes by address, and ``up``'s node must hold gl
 - nodes T … N−1: the ``rollout.actors`` rollout actors, spread over them, each joining the
   run as ``asyncrl attach`` does, from the run folder's ``nats.json``.
 
+A job of one node (``--nodes 1``, one trainer node) runs the whole run under ``asyncrl up``
+there, rollout actors included, each process on the GPUs ``<role>.gpus`` gives it, as
+``up`` does on any machine.
+
 Every ``srun`` names its nodes. The run folder must be on a file system every node sees
 (the usual home or project file system of a cluster). The processes outside ``up`` are
 started again after a death, up to ``run.max_restarts`` times, as ``up`` does for its own.
@@ -37,6 +41,8 @@ def placement_problems(recipe: Recipe, nodes: int) -> list[str]:
     problems = []
     if nodes < 1:
         problems.append(f"--nodes = {nodes}: a job needs at least one node")
+    if one_node(recipe, nodes):
+        return problems  # up runs it all there, as on any machine
     rollout_nodes = nodes - t.nodes
     if rollout_nodes < 1:
         problems.append(
@@ -68,6 +74,11 @@ def placement_problems(recipe: Recipe, nodes: int) -> list[str]:
     return problems
 
 
+def one_node(recipe: Recipe, nodes: int) -> bool:
+    """Whether the job is one node that runs the whole run under ``up``."""
+    return nodes == 1 and recipe.trainer.nodes == 1
+
+
 def _nodes(first: int, last: int) -> str:
     return f"node {first}" if first == last else f"nodes {first}-{last}"
 
@@ -90,14 +101,18 @@ def sbatch_script(
     t, run = recipe.trainer, recipe.run
     run_dir = run.path.resolve()
     trainer_rest = t.nodes - 1
+    alone = one_node(recipe, nodes)
     rollout_nodes = nodes - t.nodes
-    per_node = -(-recipe.rollout.actors // rollout_nodes)
-    # absolute: the job may start anywhere; no rollout actors of up's own (they run on
-    # the rollout nodes)
-    sets = [*overrides, f"run.dir={json.dumps(str(run_dir.parent))}", "rollout.actors=0"]
+    per_node = -(-recipe.rollout.actors // rollout_nodes) if rollout_nodes else 1
+    # absolute: the job may start anywhere; no rollout actors of up's own unless the job
+    # is one node (they run on the rollout nodes)
+    sets = [*overrides, f"run.dir={json.dumps(str(run_dir.parent))}"]
+    sets += [] if alone else ["rollout.actors=0"]
     up_argv = ["-m", "asyncrl.cli", "up"]
     up_argv += [str(Path(recipe_path).resolve())] if recipe_path else []
-    up_argv += ["--overwrite", "--quiet", "--listen", f"0.0.0.0:{NATS_PORT}"]
+    # one node: nothing joins from elsewhere, so NATS stays on loopback
+    up_argv += ["--overwrite", "--quiet"]
+    up_argv += [] if alone else ["--listen", f"0.0.0.0:{NATS_PORT}"]
     for item in sets:
         up_argv += ["--set", item]
     up_line = " ".join(_q(a) for a in up_argv)
@@ -106,13 +121,17 @@ def sbatch_script(
     lines = [
         "#!/bin/bash",
         f"# asyncrl run {run.name!r} as one Slurm job on {nodes} nodes (asyncrl slurm).",
-        "# node 0: asyncrl up (NATS server, buffer, reward, eval, trainer node 0)",
+        "# node 0: asyncrl up (NATS server, buffer, reward, eval, trainer node 0"
+        f"{', rollout actors' if alone else ''})",
     ]
     if trainer_rest:
         lines.append(f"# {_nodes(1, t.nodes - 1)}: the other trainer nodes (torchrun)")
+    if not alone:
+        lines.append(
+            f"# {_nodes(t.nodes, nodes - 1)}: {recipe.rollout.actors} rollout actors "
+            "(asyncrl attach rollout)"
+        )
     lines += [
-        f"# {_nodes(t.nodes, nodes - 1)}: {recipe.rollout.actors} rollout actors "
-        "(asyncrl attach rollout)",
         f"#SBATCH --job-name=asyncrl-{run.name}",
         f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={max(1, per_node)}",
@@ -180,10 +199,13 @@ def sbatch_script(
             f"srun --nodes={trainer_rest} --ntasks={trainer_rest} --ntasks-per-node=1 "
             '--nodelist="$TRAINER_NODES" bash -c trainer_node &',
         ]
+    if not alone:
+        lines += [
+            "# rollout nodes",
+            f"srun --nodes={rollout_nodes} --ntasks={recipe.rollout.actors} "
+            '--nodelist="$ROLLOUT_NODES" bash -c rollout_actor &',
+        ]
     lines += [
-        "# rollout nodes",
-        f"srun --nodes={rollout_nodes} --ntasks={recipe.rollout.actors} "
-        '--nodelist="$ROLLOUT_NODES" bash -c rollout_actor &',
         "",
         'wait "$UP"',
         "code=$?",

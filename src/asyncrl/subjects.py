@@ -70,6 +70,17 @@ class Subjects:
         return f"{self.prefix}.weights"
 
     @property
+    def weights_join(self) -> str:
+        """Request/reply to the trainer: WeightsJoin -> WeightsGrant (``collective``)."""
+        return f"{self.prefix}.weights.join"
+
+    @property
+    def weights_fallback(self) -> str:
+        """Request/reply to the trainer: WeightsFallback -> WeightsUpdated in the object
+        store (an engine the broadcast cannot reach)."""
+        return f"{self.prefix}.weights.fallback"
+
+    @property
     def memory(self) -> str:
         """MemoryControl broadcasts from the trainer (colocation)."""
         return f"{self.prefix}.rollout.memory"

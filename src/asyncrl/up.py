@@ -3,10 +3,13 @@
 Writes the run folder (resolved recipe, NATS connection info, a log per actor), starts an
 embedded nats-server (or a cluster of them, ``run.nats_servers``) unless the recipe names
 one, creates the durable trajectory stream,
-spawns every actor (the eval actor too when ``eval.every`` is set), shows the live
+spawns every actor (the eval actor too when ``eval.every`` is set) on the GPUs that
+``<role>.gpus`` gives it (:func:`asyncrl.placement.assign_gpus`), shows the live
 dashboard on a terminal or a progress line per trainer step and per evaluation otherwise,
 and exits 0 when the trainer reached ``trainer.max_steps``, the eval actor scored the last
-version, and every process is gone. At the end it draws the plots into ``<run>/plots`` and,
+version, and every process is gone, grandchildren included (the supervisor's stop).
+A recipe this machine cannot run (a CUDA device where there is none, more GPUs than it
+has) is refused before anything starts. At the end it draws the plots into ``<run>/plots`` and,
 with ``--trace``, merges the actors' spans into ``<run>/trace.json``.
 """
 
@@ -19,10 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asyncrl.checks import enforce_recipe
+from asyncrl.checks import enforce_machine, enforce_recipe
 from asyncrl.config import Recipe, RecipeError, dump_recipe
-from asyncrl.cores import CorePlacement, auto_placement
+from asyncrl.cores import VISIBLE_ENV, CorePlacement, auto_placement
 from asyncrl.messages import Metrics
+from asyncrl.placement import assign_gpus
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
 from asyncrl.subjects import Subjects
@@ -75,31 +79,44 @@ def prepare_run_dir(recipe: Recipe, *, resume: bool, overwrite: bool) -> Path:
     return run_dir
 
 
-def actor_specs(recipe: Recipe, run_dir: Path, placement: CorePlacement | None = None) -> list:
+def actor_specs(
+    recipe: Recipe,
+    run_dir: Path,
+    placement: CorePlacement | None = None,
+    gpus: list[str] | None = None,
+) -> list:
     """One spec per actor process. Every role is replaced when it dies in mid-run (up to
     ``run.max_restarts`` times each): rollout, reward and eval actors hold nothing that is
     not also on the stream or in the buffer's leases, the buffer restores its durable
     state, and the trainer its latest checkpoint. With a ``placement``, each process is
-    started on its role's cores (a replacement too)."""
+    started on its role's cores; with ``gpus`` (the machine's, :func:`asyncrl.cores.node_gpus`)
+    each process that ``<role>.gpus`` gives GPUs sees only those (``CUDA_VISIBLE_DEVICES``),
+    and one of ``gpus = 0`` sees the machine's. A replacement keeps its predecessor's."""
     from asyncrl.runtime.supervisor import ActorSpec, actor_argv
 
-    def spec(role: str, actor_id: str, argv: list[str] | None = None, **kw: Any) -> ActorSpec:
+    sets = assign_gpus(recipe)
+
+    def spec(
+        role: str, index: int, actor_id: str, argv: list[str] | None = None, **kw: Any
+    ) -> ActorSpec:
         argv = argv or actor_argv(role, run_dir, actor_id)
         restarts, backoff = recipe.run.max_restarts, recipe.run.restart_backoff
-        if placement is not None:
-            kw["env"] = {**placement.env(role), **kw.get("env", {})}
+        env = dict(placement.env(role)) if placement is not None else {}
+        if gpus is not None and sets[role][index]:
+            env[VISIBLE_ENV] = ",".join(gpus[i] for i in sets[role][index])
+        kw["env"] = {**env, **kw.get("env", {})}
         return ActorSpec(role, actor_id, argv, restarts=restarts, backoff=backoff, **kw)
 
-    specs = [spec("buffer", "buffer-0")]
-    specs += [spec("reward", f"reward-{i}") for i in range(recipe.reward.actors)]
-    specs += [spec("rollout", f"rollout-{i}") for i in range(recipe.rollout.actors)]
+    specs = [spec("buffer", 0, "buffer-0")]
+    specs += [spec("reward", i, f"reward-{i}") for i in range(recipe.reward.actors)]
+    specs += [spec("rollout", i, f"rollout-{i}") for i in range(recipe.rollout.actors)]
     if recipe.eval.every:
         # primary: the run ends only once the last version is evaluated too
-        specs.append(spec("eval", "eval-0", primary=True))
+        specs.append(spec("eval", 0, "eval-0", primary=True))
     # every trainer node is primary: the run ends once each has finished
     specs += [
-        spec("trainer", node_id, argv, primary=True, **options)
-        for node_id, argv, options in trainer_nodes(recipe, run_dir)
+        spec("trainer", k, node_id, argv, primary=True, **options)
+        for k, (node_id, argv, options) in enumerate(trainer_nodes(recipe, run_dir))
     ]
     return specs
 
@@ -203,6 +220,7 @@ async def _up(
     resume: bool,
     placement: CorePlacement | None,
     ray: Any = None,
+    gpus: list[str] | None = None,
 ) -> int:
     from asyncrl.actors.buffer.durable import forget as forget_buffer_state
     from asyncrl.actors.buffer.durable import keep_for_resume as keep_buffer_position
@@ -260,7 +278,7 @@ async def _up(
                 if not quiet and live is None:
                     print("all actors started", flush=True)
 
-            specs = actor_specs(recipe, run_dir, placement)
+            specs = actor_specs(recipe, run_dir, placement, gpus)
             sup = Supervisor(
                 bus,
                 subjects,
@@ -360,6 +378,9 @@ def up(
         from asyncrl.ray_launch import require_ray
 
         require_ray()
+        gpus = None  # Ray hands out the cluster's GPUs itself
+    else:
+        gpus = enforce_machine(recipe)  # no CUDA here, too few GPUs: nothing started yet
     # the cores of this machine: not where the roles of a run on Ray go
     placement = None if ray else auto_placement(recipe)
     run_dir = prepare_run_dir(recipe, resume=resume, overwrite=overwrite)
@@ -373,7 +394,7 @@ def up(
         if placement is not None:
             get_logger(role="up").info(placement.describe())
         if not ray:
-            return run_async(_up(recipe, run_dir, quiet, resume, placement))
+            return run_async(_up(recipe, run_dir, quiet, resume, placement, gpus=gpus))
         from asyncrl.ray_launch import ray_launch
 
         with ray_launch(recipe, run_dir, ray) as launch:

@@ -19,9 +19,9 @@ import pytest
 from e2e_kit import running_up
 from test_e2e import RUN_TIMEOUT, connect, read_jsonl
 
-from asyncrl.actors.weights import KEEP_VERSIONS
 from asyncrl.messages import ActorInfo, Metrics
 from asyncrl.subjects import Subjects
+from asyncrl.weights.files import KEEP_VERSIONS
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +50,13 @@ def check_every_prompt_accounted_for(run_dir: Path) -> dict[str, Any]:
     return final
 
 
-async def kill_in_mid_run(tmp_path: Path, name: str, role: str, after_step: int) -> Path:
+async def kill_in_mid_run(
+    tmp_path: Path, name: str, role: str, after_step: int, *sets: str
+) -> Path:
     async with running_up(
         tmp_path,
         name,
+        *sets,
         f"trainer.max_steps={STEPS}",
         f"trainer.checkpoint_every={CHECKPOINT_EVERY}",
         "eval.every=0",
@@ -94,15 +97,21 @@ async def kill_in_mid_run(tmp_path: Path, name: str, role: str, after_step: int)
         ("reward", 2),
         ("buffer", 2),
         # restarts from the initial weights, as version 0 of epoch 1, while the dead
-        # trainer's versions 1..3 (as many as are kept, or more) are still on disk
+        # trainer's versions 1..3 (as many as are kept, or more) are still on disk: the
+        # files transport, whose exports are kept
         ("trainer", 3),
-        ("trainer", 5),  # restarts from step 4's checkpoint
+        # restarts from step 4's checkpoint; the broadcast: the engines join the new
+        # trainer's group
+        ("trainer", 5),
     ],
 )
 async def test_kill_9_in_mid_run_and_the_run_finishes(
     tmp_path: Path, role: str, after_step: int
 ) -> None:
-    run_dir = await kill_in_mid_run(tmp_path, f"kill-{role}-{after_step}", role, after_step)
+    transport = "dir" if (role, after_step) == ("trainer", 3) else "collective"
+    run_dir = await kill_in_mid_run(
+        tmp_path, f"kill-{role}-{after_step}", role, after_step, f"weights.transport={transport}"
+    )
     steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1)), f"steps recorded: {steps}"
     trained = read_jsonl(run_dir / "trained_samples.jsonl")
@@ -120,9 +129,14 @@ async def test_kill_9_in_mid_run_and_the_run_finishes(
             assert f"step={kept}" in restarted and "resumed" in restarted
         else:
             assert "resumed" not in restarted
-        # the newest few published versions are kept, the run's last one among them
-        exported = sorted(p.name for p in (run_dir / "weights").iterdir())
-        assert len(exported) <= KEEP_VERSIONS and f"e1-v{STEPS:06d}" in exported, exported
+        published = read_jsonl(run_dir / "weights.jsonl")
+        assert (published[-1]["epoch"], published[-1]["version"]) == (1, STEPS)
+        if transport == "dir":
+            # the newest few published versions are kept, the run's last one among them
+            exported = sorted(p.name for p in (run_dir / "weights").iterdir())
+            assert len(exported) <= KEEP_VERSIONS and f"e1-v{STEPS:06d}" in exported, exported
+        else:  # the engines joined the restarted trainer's broadcast
+            assert published[-1]["sent_to"] == ["rollout-0"], published[-1]
     if role == "buffer":
         restored = (run_dir / "logs" / "buffer-0-r1.log").read_text()
         assert "restored" in restored, "the replacement buffer started empty"

@@ -45,10 +45,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.actors.weights import load_published_weights
 from asyncrl.messages import WeightsQuery, WeightsUpdated
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
+from asyncrl.weights.build import build_receiver
+from asyncrl.weights.receiver import EngineWeights
 
 if TYPE_CHECKING:
     from asyncrl.config import Recipe
@@ -124,8 +125,7 @@ class EvalActor(Actor):
         self.records: list[dict[str, Any]] = []
         self.counters: Counter[str] = Counter()
         self.sinks: Any = None
-        self._due: WeightsUpdated | None = None
-        self._due_arrived = asyncio.Event()
+        self.receiver: EngineWeights | None = None
         self.evaluated: list[int] = []
         self._baseline = True
         self.agent = False
@@ -157,21 +157,25 @@ class EvalActor(Actor):
         if self.agent:
             self.tools = await self._open_tools()
         self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl=EVAL_FILE, job="eval")
+        self.receiver = build_receiver(
+            self.recipe, self.engine, self.bus, self.subjects, self.actor_id, want=self._is_due
+        )
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
         latest = await self._query_weights()
         # a fresh run's engine holds its starting policy, version 0: the baseline is scored
         # first even if the trainer has moved on; a resumed run's starting policy is the
         # restored one, which arrives as the latest weights
         self._baseline = latest_checkpoint_meta(self.ctx.run_dir) is None
-        if latest is not None and (not self._baseline or self._is_due(latest.version)):
-            self._due = latest
-            self._due_arrived.set()
+        if latest is not None:
+            self.receiver.announce(latest, force=not self._baseline)
         self.log.info("eval ready", prompts=len(self.records))
 
     def _is_due(self, version: int) -> bool:
         return is_due(version, self.recipe.eval.every, self.recipe.trainer.max_steps)
 
     async def teardown(self) -> None:
+        if self.receiver is not None:
+            await self.receiver.close()
         if self.reward_pool is not None:
             await self.reward_pool.aclose()
         if self.engine is not None:
@@ -192,40 +196,31 @@ class EvalActor(Actor):
             return None  # nothing published yet: the engine holds version 0
 
     async def on_weights(self, msg: WeightsUpdated) -> None:
-        if not self._is_due(msg.version):
-            return
-        due = self._due
-        # a newer trainer epoch wins over a higher version of the lineage it rolled back:
-        # that version's weights may be deleted, and the new lineage would wait behind it
-        if due is None or (msg.epoch, msg.version) > (due.epoch, due.version):
-            if due is not None:
-                self.counters["skipped"] += 1
-            self._due = msg
-            self._due_arrived.set()
+        """Every announcement goes to the receiver (a broadcast must be received as it is
+        sent); it keeps the due versions (:func:`is_due`), the newest first."""
+        assert self.receiver is not None
+        self.receiver.announce(msg)
 
     async def run(self) -> None:
+        assert self.receiver is not None
         last = self.recipe.trainer.max_steps
         if self._baseline:
             await self._evaluate_and_record(int(self.engine.version))
         while not self.evaluated or self.evaluated[-1] < last:
-            await self._due_arrived.wait()
-            self._due_arrived.clear()
-            msg, self._due = self._due, None
-            if msg is None or (self.evaluated and msg.version <= self.evaluated[-1]):
+            try:
+                async with self.receiver.receive() as got:
+                    if self.evaluated and got.version <= self.evaluated[-1]:
+                        continue
+                    if got.version != self.engine.version:
+                        with self.tracer.span("load weights", to_version=got.version):
+                            await self.engine.update_weights(got.source, got.version)
+            except (FileNotFoundError, OSError) as exc:
+                # the trainer keeps only a few versions: this one is already gone
+                self.counters["skipped"] += 1
+                self.log.warning("weights gone, skipping", error=str(exc))
                 continue
-            if msg.version != self.engine.version:
-                try:
-                    with self.tracer.span("load weights", to_version=msg.version):
-                        await load_published_weights(
-                            self.engine, self.bus, self.subjects.weights_bucket, msg
-                        )
-                except (FileNotFoundError, OSError) as exc:
-                    # the trainer keeps only a few versions: this one is already gone
-                    self.counters["skipped"] += 1
-                    self.log.warning("weights gone, skipping", version=msg.version, error=str(exc))
-                    continue
-            self.version = msg.version
-            await self._evaluate_and_record(msg.version, msg.epoch)
+            self.version = got.version
+            await self._evaluate_and_record(got.version, got.epoch)
 
     async def _evaluate_and_record(self, version: int, epoch: int = 0) -> None:
         """Scores ``version`` and appends its record to ``eval.jsonl``. Versions are

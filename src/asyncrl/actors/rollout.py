@@ -38,7 +38,6 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.weights import staged_weights
 from asyncrl.messages import (
     Ack,
     EpisodeAborted,
@@ -54,6 +53,8 @@ from asyncrl.messages import (
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.runner import AsyncTaskRunner, TaskResult
+from asyncrl.weights.build import build_receiver
+from asyncrl.weights.receiver import EngineWeights
 
 LEASE_TIMEOUT = 5.0
 """Seconds to wait for the buffer's answer to a lease request (or an abort report)
@@ -83,7 +84,7 @@ class RolloutActor(Actor):
         self._pending_weights: WeightsUpdated | None = None
         self.weights_epoch = 0
         """The trainer epoch of the loaded weights; samples carry it."""
-        self._weights_arrived = asyncio.Event()
+        self.receiver: EngineWeights | None = None
         self._version_changed = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._t0 = time.monotonic()
@@ -117,6 +118,9 @@ class RolloutActor(Actor):
             self.recipe, self.engine, self.reward_pool, endpoint=self.endpoint, tools=tools
         )
         self.version = self.engine.version
+        self.receiver = build_receiver(
+            self.recipe, self.engine, self.bus, self.subjects, self.actor_id
+        )
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
         if self.recipe.rollout.colocate:
             await self.bus.subscribe(self.subjects.memory, MemoryControl, self.on_memory)
@@ -197,6 +201,8 @@ class RolloutActor(Actor):
         self.log.info("endpoint", url=self.endpoint.base_url, key_file=str(self.endpoint_file))
 
     async def teardown(self) -> None:
+        if self.receiver is not None:
+            await self.receiver.close()
         if self.endpoint_file is not None:
             self.endpoint_file.unlink(missing_ok=True)
         # the engine first: requests still in the endpoint then end at once (503) instead
@@ -335,12 +341,15 @@ class RolloutActor(Actor):
     # -- weights --------------------------------------------------------------------------------
 
     async def on_weights(self, msg: WeightsUpdated) -> None:
+        """Every announcement goes to the receiver at once (a broadcast is received as it
+        is sent); the weights loop loads the newest."""
+        assert self.receiver is not None
+        self.receiver.announce(msg)
         # a newer trainer epoch (a trainer restarted from its checkpoint) wins over a
         # higher version of the lineage it rolled back
         pending = self._pending_weights
         if pending is None or (msg.epoch, msg.version) > (pending.epoch, pending.version):
             self._pending_weights = msg
-            self._weights_arrived.set()
 
     async def on_memory(self, msg: MemoryControl) -> None:
         """Colocation: give the accelerator to the trainer for a step, or take it back."""
@@ -356,44 +365,41 @@ class RolloutActor(Actor):
             await self.engine.resume()
 
     async def _weights_loop(self) -> None:
-        """Fetches and stages each new version while generation goes on, then pauses only
-        for the load itself (``rollout/pause_s``; the fetch is ``rollout/weights_fetch_s``)."""
+        """Receives and stages each new version while generation goes on, then pauses
+        only for the load itself (``rollout/pause_s``; receiving and staging is
+        ``rollout/weights_fetch_s``)."""
+        assert self.receiver is not None
         while True:
-            await self._weights_arrived.wait()
-            self._weights_arrived.clear()
-            msg = self._pending_weights
-            if msg is None or (msg.epoch, msg.version) <= (self.weights_epoch, self.engine.version):
-                continue
-            t0 = time.monotonic()
-            async with staged_weights(
-                self.engine, self.bus, self.subjects.weights_bucket, msg
-            ) as staged:
-                fetch_s = time.monotonic() - t0
+            async with self.receiver.receive() as got:
+                if (got.epoch, got.version) <= (self.weights_epoch, self.engine.version):
+                    continue
                 t1 = time.monotonic()
                 await self.engine.pause()
                 try:
-                    with self.tracer.span("load weights", to_version=msg.version):
-                        await self.engine.update_weights(staged, msg.version)
+                    with self.tracer.span("load weights", to_version=got.version):
+                        await self.engine.update_weights(got.source, got.version)
                 finally:
                     await self.engine.resume()
                 pause_s = self._last_pause = time.monotonic() - t1
-            self.weights_epoch = msg.epoch
-            self.version = msg.version
+            self.weights_epoch = got.epoch
+            self.version = got.version
             self._version_changed.set()
             self.log.info(
                 "weights updated",
-                version=msg.version,
-                fetch_s=round(fetch_s, 3),
+                version=got.version,
+                via=got.via,
+                fetch_s=round(got.fetch_s, 3),
                 pause_s=round(pause_s, 3),
             )
             await self.emit_metrics(
                 {
                     **self._rates(),
-                    "version": msg.version,
+                    "version": got.version,
                     "rollout/pause_s": pause_s,
-                    "rollout/weights_fetch_s": fetch_s,
+                    "rollout/weights_fetch_s": got.fetch_s,
+                    "rollout/weights_fallbacks": float(self.receiver.counters["fallbacks"]),
                 },
-                step=msg.version,
+                step=got.version,
             )
 
     def _rates(self) -> dict[str, float]:

@@ -17,20 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.colocation import Colocation
-from asyncrl.actors.weights import (
-    KeptExports,
-    delete_weights,
-    export_name,
-    link_export,
-    put_weights,
-)
 from asyncrl.algo.samples import build_samples
 from asyncrl.codec import decode
 from asyncrl.messages import (
@@ -38,7 +31,6 @@ from asyncrl.messages import (
     BatchRequest,
     Metrics,
     TrainBatchRef,
-    WeightsUpdated,
 )
 from asyncrl.observe.fleet import FleetView
 from asyncrl.observe.records import StepRecords
@@ -47,9 +39,17 @@ from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.supervisor import RESTART_ENV
 from asyncrl.train import build_train_engine
 from asyncrl.train.checkpoint import commit_checkpoint, latest_checkpoint_meta
+from asyncrl.weights.base import WeightPublisher, Weights
+from asyncrl.weights.build import build_publisher
+from asyncrl.weights.choose import choose
+from asyncrl.weights.files import export_name, link_export
 
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
+
+WEIGHTS_FILE = "weights.jsonl"
+"""A line per published version: its transport, seconds, and (``collective``) the
+engines it reached and those dropped."""
 
 BATCH_WAIT_LOG_EVERY = 30.0
 """Seconds between two log lines that say what a batch request waits for."""
@@ -70,7 +70,7 @@ class TrainerActor(Actor):
         self.checkpoint_step = 0
         """The step of the latest checkpoint: a restarted trainer goes on from there."""
         self.weights_dir = ctx.run_dir / "weights"
-        self.exports = KeptExports(self.weights_dir)
+        self.transport: WeightPublisher | None = None
         self.last_export: Path | None = None  # the newest published export on disk
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self.records = StepRecords(self.recipe, ctx.run_dir)
@@ -108,6 +108,12 @@ class TrainerActor(Actor):
             await self.colocation.subscribe()
         self.engine = await asyncio.to_thread(build_train_engine, self.recipe)
         self.ranks = Leader(self.engine)
+        kind, why = choose(self.recipe)
+        self.transport = build_publisher(
+            self.recipe, self.bus, self.subjects, self.weights_dir, self.ctx.nats.url
+        )
+        await self.transport.start()
+        self.log.info("weights transport", transport=kind, why=why)
         if meta is not None:
             await asyncio.to_thread(self.ranks.load, meta["path"])
             self.checkpoint_step = self.step
@@ -118,6 +124,8 @@ class TrainerActor(Actor):
             await self._publish_weights(Path(meta["path"]) / "hf" if meta else None)
 
     async def teardown(self) -> None:
+        if self.transport is not None:
+            await self.transport.close()
         if self.ranks is not None:
             try:
                 await asyncio.to_thread(self.ranks.stop)
@@ -143,7 +151,7 @@ class TrainerActor(Actor):
             t_batch = time.monotonic() - t0
             samples, stats = build_samples(trained, self.recipe)
             if self.colocation is not None:
-                stats["rollout_freed_bytes"] = await self.colocation.release(self.step)
+                stats.update(await self._take_the_device())
             t1 = time.monotonic()
             with self.tracer.span("train", step=self.step + 1, samples=len(samples)):
                 train_stats = await asyncio.to_thread(self.ranks.train, samples)
@@ -155,11 +163,15 @@ class TrainerActor(Actor):
                     await self._publish_weights()
             elif self.colocation is not None:  # no new weights to bring the memory back
                 await self.colocation.resume(self.step)
+            if self.colocation is not None:
+                stats.update(await self._give_the_device())
             times = {
                 "time_wait_batch_s": t_batch,
                 "time_train_s": t_train,
                 "time_weights_s": time.monotonic() - t2,
             }
+            if self.transport is not None:
+                stats.update(self.transport.record())
             live = self.fleet.stats(self.actor_id, self.dropped())
             values = self.records.step(
                 self.step,
@@ -174,6 +186,32 @@ class TrainerActor(Actor):
             await self.emit_metrics(values, step=self.step)
             if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
                 await self._checkpoint()
+
+    async def _take_the_device(self) -> dict[str, float]:
+        """Colocation, before a step: the engines free their memory, then the trainer
+        brings its parameters and optimizer state back; what each hand-over freed or took
+        and how long it took."""
+        assert self.colocation is not None
+        t0 = time.monotonic()
+        freed = await self.colocation.release(self.step)
+        t1 = time.monotonic()
+        taken, onload_s = await asyncio.to_thread(self.ranks.onload)
+        return {
+            "rollout_freed_bytes": freed,
+            "colocate/engines_released_gib": freed / 2**30,
+            "colocate/engines_release_s": t1 - t0,
+            "colocate/trainer_retaken_gib": taken / 2**30,
+            "colocate/trainer_onload_s": onload_s,
+        }
+
+    async def _give_the_device(self) -> dict[str, float]:
+        """Colocation, after a step and its weights: the trainer's parameters and optimizer
+        state go to host memory while the engines generate (on a CPU: nothing moves)."""
+        freed, seconds = await asyncio.to_thread(self.ranks.offload)
+        return {
+            "colocate/trainer_released_gib": freed / 2**30,
+            "colocate/trainer_offload_s": seconds,
+        }
 
     async def _fetch_batch(self, step: int) -> TrainBatchRef:
         """Asks the buffer until it has the batch, and logs (rate-limited) what it waits
@@ -213,35 +251,36 @@ class TrainerActor(Actor):
     # -- weights and checkpoints -----------------------------------------------------------------
 
     async def _publish_weights(self, source: Path | None = None) -> None:
-        """Exports the current weights (or links the export ``source`` of the same
-        weights) and announces them; deletes the exports no longer kept."""
-        kind = self.recipe.trainer.weights_transport
-        target = self.weights_dir / export_name(self.epoch, self.version)
-
-        def export() -> None:
-            # only a --resume finds the name taken (epochs count the restarts of one
-            # ``up``), by an export of the run before it that nothing reads any more
-            shutil.rmtree(target, ignore_errors=True)
-            if source is not None and source.is_dir():
-                link_export(source, target)
-            else:
-                self.ranks.export(target)
-
-        await asyncio.to_thread(export)
-        if kind == "dir":
-            location = str(target.resolve())
-        else:
-            location = await put_weights(self.bus, self.subjects.weights_bucket, target)
-        update = WeightsUpdated(
-            version=self.version, kind=kind, location=location, step=self.step, epoch=self.epoch
+        """Gets the current weights to the engines through the run's transport
+        (:mod:`asyncrl.weights`), which announces them; ``source`` is an export of the same
+        weights already on disk (a checkpoint's)."""
+        assert self.transport is not None
+        weights = Weights(
+            self.version,
+            self.epoch,
+            self.step,
+            self.weights_dir / export_name(self.epoch, self.version),
+            export=self.ranks.export,
+            gather=self.ranks.gather,
+            source=source,
         )
-        await self.bus.publish(self.subjects.weights, update)
+        t0 = time.monotonic()
+        msg = await self.transport.publish(weights)
+        line = {
+            "step": self.step,
+            "version": msg.version,
+            "epoch": msg.epoch,
+            "transport": msg.kind,
+            "publish_s": round(time.monotonic() - t0, 4),
+            **self.transport.delivery(),
+        }
+        await asyncio.to_thread(self._append_line, WEIGHTS_FILE, line)
         self.published_version = self.version
-        self.last_export = target
-        for old in self.exports.published(target):
-            if kind == "object_store":
-                await delete_weights(self.bus, self.subjects.weights_bucket, old)
-            shutil.rmtree(old, ignore_errors=True)
+        self.last_export = weights.folder if weights.exported else None
+
+    def _append_line(self, name: str, line: dict[str, object]) -> None:
+        with open(self.ctx.run_dir / name, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     async def _checkpoint(self) -> None:
         path = self.ckpt_dir / f"step_{self.step:06d}"

@@ -26,8 +26,9 @@ import asyncio
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,6 +97,29 @@ class GenerateResponse(BaseModel):
         self.finish_reason = other.finish_reason
 
 
+@dataclass(frozen=True)
+class BroadcastJoin:
+    """Where a server engine joins the trainer's weight broadcast
+    (``weights.transport = "collective"``, :mod:`asyncrl.weights.collective`): the
+    rendezvous store, the key prefix of its pair, the backend and the timeout of every
+    collective."""
+
+    host: str
+    port: int
+    prefix: str
+    backend: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class BroadcastStaged:
+    """A version a server received from the broadcast itself and holds, staged, until
+    :meth:`InferenceEngine.update_weights` swaps it in."""
+
+    version: int
+    epoch: int
+
+
 class EngineStopped(RuntimeError):
     """The engine is stopped (or failed); no generation can run."""
 
@@ -160,6 +184,22 @@ class InferenceEngine(ABC):
     def tokenizer(self) -> Any:
         """The model's tokenizer (chat template included)."""
         raise NotImplementedError
+
+    broadcast_protocol: ClassVar[str] = ""
+    """How the engine takes the ``collective`` weight broadcast: "" for an in-process
+    engine (the actor receives the tensors and gives them to :meth:`update_weights`);
+    otherwise the engine's server joins the trainer's group itself
+    (:meth:`join_broadcast`, :meth:`receive_broadcast`), speaking the named protocol."""
+
+    async def join_broadcast(self, where: BroadcastJoin) -> None:
+        """Has the server form its group with the trainer's rank 0 (as rank 1)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no broadcast itself")
+
+    async def receive_broadcast(self, version: int, epoch: int) -> BroadcastStaged:
+        """Has the server receive the version announced (``version``, ``epoch``) into a
+        staging area while it keeps generating; returns what :meth:`update_weights` then
+        takes (the version the server actually received)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no broadcast itself")
 
     # --- shared behaviour -------------------------------------------------------------------
 

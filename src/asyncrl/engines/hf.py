@@ -54,7 +54,10 @@ from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode
 from asyncrl.lora import LoraAdapter, is_adapter_dir, merged, read_adapter
 from asyncrl.models import ModelConfig, resolve_dtype
+from asyncrl.runtime.log import get_logger
 from asyncrl.schema import resolve_device
+
+log = get_logger(part="hf-engine")
 
 MEMORY_TAG = "asyncrl-hf-weights"
 """The torch-memory-saver region of the hf engine's weights."""
@@ -122,6 +125,7 @@ class HFEngine(InferenceEngine):
         self.on_step = on_step
         # torch-memory-saver keeps the weights' virtual addresses while their physical
         # memory is released; without it (or off CUDA) releasing moves them to the host.
+        self.colocated = memory_saver
         self.memory_saver = (
             memory_saver
             and self.device.startswith("cuda")
@@ -180,12 +184,27 @@ class HFEngine(InferenceEngine):
         from asyncrl.models import load_causal_lm, load_tokenizer
 
         if self.memory_saver:
-            from torch_memory_saver import torch_memory_saver
+            try:
+                from torch_memory_saver import torch_memory_saver
 
-            torch_memory_saver.hook_mode = "torch"  # no LD_PRELOAD needed
-            with torch_memory_saver.region(tag=MEMORY_TAG, enable_cpu_backup=True):
+                torch_memory_saver.hook_mode = "torch"  # no LD_PRELOAD needed
+                with torch_memory_saver.region(tag=MEMORY_TAG, enable_cpu_backup=True):
+                    self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
+            except Exception as exc:  # a wheel built for another torch or CUDA
+                self.memory_saver = False
+                log.warning(
+                    "torch-memory-saver cannot load: releasing by moving the weights to the "
+                    "host and emptying the cache instead (the freed bytes are in "
+                    "rollout_freed_bytes)",
+                    error=f"{type(exc).__name__}: {exc}"[:300],
+                )
                 self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
         else:
+            if self.colocated and self.device.startswith("cuda"):
+                log.warning(
+                    "torch-memory-saver is not installed: releasing by moving the weights to "
+                    "the host and emptying the cache instead"
+                )
             self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
         self._tokenizer = load_tokenizer(self.model_spec)
         eos = self.model.generation_config.eos_token_id

@@ -18,15 +18,20 @@ It spawns one OS process per actor, waits until every actor has said ``started``
   one actor: one ``started`` counts for every member, and when one member dies the others
   are killed and the whole gang is started again together;
 - Ctrl-C / SIGTERM to the supervisor becomes a graceful stop of every actor (children run
-  in their own session, so the terminal's SIGINT reaches only the supervisor).
+  in their own session, so the terminal's SIGINT reaches only the supervisor);
+- nothing outlives the run: the stop ends with every process an actor started, in its
+  session or not (an inference server and its engine processes, :mod:`.lineage`): SIGTERM,
+  a short grace, SIGKILL, and a wait until they are gone; a dead actor's
+  leftovers are killed and waited for before its replacement starts, so that they never
+  hold the memory (a GPU's) the replacement needs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
+import secrets
 import signal
 import sys
 from collections.abc import Callable
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.messages import ActorExit, ActorInfo, Control
+from asyncrl.runtime import lineage
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.subjects import Subjects
@@ -44,6 +50,11 @@ RESTART_ENV = "ASYNCRL_RESTART"
 trainer takes it as its epoch)."""
 
 MAX_BACKOFF = 30.0
+
+LEFTOVER_GRACE_S = 5.0
+"""Seconds that processes the actors left behind get between SIGTERM and SIGKILL at the
+stop. Short: an actor that stops well stops its servers itself (each waits for its
+guard), so what is left at this point belonged to an actor that was killed."""
 
 
 @dataclass
@@ -135,6 +146,8 @@ class Supervisor:
         self.restarts = 0
         self._pending = 0  # replacements waiting out their back-off
         self._failed = False
+        self.token = secrets.token_hex(8)
+        """Marks every process this run's actors start (:mod:`.lineage`)."""
 
     async def run(self) -> int:
         """Runs the actors to the end; 0 when every primary actor finished cleanly."""
@@ -175,7 +188,7 @@ class Supervisor:
 
     async def _spawn(self, spec: ActorSpec) -> _Proc:
         log_path = self.run_dir / "logs" / f"{spec.actor_id}.log"
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **spec.env, **lineage.lineage_env(self.token, spec.actor_id)}
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log file, opened once
             proc = await asyncio.create_subprocess_exec(
                 *spec.argv,
@@ -232,9 +245,6 @@ class Supervisor:
                 self.restarts += 1
                 for member in gang:
                     member.replaced = True
-                    # whatever the dead actor started (torchrun's ranks, an inference
-                    # server) goes with it: its session is its process group
-                    _kill_group(member.proc.pid)
                     spec = member.spec.restarted(self.restarts)
                     self.log.warning(
                         "actor died, starting a replacement",
@@ -246,10 +256,19 @@ class Supervisor:
                     )
                     self._pending += 1
                     assert self._tg is not None
-                    self._tg.create_task(self._spawn_later(spec), name=f"respawn-{spec.actor_id}")
+                    self._tg.create_task(
+                        self._spawn_later(spec, member), name=f"respawn-{spec.actor_id}"
+                    )
 
-    async def _spawn_later(self, spec: ActorSpec) -> None:
+    async def _spawn_later(self, spec: ActorSpec, dead: _Proc) -> None:
         try:
+            # whatever the dead actor started (torchrun's ranks, an inference server and
+            # its engine processes) goes first, at once: it holds what the replacement needs
+            left = await lineage.end(
+                lambda: lineage.find([dead.proc.pid], self.token, dead.spec.actor_id), grace=0
+            )
+            if left:
+                self.log.error("processes of a dead actor outlived SIGKILL", pids=left)
             await asyncio.sleep(spec.delay())
             if not self._stopping and not self._stop_request.is_set():
                 await self._spawn(spec)
@@ -312,33 +331,40 @@ class Supervisor:
                 pass
 
     async def _stop_all(self) -> None:
-        """Control ``stop`` to everyone, SIGTERM, then SIGKILL whoever outlives the grace."""
+        """Control ``stop`` to everyone, SIGTERM, then SIGKILL whoever outlives the grace;
+        then the same for every process the actors left behind (:mod:`.lineage`), which
+        are waited for: when this returns, nothing the run started is running."""
         self._stopping = True
         alive = [p for p in self.procs.values() if p.exit_code is None]
-        if not alive:
-            return
-        try:
-            await self.bus.publish(
-                self.subjects.control, Control(command="stop", reason=self.reason)
-            )
-        except Exception as exc:  # the bus may be the thing that broke
-            self.log.warning("could not publish stop", error=str(exc))
-        for p in alive:
-            _signal(p.proc, signal.SIGTERM)
-        try:
-            async with asyncio.timeout(self.grace):
+        if alive:
+            try:
+                await self.bus.publish(
+                    self.subjects.control, Control(command="stop", reason=self.reason)
+                )
+            except Exception as exc:  # the bus may be the thing that broke
+                self.log.warning("could not publish stop", error=str(exc))
+            for p in alive:
+                _signal(p.proc, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(self.grace):
+                    for p in alive:
+                        await p.proc.wait()
+            except TimeoutError:
+                for p in alive:
+                    if p.proc.returncode is None:
+                        self.log.warning("killing", actor=p.spec.actor_id)
+                        _signal(p.proc, signal.SIGKILL)
                 for p in alive:
                     await p.proc.wait()
-        except TimeoutError:
-            for p in alive:
-                if p.proc.returncode is None:
-                    self.log.warning("killing", actor=p.spec.actor_id)
-                    _signal(p.proc, signal.SIGKILL)
+        sessions = [p.proc.pid for p in self.procs.values()]
 
+        def leftovers() -> list[int]:
+            return lineage.find(sessions, self.token)
 
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+        if found := leftovers():
+            self.log.warning("stopping what the actors left behind", pids=found)
+            if left := await lineage.end(leftovers, LEFTOVER_GRACE_S):
+                self.log.error("processes outlived SIGKILL", pids=left)
 
 
 def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:

@@ -1,5 +1,5 @@
-"""The trainer ranks' protocol: rank 0 sends each collective command (train, export, save,
-load, stop) to the other ranks as tensors, and every rank runs it on its own engine.
+"""The trainer ranks' protocol: rank 0 sends each collective command (train, export,
+gather, save, load, stop) to the other ranks as tensors, and every rank runs it on its own engine.
 
 A command is a header, ``int64 [command, argument bytes]``, broadcast from rank 0, then its
 argument: a path as UTF-8 bytes (broadcast), or for ``train`` each rank's own
@@ -33,6 +33,9 @@ class Command(enum.IntEnum):
     SAVE = 3
     LOAD = 4
     STOP = 5
+    GATHER = 6
+    OFFLOAD = 7
+    ONLOAD = 8
 
 
 def _world() -> int:
@@ -92,6 +95,29 @@ class Leader:
             self._path_command(Command.EXPORT, path)
             self.engine.export_weights(path)
 
+    def gather(self, dtype: str) -> list[tuple[str, torch.Tensor]]:
+        """The full weights as ``(HF name, CPU tensor)`` in ``dtype`` on rank 0 (LoRA:
+        merged into the base weights), for a transport that sends tensors, not files.
+        Every rank takes part in the all-gathers; only rank 0 keeps the result."""
+        with self._one_at_a_time:
+            self._path_command(Command.GATHER, dtype)
+            return [pair for bucket in self.engine.iter_weights(dtype=dtype) for pair in bucket]
+
+    def offload(self) -> tuple[int, float]:
+        """Every rank moves its parameters and optimizer state to host memory
+        (colocation); rank 0's (device bytes freed, seconds)."""
+        with self._one_at_a_time:
+            if self.world_size > 1:
+                self._header(Command.OFFLOAD)
+            return self.engine.offload()  # type: ignore[no-any-return]
+
+    def onload(self) -> tuple[int, float]:
+        """Brings back what :meth:`offload` moved; rank 0's (bytes taken, seconds)."""
+        with self._one_at_a_time:
+            if self.world_size > 1:
+                self._header(Command.ONLOAD)
+            return self.engine.onload()  # type: ignore[no-any-return]
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """A resumable checkpoint (model, optimizer, RNG, step, version) at ``path``."""
         with self._one_at_a_time:
@@ -137,10 +163,11 @@ def lead_train(batch: Batch, config: TrainerConfig, world_size: int) -> TrainSha
 
 def next_command() -> tuple[Command, TrainShard | str | None]:
     """Ranks > 0: waits for rank 0's next command; returns it with its argument (this
-    rank's shard for ``train``, a path for ``export``/``save``/``load``)."""
+    rank's shard for ``train``, a path for ``export``/``save``/``load``, the dtype for
+    ``gather``)."""
     header = _broadcast(torch.zeros(2, dtype=torch.int64))
     command, argument_bytes = Command(int(header[0])), int(header[1])
-    if command is Command.STOP:
+    if command in (Command.STOP, Command.OFFLOAD, Command.ONLOAD):
         return command, None
     if command is Command.TRAIN:
         sizes = _recv(3, torch.int64).tolist()
@@ -162,6 +189,13 @@ def follow(engine: Any) -> int:
             engine.train_shard(arg)
         elif command is Command.EXPORT:
             engine.export_weights(arg)
+        elif command is Command.OFFLOAD:
+            engine.offload()
+        elif command is Command.ONLOAD:
+            engine.onload()
+        elif command is Command.GATHER:
+            for _ in engine.iter_weights(dtype=arg):
+                pass  # rank 0 keeps the weights; this rank only takes part in the gathers
         elif command is Command.SAVE:
             engine.save_checkpoint(arg)
         elif command is Command.LOAD:

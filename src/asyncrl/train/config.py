@@ -244,9 +244,6 @@ class TrainerConfig(Placement):
     """Optimizer steps per batch: the batch is split into this many minibatches of whole
     sequences, all clipped against the policy before the first step. The version and the
     learning-rate schedule still advance once per batch."""
-    weights_transport: Literal["dir", "object_store"] = "dir"
-    """How new weights reach rollout actors: a shared directory, or the NATS object store
-    (works across machines without a shared disk)."""
     update_every: int = Field(1, ge=1)
     """Publish new weights every k steps. Staleness is judged against the published
     weights, so a trained sample may be up to η + k − 1 trainer versions old

@@ -149,6 +149,7 @@ class TrainEngine:
         )
         self._tokenizer: Any = None
         self._tokenizer_looked_up = False
+        self._offloaded = False  # parameters and optimizer state in host memory (colocation)
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -202,6 +203,42 @@ class TrainEngine:
         for module in (root or self.module).modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+    # --- colocation -------------------------------------------------------------------------
+
+    def offload(self) -> tuple[int, float]:
+        """Moves the parameters (the policy's and the KL reference's) and the optimizer
+        state to host memory, so that an engine on the same GPU can generate
+        (``rollout.colocate``); returns (device bytes freed, seconds). On the CPU there is
+        nothing to move: (0, 0.0)."""
+        if self.device.type != "cuda" or self._offloaded:
+            return 0, 0.0
+        return self._move("cpu", offloaded=True)
+
+    def onload(self) -> tuple[int, float]:
+        """Brings back what :meth:`offload` moved; returns (device bytes taken, seconds)."""
+        if self.device.type != "cuda" or not self._offloaded:
+            return 0, 0.0
+        return self._move(self.device, offloaded=False)
+
+    def _move(self, device: torch.device | str, *, offloaded: bool) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        self._reshard()
+        self._sync()
+        before = torch.cuda.memory_allocated(self.device)
+        for module in (self.module, self.ref_module):
+            if module is not None:
+                module.to(device)  # in place: the optimizer's keys stay these parameters
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    state[key] = value.to(device, non_blocking=True)
+        self._sync()
+        if offloaded:
+            torch.cuda.empty_cache()
+        self._offloaded = offloaded
+        moved = abs(before - torch.cuda.memory_allocated(self.device))
+        return moved, time.perf_counter() - t0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

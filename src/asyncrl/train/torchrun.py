@@ -106,9 +106,13 @@ def exit_rank(code: int) -> NoReturn:
     (FSDP2's sharded parameters leave their device mesh, which holds the group, in DTensor's
     sharding cache). Elsewhere this is ``sys.exit(code)``."""
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    weights = sys.modules.get("asyncrl.weights.wire")
+    grouped = dist is not None and dist.is_available() and dist.is_initialized()
+    # the weight broadcast's own groups (an engine's, rank 0's) have gloo threads too
+    if not grouped and not getattr(weights, "GROUPS_OPENED", False):
         sys.exit(code)
-    dist.destroy_process_group()
+    if grouped and dist is not None:
+        dist.destroy_process_group()
     atexit._run_exitfuncs()  # logging's shutdown among them
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -1,4 +1,5 @@
-"""Moving exported weights between the trainer and rollout actors over the object store.
+"""The file transports, ``dir`` and ``object_store``: an HF export of each version, read
+from a folder every actor can reach or from the run's NATS object store.
 
 A version is exported to ``weights/<name>`` (full weights, or a LoRA adapter) and, over
 the object store, stored as one blob per file (:func:`safetensors_files`),
@@ -27,11 +28,12 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from asyncrl.lora import ADAPTER_CONFIG
 from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
+from asyncrl.subjects import Subjects
+from asyncrl.weights.base import NamedTensors, WeightPublisher, Weights
 
 KEEP_VERSIONS = 3
 """Versions kept in the object store (and on disk): a rollout actor may still be
@@ -133,22 +135,85 @@ async def get_weights(bus: Bus, bucket: str, key: str, dest_dir: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def staged_weights(
-    engine: Any, bus: Bus, bucket: str, msg: WeightsUpdated
-) -> AsyncIterator[Any]:
-    """The weights ``msg`` announces, fetched (from the object store, into a temporary
-    directory that lives as long as the context) and staged by the engine, all while it
-    keeps generating; yields what ``engine.update_weights`` then takes."""
+async def fetched(bus: Bus, bucket: str, msg: WeightsUpdated) -> AsyncIterator[Path]:
+    """The folder of the export ``msg`` announces: its own (``dir``), or a temporary one
+    the object store's copy is downloaded into, which lives as long as the context."""
+    if msg.kind == "dir":
+        yield Path(msg.location)
+        return
     with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
-        source = Path(msg.location)
-        if msg.kind != "dir":
-            source = Path(tmp)
-            await get_weights(bus, bucket, msg.location, source)
-        yield await engine.stage_weights(source)
+        await get_weights(bus, bucket, msg.location, Path(tmp))
+        yield Path(tmp)
 
 
-async def load_published_weights(engine: Any, bus: Bus, bucket: str, msg: WeightsUpdated) -> None:
-    """Loads the weights ``msg`` announces into an inference engine (it pauses around the
-    load itself unless the caller paused it)."""
-    async with staged_weights(engine, bus, bucket, msg) as staged:
-        await engine.update_weights(staged, msg.version)
+def read_safetensors(folder: Path, dtype: str | None = None) -> NamedTensors:
+    """Every tensor of the safetensors files in ``folder`` (cast to ``dtype``)."""
+    from safetensors import safe_open
+
+    from asyncrl.models import torch_dtype
+
+    cast = torch_dtype(dtype) if dtype else None
+    out: NamedTensors = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                out.append((name, t if cast is None else t.to(cast)))
+    if not out:
+        raise FileNotFoundError(f"no safetensors files in {folder}")
+    return out
+
+
+class DirPublisher(WeightPublisher):
+    """``dir``: the export stays in ``<run>/weights/<name>``; the announcement names the
+    folder. The newest :data:`KEEP_VERSIONS` published exports are kept."""
+
+    kind = "dir"
+
+    def __init__(self, weights_dir: Path, bus: Bus, subjects: Subjects) -> None:
+        self.exports = KeptExports(weights_dir)
+        self.bus, self.subjects = bus, subjects
+
+    async def publish(self, weights: Weights) -> WeightsUpdated:
+        folder = await asyncio.to_thread(weights.directory)
+        msg = WeightsUpdated(
+            version=weights.version,
+            kind="dir",
+            location=str(folder.resolve()),
+            step=weights.step,
+            epoch=weights.epoch,
+        )
+        await self.bus.publish(self.subjects.weights, msg)
+        for old in self.exports.published(folder):
+            await self._drop(old)
+        return msg
+
+    async def _drop(self, old: Path) -> None:
+        await asyncio.to_thread(shutil.rmtree, old, True)
+
+
+class ObjectStorePublisher(DirPublisher):
+    """``object_store``: the export's files go into the run's object store (one blob per
+    file and a manifest); the announcement names the manifest. Works across machines
+    that share nothing but NATS."""
+
+    kind = "object_store"
+
+    async def publish(self, weights: Weights) -> WeightsUpdated:
+        folder = await asyncio.to_thread(weights.directory)
+        key = await put_weights(self.bus, self.subjects.weights_bucket, folder)
+        msg = WeightsUpdated(
+            version=weights.version,
+            kind="object_store",
+            location=key,
+            step=weights.step,
+            epoch=weights.epoch,
+        )
+        await self.bus.publish(self.subjects.weights, msg)
+        for old in self.exports.published(folder):
+            await self._drop(old)
+        return msg
+
+    async def _drop(self, old: Path) -> None:
+        await delete_weights(self.bus, self.subjects.weights_bucket, old)
+        await super()._drop(old)

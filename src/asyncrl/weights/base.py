@@ -1,0 +1,151 @@
+"""The weight-transport contract: the trainer side publishes a version, the engine side
+receives it.
+
+Trainer side, :class:`WeightPublisher`: ``publish(version, weights)`` gets the weights to
+the engines and returns the ``WeightsUpdated`` that announces them (the trainer puts it on
+the weights subject; the buffer keeps the newest for actors that join later).
+:class:`Weights` is the version to publish, lazily in the two forms transports need: an
+HF export folder (files) or the named tensors (a broadcast, IPC handles). Each is made
+at most once per version.
+
+Engine side, :class:`WeightReceiver`: every announcement goes to ``announce`` in arrival
+order, at once (a broadcast must be taken as it is sent); ``receive()`` then yields the
+newest weights announced, staged for the engine while it generates, so that the pause
+only swaps them in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.messages import WeightsUpdated
+
+if TYPE_CHECKING:
+    import torch
+
+NamedTensors = list[tuple[str, "torch.Tensor"]]
+"""Full weights as ``(HF parameter name, tensor)`` pairs."""
+
+
+class Weights:
+    """One version of the policy, in the forms transports ask for; each made once.
+
+    ``export(folder)`` writes the HF export (collective across trainer ranks);
+    ``gather(dtype)`` returns the full named tensors on rank 0 (collective too). A
+    version restored from a checkpoint has its export already (``source``): the folder
+    links it, the tensors are read from it."""
+
+    def __init__(
+        self,
+        version: int,
+        epoch: int,
+        step: int,
+        folder: Path,
+        *,
+        export: Callable[[Path], None],
+        gather: Callable[[str], NamedTensors],
+        source: Path | None = None,
+    ) -> None:
+        self.version, self.epoch, self.step = version, epoch, step
+        self.folder = folder
+        self._export, self._gather, self.source = export, gather, source
+        self._exported = False
+        self._tensors: dict[str, NamedTensors] = {}
+
+    def directory(self) -> Path:
+        """The HF export of this version at :attr:`folder` (blocking: call in a thread)."""
+        if not self._exported:
+            import shutil
+
+            from asyncrl.weights.files import link_export
+
+            # only a --resume finds the name taken (epochs count the restarts of one
+            # ``up``), by an export of the run before it that nothing reads any more
+            shutil.rmtree(self.folder, ignore_errors=True)
+            if self.source is not None and self.source.is_dir():
+                link_export(self.source, self.folder)
+            else:
+                self._export(self.folder)
+            self._exported = True
+        return self.folder
+
+    @property
+    def exported(self) -> bool:
+        """Whether :meth:`directory` wrote the export (a checkpoint may link it)."""
+        return self._exported
+
+    def tensors(self, dtype: str) -> NamedTensors:
+        """The named tensors in ``dtype`` (blocking: call in a thread)."""
+        if dtype not in self._tensors:
+            if self.source is not None and self.source.is_dir():
+                from asyncrl.weights.files import read_safetensors
+
+                self._tensors[dtype] = read_safetensors(self.source, dtype)
+            else:
+                self._tensors[dtype] = self._gather(dtype)
+        return self._tensors[dtype]
+
+
+class WeightPublisher(ABC):
+    """The trainer side of a transport (rank 0, in the trainer actor's event loop)."""
+
+    kind: str
+
+    async def start(self) -> None:
+        """Opens what the transport needs (a rendezvous store, request handlers)."""
+        return None
+
+    @abstractmethod
+    async def publish(self, weights: Weights) -> WeightsUpdated:
+        """Gets ``weights`` to the engines; returns the announcement to send."""
+
+    def record(self) -> dict[str, float]:
+        """The transport's numbers for the step's record (``weights/...``)."""
+        return {}
+
+    def delivery(self) -> dict[str, Any]:
+        """Who the last version went to, for the run's ``weights.jsonl``."""
+        return {}
+
+    async def close(self) -> None:
+        """Releases what :meth:`start` opened."""
+        return None
+
+
+@dataclass
+class Received:
+    """Weights an engine can load: their version and trainer epoch, ``source`` as the
+    engine's ``stage_weights`` returned it, and the seconds fetching and staging took."""
+
+    version: int
+    epoch: int
+    source: Any
+    fetch_s: float
+    via: str
+    """The transport that brought them (``collective`` may fall back to the object store)."""
+
+
+class WeightReceiver(ABC):
+    """The engine side (a rollout or eval actor)."""
+
+    @abstractmethod
+    def announce(self, msg: WeightsUpdated, *, force: bool = False) -> None:
+        """Takes an announcement as it arrives, in order, without waiting; ``force`` keeps
+        it even where the receiver would skip its version."""
+
+    @abstractmethod
+    def receive(self) -> contextlib.AbstractAsyncContextManager[Received]:
+        """Waits for weights newer than any returned before; yields them staged. Whatever
+        staging holds (a temporary folder) lives until the context ends."""
+
+    async def close(self) -> None:
+        """Ends what the receiver started."""
+        return None
+
+
+__all__ = ["NamedTensors", "Received", "WeightPublisher", "WeightReceiver", "Weights"]

@@ -1,0 +1,458 @@
+"""``collective``: weights broadcast from the trainer's rank 0 to each engine over
+torch.distributed (NCCL between GPUs, gloo on the CPU), with every step bounded in time.
+
+**One group per engine.** Each engine forms a two-rank group with the trainer's rank 0
+(rank 0 the trainer, rank 1 the engine) through a rendezvous store the trainer hosts;
+its address goes out over NATS in the join grant (:class:`~asyncrl.messages.WeightsGrant`).
+A rebuilt group of all engines would send the bytes once, but every join (an actor
+attached mid-run, a restarted one) would stop every engine to re-form it, and one engine
+that dies would break the broadcast for all. With one group per engine an engine joins
+without disturbing the others, and a dead one costs only its own group. The trainer sends
+to the engines concurrently, one thread per group.
+
+**A version on the wire**: an ``int64`` header (magic, version, epoch, manifest bytes),
+the manifest (JSON: each tensor's name, dtype, shape and place in its bucket), then the
+buckets: flat ``uint8`` tensors of at most ``weights.bucket_mb`` MiB holding the tensors
+in the engine's dtype. The receiver's tensors are views of the received buckets.
+
+**No hangs.** Every group is created with ``weights.timeout_s``, so a rendezvous or a
+broadcast that a peer does not complete fails within it, and the trainer waits for each
+engine's thread no longer than that either. An engine whose send fails or times out is
+dropped from the broadcast and the trainer goes on; the engine notices (the next
+announcement does not list it), joins again and gets the current weights at once. An
+engine that cannot form its group (a firewall, an address it cannot reach) asks for the
+current weights in the object store instead (:class:`~asyncrl.messages.WeightsFallback`),
+and the log says why. Groups that failed are never destroyed (a gloo group's destructor
+joins its worker threads, which a stuck peer could hold): they are kept aside until the
+process exits.
+
+**Ordering.** The trainer announces a version (``WeightsUpdated`` listing the engines it is
+sent to) before it sends; an engine queues one job per announcement, in arrival order, on
+the one thread that owns its group, so receives match sends one for one. Joins are
+ordered with broadcasts by the publisher's sequence number: an engine takes part in the
+broadcasts after the ``since_seq`` of its grant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.engines.base import BroadcastJoin, InferenceEngine
+from asyncrl.messages import (
+    WeightsFallback,
+    WeightsGrant,
+    WeightsJoin,
+    WeightsUpdated,
+)
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.log import get_logger
+from asyncrl.subjects import Subjects
+from asyncrl.weights.base import WeightPublisher, Weights
+from asyncrl.weights.config import WeightsConfig
+from asyncrl.weights.wire import (
+    Lane,
+    Packed,
+    bury,
+    open_pair,
+    open_store,
+    pack,
+    recv_version,
+    send_version,
+    timeout_of,
+    unpack,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+def rendezvous_host(config: WeightsConfig, nats_url: str) -> str:
+    """The address engines reach the trainer's store at (``weights.address``)."""
+    if config.address:
+        return config.address
+    local = ("127.0.0.1", "localhost", "[::1]")
+    if not nats_url or any(h in nats_url for h in local):
+        return "127.0.0.1"
+    return socket.gethostname()
+
+
+# -- the trainer side -------------------------------------------------------------------------
+
+
+@dataclass
+class _Member:
+    actor_id: str
+    prefix: str
+    lane: Lane
+    group: Any = None
+    alive: bool = True
+
+
+@dataclass
+class CollectiveStats:
+    """What the trainer's records show of the broadcast."""
+
+    sent: int = 0
+    dropped: int = 0
+    joins: int = 0
+    fallbacks: int = 0
+    last_send_s: float = 0.0
+    last_bytes: int = 0
+    last_members: int = 0
+    drop_reasons: list[str] = field(default_factory=list)
+    delivered: list[str] = field(default_factory=list)
+    """The engines the last version reached."""
+    dropped_now: list[str] = field(default_factory=list)
+    """The engines dropped since the version before (a failed send or join)."""
+
+
+class CollectivePublisher(WeightPublisher):
+    """Rank 0's side: hosts the rendezvous store, grants joins, broadcasts each version
+    to the engines joined, drops an engine that fails, serves the fallback."""
+
+    kind = "collective"
+
+    def __init__(
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        config: WeightsConfig,
+        *,
+        host: str,
+        dtype: str,
+        backend: str,
+        device: str,
+        fallback: Callable[[Weights, str], Awaitable[WeightsUpdated]],
+    ) -> None:
+        self.bus, self.subjects, self.config = bus, subjects, config
+        self.host, self.dtype, self.backend, self.device = host, dtype, backend, device
+        self.group_id = uuid.uuid4().hex[:12]
+        self.store: Any = None
+        self.members: dict[str, _Member] = {}
+        self.seq = 0
+        self.current: Packed | None = None
+        self.current_weights: Weights | None = None
+        self._fallback = fallback
+        self._fallback_msg: WeightsUpdated | None = None
+        self._lock = asyncio.Lock()
+        self._joins: set[asyncio.Task[bool]] = set()
+        """Joins whose group formation and first send are under way (kept referenced; each
+        ends within the timeout, and :meth:`close` cancels what is left)."""
+        self.stats = CollectiveStats()
+        self.log = get_logger(role="trainer", part="weights")
+
+    async def start(self) -> None:
+        self.store = await asyncio.to_thread(open_store, self.host, self.config.timeout_s)
+        await self.bus.serve(self.subjects.weights_join, WeightsJoin, self.on_join)
+        await self.bus.serve(self.subjects.weights_fallback, WeightsFallback, self.on_fallback)
+        self.log.info(
+            "weight broadcast ready",
+            group=self.group_id,
+            rendezvous=f"{self.host}:{self.store.port}",
+            backend=self.backend,
+        )
+
+    async def publish(self, weights: Weights) -> WeightsUpdated:
+        tensors = await asyncio.to_thread(weights.tensors, self.dtype)
+        packed = await asyncio.to_thread(
+            pack, tensors, self.config.bucket_mb << 20, weights.version, weights.epoch
+        )
+        async with self._lock:
+            self.seq += 1
+            self.current, self.current_weights = packed, weights
+            self._fallback_msg = None
+            members = [m for m in self.members.values() if m.alive]
+            msg = WeightsUpdated(
+                version=weights.version,
+                kind="collective",
+                location=self.group_id,
+                step=weights.step,
+                epoch=weights.epoch,
+                members=[m.actor_id for m in members],
+                seq=self.seq,
+            )
+            await self.bus.publish(self.subjects.weights, msg)
+            jobs = [(m, m.lane.submit(self._sender(m, packed))) for m in members]
+        t0 = time.monotonic()
+        done = await asyncio.gather(*(self._settle(m, job) for m, job in jobs))
+        self.stats.delivered = [m.actor_id for (m, _), ok in zip(jobs, done, strict=True) if ok]
+        self.stats.last_send_s = time.monotonic() - t0
+        self.stats.last_bytes = packed.nbytes
+        self.stats.last_members = len(members)
+        return msg
+
+    def record(self) -> dict[str, float]:
+        s = self.stats
+        return {
+            "weights/engines": float(s.last_members),
+            "weights/broadcast_s": s.last_send_s,
+            "weights/bytes": float(s.last_bytes),
+            "weights/sent": float(s.sent),
+            "weights/dropped": float(s.dropped),
+            "weights/joins": float(s.joins),
+            "weights/fallbacks": float(s.fallbacks),
+        }
+
+    def delivery(self) -> dict[str, Any]:
+        s = self.stats
+        out = {
+            "sent_to": sorted(s.delivered),
+            "dropped": s.dropped_now,
+            "broadcast_s": round(s.last_send_s, 4),
+            "bytes": s.last_bytes,
+        }
+        s.dropped_now = []
+        return out
+
+    def _sender(self, member: _Member, packed: Packed) -> Callable[[], None]:
+        def send() -> None:
+            if member.group is None:
+                raise RuntimeError("its group was never formed")
+            send_version(member.group, packed, self.device, self.config.timeout_s)
+
+        return send
+
+    async def _settle(self, member: _Member, job: concurrent.futures.Future[Any]) -> bool:
+        """Waits for one engine's job, at most the timeout (plus a margin for the
+        backend's own); a failure drops the engine from the broadcast."""
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(job), self.config.timeout_s + 5.0)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._drop(member, reason[:300])
+            return False
+        self.stats.sent += 1
+        return True
+
+    def _drop(self, member: _Member, reason: str) -> None:
+        if not member.alive:
+            return
+        member.alive = False
+        self.members.pop(member.actor_id, None)
+        bury(member.group)
+        self.stats.dropped += 1
+        self.stats.dropped_now.append(member.actor_id)
+        self.stats.drop_reasons = [*self.stats.drop_reasons, reason][-5:]
+        self.log.warning(
+            "engine dropped from the weight broadcast", actor=member.actor_id, reason=reason
+        )
+
+    async def on_join(self, req: WeightsJoin) -> WeightsGrant:
+        async with self._lock:
+            old = self.members.pop(req.actor_id, None)
+            if old is not None:  # it re-joins: its group is gone on its side
+                old.alive = False
+                bury(old.group)
+            member = _Member(
+                req.actor_id,
+                prefix=f"{self.group_id}/{req.actor_id}/{uuid.uuid4().hex[:8]}/",
+                lane=Lane(f"weights-{req.actor_id}"),
+            )
+            self.members[req.actor_id] = member
+            current = self.current
+            grant = WeightsGrant(
+                group=self.group_id,
+                host=self.host,
+                port=int(self.store.port),
+                prefix=member.prefix,
+                backend=self.backend,  # type: ignore[arg-type]
+                timeout_s=self.config.timeout_s,
+                since_seq=self.seq,
+                version=current.version if current is not None else -1,
+                epoch=current.epoch if current is not None else 0,
+            )
+
+            def form_and_send() -> None:
+                member.group = open_pair(
+                    self.store, member.prefix, 0, self.backend, self.config.timeout_s, self.device
+                )
+                if current is not None:
+                    send_version(member.group, current, self.device, self.config.timeout_s)
+
+            job = member.lane.submit(form_and_send)
+        self.stats.joins += 1
+        self.log.info("engine joins the weight broadcast", actor=req.actor_id, since=self.seq)
+        task = asyncio.get_running_loop().create_task(self._settle(member, job))
+        self._joins.add(task)
+        task.add_done_callback(self._joins.discard)
+        return grant
+
+    async def close(self) -> None:
+        for task in list(self._joins):
+            task.cancel()
+
+    async def on_fallback(self, req: WeightsFallback) -> WeightsUpdated:
+        """The current weights in the object store (uploaded once per version)."""
+        async with self._lock:
+            weights = self.current_weights
+            if weights is None:
+                raise RuntimeError("no weights published yet")
+            if self._fallback_msg is None or self._fallback_msg.version != weights.version:
+                self._fallback_msg = await self._fallback(weights, self.dtype)
+            msg = self._fallback_msg
+        self.stats.fallbacks += 1
+        self.log.info("engine takes the object store", actor=req.actor_id, reason=req.reason)
+        return msg
+
+
+# -- the engine side --------------------------------------------------------------------------
+
+
+SERVER_GROUP = object()
+"""Stands for the group of a server engine, which the server holds itself."""
+
+
+class CollectiveEngineSide:
+    """An engine's part of the broadcast: decides for each announcement whether to join,
+    receive or let it pass, and runs that on its group's one thread (a ``Lane``). Each
+    job returns ``(version, epoch, tensors, via)``; a job that cannot use the group falls
+    back to the object store through ``fallback``."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        actor_id: str,
+        *,
+        device: str,
+        loop: asyncio.AbstractEventLoop,
+        fallback: Callable[[str], Any],
+        engine: InferenceEngine,
+    ) -> None:
+        self.bus, self.subjects, self.actor_id = bus, subjects, actor_id
+        self.device, self.loop, self.engine = device, loop, engine
+        self.protocol = engine.broadcast_protocol
+        self._fallback = fallback
+        self.lane = Lane("weights")
+        self.group_id = ""
+        self.since_seq: int | None = None  # None while a join is under way
+        self.seen_seq = 0  # the newest announcement of this group heard
+        self.group: Any = None
+        self.broken = False  # the group could not be formed: take the object store
+        self.timeout_s = 60.0
+        self.log = get_logger(role="engine", part="weights")
+
+    def announce(self, msg: WeightsUpdated) -> concurrent.futures.Future[Any] | None:
+        listed = self.actor_id in msg.members
+        if msg.location != self.group_id:
+            self.group_id, self.since_seq, self.broken = msg.location, None, False
+            self.seen_seq = msg.seq
+            return self.lane.submit(lambda: self._join(msg))
+        if msg.seq <= self.seen_seq:
+            # heard before (the buffer's answer to "which weights are the latest?" repeats
+            # an announcement): its broadcast is taken or under way, never sent twice
+            return None
+        self.seen_seq = msg.seq
+        if self.broken:
+            return self.lane.submit(lambda: self._fall_back("the group could not be formed"))
+        if listed:
+            return self.lane.submit(lambda: self._receive(msg.version, msg.epoch))
+        if self.since_seq is not None and msg.seq > self.since_seq:
+            # sent after we joined, yet not to us: the trainer dropped us; join again
+            self.since_seq = None
+            return self.lane.submit(lambda: self._join(msg))
+        return None  # announced before our join: the join brings these weights or newer
+
+    def _await(self, coro: Any, timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def _forget_group(self) -> None:
+        if self.group is not SERVER_GROUP:
+            bury(self.group)
+        self.group = None
+
+    def _join(self, msg: WeightsUpdated) -> tuple[int, int, Any, str]:
+        self._forget_group()
+        try:
+            grant: WeightsGrant = self._await(
+                self.bus.request(
+                    self.subjects.weights_join,
+                    WeightsJoin(
+                        actor_id=self.actor_id,
+                        group=msg.location,
+                        protocol=self.protocol or "asyncrl",
+                    ),
+                    WeightsGrant,
+                    timeout=30.0,
+                ),
+                35.0,
+            )
+        except Exception as exc:
+            return self._fall_back(f"no join grant ({type(exc).__name__}: {exc})")
+        self.timeout_s = grant.timeout_s
+        try:
+            if self.protocol:  # a server joins the group itself
+                where = BroadcastJoin(
+                    grant.host, grant.port, grant.prefix, grant.backend, grant.timeout_s
+                )
+                self._await(self.engine.join_broadcast(where), grant.timeout_s + 30)
+                self.group = SERVER_GROUP
+            else:
+                import torch.distributed as dist
+
+                store = dist.TCPStore(
+                    grant.host,
+                    grant.port,
+                    None,
+                    False,
+                    timeout=timeout_of(grant.timeout_s),
+                    wait_for_workers=False,
+                )
+                self.group = open_pair(
+                    store, grant.prefix, 1, grant.backend, grant.timeout_s, self.device
+                )
+        except Exception as exc:
+            self.broken = True
+            self._forget_group()
+            return self._fall_back(
+                f"forming the {grant.backend} group at {grant.host}:{grant.port} failed "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            )
+        self.since_seq = grant.since_seq
+        self.log.info(
+            "joined the weight broadcast", at=f"{grant.host}:{grant.port}", since=grant.since_seq
+        )
+        if grant.version < 0:
+            return (-1, grant.epoch, None, "collective")  # nothing published yet
+        return self._receive(grant.version, grant.epoch)
+
+    def _receive(self, version: int, epoch: int) -> tuple[int, int, Any, str]:
+        """One version from the group: into this process (the tensors), or into the
+        server (what the engine's load then swaps in)."""
+        if self.group is None:
+            return self._fall_back("not in a group")
+        try:
+            if self.group is SERVER_GROUP:
+                staged = self._await(
+                    self.engine.receive_broadcast(version, epoch), self.timeout_s * 2 + 30
+                )
+                return staged.version, staged.epoch, staged, "collective"
+            version, epoch, tensors = recv_version(self.group, self.device, self.timeout_s)
+        except Exception as exc:
+            self._forget_group()
+            self.group_id = ""
+            return self._fall_back(f"receive failed ({type(exc).__name__}: {exc})"[:300])
+        return version, epoch, tensors, "collective"
+
+    def _fall_back(self, reason: str) -> tuple[int, int, Any, str]:
+        self.log.warning("weights from the object store instead of the broadcast", reason=reason)
+        version, epoch, tensors = self._await(self._fallback(reason), self.timeout_s * 2 + 30)
+        return version, epoch, tensors, "object_store"
+
+
+__all__ = [
+    "CollectiveEngineSide",
+    "CollectivePublisher",
+    "Packed",
+    "pack",
+    "recv_version",
+    "send_version",
+    "unpack",
+]

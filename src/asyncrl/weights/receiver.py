@@ -1,0 +1,175 @@
+"""The engine side of every transport: one receiver a rollout or eval actor feeds with
+each ``WeightsUpdated`` as it arrives, and asks for the newest weights, staged.
+
+Files (``dir``, ``object_store``) are fetched and staged only when asked for, and only the
+newest announced version: versions announced meanwhile are skipped. A broadcast
+(``collective``) and IPC handles (``cuda_ipc``) are taken as they are announced, in
+order (the trainer is sending them now); ``receive`` then yields the newest result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import shutil
+import tempfile
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.messages import WeightsFallback, WeightsUpdated
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.log import get_logger
+from asyncrl.subjects import Subjects
+from asyncrl.weights.base import NamedTensors, Received, WeightReceiver
+from asyncrl.weights.collective import CollectiveEngineSide
+from asyncrl.weights.files import fetched, get_weights, read_safetensors
+
+if TYPE_CHECKING:
+    from asyncrl.engines.base import InferenceEngine
+
+PENDING_LIMIT = 64
+"""Announcements kept while none is taken: the trainer publishes one per step and a
+receiver takes the newest, so more than a few means the actor is stuck; older ones are
+dropped (a broadcast's job still runs: only its result is forgotten)."""
+
+
+class EngineWeights(WeightReceiver):
+    """Receives for ``engine``; ``want(version)`` filters the versions worth loading (the
+    eval actor loads only those it evaluates)."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        bus: Bus,
+        subjects: Subjects,
+        actor_id: str,
+        *,
+        device: str,
+        want: Callable[[int], bool] | None = None,
+    ) -> None:
+        self.engine, self.bus, self.subjects, self.actor_id = engine, bus, subjects, actor_id
+        self.device = device
+        self.want = want or (lambda version: True)
+        self._pending: deque[tuple[WeightsUpdated, concurrent.futures.Future[Any] | None]]
+        self._pending = deque(maxlen=PENDING_LIMIT)
+        self._arrived = asyncio.Event()
+        self._collective: CollectiveEngineSide | None = None
+        self._fallback_dir: Path | None = None
+        self.counters = {"fallbacks": 0}
+        self.log = get_logger(role="engine", part="weights")
+
+    def announce(self, msg: WeightsUpdated, *, force: bool = False) -> None:
+        """``force``: keep a file announcement even if ``want`` refuses its version."""
+        job: concurrent.futures.Future[Any] | None = None
+        if msg.kind == "collective":
+            job = self._group().announce(msg)
+            if job is None:
+                return  # the join under way brings these weights
+        elif msg.kind == "cuda_ipc":
+            from asyncrl.weights.cuda_ipc import open_handles
+
+            job = self._group().lane.submit(
+                lambda: open_handles(self._await_blob(msg.location), self.device)
+            )
+        elif not (force or self.want(msg.version)):
+            return
+        self._pending.append((msg, job))
+        self._arrived.set()
+
+    def _group(self) -> CollectiveEngineSide:
+        if self._collective is None:
+            self._collective = CollectiveEngineSide(
+                self.bus,
+                self.subjects,
+                self.actor_id,
+                device=self.device,
+                loop=asyncio.get_running_loop(),
+                fallback=self._fallback,
+                engine=self.engine,
+            )
+        return self._collective
+
+    def _await_blob(self, key: str) -> bytes:
+        import io
+
+        async def get() -> bytes:
+            buf = io.BytesIO()
+            await self.bus.get_blob(self.subjects.weights_bucket, key, buf)
+            return buf.getvalue()
+
+        loop = self._group().loop
+        return asyncio.run_coroutine_threadsafe(get(), loop).result(120)
+
+    async def _fallback(self, reason: str) -> tuple[int, int, NamedTensors | Path]:
+        """The current weights from the object store, asked of the trainer."""
+        self.counters["fallbacks"] += 1
+        msg = await self.bus.request(
+            self.subjects.weights_fallback,
+            WeightsFallback(actor_id=self.actor_id, reason=reason[:500]),
+            WeightsUpdated,
+            timeout=300.0,
+        )
+        if self.engine.broadcast_protocol:
+            # a server loads files itself: the folder stays until the next fallback's
+            folder = Path(tempfile.mkdtemp(prefix="asyncrl-weights-"))
+            await get_weights(self.bus, self.subjects.weights_bucket, msg.location, folder)
+            if self._fallback_dir is not None:
+                shutil.rmtree(self._fallback_dir, ignore_errors=True)
+            self._fallback_dir = folder
+            return msg.version, msg.epoch, folder
+        with tempfile.TemporaryDirectory(prefix="asyncrl-weights-") as tmp:
+            await get_weights(self.bus, self.subjects.weights_bucket, msg.location, Path(tmp))
+            tensors = await asyncio.to_thread(read_safetensors, Path(tmp))
+        return msg.version, msg.epoch, tensors
+
+    async def close(self) -> None:
+        if self._fallback_dir is not None:
+            shutil.rmtree(self._fallback_dir, ignore_errors=True)
+
+    @contextlib.asynccontextmanager
+    async def receive(self) -> AsyncIterator[Received]:
+        while True:
+            while not self._pending:
+                self._arrived.clear()
+                await self._arrived.wait()
+            t0 = time.monotonic()
+            best: tuple[WeightsUpdated, Any] | None = None
+            # jobs finish in their announcement order: waiting for each in turn costs
+            # nothing, and every result is seen (the newest wanted one is kept)
+            while self._pending:
+                msg, job = self._pending.popleft()
+                if job is None:
+                    if best is None or (msg.epoch, msg.version) >= (best[0].epoch, best[0].version):
+                        best = (msg, None)
+                    continue
+                try:
+                    version, epoch, tensors, via = await asyncio.wrap_future(job)
+                except Exception as exc:
+                    self.counters["failed"] = self.counters.get("failed", 0) + 1
+                    self.log.warning(
+                        "weights not received", version=msg.version, error=str(exc)[:300]
+                    )
+                    continue
+                newer = best is None or (epoch, version) >= (best[0].epoch, best[0].version)
+                if version >= 0 and tensors is not None and self.want(version) and newer:
+                    done = msg.model_copy(update={"version": version, "epoch": epoch})
+                    best = (done, (tensors, via))
+            if best is None:
+                continue
+            msg, got = best
+            if got is not None:
+                tensors, via = got
+                staged = await self.engine.stage_weights(tensors)
+                yield Received(msg.version, msg.epoch, staged, time.monotonic() - t0, via)
+                return
+            async with fetched(self.bus, self.subjects.weights_bucket, msg) as folder:
+                staged = await self.engine.stage_weights(folder)
+                yield Received(msg.version, msg.epoch, staged, time.monotonic() - t0, msg.kind)
+            return
+
+
+__all__ = ["EngineWeights"]

@@ -1,0 +1,190 @@
+"""The weight transports (:mod:`asyncrl.weights`): the wire layout of a version, what
+``auto`` picks and why, the recipe's refusals, and the broadcast between a publisher and
+receivers over a real gloo group and a real NATS server: join, receive, a dropped
+engine re-joining, and the object store when the group cannot form."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.checks import recipe_problems
+from asyncrl.config import RecipeError, load_recipe
+from asyncrl.engines.instant import InstantEngine
+from asyncrl.messages import WeightsUpdated
+from asyncrl.runtime.bus import Bus
+from asyncrl.subjects import Subjects
+from asyncrl.weights import choose
+from asyncrl.weights.base import Weights
+from asyncrl.weights.build import object_store_copy
+from asyncrl.weights.collective import CollectivePublisher
+from asyncrl.weights.config import WeightsConfig
+from asyncrl.weights.receiver import EngineWeights
+from asyncrl.weights.wire import pack, unpack
+
+
+def test_pack_lays_tensors_out_in_buckets_and_unpack_gives_them_back() -> None:
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)  # 24 bytes
+    b = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)  # 4 bytes
+    c = torch.arange(10, dtype=torch.int64)  # 80 bytes: larger than a bucket
+    d = torch.ones(3, dtype=torch.float16)  # 6 bytes
+    packed = pack([("a", a), ("b", b), ("c", c), ("d", d)], 32, version=7, epoch=2)
+    manifest = json.loads(packed.manifest)
+    # a and b share the first bucket (24 + 4 <= 32); c alone (80 > 32); d starts a new one
+    assert manifest["buckets"] == [28, 80, 6]
+    assert [(e["bucket"], e["offset"], e["nbytes"]) for e in manifest["tensors"]] == [
+        (0, 0, 24),
+        (0, 24, 4),
+        (1, 0, 80),
+        (2, 0, 6),
+    ]
+    assert (packed.version, packed.epoch, packed.nbytes) == (7, 2, 114)
+    out = dict(unpack(packed.manifest, packed.buckets))
+    for name, t in (("a", a), ("b", b), ("c", c), ("d", d)):
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t)
+    # the unpacked tensors are views of the buckets: no copy on the receiving side
+    assert out["a"].untyped_storage().data_ptr() == packed.buckets[0].data_ptr()
+
+
+def test_auto_picks_a_transport_and_says_why() -> None:
+    kind, why = choose(load_recipe(None, ["trainer.device=cpu", "rollout.engine.device=cpu"]))
+    assert kind == "collective" and "gloo" in why
+    kind, why = choose(load_recipe(None, ["rollout.engine.type=vllm"]))
+    assert kind == "object_store" and "vllm" in why
+    kind, why = choose(load_recipe(None, ["trainer.lora.rank=8"]))
+    assert kind == "object_store" and "adapter" in why
+    kind, why = choose(load_recipe(None, ["weights.transport=dir"]))
+    assert (kind, why) == ("dir", "set by weights.transport")
+
+
+def test_the_old_key_names_the_new_one_and_bad_combinations_are_refused() -> None:
+    with pytest.raises(RecipeError, match=r"trainer.weights_transport is now weights.transport"):
+        load_recipe(None, ["trainer.weights_transport=object_store"])
+    errors, _ = recipe_problems(
+        load_recipe(None, ["rollout.engine.type=sglang", "weights.transport=collective"])
+    )
+    assert any('weights.transport = "collective"' in e and "sglang" in e for e in errors)
+    errors, _ = recipe_problems(load_recipe(None, ["weights.transport=cuda_ipc"]))
+    assert any("same CUDA device" in e for e in errors)
+
+
+def _weights(version: int, tensors: list[tuple[str, torch.Tensor]], folder: Path) -> Weights:
+    def never(_: Path) -> None:
+        raise AssertionError("the broadcast needs no export")
+
+    return Weights(
+        version,
+        0,
+        version,
+        folder / f"v{version}",
+        export=never,
+        gather=lambda dtype: [(n, t.clone()) for n, t in tensors],
+    )
+
+
+def _model(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("embed.weight", torch.randn(64, 16, generator=g)),
+        ("layer.bias", torch.randn(16, generator=g)),
+    ]
+
+
+async def _publisher(bus: Bus, subjects: Subjects, **config: object) -> CollectivePublisher:
+    pub = CollectivePublisher(
+        bus,
+        subjects,
+        WeightsConfig.model_validate({"transport": "collective", "timeout_s": 10, **config}),
+        host="127.0.0.1",
+        dtype="float32",
+        backend="gloo",
+        device="cpu",
+        fallback=object_store_copy(bus, subjects),
+    )
+    await pub.start()
+    return pub
+
+
+async def _announce_to(receivers: list[EngineWeights], bus: Bus, subjects: Subjects) -> None:
+    async def on_weights(msg: WeightsUpdated) -> None:
+        for r in receivers:
+            r.announce(msg)
+
+    await bus.subscribe(subjects.weights, WeightsUpdated, on_weights)
+
+
+async def _received(receiver: EngineWeights) -> tuple[int, str, dict[str, torch.Tensor]]:
+    async with asyncio.timeout(30):
+        async with receiver.receive() as got:
+            return got.version, got.via, dict(got.source)
+
+
+async def test_engines_join_receive_every_version_and_rejoin_when_dropped(
+    tmp_path: Path, bus: Bus
+) -> None:
+    subjects = Subjects("collective")
+    pub = await _publisher(bus, subjects)
+    receivers = [
+        EngineWeights(InstantEngine(), bus, subjects, f"rollout-{i}", device="cpu")
+        for i in range(2)
+    ]
+    await _announce_to(receivers, bus, subjects)
+
+    # the first version reaches nobody by broadcast: the engines join on its announcement
+    # and the join brings it
+    await pub.publish(_weights(1, _model(1), tmp_path))
+    for r in receivers:
+        version, via, got = await _received(r)
+        assert (version, via) == (1, "collective")
+        assert all(torch.equal(got[n], t) for n, t in _model(1))
+    assert pub.stats.joins == 2
+
+    msg = await pub.publish(_weights(2, _model(2), tmp_path))
+    assert sorted(msg.members) == ["rollout-0", "rollout-1"]
+    assert pub.delivery()["sent_to"] == ["rollout-0", "rollout-1"]
+    for r in receivers:
+        version, via, got = await _received(r)
+        assert (version, via) == (2, "collective")
+        assert all(torch.equal(got[n], t) for n, t in _model(2))
+
+    # the buffer's answer to "which weights are the latest?" repeats an announcement: it
+    # is not received twice (that receive would wait for the next version's bytes)
+    for r in receivers:
+        r.announce(msg)
+    # the trainer drops an engine (as after a failed send): the next version is announced
+    # without it, it notices, joins again, and the join brings that version
+    pub._drop(pub.members["rollout-1"], "test")
+    msg = await pub.publish(_weights(3, _model(3), tmp_path))
+    assert msg.members == ["rollout-0"]
+    for r in receivers:
+        version, via, got = await _received(r)
+        assert (version, via) == (3, "collective")
+        assert all(torch.equal(got[n], t) for n, t in _model(3))
+    assert pub.stats.joins == 3 and pub.stats.dropped == 1
+    msg = await pub.publish(_weights(4, _model(4), tmp_path))
+    assert sorted(msg.members) == ["rollout-0", "rollout-1"]
+    for r in receivers:
+        assert (await _received(r))[:2] == (4, "collective")
+
+
+async def test_an_engine_that_cannot_form_the_group_takes_the_object_store(
+    tmp_path: Path, bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    subjects = Subjects("fallback")
+    pub = await _publisher(bus, subjects, timeout_s=3)
+    pub.host = "256.0.0.1"  # the grant names an address no engine can reach
+    receiver = EngineWeights(InstantEngine(), bus, subjects, "rollout-0", device="cpu")
+    await _announce_to([receiver], bus, subjects)
+    await pub.publish(_weights(1, _model(1), tmp_path))
+    version, via, got = await _received(receiver)
+    assert (version, via) == (1, "object_store")
+    assert all(torch.equal(got[n], t) for n, t in _model(1))
+    assert receiver.counters["fallbacks"] == 1
+    # the group is known not to form: later versions come from the object store at once
+    await pub.publish(_weights(2, _model(2), tmp_path))
+    assert (await _received(receiver))[:2] == (2, "object_store")
+    assert pub.stats.fallbacks == 2
