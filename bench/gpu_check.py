@@ -19,10 +19,11 @@ that one failing row prints its error and the others still run:
    ``measure()`` of bench/weight_sync.py. Goal ≤ 0.5 s with ``cuda_ipc``. If that
    function cannot be imported or fails, the row says "not available" (a failure only
    with ``--strict``). On the CPU, ``collective`` (gloo) stands in for ``cuda_ipc``.
-4. colocation: per step, what the hf engine frees with ``release_memory`` (its own
-   figure, weights and KV cache) and takes back with ``resume_memory``, while a trainer
-   on the same device steps; and what the trainer keeps meanwhile (``TrainEngine`` has
-   no host offload). 0 on the CPU, where nothing is shared.
+4. colocation: per step, what the hf engine frees with ``release_memory`` (weights and
+   KV cache) and takes back with ``resume_memory`` while the trainer steps, and what the
+   trainer frees by moving its parameters and optimizer state to the host
+   (``TrainEngine.offload``) while the engine generates and takes back (``onload``),
+   with the seconds of each hand-over. 0 on the CPU, where nothing is shared.
 5. ``asyncrl up`` of recipes/ci.toml on the SmolLM2 shape, trainer and hf engine
    colocated on ``cuda:0``: exit 0, every step recorded in ``metrics.jsonl``, and the
    staleness of every trained sample (``trained_samples.jsonl``) at most η.
@@ -382,6 +383,7 @@ async def colocation(sizes: Sizes, device: str) -> Row:
     )  # fmt: skip
     prompts = [torch.randint(vocab, (sizes.prompt_tokens,), generator=g).tolist() for _ in range(8)]
     released, retaken, release_s, resume_s = [], [], [], []
+    offloaded, onloaded, offload_s, onload_s = [], [], [], []
     async with engine:
         for _ in range(sizes.colocated_steps):
             decoding.clear()
@@ -396,7 +398,13 @@ async def colocation(sizes: Sizes, device: str) -> Row:
                 sync(dev)
                 release_s.append(time.perf_counter() - t0)
                 released.append((before - allocated(dev)) / GIB)
+                taken, seconds = trainer.onload()  # the trainer's turn on the device
+                onloaded.append(taken / GIB)
+                onload_s.append(seconds)
                 await asyncio.to_thread(trainer.train_step, batch)
+                freed, seconds = trainer.offload()  # generation's turn
+                offloaded.append(freed / GIB)
+                offload_s.append(seconds)
                 held = allocated(dev)
                 t0 = time.perf_counter()
                 await engine.resume_memory()
@@ -407,7 +415,9 @@ async def colocation(sizes: Sizes, device: str) -> Row:
     row.result = (
         f"engine −{statistics.mean(released):.2f} GiB in {statistics.mean(release_s):.3f} s,"
         f" +{statistics.mean(retaken):.2f} GiB in {statistics.mean(resume_s):.3f} s;"
-        f" trainer keeps {trainer_gib:.2f} GiB (TrainEngine has no host offload)"
+        f" trainer −{statistics.mean(offloaded):.2f} GiB in {statistics.mean(offload_s):.3f} s,"
+        f" +{statistics.mean(onloaded):.2f} GiB in {statistics.mean(onload_s):.3f} s"
+        f" (of {trainer_gib:.2f} GiB after its first step)"
     )
     if dev.type != "cuda":
         row.result = "engine 0 GiB, trainer 0 GiB (on the CPU nothing is shared or released)"
@@ -416,7 +426,11 @@ async def colocation(sizes: Sizes, device: str) -> Row:
         "engine_retaken_gib": statistics.mean(retaken),
         "engine_release_s": statistics.mean(release_s),
         "engine_resume_s": statistics.mean(resume_s),
-        "trainer_kept_gib": trainer_gib,
+        "trainer_after_step_gib": trainer_gib,
+        "trainer_released_gib": statistics.mean(offloaded),
+        "trainer_retaken_gib": statistics.mean(onloaded),
+        "trainer_offload_s": statistics.mean(offload_s),
+        "trainer_onload_s": statistics.mean(onload_s),
         "memory_saver": float(engine.memory_saver),
     }
     del engine, trainer

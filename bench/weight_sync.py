@@ -262,14 +262,15 @@ def _publisher(
 
 def _weights(engine: HFEngine, version: int, tmp: Path, dtype: str) -> Weights:
     """The engine's own weights as the trainer would publish them: an export (safetensors
-    files) or the named tensors (copies, as the trainer's gather makes)."""
+    files) or the named tensors."""
     from safetensors.torch import save_file
 
     def tensors(_: str) -> list[tuple[str, Any]]:
         state = engine.model.state_dict()
         if getattr(engine.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        return [(k, v.detach().to(torch_dtype(dtype)).clone()) for k, v in state.items()]
+        # as the trainer's gather: the live tensors where no cast is needed
+        return [(k, v.detach().to(torch_dtype(dtype))) for k, v in state.items()]
 
     def export(folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)

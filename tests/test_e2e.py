@@ -289,8 +289,15 @@ async def test_kill_9_of_a_rollout_actor_loses_no_prompt(tmp_path: Path) -> None
 
 
 async def test_resume_continues_version_and_accounting(tmp_path: Path) -> None:
+    # the file transport: a step that publishes and checkpoints exports its weights once
     code, out = await run(
-        up_args(tmp_path, "resume", "trainer.max_steps=6", "trainer.checkpoint_every=3")
+        up_args(
+            tmp_path,
+            "resume",
+            "trainer.max_steps=6",
+            "trainer.checkpoint_every=3",
+            "weights.transport=dir",
+        )
     )
     assert code == 0, out
     run_dir = tmp_path / "resume"

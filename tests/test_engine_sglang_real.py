@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from weights_kit import tensor_weights
 
 from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.config import SGLangEngineConfig
@@ -201,3 +202,92 @@ async def test_release_and_resume_memory_are_accepted_no_ops_on_the_cpu(
     await engine.resume()
     after = await engine.agenerate(greedy)
     assert after.output_ids == before.output_ids
+
+
+async def test_the_broadcast_reaches_the_server_through_sglangs_own_endpoints(
+    engine: SGLangEngine, tmp_path: Path
+) -> None:
+    """A trainer's publisher in this process, the server joined to it with
+    ``/init_weights_update_group``: the first version (changed embeddings) arrives with
+    the join and changes greedy generation, the second (the original weights) arrives by
+    broadcast and restores it. Between receiving and the update, new tokens already carry
+    the version received (SGLang loads while it receives)."""
+    from safetensors.torch import load_file
+
+    from asyncrl.engines.base import BroadcastStaged
+    from asyncrl.messages import WeightsUpdated
+    from asyncrl.runtime.bus import Bus
+    from asyncrl.runtime.nats_server import EmbeddedNats
+    from asyncrl.subjects import Subjects
+    from asyncrl.weights.base import Weights
+    from asyncrl.weights.build import object_store_copy
+    from asyncrl.weights.collective import CollectivePublisher
+    from asyncrl.weights.config import WeightsConfig
+    from asyncrl.weights.receiver import EngineWeights
+
+    original = load_file(str(Path(engine.model_path) / "model.safetensors"))
+    changed = {k: (v.flip(0) if v.ndim == 2 and "embed" in k else v) for k, v in original.items()}
+
+    def weights(version: int, tensors: dict) -> Weights:
+        return tensor_weights(version, tensors, tmp_path)
+
+    greedy = GenerateRequest(
+        input_ids=PROMPT, sampling=sampling(8, temperature=0.0, stop_token_ids=())
+    )
+    before = await engine.agenerate(greedy)
+    v1, v2 = engine.version + 1, engine.version + 2
+    async with EmbeddedNats(tmp_path / "run") as nats:
+        bus = await Bus.connect(nats.info, name="test")
+        subjects = Subjects("sglang-broadcast")
+        pub = CollectivePublisher(
+            bus,
+            subjects,
+            WeightsConfig(transport="collective", timeout_s=120),
+            host="127.0.0.1",
+            dtype=engine.dtype,
+            backend="gloo",
+            device="cpu",
+            fallback=object_store_copy(bus, subjects),
+        )
+        receiver = EngineWeights(engine, bus, subjects, "rollout-0", device="cpu")
+        try:
+            await pub.start()
+
+            async def on_weights(msg: WeightsUpdated) -> None:
+                receiver.announce(msg)
+
+            await bus.subscribe(subjects.weights, WeightsUpdated, on_weights)
+
+            async def take(version: int) -> None:
+                async with asyncio.timeout(600), receiver.receive() as got:
+                    assert (got.version, got.via) == (version, "collective")
+                    assert got.source == BroadcastStaged(version, 0)
+                    await engine.pause()
+                    await engine.update_weights(got.source, got.version)
+                    await engine.resume()
+
+            await pub.publish(weights(v1, changed))  # the engine joins; the join brings it
+            async with asyncio.timeout(600), receiver.receive() as got:
+                assert (got.version, got.via) == (v1, "collective")
+                early = await engine.agenerate(greedy)  # received, not yet taken
+                assert engine.version == v1 - 1 and set(early.output_versions) == {v1}
+                await engine.pause()
+                await engine.update_weights(got.source, got.version)
+                await engine.resume()
+            after = await engine.agenerate(greedy)
+            assert after.output_ids == early.output_ids != before.output_ids
+            assert set(after.output_versions) == {v1} and engine.version == v1
+
+            msg = await pub.publish(weights(v2, original))  # by broadcast, to the member
+            assert msg.members == ["rollout-0"]
+            await take(v2)
+            assert pub.delivery()["sent_to"] == ["rollout-0"]
+            again = await engine.agenerate(greedy)
+            assert again.output_ids == before.output_ids and set(again.output_versions) == {v2}
+            info = await engine._call(engine.servers[0], "/model_info", method="GET")
+            assert info["weight_version"] == str(v2)
+            assert receiver.counters["fallbacks"] == 0 and pub.stats.dropped == 0
+        finally:
+            await receiver.close()
+            await pub.close()
+            await bus.close()

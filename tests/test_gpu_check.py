@@ -58,4 +58,4 @@ def test_gpu_check_on_the_cpu_prints_every_row_and_passes(tmp_path: Path) -> Non
     up = rows[-1]["figures"]
     assert up["exit"] == 0 and up["steps"] == 3 and 0 <= up["staleness_max"] <= 1
     colocation = rows[3]["figures"]
-    assert colocation["engine_released_gib"] == 0 and colocation["trainer_kept_gib"] == 0
+    assert colocation["engine_released_gib"] == 0 and colocation["trainer_released_gib"] == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from e2e_kit import running_up, wait_for_file
 
-from asyncrl.messages import ActorInfo
+from asyncrl.messages import ActorInfo, Metrics
 from asyncrl.runtime import lineage
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import nats_info_for_run
@@ -130,15 +130,22 @@ async def test_what_an_actor_left_in_another_session_goes_before_its_replacement
                 a: asyncio.get_running_loop().create_future() for a in ("reward-0", "reward-0-r1")
             }
 
+            stepped = asyncio.Event()  # every actor is up: a death is restarted from here on
+
             async def on_beat(info: ActorInfo) -> None:
                 if info.actor_id in beats and not beats[info.actor_id].done():
                     beats[info.actor_id].set_result(info)
 
+            async def on_metrics(m: Metrics) -> None:
+                stepped.set()
+
             try:
                 await bus.subscribe(Subjects("leave").heartbeat("reward"), ActorInfo, on_beat)
+                await bus.subscribe(Subjects("leave").metrics("trainer"), Metrics, on_metrics)
                 await wait_for_file(left / "reward-0.pid", up.proc)
                 pids.append(int((left / "reward-0.pid").read_text()))
                 victim = await asyncio.wait_for(beats["reward-0"], 120)
+                await asyncio.wait_for(stepped.wait(), 240)
                 os.kill(victim.pid, signal.SIGKILL)
                 await asyncio.wait_for(beats["reward-0-r1"], 120)
             finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from weights_kit import tensor_weights
 
 from asyncrl.checks import recipe_problems
 from asyncrl.config import RecipeError, load_recipe
@@ -19,7 +20,6 @@ from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
 from asyncrl.subjects import Subjects
 from asyncrl.weights import choose
-from asyncrl.weights.base import Weights
 from asyncrl.weights.build import object_store_copy
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.config import WeightsConfig
@@ -53,8 +53,12 @@ def test_pack_lays_tensors_out_in_buckets_and_unpack_gives_them_back() -> None:
 def test_auto_picks_a_transport_and_says_why() -> None:
     kind, why = choose(load_recipe(None, ["trainer.device=cpu", "rollout.engine.device=cpu"]))
     assert kind == "collective" and "gloo" in why
-    kind, why = choose(load_recipe(None, ["rollout.engine.type=vllm"]))
-    assert kind == "object_store" and "vllm" in why
+    kind, why = choose(load_recipe(None, ["rollout.engine.type=vllm", "trainer.device=cpu"]))
+    assert kind == "collective" and "vllm server" in why
+    kind, why = choose(load_recipe(None, ["rollout.engine.type=vllm", "rollout.engine.servers=2"]))
+    assert kind == "object_store" and "rollout.engine.servers = 2" in why
+    kind, why = choose(load_recipe(None, ["rollout.engine.type=sglang", "trainer.device=cpu"]))
+    assert kind == "collective" and "sglang server" in why
     kind, why = choose(load_recipe(None, ["trainer.lora.rank=8"]))
     assert kind == "object_store" and "adapter" in why
     kind, why = choose(load_recipe(None, ["weights.transport=dir"]))
@@ -64,26 +68,30 @@ def test_auto_picks_a_transport_and_says_why() -> None:
 def test_the_old_key_names_the_new_one_and_bad_combinations_are_refused() -> None:
     with pytest.raises(RecipeError, match=r"trainer.weights_transport is now weights.transport"):
         load_recipe(None, ["trainer.weights_transport=object_store"])
-    errors, _ = recipe_problems(
-        load_recipe(None, ["rollout.engine.type=sglang", "weights.transport=collective"])
-    )
-    assert any('weights.transport = "collective"' in e and "sglang" in e for e in errors)
+    sglang = ["rollout.engine.type=sglang", "weights.transport=collective", "trainer.device=cpu"]
+    for extra in ("rollout.engine.cpu=true", 'rollout.engine.urls=["http://h:1"]'):
+        errors, _ = recipe_problems(load_recipe(None, [*sglang, extra]))
+        assert not [e for e in errors if "weights.transport" in e], (extra, errors)
+    for extra, named in (
+        ('rollout.engine.args=["--tp-size","2"]', "--tp-size 2"),
+        ('rollout.engine.args=["--dp-size=2"]', "--dp-size 2"),
+        ('rollout.engine.urls=["http://h:1","http://h:2"]', "rollout.engine.urls has 2"),
+    ):
+        errors, _ = recipe_problems(load_recipe(None, [*sglang, extra]))
+        assert any('"collective"' in e and named in e for e in errors), (extra, errors)
     errors, _ = recipe_problems(load_recipe(None, ["weights.transport=cuda_ipc"]))
     assert any("same CUDA device" in e for e in errors)
-
-
-def _weights(version: int, tensors: list[tuple[str, torch.Tensor]], folder: Path) -> Weights:
-    def never(_: Path) -> None:
-        raise AssertionError("the broadcast needs no export")
-
-    return Weights(
-        version,
-        0,
-        version,
-        folder / f"v{version}",
-        export=never,
-        gather=lambda dtype: [(n, t.clone()) for n, t in tensors],
-    )
+    vllm = ["rollout.engine.type=vllm", "weights.transport=collective", "trainer.device=cpu"]
+    errors, _ = recipe_problems(load_recipe(None, vllm))
+    assert not [e for e in errors if "weights.transport" in e]
+    for extra, named in (
+        ("rollout.engine.servers=2", "rollout.engine.servers = 2"),
+        ('rollout.engine.urls=["http://h:1"]', "rollout.engine.urls"),
+        ('rollout.engine.args=["--tensor-parallel-size","2"]', "--tensor-parallel-size 2"),
+        ('rollout.engine.args=["-tp=2"]', "-tp 2"),
+    ):
+        errors, _ = recipe_problems(load_recipe(None, [*vllm, extra]))
+        assert any('"collective"' in e and named in e for e in errors), (extra, errors)
 
 
 def _model(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -136,14 +144,14 @@ async def test_engines_join_receive_every_version_and_rejoin_when_dropped(
 
     # the first version reaches nobody by broadcast: the engines join on its announcement
     # and the join brings it
-    await pub.publish(_weights(1, _model(1), tmp_path))
+    await pub.publish(tensor_weights(1, _model(1), tmp_path))
     for r in receivers:
         version, via, got = await _received(r)
         assert (version, via) == (1, "collective")
         assert all(torch.equal(got[n], t) for n, t in _model(1))
     assert pub.stats.joins == 2
 
-    msg = await pub.publish(_weights(2, _model(2), tmp_path))
+    msg = await pub.publish(tensor_weights(2, _model(2), tmp_path))
     assert sorted(msg.members) == ["rollout-0", "rollout-1"]
     assert pub.delivery()["sent_to"] == ["rollout-0", "rollout-1"]
     for r in receivers:
@@ -158,14 +166,14 @@ async def test_engines_join_receive_every_version_and_rejoin_when_dropped(
     # the trainer drops an engine (as after a failed send): the next version is announced
     # without it, it notices, joins again, and the join brings that version
     pub._drop(pub.members["rollout-1"], "test")
-    msg = await pub.publish(_weights(3, _model(3), tmp_path))
+    msg = await pub.publish(tensor_weights(3, _model(3), tmp_path))
     assert msg.members == ["rollout-0"]
     for r in receivers:
         version, via, got = await _received(r)
         assert (version, via) == (3, "collective")
         assert all(torch.equal(got[n], t) for n, t in _model(3))
     assert pub.stats.joins == 3 and pub.stats.dropped == 1
-    msg = await pub.publish(_weights(4, _model(4), tmp_path))
+    msg = await pub.publish(tensor_weights(4, _model(4), tmp_path))
     assert sorted(msg.members) == ["rollout-0", "rollout-1"]
     for r in receivers:
         assert (await _received(r))[:2] == (4, "collective")
@@ -179,12 +187,12 @@ async def test_an_engine_that_cannot_form_the_group_takes_the_object_store(
     pub.host = "256.0.0.1"  # the grant names an address no engine can reach
     receiver = EngineWeights(InstantEngine(), bus, subjects, "rollout-0", device="cpu")
     await _announce_to([receiver], bus, subjects)
-    await pub.publish(_weights(1, _model(1), tmp_path))
+    await pub.publish(tensor_weights(1, _model(1), tmp_path))
     version, via, got = await _received(receiver)
     assert (version, via) == (1, "object_store")
     assert all(torch.equal(got[n], t) for n, t in _model(1))
     assert receiver.counters["fallbacks"] == 1
     # the group is known not to form: later versions come from the object store at once
-    await pub.publish(_weights(2, _model(2), tmp_path))
+    await pub.publish(tensor_weights(2, _model(2), tmp_path))
     assert (await _received(receiver))[:2] == (2, "object_store")
     assert pub.stats.fallbacks == 2

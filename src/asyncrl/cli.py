@@ -242,8 +242,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"asyncrl: {refusal}", file=sys.stderr)
                 return 2
             from asyncrl.actors.launch import run_actor
+            from asyncrl.train.torchrun import exit_rank
 
-            return run_actor(args.role, args.run, args.actor_id, nats_file=args.nats)
+            # an engine that joined the weight broadcast holds gloo threads, which the
+            # interpreter's finalization can abort on: leave as every actor process does
+            exit_rank(run_actor(args.role, args.run, args.actor_id, nats_file=args.nats))
         if args.command == "metrics":
             from asyncrl.watch import stream_metrics
 

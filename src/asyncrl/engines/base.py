@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
@@ -120,6 +120,16 @@ class BroadcastStaged:
     epoch: int
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a broadcast version, for a server that must be told what it is about
+    to receive (``broadcast_protocol = "sglang"``)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
 class EngineStopped(RuntimeError):
     """The engine is stopped (or failed); no generation can run."""
 
@@ -195,10 +205,14 @@ class InferenceEngine(ABC):
         """Has the server form its group with the trainer's rank 0 (as rank 1)."""
         raise NotImplementedError(f"{type(self).__name__} takes no broadcast itself")
 
-    async def receive_broadcast(self, version: int, epoch: int) -> BroadcastStaged:
+    async def receive_broadcast(
+        self, version: int, epoch: int, tensors: Sequence[TensorSpec] = ()
+    ) -> BroadcastStaged:
         """Has the server receive the version announced (``version``, ``epoch``) into a
         staging area while it keeps generating; returns what :meth:`update_weights` then
-        takes (the version the server actually received)."""
+        takes (the version the server actually received). ``tensors``: what the version
+        holds, in sending order, given only to a protocol whose server must know it
+        before the bytes arrive (``"sglang"``)."""
         raise NotImplementedError(f"{type(self).__name__} takes no broadcast itself")
 
     # --- shared behaviour -------------------------------------------------------------------

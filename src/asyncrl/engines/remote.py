@@ -279,18 +279,25 @@ class RemoteEngine(InferenceEngine):
         *,
         method: str = "POST",
         params: dict[str, str] | None = None,
+        limit_s: float | None = None,
     ) -> Any:
         """One JSON call with retries on connection errors; returns the decoded body (or the
-        text when it is not JSON). Raises :class:`ServerError` with the server's words."""
+        text when it is not JSON). Raises :class:`ServerError` with the server's words.
+        ``limit_s`` replaces ``request_timeout`` for this call."""
         import aiohttp
 
         url = server.url + path
+        limit = self.config.request_timeout if limit_s is None else limit_s
+        # aiohttp reads timeout=None as "no limit": pass one only when given
+        per_call = {} if limit_s is None else {"timeout": aiohttp.ClientTimeout(total=limit_s)}
         delay = self.config.retry_backoff
         for attempt in range(self.config.retries + 1):
             if self._session is None:
                 raise ServerError(f"{method} {url}: the engine is stopped")
             try:
-                async with self._session.request(method, url, json=payload, params=params) as r:
+                async with self._session.request(
+                    method, url, json=payload, params=params, **per_call
+                ) as r:
                     body = await r.text()
                     if r.status >= 400:
                         # a 5xx points at the log for the cause (vLLM: "see stack trace above")
@@ -301,8 +308,7 @@ class RemoteEngine(InferenceEngine):
                     return body
             except TimeoutError as exc:
                 raise ServerError(
-                    f"{method} {url}: no answer within {self.config.request_timeout:.0f} s"
-                    f"{self._server_state(server)}"
+                    f"{method} {url}: no answer within {limit:.0f} s{self._server_state(server)}"
                 ) from exc
             except aiohttp.ClientConnectionError as exc:
                 if server.process is not None and server.process.returncode is not None:

@@ -19,6 +19,14 @@ Endpoints used:
   ``POST /load_lora_adapter`` ``{"lora_name": "policy-v<version>", "lora_path": DIR}``,
   the one before it dropped with ``POST /unload_lora_adapter``, and each ``/generate``
   names the loaded adapter in ``lora_path``;
+- the ``collective`` weight broadcast (:mod:`asyncrl.weights.sglang_wire`): ``POST
+  /init_weights_update_group`` with ``master_address``/``master_port`` (the trainer's
+  rendezvous store, which SGLang's ``tcp://`` rendezvous joins as a client),
+  ``rank_offset`` 1, ``world_size`` 2, ``group_name`` (the grant's prefix) and ``backend``;
+  then per version ``POST /begin_weight_update``, ``POST /update_weights_from_distributed``
+  with the version's ``names``, ``dtypes`` and ``shapes`` in sending order (the server
+  receives one broadcast per tensor and loads them), ``weight_version`` and
+  ``flush_cache``, and ``POST /end_weight_update``;
 - ``POST /release_memory_occupation`` and ``POST /resume_memory_occupation`` for
   ``rollout.colocate`` (the server must run with ``--enable-memory-saver``, which this
   engine adds when ``memory_saver`` is set); never sent to a CPU server (nothing to free,
@@ -33,12 +41,21 @@ reports the cut one, so ``asyncrl check`` refuses a cut with this engine.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from asyncrl.engines.base import GenerateRequest, GenerateResponse, WeightSource
+from asyncrl.engines.base import (
+    BroadcastJoin,
+    BroadcastStaged,
+    GenerateRequest,
+    GenerateResponse,
+    TensorSpec,
+    WeightSource,
+)
 from asyncrl.engines.config import SGLangEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
 from asyncrl.engines.server import ServerError, resolve_interpreter
@@ -137,9 +154,18 @@ class SGLangEngine(RemoteEngine):
     :meth:`release_memory` can free their weights and KV cache while a trainer steps on
     the same GPU. ``lora_rank`` > 0 starts them with LoRA on, for adapters up to that
     rank (``trainer.lora.rank``).
+
+    **The broadcast** (``weights.transport = "collective"``) reaches one server, not tensor-
+    or data-parallel (``asyncrl check`` refuses the rest). SGLang loads the weights while
+    it receives them, so receiving and swapping in cannot be separated: generation is
+    paused for the whole receive (SGLang also flushes its cache then, which it refuses
+    while requests run), and :meth:`update_weights` of the staged version has nothing
+    left to load. Tokens generated between the two carry the version received
+    (:meth:`_generate_segment`), not the one before.
     """
 
     kind = "sglang"
+    broadcast_protocol: ClassVar[str] = "sglang"
 
     config: SGLangEngineConfig
 
@@ -156,6 +182,9 @@ class SGLangEngine(RemoteEngine):
         super().__init__(model, config or SGLangEngineConfig(), log_dir=log_dir, version=version)
         self.memory_saver = memory_saver
         self.lora_rank = lora_rank
+        self._received_version: int | None = None
+        """The version the server holds from a broadcast until :meth:`update_weights` takes
+        it (new tokens carry it)."""
 
     def server_command(self) -> list[str]:
         if self.config.command:
@@ -203,6 +232,12 @@ class SGLangEngine(RemoteEngine):
             payload["lora_path"] = server.info["lora"]
         return parse_generate(request, await self._call(server, "/generate", payload))
 
+    async def _generate_segment(self, request: GenerateRequest) -> GenerateResponse:
+        response = await super()._generate_segment(request)
+        if self._received_version is not None:
+            response.output_versions = [self._received_version] * len(response.output_ids)
+        return response
+
     async def _server_pause(self, server: Server) -> None:
         await self._call(server, "/pause_generation", {"mode": "abort"})
 
@@ -235,6 +270,79 @@ class SGLangEngine(RemoteEngine):
         if isinstance(answer, dict) and answer.get("success") is False:
             raise ServerError(f"{server.url}/update_weights_from_disk: {answer.get('message')}")
         await self._call(server, "/flush_cache")
+
+    async def _load_weights(self, source: WeightSource | BroadcastStaged) -> None:
+        if isinstance(source, BroadcastStaged):
+            # loaded as it was received (receive_broadcast); a newer one received since
+            # keeps stamping its own version
+            if self._received_version == source.version:
+                self._received_version = None
+            return
+        await super()._load_weights(source)
+        self._received_version = None
+
+    async def join_broadcast(self, where: BroadcastJoin) -> None:
+        if len(self.servers) != 1:
+            raise ServerError(f"the weight broadcast reaches one SGLang server, not {self.servers}")
+        server = self.servers[0]
+        payload = {
+            "master_address": where.host,
+            "master_port": where.port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": where.prefix,
+            "backend": where.backend,
+        }
+        async with asyncio.timeout(where.timeout_s + 10):
+            await self._call(server, "/init_weights_update_group", payload)
+        server.info["broadcast"] = where
+
+    async def receive_broadcast(
+        self, version: int, epoch: int, tensors: Sequence[TensorSpec] = ()
+    ) -> BroadcastStaged:
+        server = self.servers[0]
+        where: BroadcastJoin | None = server.info.get("broadcast")
+        if where is None or not tensors:
+            raise ServerError("receive_broadcast needs a joined group and the tensor list")
+        async with self._update_lock:
+            was_paused = self.paused
+            if not was_paused:
+                await self.pause()
+            try:
+                await self._take_memory_back()
+                await self._receive_into(server, where, version, tensors)
+                self._received_version = version
+            finally:
+                if not was_paused:
+                    await self.resume()
+        return BroadcastStaged(version, epoch)
+
+    async def _receive_into(
+        self, server: Server, where: BroadcastJoin, version: int, tensors: Sequence[TensorSpec]
+    ) -> None:
+        """One version inside SGLang's weight-update session (which it requires; a session
+        left open by a failed update is closed first)."""
+        payload = {
+            "names": [t.name for t in tensors],
+            "dtypes": [t.dtype for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": where.prefix,
+            "flush_cache": True,
+            "weight_version": str(version),
+        }
+        try:
+            await self._call(server, "/begin_weight_update", {})
+        except ServerError as exc:
+            if "already open" not in str(exc):
+                raise
+            await self._call(server, "/end_weight_update", {})
+            await self._call(server, "/begin_weight_update", {})
+        try:
+            async with asyncio.timeout(where.timeout_s + 30):
+                await self._call(server, "/update_weights_from_distributed", payload)
+        finally:
+            async with asyncio.timeout(30):
+                await self._call(server, "/end_weight_update", {})
 
     async def _load_adapter(self, server: Server, path: Path, version: int) -> None:
         """Loads the adapter in ``path`` as ``policy-v<version>``, then drops the one

@@ -26,14 +26,37 @@ the run's one definition of a behaviour logprob (the hf engine's default ``"proc
 mode of :mod:`asyncrl.engines.sampling`, and what the trainer scores with the same cut).
 Greedy requests (T = 0) report ``log_softmax(logits)``. The default (``raw_logprobs``)
 would ignore the temperature and the cut.
+
+**The weight broadcast** (``weights.transport = "collective"``, protocol ``"asyncrl"``).
+Servers start with asyncrl's worker extension (``--worker-extension-cls
+asyncrl_vllm_worker.WeightBroadcast``, its folder :data:`WORKER_DIR` on ``PYTHONPATH``),
+and the server itself joins the trainer's group and receives each version through
+``POST /collective_rpc``: ``asyncrl_join``, ``asyncrl_receive`` (into a staging area of
+the worker; vLLM runs it between two steps, so generation waits while the bytes arrive),
+then ``asyncrl_load`` during the pause, followed by ``/reset_prefix_cache`` and
+``/update_weight_version`` as for a directory.
+One server of one worker only: each server (and each tensor-parallel worker) would be a
+member of its own, so ``asyncrl check`` refuses ``rollout.engine.servers`` > 1, ``urls``
+and tensor/pipeline/data parallel flags with it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
-from asyncrl.engines.base import FinishReason, GenerateRequest, GenerateResponse
+from asyncrl.engines.base import (
+    BroadcastJoin,
+    BroadcastStaged,
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    TensorSpec,
+    WeightSource,
+)
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
 from asyncrl.engines.server import ServerError, resolve_interpreter
@@ -41,6 +64,15 @@ from asyncrl.lora import is_adapter_dir
 from asyncrl.models import ModelConfig
 
 LAUNCHER = Path(__file__).with_name("vllm_launch.py")
+
+WORKER_DIR = Path(__file__).with_name("vllm_worker")
+"""The folder put on the servers' ``PYTHONPATH``: it holds the worker extension alone."""
+
+WORKER_EXTENSION = "asyncrl_vllm_worker.WeightBroadcast"
+
+RPC_MARGIN_S = 30.0
+"""Seconds a broadcast call to a server may take beyond the collectives' own bound (the
+server's loop may first finish a step)."""
 
 FINISH_REASONS = set(get_args(FinishReason))
 
@@ -121,6 +153,7 @@ class VLLMEngine(RemoteEngine):
 
     kind = "vllm"
     served_name = "policy"
+    broadcast_protocol = "asyncrl"
 
     config: VLLMEngineConfig
 
@@ -135,6 +168,7 @@ class VLLMEngine(RemoteEngine):
     ) -> None:
         super().__init__(model, config or VLLMEngineConfig(), log_dir=log_dir, version=version)
         self.lora_rank = lora_rank
+        self._broadcast_timeout_s = 60.0  # the grant's, once joined
 
     def server_command(self) -> list[str]:
         if self.config.command:
@@ -157,6 +191,8 @@ class VLLMEngine(RemoteEngine):
             "--logprobs-mode",
             "processed_logprobs",
             "--disable-uvicorn-access-log",
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
         ]
         if self.config.max_model_len:
             argv += ["--max-model-len", str(self.config.max_model_len)]
@@ -168,12 +204,14 @@ class VLLMEngine(RemoteEngine):
 
     def server_env(self) -> dict[str, str]:
         lora = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if self.lora_rank else {}
+        inherited = self.config.env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         return {
             "VLLM_SERVER_DEV_MODE": "1",
             **lora,
             "VLLM_CPU_KVCACHE_SPACE": str(self.config.cpu_kvcache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": self.config.cpu_threads_bind,
             **self.config.env,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(WORKER_DIR), inherited) if p),
         }
 
     async def _server_ready(self, server: Server) -> None:
@@ -212,16 +250,77 @@ class VLLMEngine(RemoteEngine):
         if is_adapter_dir(path):
             await self._load_adapter(server, path, version)
             return
-        if server.info.get("lora"):  # new base weights: the adapter belonged to the old
+        await self._swap_base_weights(
+            server, {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, version
+        )
+
+    async def _swap_base_weights(
+        self, server: Server, rpc: dict[str, Any], version: int, limit_s: float | None = None
+    ) -> None:
+        """New base weights through the ``/collective_rpc`` call ``rpc``; the adapter and
+        the prefix cache belonged to the old ones."""
+        if server.info.get("lora"):
             await self._call(server, "/v1/unload_lora_adapter", {"lora_name": server.info["lora"]})
             server.info["lora"] = None
-        await self._call(
-            server,
-            "/collective_rpc",
-            {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-        )
+        await self._call(server, "/collective_rpc", rpc, limit_s=limit_s)
         await self._call(server, "/reset_prefix_cache")
         await self._call(server, "/update_weight_version", {"new_version": str(version)})
+
+    # --- the weight broadcast (see the module docstring) -----------------------------------
+
+    def _broadcast_server(self) -> Server:
+        if len(self.servers) != 1:
+            raise ServerError(
+                f"the weight broadcast reaches one vLLM server per rollout actor, this one "
+                f"has {len(self.servers)} (rollout.engine.servers / urls)"
+            )
+        return self.servers[0]
+
+    async def _rpc(self, server: Server, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """One worker method through ``/collective_rpc``: the answer of the one worker."""
+        body = await self._call(
+            server,
+            "/collective_rpc",
+            {"method": method, "kwargs": kwargs},
+            limit_s=self._broadcast_timeout_s * 2 + RPC_MARGIN_S,
+        )
+        try:
+            (result,) = body["results"]
+            return dict(result)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ServerError(f"{method}: unexpected answer from vLLM: {str(body)[:2000]}") from exc
+
+    async def join_broadcast(self, where: BroadcastJoin) -> None:
+        server = self._broadcast_server()
+        self._broadcast_timeout_s = where.timeout_s
+        spec = {
+            "host": where.host,
+            "port": where.port,
+            "prefix": where.prefix,
+            "backend": where.backend,
+            "timeout_s": where.timeout_s,
+        }
+        await self._rpc(server, "asyncrl_join", {"where": json.dumps(spec)})
+
+    async def receive_broadcast(
+        self, version: int, epoch: int, tensors: Sequence[TensorSpec] = ()
+    ) -> BroadcastStaged:
+        # asyncrl's protocol carries its manifest: ``tensors`` is not needed
+        got = await self._rpc(self._broadcast_server(), "asyncrl_receive", {})
+        return BroadcastStaged(version=int(got["version"]), epoch=int(got["epoch"]))
+
+    async def _load_weights(self, source: WeightSource) -> None:
+        if not isinstance(source, BroadcastStaged):
+            await super()._load_weights(source)
+            return
+        version = self._loading_version if self._loading_version is not None else self._version
+        rpc = {
+            "method": "asyncrl_load",
+            "kwargs": {"epoch": source.epoch, "version": source.version},
+        }
+        await self._swap_base_weights(
+            self._broadcast_server(), rpc, version, self._broadcast_timeout_s + RPC_MARGIN_S
+        )
 
     async def _load_adapter(self, server: Server, path: Path, version: int) -> None:
         """Loads the adapter in ``path`` as ``policy-v<version>`` and drops the one before

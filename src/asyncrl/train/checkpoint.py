@@ -280,6 +280,7 @@ def iter_full_weights(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    copy: bool = True,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yields the full (unsharded) weights of ``lm`` as buckets of ``(name, tensor)`` of
     about ``bucket_bytes`` each (a tensor larger than that gets a bucket of its own).
@@ -298,8 +299,9 @@ def iter_full_weights(
             yield bucket if rank == 0 else []
             bucket, size = [], 0
         if rank == 0:
-            # copy=True: unsharded, `full` is the live parameter, which the next step updates.
-            bucket.append((name, full.to(device=device, dtype=dtype or full.dtype, copy=True)))
+            # unsharded, `full` is the live parameter, which the next step updates: a copy
+            # unless the caller (``copy=False``) is done with it before then
+            bucket.append((name, full.to(device=device, dtype=dtype or full.dtype, copy=copy)))
         else:
             bucket.append((name, full[:0]))  # keep the count, drop the data
         size += nbytes

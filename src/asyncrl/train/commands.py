@@ -98,10 +98,13 @@ class Leader:
     def gather(self, dtype: str) -> list[tuple[str, torch.Tensor]]:
         """The full weights as ``(HF name, CPU tensor)`` in ``dtype`` on rank 0 (LoRA:
         merged into the base weights), for a transport that sends tensors, not files.
-        Every rank takes part in the all-gathers; only rank 0 keeps the result."""
+        Every rank takes part in the all-gathers; only rank 0 keeps the result. A tensor
+        that needs no cast or gather is the live parameter itself: use the result before
+        the next step."""
         with self._one_at_a_time:
             self._path_command(Command.GATHER, dtype)
-            return [pair for bucket in self.engine.iter_weights(dtype=dtype) for pair in bucket]
+            buckets = self.engine.iter_weights(dtype=dtype, copy=False)
+            return [pair for bucket in buckets for pair in bucket]
 
     def offload(self) -> tuple[int, float]:
         """Every rank moves its parameters and optimizer state to host memory

@@ -622,11 +622,13 @@ class TrainEngine:
         )
 
     def iter_weights(
-        self, bucket_bytes: int = 256 << 20, *, dtype: str | None = None
+        self, bucket_bytes: int = 256 << 20, *, dtype: str | None = None, copy: bool = True
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights as buckets of ``(HF name, CPU tensor)`` in ``dtype`` (default:
-        ``model.dtype``); rank 0 gets them, other ranks get empty buckets. Collective: every
-        rank must exhaust the iterator. See :func:`asyncrl.train.checkpoint.iter_full_weights`.
+        ``model.dtype``); rank 0 gets them, other ranks get empty buckets. ``copy=False``:
+        tensors that need no cast or gather are the live parameters themselves (for a
+        caller done with them before the next step). Collective: every rank must exhaust
+        the iterator. See :func:`asyncrl.train.checkpoint.iter_full_weights`.
         """
         self._reshard()
         torch_type = torch_dtype(dtype or self.dtype_name)
@@ -634,7 +636,7 @@ class TrainEngine:
             from asyncrl.train.lora import iter_merged_weights
 
             return iter_merged_weights(self.lm, bucket_bytes, dtype=torch_type)
-        return ckpt.iter_full_weights(self.lm, bucket_bytes, dtype=torch_type)
+        return ckpt.iter_full_weights(self.lm, bucket_bytes, dtype=torch_type, copy=copy)
 
     @property
     def tokenizer(self) -> Any:

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.messages import WeightsUpdated
+from asyncrl.runtime.bus import Bus
+from asyncrl.subjects import Subjects
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +57,6 @@ class Weights:
         self.folder = folder
         self._export, self._gather, self.source = export, gather, source
         self._exported = False
-        self._tensors: dict[str, NamedTensors] = {}
 
     def directory(self) -> Path:
         """The HF export of this version at :attr:`folder` (blocking: call in a thread)."""
@@ -80,21 +81,36 @@ class Weights:
         return self._exported
 
     def tensors(self, dtype: str) -> NamedTensors:
-        """The named tensors in ``dtype`` (blocking: call in a thread)."""
-        if dtype not in self._tensors:
-            if self.source is not None and self.source.is_dir():
-                from asyncrl.weights.files import read_safetensors
+        """The named tensors in ``dtype`` (blocking: call in a thread). Some may be the
+        trainer's live parameters: a transport copies what it keeps before it returns."""
+        if self.source is not None and self.source.is_dir():
+            from asyncrl.weights.files import read_safetensors
 
-                self._tensors[dtype] = read_safetensors(self.source, dtype)
-            else:
-                self._tensors[dtype] = self._gather(dtype)
-        return self._tensors[dtype]
+            return read_safetensors(self.source, dtype)
+        return self._gather(dtype)
 
 
 class WeightPublisher(ABC):
     """The trainer side of a transport (rank 0, in the trainer actor's event loop)."""
 
     kind: str
+
+    def __init__(self, bus: Bus, subjects: Subjects) -> None:
+        self.bus, self.subjects = bus, subjects
+
+    async def announce(self, weights: Weights, location: str, **extra: Any) -> WeightsUpdated:
+        """Puts the ``WeightsUpdated`` of ``weights`` (this transport's kind, at
+        ``location``) on the weights subject; returns it."""
+        msg = WeightsUpdated(
+            version=weights.version,
+            kind=self.kind,  # type: ignore[arg-type]
+            location=location,
+            step=weights.step,
+            epoch=weights.epoch,
+            **extra,
+        )
+        await self.bus.publish(self.subjects.weights, msg)
+        return msg
 
     async def start(self) -> None:
         """Opens what the transport needs (a rendezvous store, request handlers)."""

@@ -15,11 +15,12 @@ from asyncrl.models import resolve_dtype
 from asyncrl.runtime.bus import Bus
 from asyncrl.schema import resolve_device
 from asyncrl.subjects import Subjects
-from asyncrl.weights.base import WeightPublisher, Weights
+from asyncrl.weights.base import WeightPublisher
 from asyncrl.weights.choose import choose
 from asyncrl.weights.collective import CollectivePublisher, rendezvous_host
 from asyncrl.weights.files import DirPublisher, ObjectStorePublisher, delete_weights, put_weights
 from asyncrl.weights.receiver import EngineWeights
+from asyncrl.weights.wire import Packed, unpack
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -68,21 +69,22 @@ def build_publisher(
 
 def object_store_copy(
     bus: Bus, subjects: Subjects
-) -> Callable[[Weights, str], Awaitable[WeightsUpdated]]:
-    """The fallback of the broadcast: a version's tensors written once to the object
-    store (rank 0 alone, no collective); the copy of the version before is deleted."""
+) -> Callable[[Packed, int], Awaitable[WeightsUpdated]]:
+    """The fallback of the broadcast: the version being broadcast (its packed copy, not
+    the trainer's live weights) written once to the object store; the copy of the
+    version before is deleted."""
     uploaded: list[Path] = []
 
-    async def upload(weights: Weights, dtype: str) -> WeightsUpdated:
+    async def upload(packed: Packed, step: int) -> WeightsUpdated:
         from safetensors.torch import save_file
 
         folder = Path(tempfile.mkdtemp(prefix="asyncrl-fallback-")) / (
-            f"fallback-e{weights.epoch}-v{weights.version:06d}"
+            f"fallback-e{packed.epoch}-v{packed.version:06d}"
         )
 
         def write() -> None:
             folder.mkdir(parents=True)
-            tensors = {n: t.contiguous() for n, t in weights.tensors(dtype)}
+            tensors = {n: t.contiguous() for n, t in unpack(packed.manifest, packed.buckets)}
             save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
         await asyncio.to_thread(write)
@@ -92,11 +94,11 @@ def object_store_copy(
             shutil.rmtree(old.parent, ignore_errors=True)
         uploaded[:] = [folder]
         return WeightsUpdated(
-            version=weights.version,
+            version=packed.version,
             kind="object_store",
             location=key,
-            step=weights.step,
-            epoch=weights.epoch,
+            step=step,
+            epoch=packed.epoch,
         )
 
     return upload

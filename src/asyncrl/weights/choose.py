@@ -13,7 +13,66 @@ if TYPE_CHECKING:
 
 TENSOR_ENGINES = ("hf", "instant")
 """Engine types that take weights as tensors in their own process, so a broadcast or an
-IPC handle reaches them; the server engines (vLLM, SGLang) load files."""
+IPC handle reaches them; a server engine loads files, or joins the broadcast itself
+(:data:`BROADCAST_SERVERS`)."""
+
+BROADCAST_SERVERS = ("vllm", "sglang")
+"""Server engines whose server joins the broadcast itself (one server of one worker per
+rollout actor: :func:`broadcast_server_problem`)."""
+
+PARALLEL_FLAGS = (
+    "--tensor-parallel-size",
+    "-tp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size",
+    "-dp",
+    "--tp-size",
+    "--pp-size",
+    "--dp-size",
+)
+"""vLLM and SGLang flags that give a server more than one worker (each would need a group;
+SGLang's own would be ``world_size = 1 + tp``, one rank per tensor-parallel worker)."""
+
+
+def _parallel_args(args: list[str]) -> list[str]:
+    """The flags of ``args`` that ask for more than one worker, as written."""
+    found = []
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag not in PARALLEL_FLAGS:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if value.strip() not in ("", "1"):
+            found.append(f"{flag} {value}")
+    return found
+
+
+def broadcast_server_problem(recipe: Recipe) -> str | None:
+    """Why the server engine cannot take the broadcast itself, naming the keys, or None.
+
+    Each server, and each worker in one, would be a member of the broadcast of its own;
+    one server of one worker per rollout actor is what is supported."""
+    engine = recipe.rollout.engine
+    if engine.type not in BROADCAST_SERVERS:
+        return f"the {engine.type} engine's servers do not join the broadcast"
+    urls, servers = getattr(engine, "urls", []), getattr(engine, "servers", 1)
+    if urls and engine.type == "vllm":
+        return "rollout.engine.urls: servers started elsewhere lack asyncrl's worker extension"
+    if len(urls) > 1:
+        return f"rollout.engine.urls has {len(urls)}: the broadcast reaches one server per actor"
+    if servers != 1:
+        return f"rollout.engine.servers = {servers}: the broadcast reaches one server per actor"
+    parallel = _parallel_args(list(getattr(engine, "args", [])))
+    if parallel:
+        return (
+            f"rollout.engine.args has {', '.join(parallel)}: the broadcast reaches a server "
+            "of one worker"
+        )
+    if shared_gpu(recipe) is not None:
+        return "trainer.device and the server share one GPU, where NCCL cannot pair two ranks"
+    return None
 
 
 def _cuda_index(device: str) -> int | None:
@@ -49,18 +108,16 @@ def choose(recipe: Recipe) -> tuple[TransportKind, str]:
             "LoRA publishes adapters (trainer.lora.publish = 'adapter'), a few MiB that "
             "travel as files through NATS"
         )
-    if engine.type not in TENSOR_ENGINES:
-        return "object_store", (
-            f"the {engine.type} engine loads weights from files here; the broadcast reaches "
-            f"in-process engines ({', '.join(TENSOR_ENGINES)})"
-        )
-    gpu = shared_gpu(recipe)
-    if gpu is not None:
+    in_process = engine.type in TENSOR_ENGINES
+    if not in_process and (problem := broadcast_server_problem(recipe)) is not None:
+        return "object_store", f"the {engine.type} engine loads files here ({problem})"
+    if in_process and (gpu := shared_gpu(recipe)) is not None:
         return "cuda_ipc", f"trainer and engine share cuda:{gpu}: IPC handles, no copy"
     backend = "gloo" if _cuda_index(engine_device(engine)) is None else "nccl"
+    who = f"the {engine.type} engines" if in_process else f"the {engine.type} server"
     return "collective", (
-        f"the {engine.type} engines join a {backend} group with the trainer's rank 0 "
-        "(the object store stays the fallback)"
+        f"{who} join{'' if in_process else 's'} a {backend} group with the trainer's "
+        "rank 0 (the object store stays the fallback)"
     )
 
 
@@ -68,12 +125,19 @@ def transport_problems(recipe: Recipe) -> list[str]:
     """A transport set by hand that the recipe cannot run with, each naming its keys."""
     w, engine = recipe.weights, recipe.rollout.engine
     problems: list[str] = []
-    if w.transport in ("collective", "cuda_ipc") and engine.type not in TENSOR_ENGINES:
+    if w.transport == "cuda_ipc" and engine.type not in TENSOR_ENGINES:
         problems.append(
-            f'weights.transport = "{w.transport}" with rollout.engine.type = '
-            f'"{engine.type}": only in-process engines ({", ".join(TENSOR_ENGINES)}) receive '
-            'tensors; use "object_store" or "dir" (or "auto")'
+            f'weights.transport = "cuda_ipc" with rollout.engine.type = "{engine.type}": '
+            f"only in-process engines ({', '.join(TENSOR_ENGINES)}) map IPC handles; use "
+            '"collective", "object_store" or "dir" (or "auto")'
         )
+    if w.transport == "collective" and engine.type not in TENSOR_ENGINES:
+        problem = broadcast_server_problem(recipe)
+        if problem is not None:
+            problems.append(
+                f'weights.transport = "collective" with rollout.engine.type = '
+                f'"{engine.type}": {problem}; use "object_store" or "dir" (or "auto")'
+            )
     if w.transport == "cuda_ipc" and shared_gpu(recipe) is None:
         problems.append(
             'weights.transport = "cuda_ipc" needs trainer.device and rollout.engine.device '
@@ -91,4 +155,11 @@ def transport_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
-__all__ = ["TENSOR_ENGINES", "choose", "shared_gpu", "transport_problems"]
+__all__ = [
+    "BROADCAST_SERVERS",
+    "TENSOR_ENGINES",
+    "broadcast_server_problem",
+    "choose",
+    "shared_gpu",
+    "transport_problems",
+]

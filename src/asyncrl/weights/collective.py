@@ -26,6 +26,12 @@ and the log says why. Groups that failed are never destroyed (a gloo group's des
 joins its worker threads, which a stuck peer could hold): they are kept aside until the
 process exits.
 
+**Server protocols.** A server engine joins with the protocol it speaks
+(``WeightsJoin.protocol``): ``"asyncrl"`` is the layout above; ``"sglang"`` is SGLang's
+own (:mod:`asyncrl.weights.sglang_wire`: its group, one broadcast per tensor, the tensor
+list in the object store). The trainer forms each member's group and sends each version
+the way that member speaks; timeouts and drops are the same for all.
+
 **Ordering.** The trainer announces a version (``WeightsUpdated`` listing the engines it is
 sent to) before it sends; an engine queues one job per announcement, in arrival order, on
 the one thread that owns its group, so receives match sends one for one. Joins are
@@ -44,7 +50,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.engines.base import BroadcastJoin, InferenceEngine
+from asyncrl.engines.base import BroadcastJoin, BroadcastStaged, InferenceEngine
 from asyncrl.messages import (
     WeightsFallback,
     WeightsGrant,
@@ -54,6 +60,7 @@ from asyncrl.messages import (
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.subjects import Subjects
+from asyncrl.weights import sglang_wire
 from asyncrl.weights.base import WeightPublisher, Weights
 from asyncrl.weights.config import WeightsConfig
 from asyncrl.weights.wire import (
@@ -91,6 +98,7 @@ class _Member:
     actor_id: str
     prefix: str
     lane: Lane
+    protocol: str = "asyncrl"
     group: Any = None
     alive: bool = True
 
@@ -129,19 +137,22 @@ class CollectivePublisher(WeightPublisher):
         dtype: str,
         backend: str,
         device: str,
-        fallback: Callable[[Weights, str], Awaitable[WeightsUpdated]],
+        fallback: Callable[[Packed, int], Awaitable[WeightsUpdated]],
     ) -> None:
-        self.bus, self.subjects, self.config = bus, subjects, config
+        super().__init__(bus, subjects)
+        self.config = config
         self.host, self.dtype, self.backend, self.device = host, dtype, backend, device
         self.group_id = uuid.uuid4().hex[:12]
         self.store: Any = None
         self.members: dict[str, _Member] = {}
         self.seq = 0
         self.current: Packed | None = None
-        self.current_weights: Weights | None = None
+        self.current_step = 0
         self._fallback = fallback
         self._fallback_msg: WeightsUpdated | None = None
         self._lock = asyncio.Lock()
+        self._tensor_lists: list[str] = []
+        """Keys of the tensor lists in the object store (SGLang members read them)."""
         self._joins: set[asyncio.Task[bool]] = set()
         """Joins whose group formation and first send are under way (kept referenced; each
         ends within the timeout, and :meth:`close` cancels what is left)."""
@@ -166,19 +177,14 @@ class CollectivePublisher(WeightPublisher):
         )
         async with self._lock:
             self.seq += 1
-            self.current, self.current_weights = packed, weights
+            self.current, self.current_step = packed, weights.step
             self._fallback_msg = None
             members = [m for m in self.members.values() if m.alive]
-            msg = WeightsUpdated(
-                version=weights.version,
-                kind="collective",
-                location=self.group_id,
-                step=weights.step,
-                epoch=weights.epoch,
-                members=[m.actor_id for m in members],
-                seq=self.seq,
+            if any(m.protocol == sglang_wire.PROTOCOL for m in members):
+                await self._put_tensor_list(packed)
+            msg = await self.announce(
+                weights, self.group_id, members=[m.actor_id for m in members], seq=self.seq
             )
-            await self.bus.publish(self.subjects.weights, msg)
             jobs = [(m, m.lane.submit(self._sender(m, packed))) for m in members]
         t0 = time.monotonic()
         done = await asyncio.gather(*(self._settle(m, job) for m, job in jobs))
@@ -215,9 +221,30 @@ class CollectivePublisher(WeightPublisher):
         def send() -> None:
             if member.group is None:
                 raise RuntimeError("its group was never formed")
-            send_version(member.group, packed, self.device, self.config.timeout_s)
+            self._send(member, packed)
 
         return send
+
+    def _form(self, member: _Member) -> Any:
+        if member.protocol == sglang_wire.PROTOCOL:
+            return sglang_wire.open_group(
+                self.store, member.prefix, self.backend, self.config.timeout_s, self.device
+            )
+        return open_pair(
+            self.store, member.prefix, 0, self.backend, self.config.timeout_s, self.device
+        )
+
+    def _send(self, member: _Member, packed: Packed) -> None:
+        speak = (
+            sglang_wire.send_version if member.protocol == sglang_wire.PROTOCOL else send_version
+        )
+        speak(member.group, packed, self.device, self.config.timeout_s)
+
+    async def _put_tensor_list(self, packed: Packed) -> None:
+        """The version's tensor list where SGLang members read it (once per version)."""
+        await sglang_wire.put_tensor_list(
+            self.bus, self.subjects.weights_bucket, self.group_id, packed, self._tensor_lists
+        )
 
     async def _settle(self, member: _Member, job: concurrent.futures.Future[Any]) -> bool:
         """Waits for one engine's job, at most the timeout (plus a margin for the
@@ -245,6 +272,8 @@ class CollectivePublisher(WeightPublisher):
         )
 
     async def on_join(self, req: WeightsJoin) -> WeightsGrant:
+        if req.protocol not in ("asyncrl", sglang_wire.PROTOCOL):
+            raise ValueError(f"no broadcast protocol {req.protocol!r} (asyncrl, sglang)")
         async with self._lock:
             old = self.members.pop(req.actor_id, None)
             if old is not None:  # it re-joins: its group is gone on its side
@@ -254,9 +283,12 @@ class CollectivePublisher(WeightPublisher):
                 req.actor_id,
                 prefix=f"{self.group_id}/{req.actor_id}/{uuid.uuid4().hex[:8]}/",
                 lane=Lane(f"weights-{req.actor_id}"),
+                protocol=req.protocol,
             )
             self.members[req.actor_id] = member
             current = self.current
+            if current is not None and member.protocol == sglang_wire.PROTOCOL:
+                await self._put_tensor_list(current)
             grant = WeightsGrant(
                 group=self.group_id,
                 host=self.host,
@@ -270,11 +302,9 @@ class CollectivePublisher(WeightPublisher):
             )
 
             def form_and_send() -> None:
-                member.group = open_pair(
-                    self.store, member.prefix, 0, self.backend, self.config.timeout_s, self.device
-                )
+                member.group = self._form(member)
                 if current is not None:
-                    send_version(member.group, current, self.device, self.config.timeout_s)
+                    self._send(member, current)
 
             job = member.lane.submit(form_and_send)
         self.stats.joins += 1
@@ -291,11 +321,11 @@ class CollectivePublisher(WeightPublisher):
     async def on_fallback(self, req: WeightsFallback) -> WeightsUpdated:
         """The current weights in the object store (uploaded once per version)."""
         async with self._lock:
-            weights = self.current_weights
-            if weights is None:
+            current = self.current
+            if current is None:
                 raise RuntimeError("no weights published yet")
-            if self._fallback_msg is None or self._fallback_msg.version != weights.version:
-                self._fallback_msg = await self._fallback(weights, self.dtype)
+            if self._fallback_msg is None or self._fallback_msg.version != current.version:
+                self._fallback_msg = await self._fallback(current, self.current_step)
             msg = self._fallback_msg
         self.stats.fallbacks += 1
         self.log.info("engine takes the object store", actor=req.actor_id, reason=req.reason)
@@ -430,9 +460,7 @@ class CollectiveEngineSide:
             return self._fall_back("not in a group")
         try:
             if self.group is SERVER_GROUP:
-                staged = self._await(
-                    self.engine.receive_broadcast(version, epoch), self.timeout_s * 2 + 30
-                )
+                staged = self._await(self._server_receive(version, epoch), self.timeout_s * 2 + 30)
                 return staged.version, staged.epoch, staged, "collective"
             version, epoch, tensors = recv_version(self.group, self.device, self.timeout_s)
         except Exception as exc:
@@ -440,6 +468,13 @@ class CollectiveEngineSide:
             self.group_id = ""
             return self._fall_back(f"receive failed ({type(exc).__name__}: {exc})"[:300])
         return version, epoch, tensors, "collective"
+
+    async def _server_receive(self, version: int, epoch: int) -> BroadcastStaged:
+        if self.protocol != sglang_wire.PROTOCOL:
+            return await self.engine.receive_broadcast(version, epoch)
+        key = sglang_wire.tensors_key(self.group_id, epoch, version)
+        tensors = await sglang_wire.get_tensor_list(self.bus, self.subjects.weights_bucket, key)
+        return await self.engine.receive_broadcast(version, epoch, tensors)
 
     def _fall_back(self, reason: str) -> tuple[int, int, Any, str]:
         self.log.warning("weights from the object store instead of the broadcast", reason=reason)

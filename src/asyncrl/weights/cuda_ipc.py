@@ -56,7 +56,8 @@ class CudaIpcPublisher(WeightPublisher):
     kind = "cuda_ipc"
 
     def __init__(self, bus: Bus, subjects: Subjects, *, dtype: str, device: str) -> None:
-        self.bus, self.subjects, self.dtype, self.device = bus, subjects, dtype, device
+        super().__init__(bus, subjects)
+        self.dtype, self.device = dtype, device
         self._alive: deque[tuple[str, Packed]] = deque()
 
     async def publish(self, weights: Weights) -> WeightsUpdated:
@@ -68,14 +69,7 @@ class CudaIpcPublisher(WeightPublisher):
         packed, blob = await asyncio.to_thread(export)
         key = f"ipc-e{weights.epoch}-v{weights.version:06d}"
         await self.bus.put_blob(self.subjects.weights_bucket, key, blob)
-        msg = WeightsUpdated(
-            version=weights.version,
-            kind="cuda_ipc",
-            location=key,
-            step=weights.step,
-            epoch=weights.epoch,
-        )
-        await self.bus.publish(self.subjects.weights, msg)
+        msg = await self.announce(weights, key)
         self._alive.append((key, packed))
         while len(self._alive) > KEEP:
             old, _ = self._alive.popleft()

@@ -171,22 +171,18 @@ class DirPublisher(WeightPublisher):
     kind = "dir"
 
     def __init__(self, weights_dir: Path, bus: Bus, subjects: Subjects) -> None:
+        super().__init__(bus, subjects)
         self.exports = KeptExports(weights_dir)
-        self.bus, self.subjects = bus, subjects
 
     async def publish(self, weights: Weights) -> WeightsUpdated:
         folder = await asyncio.to_thread(weights.directory)
-        msg = WeightsUpdated(
-            version=weights.version,
-            kind="dir",
-            location=str(folder.resolve()),
-            step=weights.step,
-            epoch=weights.epoch,
-        )
-        await self.bus.publish(self.subjects.weights, msg)
+        msg = await self.announce(weights, await self._location(folder))
         for old in self.exports.published(folder):
             await self._drop(old)
         return msg
+
+    async def _location(self, folder: Path) -> str:
+        return str(await asyncio.to_thread(folder.resolve))
 
     async def _drop(self, old: Path) -> None:
         await asyncio.to_thread(shutil.rmtree, old, True)
@@ -199,20 +195,8 @@ class ObjectStorePublisher(DirPublisher):
 
     kind = "object_store"
 
-    async def publish(self, weights: Weights) -> WeightsUpdated:
-        folder = await asyncio.to_thread(weights.directory)
-        key = await put_weights(self.bus, self.subjects.weights_bucket, folder)
-        msg = WeightsUpdated(
-            version=weights.version,
-            kind="object_store",
-            location=key,
-            step=weights.step,
-            epoch=weights.epoch,
-        )
-        await self.bus.publish(self.subjects.weights, msg)
-        for old in self.exports.published(folder):
-            await self._drop(old)
-        return msg
+    async def _location(self, folder: Path) -> str:
+        return await put_weights(self.bus, self.subjects.weights_bucket, folder)
 
     async def _drop(self, old: Path) -> None:
         await delete_weights(self.bus, self.subjects.weights_bucket, old)
