@@ -24,7 +24,7 @@ from asyncrl.weights.build import object_store_copy
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.config import WeightsConfig
 from asyncrl.weights.receiver import EngineWeights
-from asyncrl.weights.wire import pack, unpack
+from asyncrl.weights.wire import BucketPool, pack, unpack
 
 
 def test_pack_lays_tensors_out_in_buckets_and_unpack_gives_them_back() -> None:
@@ -48,6 +48,24 @@ def test_pack_lays_tensors_out_in_buckets_and_unpack_gives_them_back() -> None:
         assert out[name].dtype == t.dtype and torch.equal(out[name], t)
     # the unpacked tensors are views of the buckets: no copy on the receiving side
     assert out["a"].untyped_storage().data_ptr() == packed.buckets[0].data_ptr()
+    # a later version of the same layout is written into the same buckets; another
+    # layout gets buckets of its own
+    again = pack([("a", a + 1), ("b", b), ("c", c), ("d", d)], 32, 8, 2, into=packed.buckets)
+    assert [x.data_ptr() for x in again.buckets] == [x.data_ptr() for x in packed.buckets]
+    assert torch.equal(dict(unpack(again.manifest, again.buckets))["a"], a + 1)
+    other = pack([("a", a)], 32, 9, 2, into=packed.buckets)
+    assert other.buckets[0].data_ptr() != packed.buckets[0].data_ptr()
+
+
+def test_receive_buffers_are_taken_again_for_the_same_layout() -> None:
+    pool = BucketPool(keep=1)
+    first = pool.take([8, 4], "cpu")
+    pool.give(first)
+    assert pool.take([8, 4], "cpu") is first  # given back once loaded: taken again
+    assert pool.take([8, 4], "cpu") is not first  # lent out: a fresh set
+    pool.give(first)
+    pool.give(pool.take([2], "cpu"))  # the pool keeps one set at most
+    assert pool.take([2], "cpu") is not first and pool.take([8, 4], "cpu") is first
 
 
 def test_auto_picks_a_transport_and_says_why() -> None:

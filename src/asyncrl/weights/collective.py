@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncrl.engines.base import BroadcastJoin, BroadcastStaged, InferenceEngine
 from asyncrl.messages import (
@@ -64,6 +65,7 @@ from asyncrl.weights import sglang_wire
 from asyncrl.weights.base import WeightPublisher, Weights
 from asyncrl.weights.config import WeightsConfig
 from asyncrl.weights.wire import (
+    BucketPool,
     Lane,
     Packed,
     bury,
@@ -75,9 +77,6 @@ from asyncrl.weights.wire import (
     timeout_of,
     unpack,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def rendezvous_host(config: WeightsConfig, nats_url: str) -> str:
@@ -148,6 +147,7 @@ class CollectivePublisher(WeightPublisher):
         self.seq = 0
         self.current: Packed | None = None
         self.current_step = 0
+        self._spare: Packed | None = None
         self._fallback = fallback
         self._fallback_msg: WeightsUpdated | None = None
         self._lock = asyncio.Lock()
@@ -172,11 +172,24 @@ class CollectivePublisher(WeightPublisher):
 
     async def publish(self, weights: Weights) -> WeightsUpdated:
         tensors = await asyncio.to_thread(weights.tensors, self.dtype)
+        # the buckets of the version before last, when no send reads them any more: fresh
+        # pages cost more than the copy into them
+        spare, self._spare = self._spare, None
+        into = spare.buckets if spare is not None and spare.readers == 0 else None
         packed = await asyncio.to_thread(
-            pack, tensors, self.config.bucket_mb << 20, weights.version, weights.epoch
+            functools.partial(
+                pack,
+                tensors,
+                self.config.bucket_mb << 20,
+                weights.version,
+                weights.epoch,
+                into=into,
+            )
         )
+        del tensors  # some are the trainer's live parameters
         async with self._lock:
             self.seq += 1
+            self._spare = self.current  # retired: a spare once its sends are done
             self.current, self.current_step = packed, weights.step
             self._fallback_msg = None
             members = [m for m in self.members.values() if m.alive]
@@ -218,10 +231,15 @@ class CollectivePublisher(WeightPublisher):
         return out
 
     def _sender(self, member: _Member, packed: Packed) -> Callable[[], None]:
+        packed.reading(+1)
+
         def send() -> None:
-            if member.group is None:
-                raise RuntimeError("its group was never formed")
-            self._send(member, packed)
+            try:
+                if member.group is None:
+                    raise RuntimeError("its group was never formed")
+                self._send(member, packed)
+            finally:
+                packed.reading(-1)
 
         return send
 
@@ -301,10 +319,17 @@ class CollectivePublisher(WeightPublisher):
                 epoch=current.epoch if current is not None else 0,
             )
 
+            if current is not None:
+                current.reading(+1)
+
             def form_and_send() -> None:
-                member.group = self._form(member)
-                if current is not None:
-                    self._send(member, current)
+                try:
+                    member.group = self._form(member)
+                    if current is not None:
+                        self._send(member, current)
+                finally:
+                    if current is not None:
+                        current.reading(-1)
 
             job = member.lane.submit(form_and_send)
         self.stats.joins += 1
@@ -339,6 +364,11 @@ SERVER_GROUP = object()
 """Stands for the group of a server engine, which the server holds itself."""
 
 
+Received = tuple[int, int, Any, str, Callable[[], None] | None]
+"""What an engine-side job gives: ``(version, epoch, what the engine loads, the transport
+that brought it, what gives its buffers back once loaded)``; version -1: nothing yet."""
+
+
 class CollectiveEngineSide:
     """An engine's part of the broadcast: decides for each announcement whether to join,
     receive or let it pass, and runs that on its group's one thread (a ``Lane``). Each
@@ -361,6 +391,9 @@ class CollectiveEngineSide:
         self.protocol = engine.broadcast_protocol
         self._fallback = fallback
         self.lane = Lane("weights")
+        self.pool = BucketPool(keep=2)
+        """Receive buffers: a version received while the one before is staged needs its
+        own; once loaded, a version's buffers serve a later one."""
         self.group_id = ""
         self.since_seq: int | None = None  # None while a join is under way
         self.seen_seq = 0  # the newest announcement of this group heard
@@ -398,7 +431,7 @@ class CollectiveEngineSide:
             bury(self.group)
         self.group = None
 
-    def _join(self, msg: WeightsUpdated) -> tuple[int, int, Any, str]:
+    def _join(self, msg: WeightsUpdated) -> Received:
         self._forget_group()
         try:
             grant: WeightsGrant = self._await(
@@ -450,10 +483,10 @@ class CollectiveEngineSide:
             "joined the weight broadcast", at=f"{grant.host}:{grant.port}", since=grant.since_seq
         )
         if grant.version < 0:
-            return (-1, grant.epoch, None, "collective")  # nothing published yet
+            return (-1, grant.epoch, None, "collective", None)  # nothing published yet
         return self._receive(grant.version, grant.epoch)
 
-    def _receive(self, version: int, epoch: int) -> tuple[int, int, Any, str]:
+    def _receive(self, version: int, epoch: int) -> Received:
         """One version from the group: into this process (the tensors), or into the
         server (what the engine's load then swaps in)."""
         if self.group is None:
@@ -461,13 +494,15 @@ class CollectiveEngineSide:
         try:
             if self.group is SERVER_GROUP:
                 staged = self._await(self._server_receive(version, epoch), self.timeout_s * 2 + 30)
-                return staged.version, staged.epoch, staged, "collective"
-            version, epoch, tensors = recv_version(self.group, self.device, self.timeout_s)
+                return staged.version, staged.epoch, staged, "collective", None
+            version, epoch, tensors, buckets = recv_version(
+                self.group, self.device, self.timeout_s, self.pool
+            )
         except Exception as exc:
             self._forget_group()
             self.group_id = ""
             return self._fall_back(f"receive failed ({type(exc).__name__}: {exc})"[:300])
-        return version, epoch, tensors, "collective"
+        return version, epoch, tensors, "collective", lambda: self.pool.give(buckets)
 
     async def _server_receive(self, version: int, epoch: int) -> BroadcastStaged:
         if self.protocol != sglang_wire.PROTOCOL:
@@ -476,10 +511,10 @@ class CollectiveEngineSide:
         tensors = await sglang_wire.get_tensor_list(self.bus, self.subjects.weights_bucket, key)
         return await self.engine.receive_broadcast(version, epoch, tensors)
 
-    def _fall_back(self, reason: str) -> tuple[int, int, Any, str]:
+    def _fall_back(self, reason: str) -> Received:
         self.log.warning("weights from the object store instead of the broadcast", reason=reason)
         version, epoch, tensors = self._await(self._fallback(reason), self.timeout_s * 2 + 30)
-        return version, epoch, tensors, "object_store"
+        return version, epoch, tensors, "object_store", None
 
 
 __all__ = [

@@ -42,12 +42,12 @@ def export_handles(packed: Packed) -> bytes:
     )
 
 
-def open_handles(blob: bytes, device: str) -> tuple[int, int, NamedTensors, str]:
+def open_handles(blob: bytes, device: str) -> tuple[int, int, NamedTensors, str, None]:
     """Maps the buckets of an exported version; ``(version, epoch, tensors, via)``. The
     blob comes from the run's own object store, written by its trainer."""
     about = pickle.loads(blob)
     buckets = [fn(*args) for fn, args in about["handles"]]
-    return about["version"], about["epoch"], unpack(about["manifest"], buckets), "cuda_ipc"
+    return about["version"], about["epoch"], unpack(about["manifest"], buckets), "cuda_ipc", None
 
 
 class CudaIpcPublisher(WeightPublisher):

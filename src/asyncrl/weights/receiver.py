@@ -137,17 +137,24 @@ class EngineWeights(WeightReceiver):
                 self._arrived.clear()
                 await self._arrived.wait()
             t0 = time.monotonic()
-            best: tuple[WeightsUpdated, Any] | None = None
+            best: tuple[WeightsUpdated, Any, str, Callable[[], None] | None] | None = None
+
+            def keep(choice: tuple[WeightsUpdated, Any, str, Callable[[], None] | None]) -> None:
+                nonlocal best
+                if best is not None and best[3] is not None:
+                    best[3]()  # superseded: its buffers serve a later version
+                best = choice
+
             # jobs finish in their announcement order: waiting for each in turn costs
             # nothing, and every result is seen (the newest wanted one is kept)
             while self._pending:
                 msg, job = self._pending.popleft()
                 if job is None:
                     if best is None or (msg.epoch, msg.version) >= (best[0].epoch, best[0].version):
-                        best = (msg, None)
+                        keep((msg, None, msg.kind, None))
                     continue
                 try:
-                    version, epoch, tensors, via = await asyncio.wrap_future(job)
+                    version, epoch, payload, via, release = await asyncio.wrap_future(job)
                 except Exception as exc:
                     self.counters["failed"] = self.counters.get("failed", 0) + 1
                     self.log.warning(
@@ -155,21 +162,26 @@ class EngineWeights(WeightReceiver):
                     )
                     continue
                 newer = best is None or (epoch, version) >= (best[0].epoch, best[0].version)
-                if version >= 0 and tensors is not None and self.want(version) and newer:
+                if version >= 0 and payload is not None and self.want(version) and newer:
                     done = msg.model_copy(update={"version": version, "epoch": epoch})
-                    best = (done, (tensors, via))
+                    keep((done, payload, via, release))
+                elif release is not None:
+                    release()
             if best is None:
                 continue
-            msg, got = best
-            if got is not None:
-                tensors, via = got
-                staged = await self.engine.stage_weights(tensors)
-                yield Received(msg.version, msg.epoch, staged, time.monotonic() - t0, via)
+            msg, payload, via, release = best
+            try:
+                if payload is not None:
+                    staged = await self.engine.stage_weights(payload)
+                    yield Received(msg.version, msg.epoch, staged, time.monotonic() - t0, via)
+                    return
+                async with fetched(self.bus, self.subjects.weights_bucket, msg) as folder:
+                    staged = await self.engine.stage_weights(folder)
+                    yield Received(msg.version, msg.epoch, staged, time.monotonic() - t0, via)
                 return
-            async with fetched(self.bus, self.subjects.weights_bucket, msg) as folder:
-                staged = await self.engine.stage_weights(folder)
-                yield Received(msg.version, msg.epoch, staged, time.monotonic() - t0, msg.kind)
-            return
+            finally:
+                if release is not None:
+                    release()  # loaded (or given up): the buffers serve a later version
 
 
 __all__ = ["EngineWeights"]

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -46,21 +46,38 @@ finalization (:func:`asyncrl.train.torchrun.exit_rank`), where gloo threads coul
 
 @dataclass
 class Packed:
-    """One version as it travels: the manifest and the flat buckets."""
+    """One version as it travels: the manifest and the flat buckets. ``readers`` counts
+    the sends under way from these buckets: a publisher reuses the buckets of an older
+    version for a newer one only when none reads them (fresh pages cost more than the
+    copy into them)."""
 
     version: int
     epoch: int
     manifest: bytes
     buckets: list[torch.Tensor]
+    readers: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(int(b.numel()) for b in self.buckets)
 
+    def reading(self, delta: int) -> None:
+        with self._lock:
+            self.readers += delta
 
-def pack(tensors: NamedTensors, bucket_bytes: int, version: int, epoch: int) -> Packed:
+
+def pack(
+    tensors: NamedTensors,
+    bucket_bytes: int,
+    version: int,
+    epoch: int,
+    *,
+    into: list[torch.Tensor] | None = None,
+) -> Packed:
     """Lays ``tensors`` out in flat byte buckets of at most ``bucket_bytes`` (a larger
-    tensor gets a bucket of its own); the manifest says where each one is."""
+    tensor gets a bucket of its own); the manifest says where each one is. ``into``:
+    buckets of an earlier version to write into, used when their sizes fit."""
     import torch
 
     entries: list[dict[str, Any]] = []
@@ -84,9 +101,43 @@ def pack(tensors: NamedTensors, bucket_bytes: int, version: int, epoch: int) -> 
         )
         groups[-1].append(flat)
         size += n
-    buckets = [torch.cat(g) if len(g) > 1 else g[0].clone() for g in groups if g]
-    manifest = json.dumps({"tensors": entries, "buckets": [int(b.numel()) for b in buckets]})
-    return Packed(version, epoch, manifest.encode(), buckets)
+    groups = [g for g in groups if g]
+    sizes = [sum(int(f.numel()) for f in g) for g in groups]
+    if into is None or [int(b.numel()) for b in into] != sizes:
+        into = [
+            torch.empty(n, dtype=torch.uint8, device=g[0].device)
+            for n, g in zip(sizes, groups, strict=True)
+        ]
+    for bucket, g in zip(into, groups, strict=True):
+        torch.cat(g, out=bucket)  # a copy: the trainer's tensors change at its next step
+    manifest = json.dumps({"tensors": entries, "buckets": sizes})
+    return Packed(version, epoch, manifest.encode(), into)
+
+
+class BucketPool:
+    """Receive buffers given back once their weights are loaded, taken again for a later
+    version of the same layout (at most ``keep`` sets are kept)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: list[list[torch.Tensor]] = []
+        self._lock = threading.Lock()
+
+    def take(self, sizes: list[int], device: str) -> list[torch.Tensor]:
+        import torch
+
+        with self._lock:
+            for i, buckets in enumerate(self._free):
+                if [int(b.numel()) for b in buckets] == sizes and str(buckets[0].device) == str(
+                    torch.device(device)
+                ):
+                    return self._free.pop(i)
+        return [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+
+    def give(self, buckets: list[torch.Tensor]) -> None:
+        with self._lock:
+            if buckets and len(self._free) < self.keep:
+                self._free.append(buckets)
 
 
 def unpack(manifest: bytes, buckets: list[torch.Tensor]) -> NamedTensors:
@@ -152,8 +203,12 @@ def send_version(group: Any, packed: Packed, device: str, timeout_s: float) -> N
         _broadcast(group, bucket.to(device, non_blocking=True), timeout_s)
 
 
-def recv_version(group: Any, device: str, timeout_s: float) -> tuple[int, int, NamedTensors]:
-    """The engine's side: ``(version, epoch, named tensors)`` on ``device``."""
+def recv_version(
+    group: Any, device: str, timeout_s: float, pool: BucketPool | None = None
+) -> tuple[int, int, NamedTensors, list[torch.Tensor]]:
+    """The engine's side: ``(version, epoch, named tensors, buckets)`` on ``device``. The
+    tensors are views of the buckets, which come from ``pool`` where given: the caller
+    gives them back once it has loaded the tensors."""
     import torch
 
     header = torch.zeros(4, dtype=torch.int64, device=device)
@@ -165,12 +220,16 @@ def recv_version(group: Any, device: str, timeout_s: float) -> tuple[int, int, N
     manifest_t = torch.zeros(manifest_len, dtype=torch.uint8, device=device)
     _broadcast(group, manifest_t, timeout_s)
     manifest = manifest_t.cpu().numpy().tobytes()
-    buckets = []
-    for size in json.loads(manifest)["buckets"]:
-        bucket = torch.empty(int(size), dtype=torch.uint8, device=device)
-        _broadcast(group, bucket, timeout_s)
-        buckets.append(bucket)
-    return version, epoch, unpack(manifest, buckets)
+    sizes = [int(n) for n in json.loads(manifest)["buckets"]]
+    pool = pool or BucketPool(keep=0)
+    buckets = pool.take(sizes, device)
+    try:
+        for bucket in buckets:
+            _broadcast(group, bucket, timeout_s)
+    except BaseException:
+        pool.give(buckets)
+        raise
+    return version, epoch, unpack(manifest, buckets), buckets
 
 
 def _stall_if_asked(version: int) -> None:
@@ -231,6 +290,7 @@ __all__ = [
     "GRAVEYARD",
     "MAGIC",
     "STALL_ENV",
+    "BucketPool",
     "Lane",
     "NamedTensors",
     "Packed",

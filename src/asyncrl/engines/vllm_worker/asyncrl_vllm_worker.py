@@ -99,7 +99,7 @@ class WeightBroadcast:
             raise RuntimeError("not in asyncrl's weight broadcast: join first")
         wire = load_wire()
         try:
-            version, epoch, tensors = wire.recv_version(
+            version, epoch, tensors, _ = wire.recv_version(
                 group, self.asyncrl_device, self.asyncrl_timeout_s
             )
         except BaseException:
