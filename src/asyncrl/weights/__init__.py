@@ -1,17 +1,23 @@
 """Weight transports: how a new policy gets from the trainer to the inference engines.
 
-One family behind one interface (:mod:`asyncrl.weights.base`): the trainer side
-``publish(version, named tensors)`` announces a version with ``WeightsUpdated``, the engine
-side ``receive(msg)`` turns that announcement into what the engine loads. Members:
+One family behind one interface (:mod:`asyncrl.weights.base`): the trainer side's
+``publish(weights)`` gets a version (its HF export, or its named tensors, whichever the
+transport wants) to the engines and announces it with ``WeightsUpdated``; the engine side
+(:mod:`asyncrl.weights.receiver`) takes every announcement as it arrives (``announce``)
+and yields the newest weights staged for the engine (``receive``). Members:
 
-- ``dir`` (:mod:`~asyncrl.weights.files`): safetensors in a folder every actor reads;
-- ``object_store`` (:mod:`~asyncrl.weights.files`): the same files in the run's NATS object store;
-- ``collective`` (:mod:`~asyncrl.weights.collective`): a torch.distributed broadcast in
-  buckets, one two-rank group per engine, each step bounded by ``weights.timeout_s``;
+- ``dir`` and ``object_store`` (:mod:`~asyncrl.weights.files`): safetensors in a folder
+  every actor reads, or in the run's NATS object store;
+- ``collective`` (:mod:`~asyncrl.weights.collective`; the engine's side in
+  :mod:`~asyncrl.weights.engine_side`, the bytes on the wire in
+  :mod:`~asyncrl.weights.wire`, SGLang's own protocol in
+  :mod:`~asyncrl.weights.sglang_wire`): a torch.distributed broadcast in buckets, one
+  two-rank group per engine, every step bounded by ``weights.timeout_s``;
 - ``cuda_ipc`` (:mod:`~asyncrl.weights.cuda_ipc`): CUDA IPC handles of the trainer's
   tensors, mapped by an engine on the same GPU.
 
-This package's root imports no torch; :func:`choose` resolves ``weights.transport = "auto"``.
+:mod:`~asyncrl.weights.build` builds both sides for a recipe. This package's root imports
+no torch; :func:`choose` resolves ``weights.transport = "auto"``.
 """
 
 from asyncrl.weights.choose import choose

@@ -25,7 +25,7 @@ from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.subjects import Subjects
 from asyncrl.weights.base import NamedTensors, Received, WeightReceiver
-from asyncrl.weights.collective import CollectiveEngineSide
+from asyncrl.weights.engine_side import CollectiveEngineSide
 from asyncrl.weights.files import fetched, get_weights, read_safetensors
 
 if TYPE_CHECKING:
