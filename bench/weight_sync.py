@@ -19,8 +19,10 @@ trainer side and the rollout actor's receiver on the engine side, an hf engine w
 - ``MB``: the bytes one update moves.
 
 The model is the real SmolLM2-135M (``--shape smollm2``) or a random model of a named
-shape (``qwen2.5-1.5b``), written once to a temporary folder. ``measure()`` is the same
-measurement for ``bench/gpu_check.py``.
+shape (``qwen2.5-1.5b``), written once to a temporary folder. ``cuda_ipc`` (on a GPU)
+runs the engine in a child process, since IPC handles are opened by another process than
+the one that made them, with nothing generating. ``measure()`` is the same measurement
+for ``bench/gpu_check.py``.
 
 **Staging** (``--staging``): fetch-then-load inside the pause (the old way) against fetch
 and stage while generating, pause only for the load, and full weights against a LoRA
@@ -260,14 +262,14 @@ def _publisher(
     )
 
 
-def _weights(engine: HFEngine, version: int, tmp: Path, dtype: str) -> Weights:
+def _weights(model: Any, version: int, tmp: Path, dtype: str) -> Weights:
     """The engine's own weights as the trainer would publish them: an export (safetensors
     files) or the named tensors."""
     from safetensors.torch import save_file
 
     def tensors(_: str) -> list[tuple[str, Any]]:
-        state = engine.model.state_dict()
-        if getattr(engine.model.config, "tie_word_embeddings", False):
+        state = model.state_dict()
+        if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         # as the trainer's gather: the live tensors where no cast is needed
         return [(k, v.detach().to(torch_dtype(dtype))) for k, v in state.items()]
@@ -323,7 +325,7 @@ async def run_transport(
                     await engine.agenerate(GenerateRequest(input_ids=ids, sampling=sp))
 
             async def update(version: int) -> None:
-                weights = _weights(engine, version, tmp, dtype)
+                weights = _weights(engine.model, version, tmp, dtype)
                 t0 = time.perf_counter()
                 publish = asyncio.create_task(publisher.publish(weights))
                 async with receiver.receive() as got:
@@ -371,12 +373,120 @@ async def run_transport(
     return {key: statistics.mean(r[key] for r in rows) for key in rows[0]}
 
 
+ENGINE_READY = 0
+"""The step of the child engine's first record: subscribed, the updates may start."""
+
+
+async def engine_child(args: argparse.Namespace) -> None:
+    """The engine of a ``cuda_ipc`` measurement, in a process of its own (IPC handles are
+    opened by another process than the one that made them): loads each version announced
+    and reports its pause on ``metrics.engine``, ``versions`` times."""
+    from asyncrl.messages import Metrics
+    from asyncrl.models import ModelConfig
+    from asyncrl.runtime.nats_server import NatsInfo
+
+    bus = await Bus.connect(NatsInfo.read(Path(args.engine_child)), name="bench-engine")
+    subjects = Subjects(args.run)
+    engine = HFEngine(
+        ModelConfig(path=args.model, dtype=args.dtype), HFEngineConfig(device=args.device)
+    )
+    await engine.start()
+    receiver = EngineWeights(engine, bus, subjects, "engine-0", device=args.device)
+
+    async def on_weights(msg: WeightsUpdated) -> None:
+        receiver.announce(msg)
+
+    await bus.subscribe(subjects.weights, WeightsUpdated, on_weights)
+    report = subjects.metrics("engine")
+    await bus.publish(report, Metrics(role="engine", actor_id="engine-0", step=ENGINE_READY))
+    for _ in range(args.versions):
+        async with receiver.receive() as got:
+            t1 = time.perf_counter()
+            await engine.pause()
+            await engine.update_weights(got.source, got.version)
+            await engine.resume()
+            pause = time.perf_counter() - t1
+        values = {"pause_s": pause, "via_ipc": float(got.via == "cuda_ipc")}
+        await bus.publish(
+            report, Metrics(role="engine", actor_id="engine-0", step=got.version, values=values)
+        )
+    await engine.stop()
+    await bus.close()
+
+
+async def run_in_two_processes(
+    kind: str, shape: str, dtype: str, device: str, *, updates: int
+) -> dict[str, float]:
+    """:func:`run_transport` with the engine in a child process (:func:`engine_child`) and
+    nothing generating; the trainer's side publishes a model of its own."""
+    import sys
+
+    from asyncrl.messages import Metrics
+    from asyncrl.models import load_causal_lm
+
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        path = model_dir(shape, dtype, tmp)
+        model = load_causal_lm(path, dtype, device)
+        async with EmbeddedNats(tmp / "nats") as server:
+            server.info.write(tmp / "nats.json")
+            bus = await Bus.connect(server.info, name="bench-weights")
+            subjects = Subjects(f"bench-{kind}")
+            reports: asyncio.Queue[Metrics] = asyncio.Queue()
+
+            async def on_report(m: Metrics) -> None:
+                await reports.put(m)
+
+            await bus.subscribe(subjects.metrics("engine"), Metrics, on_report)
+            publisher = _publisher(kind, bus, subjects, tmp, dtype, device)
+            await publisher.start()
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, __file__, "--engine-child", str(tmp / "nats.json"),
+                "--run", subjects.run, "--model", path, "--dtype", dtype,
+                "--device", device, "--versions", str(updates + 1),
+            )  # fmt: skip
+            rows: list[dict[str, float]] = []
+            try:
+                async with asyncio.timeout(600):
+                    while (await reports.get()).step != ENGINE_READY:
+                        pass
+                    for version in range(1, updates + 2):
+                        weights = _weights(model, version, tmp, dtype)
+                        t0 = time.perf_counter()
+                        await publisher.publish(weights)
+                        trainer = time.perf_counter() - t0
+                        while (got := await reports.get()).step != version:
+                            pass
+                        nbytes = sum(
+                            t.numel() * t.element_size() for _, t in weights.tensors(dtype)
+                        )
+                        rows.append(
+                            {
+                                "update_s": time.perf_counter() - t0,
+                                "trainer_s": trainer,
+                                "pause_s": float(got.values["pause_s"]),
+                                "bytes": float(nbytes),
+                            }
+                        )
+                    await child.wait()
+            finally:
+                if child.returncode is None:
+                    child.kill()
+                    await child.wait()
+                await bus.close()
+    rows = rows[1:]  # the first version warms the engine's side up: not measured
+    return {key: statistics.mean(r[key] for r in rows) for key in rows[0]}
+
+
 def measure(transport: str, shape: str, dtype: str, device: str) -> dict[str, Any]:
     """One transport's update on ``device`` with nothing generating: ``pause_s`` (the
     whole update, publish to loaded), ``bytes``, ``note``; for ``bench/gpu_check.py``."""
-    got = asyncio.run(
-        run_transport(transport, shape, dtype, device, updates=2, concurrency=0, gap=0.0)
-    )
+    if transport == "cuda_ipc":
+        got = asyncio.run(run_in_two_processes(transport, shape, dtype, device, updates=2))
+    else:
+        got = asyncio.run(
+            run_transport(transport, shape, dtype, device, updates=2, concurrency=0, gap=0.0)
+        )
     return {
         "pause_s": got["update_s"],
         "bytes": int(got["bytes"]),
@@ -388,6 +498,11 @@ async def transports_main(args: argparse.Namespace) -> None:
     kinds = [args.transport] if args.transport else ["object_store", "dir", "collective"]
     results = {}
     for kind in kinds:
+        if kind == "cuda_ipc":  # an engine in a process of its own, nothing generating
+            results[kind] = await run_in_two_processes(
+                kind, args.shape, args.dtype, args.device, updates=args.updates
+            )
+            continue
         results[kind] = await run_transport(
             kind,
             args.shape,
@@ -437,8 +552,13 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the adapter updates")
     p.add_argument("--gap", type=float, default=1.0, help="seconds of generation between updates")
+    p.add_argument("--engine-child", default="", help=argparse.SUPPRESS)  # nats.json of a parent
+    p.add_argument("--run", default="", help=argparse.SUPPRESS)
+    p.add_argument("--versions", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.staging:
+    if args.engine_child:
+        asyncio.run(engine_child(args))
+    elif args.staging:
         args.transport = args.transport or "object_store"
         asyncio.run(staging_main(args))
     else:
