@@ -6,6 +6,7 @@ engine re-joining, and the object store when the group cannot form."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -214,3 +215,34 @@ async def test_an_engine_that_cannot_form_the_group_takes_the_object_store(
     await pub.publish(tensor_weights(2, _model(2), tmp_path))
     assert (await _received(receiver))[:2] == (2, "object_store")
     assert pub.stats.fallbacks == 2
+
+
+async def test_an_engine_whose_join_went_unanswered_asks_again(tmp_path: Path, bus: Bus) -> None:
+    """No trainer answers the first join (and no fallback either): that version is
+    counted as not received, and the next announcement of the group asks again."""
+    subjects = Subjects("unanswered")
+    pub = CollectivePublisher(
+        bus,
+        subjects,
+        WeightsConfig(transport="collective", timeout_s=10),
+        host="127.0.0.1",
+        dtype="float32",
+        backend="gloo",
+        device="cpu",
+        fallback=object_store_copy(bus, subjects),
+    )  # not started: nobody serves joins yet
+    receiver = EngineWeights(InstantEngine(), bus, subjects, "rollout-0", device="cpu")
+    await _announce_to([receiver], bus, subjects)
+    await pub.publish(tensor_weights(1, _model(1), tmp_path))
+    async with asyncio.timeout(30):
+        while receiver.counters.get("failed", 0) < 1:
+            if receiver._pending:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5), receiver.receive():
+                        pass
+            await asyncio.sleep(0.05)
+    await pub.start()
+    await pub.publish(tensor_weights(2, _model(2), tmp_path))
+    version, via, got = await _received(receiver)
+    assert (version, via) == (2, "collective")
+    assert all(torch.equal(got[n], t) for n, t in _model(2))

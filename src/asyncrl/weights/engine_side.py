@@ -105,6 +105,8 @@ class CollectiveEngineSide:
                 35.0,
             )
         except Exception as exc:
+            # not in the group: the next announcement asks again
+            self.group_id = ""
             return self._fall_back(f"no join grant ({type(exc).__name__}: {exc})")
         self.timeout_s = grant.timeout_s
         try:
