@@ -110,8 +110,8 @@ def test_resume_without_a_checkpoint_starts_again_and_a_non_run_is_refused(
 async def test_the_eval_receiver_takes_a_new_epochs_version_over_a_rolled_back_one(
     tmp_path: Path, bus: Bus
 ) -> None:
-    """The eval actor's receiver keeps only due versions, and a newer trainer epoch wins
-    over a higher version of the lineage it rolled back."""
+    """The eval actor's receiver keeps only due versions, yields each in order, and a newer
+    trainer epoch wins over a higher version of the lineage it rolled back."""
     from asyncrl.actors.eval import is_due
     from asyncrl.engines.instant import InstantEngine
     from asyncrl.subjects import Subjects
@@ -124,6 +124,7 @@ async def test_the_eval_receiver_takes_a_new_epochs_version_over_a_rolled_back_o
         "eval-0",
         device="cpu",
         want=lambda version: is_due(version, 4, 10),
+        in_order=True,
     )
 
     def weights(epoch: int, version: int) -> WeightsUpdated:
@@ -141,4 +142,12 @@ async def test_the_eval_receiver_takes_a_new_epochs_version_over_a_rolled_back_o
     async with receiver.receive() as got:
         assert (got.epoch, got.version, got.via) == (1, 4, "dir")
         assert got.source == tmp_path / export_name(1, 4)
-    assert not receiver._pending  # the version not due was never kept
+    # the version not due was never kept; the dead lineage's late word waits, and is
+    # passed over at the next call (8 below is epoch 1's)
+    assert [(m.epoch, m.version) for m, _ in receiver._pending] == [(0, 8)]
+    # due versions that arrive while one is being evaluated are all yielded, oldest first
+    receiver.announce(weights(1, 8))
+    receiver.announce(weights(1, 10))
+    for expected in (8, 10):
+        async with receiver.receive() as got:
+            assert (got.epoch, got.version) == (1, expected)

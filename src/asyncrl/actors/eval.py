@@ -158,7 +158,13 @@ class EvalActor(Actor):
             self.tools = await self._open_tools()
         self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl=EVAL_FILE, job="eval")
         self.receiver = build_receiver(
-            self.recipe, self.engine, self.bus, self.subjects, self.actor_id, want=self._is_due
+            self.recipe,
+            self.engine,
+            self.bus,
+            self.subjects,
+            self.actor_id,
+            want=self._is_due,
+            in_order=True,  # every due version is evaluated, however fast training goes
         )
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
         latest = await self._query_weights()

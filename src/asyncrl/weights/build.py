@@ -111,10 +111,13 @@ def build_receiver(
     subjects: Subjects,
     actor_id: str,
     want: Callable[[int], bool] | None = None,
+    in_order: bool = False,
 ) -> EngineWeights:
     """An engine's receiver; it takes whatever transport each announcement names."""
     _, device, _ = engine_side(recipe)
-    return EngineWeights(engine, bus, subjects, actor_id, device=device, want=want)
+    return EngineWeights(
+        engine, bus, subjects, actor_id, device=device, want=want, in_order=in_order
+    )
 
 
 __all__ = ["build_publisher", "build_receiver", "engine_side"]

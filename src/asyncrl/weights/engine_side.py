@@ -80,6 +80,18 @@ class CollectiveEngineSide:
             return self.lane.submit(lambda: self._join(msg))
         return None  # announced before our join: the join brings these weights or newer
 
+    def _giver(self, buckets: list[Any]) -> Callable[[], None]:
+        """Gives ``buckets`` back to the pool, once however often it is called."""
+        given = False
+
+        def give() -> None:
+            nonlocal given
+            if not given:
+                given = True
+                self.pool.give(buckets)
+
+        return give
+
     def _await(self, coro: Any, timeout: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
@@ -161,7 +173,7 @@ class CollectiveEngineSide:
             self._forget_group()
             self.group_id = ""
             return self._fall_back(f"receive failed ({type(exc).__name__}: {exc})"[:300])
-        return version, epoch, tensors, "collective", lambda: self.pool.give(buckets)
+        return version, epoch, tensors, "collective", self._giver(buckets)
 
     async def _server_receive(self, version: int, epoch: int) -> BroadcastStaged:
         if self.protocol != sglang_wire.PROTOCOL:

@@ -50,10 +50,16 @@ class EngineWeights(WeightReceiver):
         *,
         device: str,
         want: Callable[[int], bool] | None = None,
+        in_order: bool = False,
     ) -> None:
         self.engine, self.bus, self.subjects, self.actor_id = engine, bus, subjects, actor_id
         self.device = device
         self.want = want or (lambda version: True)
+        self.in_order = in_order
+        self._returned = (-1, -1)  # (epoch, version) of the newest weights yielded
+        """Yield every wanted version, oldest first (the eval actor: each due version is
+        evaluated), instead of the newest only; a received version not wanted gives its
+        buffers back as soon as it arrives."""
         self._pending: deque[tuple[WeightsUpdated, concurrent.futures.Future[Any] | None]]
         self._pending = deque(maxlen=PENDING_LIMIT)
         self._arrived = asyncio.Event()
@@ -77,8 +83,17 @@ class EngineWeights(WeightReceiver):
             )
         elif not (force or self.want(msg.version)):
             return
+        if job is not None and self.in_order:
+            job.add_done_callback(self._let_go_unwanted)
         self._pending.append((msg, job))
         self._arrived.set()
+
+    def _let_go_unwanted(self, job: concurrent.futures.Future[Any]) -> None:
+        if job.cancelled() or job.exception() is not None:
+            return
+        version, _, payload, _, release = job.result()
+        if release is not None and (version < 0 or payload is None or not self.want(version)):
+            release()
 
     def _group(self) -> CollectiveEngineSide:
         if self._collective is None:
@@ -146,30 +161,50 @@ class EngineWeights(WeightReceiver):
                 best = choice
 
             # jobs finish in their announcement order: waiting for each in turn costs
-            # nothing, and every result is seen (the newest wanted one is kept)
+            # nothing, and every result is seen (the newest wanted one is kept, or with
+            # ``in_order`` the oldest, unless a later announcement is of a newer trainer
+            # epoch, which rolled it back)
             while self._pending:
                 msg, job = self._pending.popleft()
                 if job is None:
-                    if best is None or (msg.epoch, msg.version) >= (best[0].epoch, best[0].version):
-                        keep((msg, None, msg.kind, None))
-                    continue
-                try:
-                    version, epoch, payload, via, release = await asyncio.wrap_future(job)
-                except Exception as exc:
-                    self.counters["failed"] = self.counters.get("failed", 0) + 1
-                    self.log.warning(
-                        "weights not received", version=msg.version, error=str(exc)[:300]
+                    version, epoch, payload, via, release = (
+                        msg.version,
+                        msg.epoch,
+                        None,
+                        str(msg.kind),
+                        None,
                     )
-                    continue
+                else:
+                    try:
+                        version, epoch, payload, via, release = await asyncio.wrap_future(job)
+                    except Exception as exc:
+                        self.counters["failed"] = self.counters.get("failed", 0) + 1
+                        self.log.warning(
+                            "weights not received", version=msg.version, error=str(exc)[:300]
+                        )
+                        continue
+                    if version < 0 or payload is None or not self.want(version):
+                        if release is not None:
+                            release()
+                        continue
+                rolled_back = any(m.epoch > epoch for m, _ in self._pending)
                 newer = best is None or (epoch, version) >= (best[0].epoch, best[0].version)
-                if version >= 0 and payload is not None and self.want(version) and newer:
-                    done = msg.model_copy(update={"version": version, "epoch": epoch})
-                    keep((done, payload, via, release))
-                elif release is not None:
-                    release()
+                if (
+                    (epoch, version) <= self._returned
+                    or not newer
+                    or (self.in_order and rolled_back)
+                ):
+                    if release is not None:
+                        release()
+                    continue
+                done = msg.model_copy(update={"version": version, "epoch": epoch})
+                keep((done, payload, via, release))
+                if self.in_order:
+                    break  # the later ones wait for the next call
             if best is None:
                 continue
             msg, payload, via, release = best
+            self._returned = (msg.epoch, msg.version)
             try:
                 if payload is not None:
                     staged = await self.engine.stage_weights(payload)
