@@ -23,9 +23,10 @@ load to its reload endpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
@@ -324,14 +325,21 @@ class InferenceEngine(ABC):
         otherwise it pauses and resumes around the load. If the load fails, the version
         does not change and the error propagates.
         """
+        async with self._paused_for_weights():
+            await self._load_weights(source)
+            self._version = version
+
+    @contextlib.asynccontextmanager
+    async def _paused_for_weights(self) -> AsyncIterator[None]:
+        """The region where weights change: one change at a time, generation paused (and
+        resumed after, unless the caller had paused it), the released memory taken back."""
         async with self._update_lock:
             was_paused = self.paused
             if not was_paused:
                 await self.pause()
             try:
                 await self._take_memory_back()
-                await self._load_weights(source)
-                self._version = version
+                yield
             finally:
                 if not was_paused:
                     await self.resume()

@@ -304,17 +304,9 @@ class SGLangEngine(RemoteEngine):
         where: BroadcastJoin | None = server.info.get("broadcast")
         if where is None or not tensors:
             raise ServerError("receive_broadcast needs a joined group and the tensor list")
-        async with self._update_lock:
-            was_paused = self.paused
-            if not was_paused:
-                await self.pause()
-            try:
-                await self._take_memory_back()
-                await self._receive_into(server, where, version, tensors)
-                self._received_version = version
-            finally:
-                if not was_paused:
-                    await self.resume()
+        async with self._paused_for_weights():
+            await self._receive_into(server, where, version, tensors)
+            self._received_version = version
         return BroadcastStaged(version, epoch)
 
     async def _receive_into(
