@@ -311,10 +311,7 @@ async def run_transport(
             await publisher.start()
             receiver = EngineWeights(engine, bus, subjects, "engine-0", device=device)
 
-            async def on_weights(msg: WeightsUpdated) -> None:
-                receiver.announce(msg)
-
-            await bus.subscribe(subjects.weights, WeightsUpdated, on_weights)
+            await receiver.listen()
             stop = asyncio.Event()
             rows: list[dict[str, float]] = []
 
@@ -393,10 +390,7 @@ async def engine_child(args: argparse.Namespace) -> None:
     await engine.start()
     receiver = EngineWeights(engine, bus, subjects, "engine-0", device=args.device)
 
-    async def on_weights(msg: WeightsUpdated) -> None:
-        receiver.announce(msg)
-
-    await bus.subscribe(subjects.weights, WeightsUpdated, on_weights)
+    await receiver.listen()
     report = subjects.metrics("engine")
     await bus.publish(report, Metrics(role="engine", actor_id="engine-0", step=ENGINE_READY))
     for _ in range(args.versions):

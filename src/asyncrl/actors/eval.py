@@ -166,7 +166,7 @@ class EvalActor(Actor):
             want=self._is_due,
             in_order=True,  # every due version is evaluated, however fast training goes
         )
-        await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
+        await self.receiver.listen()
         latest = await self._query_weights()
         # a fresh run's engine holds its starting policy, version 0: the baseline is scored
         # first even if the trainer has moved on; a resumed run's starting policy is the
@@ -200,12 +200,6 @@ class EvalActor(Actor):
             )
         except (BusTimeout, RemoteError):
             return None  # nothing published yet: the engine holds version 0
-
-    async def on_weights(self, msg: WeightsUpdated) -> None:
-        """Every announcement goes to the receiver (a broadcast must be received as it is
-        sent); it keeps the due versions (:func:`is_due`), the newest first."""
-        assert self.receiver is not None
-        self.receiver.announce(msg)
 
     async def run(self) -> None:
         assert self.receiver is not None

@@ -68,6 +68,15 @@ class EngineWeights(WeightReceiver):
         self.counters = {"fallbacks": 0}
         self.log = get_logger(role="engine", part="weights")
 
+    async def listen(self) -> None:
+        """Takes every announcement on the run's weights subject (an actor that does
+        nothing else with them; the rollout actor announces from its own handler)."""
+
+        async def on_weights(msg: WeightsUpdated) -> None:
+            self.announce(msg)
+
+        await self.bus.subscribe(self.subjects.weights, WeightsUpdated, on_weights)
+
     def announce(self, msg: WeightsUpdated, *, force: bool = False) -> None:
         """``force``: keep a file announcement even if ``want`` refuses its version."""
         job: concurrent.futures.Future[Any] | None = None
