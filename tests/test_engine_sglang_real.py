@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from weights_kit import tensor_weights
+from weights_kit import gloo_publisher, tensor_weights
 
 from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.config import SGLangEngineConfig
@@ -215,21 +215,13 @@ async def test_the_broadcast_reaches_the_server_through_sglangs_own_endpoints(
     from safetensors.torch import load_file
 
     from asyncrl.engines.base import BroadcastStaged
-    from asyncrl.messages import WeightsUpdated
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import EmbeddedNats
     from asyncrl.subjects import Subjects
-    from asyncrl.weights.base import Weights
-    from asyncrl.weights.build import object_store_copy
-    from asyncrl.weights.collective import CollectivePublisher
-    from asyncrl.weights.config import WeightsConfig
     from asyncrl.weights.receiver import EngineWeights
 
     original = load_file(str(Path(engine.model_path) / "model.safetensors"))
     changed = {k: (v.flip(0) if v.ndim == 2 and "embed" in k else v) for k, v in original.items()}
-
-    def weights(version: int, tensors: dict) -> Weights:
-        return tensor_weights(version, tensors, tmp_path)
 
     greedy = GenerateRequest(
         input_ids=PROMPT, sampling=sampling(8, temperature=0.0, stop_token_ids=())
@@ -239,24 +231,12 @@ async def test_the_broadcast_reaches_the_server_through_sglangs_own_endpoints(
     async with EmbeddedNats(tmp_path / "run") as nats:
         bus = await Bus.connect(nats.info, name="test")
         subjects = Subjects("sglang-broadcast")
-        pub = CollectivePublisher(
-            bus,
-            subjects,
-            WeightsConfig(transport="collective", timeout_s=120),
-            host="127.0.0.1",
-            dtype=engine.dtype,
-            backend="gloo",
-            device="cpu",
-            fallback=object_store_copy(bus, subjects),
-        )
+        pub = gloo_publisher(bus, subjects, dtype=engine.dtype, timeout_s=120)
         receiver = EngineWeights(engine, bus, subjects, "rollout-0", device="cpu")
         try:
             await pub.start()
 
-            async def on_weights(msg: WeightsUpdated) -> None:
-                receiver.announce(msg)
-
-            await bus.subscribe(subjects.weights, WeightsUpdated, on_weights)
+            await receiver.listen()
 
             async def take(version: int) -> None:
                 async with asyncio.timeout(600), receiver.receive() as got:
@@ -266,7 +246,9 @@ async def test_the_broadcast_reaches_the_server_through_sglangs_own_endpoints(
                     await engine.update_weights(got.source, got.version)
                     await engine.resume()
 
-            await pub.publish(weights(v1, changed))  # the engine joins; the join brings it
+            await pub.publish(
+                tensor_weights(v1, changed, tmp_path)
+            )  # the engine joins; the join brings it
             async with asyncio.timeout(600), receiver.receive() as got:
                 assert (got.version, got.via) == (v1, "collective")
                 early = await engine.agenerate(greedy)  # received, not yet taken
@@ -278,7 +260,9 @@ async def test_the_broadcast_reaches_the_server_through_sglangs_own_endpoints(
             assert after.output_ids == early.output_ids != before.output_ids
             assert set(after.output_versions) == {v1} and engine.version == v1
 
-            msg = await pub.publish(weights(v2, original))  # by broadcast, to the member
+            msg = await pub.publish(
+                tensor_weights(v2, original, tmp_path)
+            )  # by broadcast, to the member
             assert msg.members == ["rollout-0"]
             await take(v2)
             assert pub.delivery()["sent_to"] == ["rollout-0"]

@@ -16,18 +16,14 @@ import pytest
 from e2e_kit import running_up, up_args
 from safetensors.torch import load_file, save_file
 from test_e2e import read_jsonl
-from weights_kit import tensor_weights
+from weights_kit import gloo_publisher, tensor_weights
 
 from asyncrl.engines import GenerateRequest, SamplingParams
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.vllm import VLLMEngine
-from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.subjects import Subjects
-from asyncrl.weights.build import object_store_copy
-from asyncrl.weights.collective import CollectivePublisher
-from asyncrl.weights.config import WeightsConfig
 from asyncrl.weights.receiver import EngineWeights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,23 +58,11 @@ async def test_a_vllm_server_takes_the_broadcast_itself(tmp_path: Path) -> None:
         VLLMEngine(MODEL, config, log_dir=tmp_path / "logs") as engine,
     ):
         bus = await Bus.connect(nats.info, name="test")
-        pub = CollectivePublisher(
-            bus,
-            subjects,
-            WeightsConfig.model_validate({"transport": "collective", "timeout_s": 60}),
-            host="127.0.0.1",
-            dtype=engine.dtype,
-            backend="gloo",
-            device="cpu",
-            fallback=object_store_copy(bus, subjects),
-        )
+        pub = gloo_publisher(bus, subjects, dtype=engine.dtype, timeout_s=60)
         await pub.start()
         receiver = EngineWeights(engine, bus, subjects, "rollout-0", device="cpu")
 
-        async def on_weights(msg: WeightsUpdated) -> None:
-            receiver.announce(msg)
-
-        await bus.subscribe(subjects.weights, WeightsUpdated, on_weights)
+        await receiver.listen()
 
         async def load_next() -> tuple[int, str]:
             async with asyncio.timeout(300):

@@ -12,18 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from weights_kit import tensor_weights
+from weights_kit import gloo_publisher, tensor_weights
 
 from asyncrl.checks import recipe_problems
 from asyncrl.config import RecipeError, load_recipe
 from asyncrl.engines.instant import InstantEngine
-from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
 from asyncrl.subjects import Subjects
 from asyncrl.weights import choose
-from asyncrl.weights.build import object_store_copy
 from asyncrl.weights.collective import CollectivePublisher
-from asyncrl.weights.config import WeightsConfig
 from asyncrl.weights.receiver import EngineWeights
 from asyncrl.weights.wire import BucketPool, pack, unpack
 
@@ -122,26 +119,9 @@ def _model(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 async def _publisher(bus: Bus, subjects: Subjects, **config: object) -> CollectivePublisher:
-    pub = CollectivePublisher(
-        bus,
-        subjects,
-        WeightsConfig.model_validate({"transport": "collective", "timeout_s": 10, **config}),
-        host="127.0.0.1",
-        dtype="float32",
-        backend="gloo",
-        device="cpu",
-        fallback=object_store_copy(bus, subjects),
-    )
+    pub = gloo_publisher(bus, subjects, **config)
     await pub.start()
     return pub
-
-
-async def _announce_to(receivers: list[EngineWeights], bus: Bus, subjects: Subjects) -> None:
-    async def on_weights(msg: WeightsUpdated) -> None:
-        for r in receivers:
-            r.announce(msg)
-
-    await bus.subscribe(subjects.weights, WeightsUpdated, on_weights)
 
 
 async def _received(receiver: EngineWeights) -> tuple[int, str, dict[str, torch.Tensor]]:
@@ -159,7 +139,8 @@ async def test_engines_join_receive_every_version_and_rejoin_when_dropped(
         EngineWeights(InstantEngine(), bus, subjects, f"rollout-{i}", device="cpu")
         for i in range(2)
     ]
-    await _announce_to(receivers, bus, subjects)
+    for r in receivers:
+        await r.listen()
 
     # the first version reaches nobody by broadcast: the engines join on its announcement
     # and the join brings it
@@ -205,7 +186,7 @@ async def test_an_engine_that_cannot_form_the_group_takes_the_object_store(
     pub = await _publisher(bus, subjects, timeout_s=3)
     pub.host = "256.0.0.1"  # the grant names an address no engine can reach
     receiver = EngineWeights(InstantEngine(), bus, subjects, "rollout-0", device="cpu")
-    await _announce_to([receiver], bus, subjects)
+    await receiver.listen()
     await pub.publish(tensor_weights(1, _model(1), tmp_path))
     version, via, got = await _received(receiver)
     assert (version, via) == (1, "object_store")
@@ -221,18 +202,9 @@ async def test_an_engine_whose_join_went_unanswered_asks_again(tmp_path: Path, b
     """No trainer answers the first join (and no fallback either): that version is
     counted as not received, and the next announcement of the group asks again."""
     subjects = Subjects("unanswered")
-    pub = CollectivePublisher(
-        bus,
-        subjects,
-        WeightsConfig(transport="collective", timeout_s=10),
-        host="127.0.0.1",
-        dtype="float32",
-        backend="gloo",
-        device="cpu",
-        fallback=object_store_copy(bus, subjects),
-    )  # not started: nobody serves joins yet
+    pub = gloo_publisher(bus, subjects)  # not started: nobody serves joins yet
     receiver = EngineWeights(InstantEngine(), bus, subjects, "rollout-0", device="cpu")
-    await _announce_to([receiver], bus, subjects)
+    await receiver.listen()
     await pub.publish(tensor_weights(1, _model(1), tmp_path))
     async with asyncio.timeout(30):
         while receiver.counters.get("failed", 0) < 1:

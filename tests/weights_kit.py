@@ -1,4 +1,5 @@
-"""A version of named tensors as the trainer publishes it, for tests of the broadcast."""
+"""For tests of the broadcast: a version of named tensors as the trainer publishes it, and
+the trainer's side of a gloo broadcast on this machine."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.runtime.bus import Bus
+from asyncrl.subjects import Subjects
 from asyncrl.weights.base import Weights
+from asyncrl.weights.build import object_store_copy
+from asyncrl.weights.collective import CollectivePublisher
+from asyncrl.weights.config import WeightsConfig
 
 
 def tensor_weights(
@@ -29,4 +35,22 @@ def tensor_weights(
         folder / f"v{version}",
         export=never,
         gather=lambda dtype: [(n, t.to(getattr(torch, dtype)).clone()) for n, t in pairs],
+    )
+
+
+def gloo_publisher(
+    bus: Bus, subjects: Subjects, *, dtype: str = "float32", **config: object
+) -> CollectivePublisher:
+    """Rank 0's side of the broadcast on 127.0.0.1 over gloo, the object store as its
+    fallback; ``config``: keys of the ``[weights]`` section (``timeout_s`` 10 unless
+    given). Not started: ``await publisher.start()`` serves the joins."""
+    return CollectivePublisher(
+        bus,
+        subjects,
+        WeightsConfig.model_validate({"transport": "collective", "timeout_s": 10, **config}),
+        host="127.0.0.1",
+        dtype=dtype,
+        backend="gloo",
+        device="cpu",
+        fallback=object_store_copy(bus, subjects),
     )
