@@ -48,7 +48,7 @@ from asyncrl.models import torch_dtype
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.subjects import Subjects
-from asyncrl.weights.base import WeightPublisher, Weights
+from asyncrl.weights.base import Received, WeightPublisher, Weights
 from asyncrl.weights.build import object_store_copy
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.config import WeightsConfig
@@ -262,6 +262,13 @@ def _publisher(
     )
 
 
+def _nbytes(model: Any, tmp: Path, dtype: str) -> float:
+    """The bytes one update moves (the published tensors in ``dtype``), measured once."""
+    return float(
+        sum(t.numel() * t.element_size() for _, t in _weights(model, 0, tmp, dtype).tensors(dtype))
+    )
+
+
 def _weights(model: Any, version: int, tmp: Path, dtype: str) -> Weights:
     """The engine's own weights as the trainer would publish them: an export (safetensors
     files) or the named tensors."""
@@ -282,6 +289,16 @@ def _weights(model: Any, version: int, tmp: Path, dtype: str) -> Weights:
     return Weights(
         version, 0, version, tmp / "weights" / f"v{version:06d}", export=export, gather=tensors
     )
+
+
+async def load_timed(engine: HFEngine, got: Received) -> float:
+    """Loads received weights as the rollout actor does (pause, load, resume); returns the
+    seconds generation stood still."""
+    t0 = time.perf_counter()
+    await engine.pause()
+    await engine.update_weights(got.source, got.version)
+    await engine.resume()
+    return time.perf_counter() - t0
 
 
 async def run_transport(
@@ -314,6 +331,7 @@ async def run_transport(
             await receiver.listen()
             stop = asyncio.Event()
             rows: list[dict[str, float]] = []
+            nbytes = _nbytes(engine.model, tmp, dtype)
 
             async def client() -> None:
                 ids = engine.tokenizer.encode("Count from one to a hundred:")
@@ -326,20 +344,15 @@ async def run_transport(
                 t0 = time.perf_counter()
                 publish = asyncio.create_task(publisher.publish(weights))
                 async with receiver.receive() as got:
-                    t1 = time.perf_counter()
-                    await engine.pause()
-                    await engine.update_weights(got.source, got.version)
-                    await engine.resume()
-                    pause = time.perf_counter() - t1
+                    pause = await load_timed(engine, got)
                 done = time.perf_counter()
                 await publish
-                nbytes = sum(t.numel() * t.element_size() for _, t in weights.tensors(dtype))
                 rows.append(
                     {
                         "update_s": done - t0,
                         "trainer_s": publish_end[version] - t0,
                         "pause_s": pause,
-                        "bytes": float(nbytes),
+                        "bytes": nbytes,
                     }
                 )
 
@@ -395,11 +408,7 @@ async def engine_child(args: argparse.Namespace) -> None:
     await bus.publish(report, Metrics(role="engine", actor_id="engine-0", step=ENGINE_READY))
     for _ in range(args.versions):
         async with receiver.receive() as got:
-            t1 = time.perf_counter()
-            await engine.pause()
-            await engine.update_weights(got.source, got.version)
-            await engine.resume()
-            pause = time.perf_counter() - t1
+            pause = await load_timed(engine, got)
         values = {"pause_s": pause, "via_ipc": float(got.via == "cuda_ipc")}
         await bus.publish(
             report, Metrics(role="engine", actor_id="engine-0", step=got.version, values=values)
@@ -440,6 +449,7 @@ async def run_in_two_processes(
                 "--device", device, "--versions", str(updates + 1),
             )  # fmt: skip
             rows: list[dict[str, float]] = []
+            nbytes = _nbytes(model, tmp, dtype)
             try:
                 async with asyncio.timeout(600):
                     while (await reports.get()).step != ENGINE_READY:
@@ -451,15 +461,12 @@ async def run_in_two_processes(
                         trainer = time.perf_counter() - t0
                         while (got := await reports.get()).step != version:
                             pass
-                        nbytes = sum(
-                            t.numel() * t.element_size() for _, t in weights.tensors(dtype)
-                        )
                         rows.append(
                             {
                                 "update_s": time.perf_counter() - t0,
                                 "trainer_s": trainer,
                                 "pause_s": float(got.values["pause_s"]),
-                                "bytes": float(nbytes),
+                                "bytes": nbytes,
                             }
                         )
                     await child.wait()
