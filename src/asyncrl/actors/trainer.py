@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import os
 import time
 from pathlib import Path
@@ -46,10 +45,6 @@ from asyncrl.weights.files import export_name, link_export
 
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
-
-WEIGHTS_FILE = "weights.jsonl"
-"""A line per published version: its transport, seconds, and (``collective``) the
-engines it reached and those dropped."""
 
 BATCH_WAIT_LOG_EVERY = 30.0
 """Seconds between two log lines that say what a batch request waits for."""
@@ -110,7 +105,7 @@ class TrainerActor(Actor):
         self.ranks = Leader(self.engine)
         kind, why = choose(self.recipe)
         self.transport = build_publisher(
-            self.recipe, self.bus, self.subjects, self.weights_dir, self.ctx.nats.url
+            self.recipe, kind, self.bus, self.subjects, self.weights_dir, self.ctx.nats.url
         )
         await self.transport.start()
         self.log.info("weights transport", transport=kind, why=why)
@@ -274,13 +269,9 @@ class TrainerActor(Actor):
             "publish_s": round(time.monotonic() - t0, 4),
             **self.transport.delivery(),
         }
-        await asyncio.to_thread(self._append_line, WEIGHTS_FILE, line)
+        await asyncio.to_thread(self.records.published, line)
         self.published_version = self.version
         self.last_export = weights.folder if weights.exported else None
-
-    def _append_line(self, name: str, line: dict[str, object]) -> None:
-        with open(self.ctx.run_dir / name, "a") as f:
-            f.write(json.dumps(line) + "\n")
 
     async def _checkpoint(self) -> None:
         path = self.ckpt_dir / f"step_{self.step:06d}"

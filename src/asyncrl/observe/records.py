@@ -1,5 +1,6 @@
 """The trainer's records of a run: a line per step in ``metrics.jsonl`` (and every other
-sink) and a line per trained sample in ``trained_samples.jsonl``, with what a batch alone
+sink), a line per trained sample in ``trained_samples.jsonl``, a line per published
+version in ``weights.jsonl`` (its transport and whom it reached), with what a batch alone
 says (response lengths, reward shape per group, staleness); records of steps a dead
 trainer took after its last checkpoint are dropped on restart."""
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 SAMPLES_FILE = "trained_samples.jsonl"
 METRICS_FILE = "metrics.jsonl"
+WEIGHTS_FILE = "weights.jsonl"
 
 TRAIN_KEYS = {"loss": "loss", "kl_ref": "kl", "clip_frac": "clip_frac", "grad_norm": "grad_norm"}
 """Train statistics recorded under a top-level name (``lr`` too); the others go under
@@ -130,6 +132,11 @@ class StepRecords:
     def close(self) -> None:
         if self.sinks is not None:
             self.sinks.close()
+
+    def published(self, line: dict[str, Any]) -> None:
+        """Appends a published version's line to ``weights.jsonl``."""
+        with open(self.run_dir / WEIGHTS_FILE, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def step(
         self,

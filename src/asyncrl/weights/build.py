@@ -16,8 +16,8 @@ from asyncrl.runtime.bus import Bus
 from asyncrl.schema import resolve_device
 from asyncrl.subjects import Subjects
 from asyncrl.weights.base import WeightPublisher
-from asyncrl.weights.choose import choose
 from asyncrl.weights.collective import CollectivePublisher, rendezvous_host
+from asyncrl.weights.config import TransportKind
 from asyncrl.weights.files import DirPublisher, ObjectStorePublisher, delete_weights, put_weights
 from asyncrl.weights.receiver import EngineWeights
 from asyncrl.weights.wire import Packed, unpack
@@ -41,10 +41,15 @@ def engine_side(recipe: Recipe) -> tuple[str, str, str]:
 
 
 def build_publisher(
-    recipe: Recipe, bus: Bus, subjects: Subjects, weights_dir: Path, nats_url: str
+    recipe: Recipe,
+    kind: TransportKind,
+    bus: Bus,
+    subjects: Subjects,
+    weights_dir: Path,
+    nats_url: str,
 ) -> WeightPublisher:
-    """Rank 0's publisher of the run's transport (``weights.transport``, ``auto`` resolved)."""
-    kind, _ = choose(recipe)
+    """Rank 0's publisher of ``kind``, the run's transport (:func:`~asyncrl.weights.choose` resolves
+    ``weights.transport``)."""
     if kind == "dir":
         return DirPublisher(weights_dir, bus, subjects)
     if kind == "object_store":
