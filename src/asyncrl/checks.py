@@ -172,7 +172,7 @@ def trainer_node_problems(recipe: Recipe) -> list[str]:
 def lora_problems(recipe: Recipe) -> list[str]:
     """LoRA settings that a rollout engine cannot serve."""
     lora, engine = recipe.trainer.lora, recipe.rollout.engine.type
-    if not lora.enabled or lora.publish != "adapter":
+    if not lora.publishes_adapter:
         return []
     if engine == "vllm" and lora.rank > 512:
         return [

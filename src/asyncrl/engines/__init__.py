@@ -45,7 +45,7 @@ def build_engine(recipe: Recipe) -> InferenceEngine:
     if cfg.type in ("hf", "sglang"):
         options["memory_saver"] = recipe.rollout.colocate
     lora = recipe.trainer.lora
-    if cfg.type in ("vllm", "sglang") and lora.enabled and lora.publish == "adapter":
+    if cfg.type in ("vllm", "sglang") and lora.publishes_adapter:
         options["lora_rank"] = lora.rank  # the servers start with LoRA on
     return cls(recipe.model, cfg, **options)  # type: ignore[no-any-return]
 

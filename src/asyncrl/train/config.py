@@ -155,6 +155,11 @@ class LoraConfig(Section):
     def enabled(self) -> bool:
         return self.rank > 0
 
+    @property
+    def publishes_adapter(self) -> bool:
+        """Whether weight updates carry the adapter alone (LoRA on, ``publish = "adapter"``)."""
+        return self.enabled and self.publish == "adapter"
+
 
 DERIVED_KEYS = {
     "temperature": "rollout.sampling.temperature",

@@ -590,7 +590,7 @@ class TrainEngine:
         """Writes what a weight update publishes: with ``trainer.lora.publish =
         "adapter"`` the adapter alone (:func:`~asyncrl.train.lora.export_adapter`), else
         the full HF directory (:meth:`export_hf`). Collective; rank 0 writes."""
-        if self.lora and self.config.lora.publish == "adapter":
+        if self.config.lora.publishes_adapter:
             from asyncrl.train.lora import export_adapter
 
             self._reshard()

@@ -102,8 +102,7 @@ def choose(recipe: Recipe) -> tuple[TransportKind, str]:
     w, engine = recipe.weights, recipe.rollout.engine
     if w.transport != "auto":
         return w.transport, "set by weights.transport"
-    adapter = recipe.trainer.lora.rank > 0 and recipe.trainer.lora.publish == "adapter"
-    if adapter:
+    if recipe.trainer.lora.publishes_adapter:
         return "object_store", (
             "LoRA publishes adapters (trainer.lora.publish = 'adapter'), a few MiB that "
             "travel as files through NATS"
@@ -144,14 +143,12 @@ def transport_problems(recipe: Recipe) -> list[str]:
             "on the same CUDA device of this machine (IPC handles map memory of one GPU); "
             'use "collective" (or "auto")'
         )
-    if w.transport in ("collective", "cuda_ipc"):
-        t = recipe.trainer.lora
-        if t.rank > 0 and t.publish == "adapter":
-            problems.append(
-                f'weights.transport = "{w.transport}" with trainer.lora.publish = "adapter": '
-                'adapters travel as files; set trainer.lora.publish = "merged" or use '
-                '"object_store"'
-            )
+    if w.transport in ("collective", "cuda_ipc") and recipe.trainer.lora.publishes_adapter:
+        problems.append(
+            f'weights.transport = "{w.transport}" with trainer.lora.publish = "adapter": '
+            'adapters travel as files; set trainer.lora.publish = "merged" or use '
+            '"object_store"'
+        )
     return problems
 
 
