@@ -110,7 +110,6 @@ class CollectiveStats:
     last_send_s: float = 0.0
     last_bytes: int = 0
     last_members: int = 0
-    drop_reasons: list[str] = field(default_factory=list)
     delivered: list[str] = field(default_factory=list)
     """The engines the last version reached."""
     dropped_now: list[str] = field(default_factory=list)
@@ -281,7 +280,6 @@ class CollectivePublisher(WeightPublisher):
         bury(member.group)
         self.stats.dropped += 1
         self.stats.dropped_now.append(member.actor_id)
-        self.stats.drop_reasons = [*self.stats.drop_reasons, reason][-5:]
         self.log.warning(
             "engine dropped from the weight broadcast", actor=member.actor_id, reason=reason
         )

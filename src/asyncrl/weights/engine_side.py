@@ -21,7 +21,7 @@ SERVER_GROUP = object()
 """Stands for the group of a server engine, which the server holds itself."""
 
 
-Received = tuple[int, int, Any, str, Callable[[], None] | None]
+JobResult = tuple[int, int, Any, str, Callable[[], None] | None]
 """What an engine-side job gives: ``(version, epoch, what the engine loads, the transport
 that brought it, what gives its buffers back once loaded)``; version -1: nothing yet."""
 
@@ -100,7 +100,7 @@ class CollectiveEngineSide:
             bury(self.group)
         self.group = None
 
-    def _join(self, msg: WeightsUpdated) -> Received:
+    def _join(self, msg: WeightsUpdated) -> JobResult:
         self._forget_group()
         try:
             grant: WeightsGrant = self._await(
@@ -157,7 +157,7 @@ class CollectiveEngineSide:
             return (-1, grant.epoch, None, "collective", None)  # nothing published yet
         return self._receive(grant.version, grant.epoch)
 
-    def _receive(self, version: int, epoch: int) -> Received:
+    def _receive(self, version: int, epoch: int) -> JobResult:
         """One version from the group: into this process (the tensors), or into the
         server (what the engine's load then swaps in)."""
         if self.group is None:
@@ -182,10 +182,10 @@ class CollectiveEngineSide:
         tensors = await sglang_wire.get_tensor_list(self.bus, self.subjects.weights_bucket, key)
         return await self.engine.receive_broadcast(version, epoch, tensors)
 
-    def _fall_back(self, reason: str) -> Received:
+    def _fall_back(self, reason: str) -> JobResult:
         self.log.warning("weights from the object store instead of the broadcast", reason=reason)
         version, epoch, tensors = self._await(self._fallback(reason), self.timeout_s * 2 + 30)
         return version, epoch, tensors, "object_store", None
 
 
-__all__ = ["SERVER_GROUP", "CollectiveEngineSide", "Received"]
+__all__ = ["SERVER_GROUP", "CollectiveEngineSide", "JobResult"]
