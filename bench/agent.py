@@ -381,7 +381,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     if args.engine == "vllm":
         from asyncrl.engines.config import VLLMEngineConfig
         from asyncrl.engines.vllm import VLLMEngine
-        from asyncrl.models import ModelConfig
+        from asyncrl.models.resolve import ModelConfig
 
         config = VLLMEngineConfig(
             python=args.vllm_python, cpu_kvcache_gib=args.vllm_kvcache_gib, max_model_len=4096
@@ -391,7 +391,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         return server, "a vLLM server (log in runs/bench-logs)"
     from asyncrl.engines.config import HFEngineConfig
     from asyncrl.engines.hf import HFEngine
-    from asyncrl.models import ModelConfig
+    from asyncrl.models.resolve import ModelConfig
 
     engine = HFEngine(
         ModelConfig(path=args.model, dtype=args.dtype),
@@ -480,7 +480,7 @@ async def main() -> None:
 
     list_tools = True
     if args.quick:
-        from asyncrl.tiny_model import tiny_model_dir
+        from asyncrl.models.tiny import tiny_model_dir
 
         # The tiny model has 512 positions: no tool listing (in the 3-turn prompt and the
         # endpoint's requests), short replies.

@@ -32,9 +32,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from asyncrl.messages import Ack, Array, Message, Trajectory
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
+from asyncrl.wire.messages import Ack, Array, Message, Trajectory
 
 SUBJECT = "bench.data"
 PROGRESS = "bench.progress"

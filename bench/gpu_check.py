@@ -6,7 +6,7 @@
 
 Nothing is downloaded: every model is random-initialised from a transformers config
 written in code (bench/trainer.py's shapes; a model folder, where one is needed, gets
-the character tokenizer of :mod:`asyncrl.tiny_model`). Rows, each measured on its own so
+the character tokenizer of :mod:`asyncrl.models.tiny`). Rows, each measured on its own so
 that one failing row prints its error and the others still run:
 
 1. trainer MFU: ``TrainEngine`` built from the ci recipe's sections, on the Qwen2.5-1.5B
@@ -57,13 +57,13 @@ import torch
 from trainer import SHAPES, model_config, model_flops  # bench/trainer.py, beside this file
 from transformers import AutoModelForCausalLM
 
-from asyncrl.config import Recipe, load_recipe
+from asyncrl.config.recipe import Recipe, load_recipe
 from asyncrl.engines import GenerateRequest, SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
-from asyncrl.models import ModelConfig, cache_root, materialize
+from asyncrl.models.resolve import ModelConfig, cache_root, materialize
+from asyncrl.models.tiny import build_tokenizer
 from asyncrl.observe.records import METRICS_FILE, SAMPLES_FILE
-from asyncrl.tiny_model import build_tokenizer
 from asyncrl.train import Sample, TrainEngine, build_train_engine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,7 +207,7 @@ def recipe_for(sizes: Sizes, device: str, *sets: str) -> Recipe:
 
 def random_model_dir(shape: str, dtype: str, seed: int = 0) -> Path:
     """An HF model folder of bench/trainer.py's ``shape`` with random weights (saved in
-    ``dtype``) and the character tokenizer of :mod:`asyncrl.tiny_model`, built once into
+    ``dtype``) and the character tokenizer of :mod:`asyncrl.models.tiny`, built once into
     the cache. Token ids past the tokenizer's decode to nothing, which the rollouts of a
     random model do not mind."""
     target = cache_root() / "models" / f"gpu-check-{shape}-{dtype}-s{seed}"
@@ -460,7 +460,15 @@ def up_run(sizes: Sizes, device: str, run_dir: Path) -> Row:
     recipe = load_recipe(CI_RECIPE, sets)  # a bad override fails here, before anything starts
     eta = recipe.buffer.max_head_offpolicyness + recipe.trainer.update_every - 1
     row.goal = f"exit 0, {sizes.up_steps} steps, staleness ≤ {eta}"
-    argv = [sys.executable, "-m", "asyncrl.cli", "up", str(CI_RECIPE), "--quiet", "--overwrite"]
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncrl.entry.cli",
+        "up",
+        str(CI_RECIPE),
+        "--quiet",
+        "--overwrite",
+    ]
     argv += [x for s in sets for x in ("--set", s)]
     t0 = time.perf_counter()
     code, out = run_to_end(argv, sizes.up_timeout_s)

@@ -102,7 +102,7 @@ async def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0, help="1: no top-p cut")
     args = ap.parse_args()
 
-    from asyncrl.models import ModelConfig, resolve_model_path
+    from asyncrl.models.resolve import ModelConfig, resolve_model_path
     from asyncrl.train import TrainEngine, TrainerConfig
 
     outputs = {kind: await generate(kind, args) for kind in args.engines}

@@ -115,7 +115,7 @@ def build(kind: str, args: argparse.Namespace) -> tuple[Any, str]:
     if kind == "vllm":
         from asyncrl.engines.config import VLLMEngineConfig
         from asyncrl.engines.vllm import VLLMEngine
-        from asyncrl.models import ModelConfig
+        from asyncrl.models.resolve import ModelConfig
 
         config = VLLMEngineConfig(
             python=args.vllm_python,
@@ -128,7 +128,7 @@ def build(kind: str, args: argparse.Namespace) -> tuple[Any, str]:
         return engine, f"vllm server, threads bind {args.vllm_bind} (log runs/bench-logs)"
     from asyncrl.engines.config import HFEngineConfig
     from asyncrl.engines.hf import HFEngine
-    from asyncrl.models import ModelConfig
+    from asyncrl.models.resolve import ModelConfig
 
     device = "cuda" if kind == "hf-cuda" else args.device
     if device == "auto":

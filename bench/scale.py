@@ -71,16 +71,16 @@ from asyncrl.actors.buffer import BufferActor
 from asyncrl.actors.reward import RewardActor
 from asyncrl.actors.rollout import RolloutActor
 from asyncrl.actors.trainer import TrainerActor
-from asyncrl.codec import encode
-from asyncrl.config import Recipe, load_recipe
-from asyncrl.messages import ActorInfo, Control, Lease, WeightsUpdated
+from asyncrl.config.recipe import Recipe, load_recipe
+from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import configure_logging
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
-from asyncrl.subjects import Subjects
-from asyncrl.up import ensure_trajectory_stream
+from asyncrl.wire.codec import encode
+from asyncrl.wire.messages import ActorInfo, Control, Lease, WeightsUpdated
+from asyncrl.wire.subjects import Subjects
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results"

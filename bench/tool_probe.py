@@ -34,7 +34,7 @@ from asyncrl.data.synthetic import PRODUCTS_INSTRUCTION, products_records
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
-from asyncrl.models import resolve_model_path
+from asyncrl.models.resolve import resolve_model_path
 from asyncrl.rewards.math_reward import math_reward
 from asyncrl.rewards.pool import RewardResult
 from asyncrl.workflows.agent import AgentWorkflow
@@ -141,7 +141,7 @@ async def probe(
 
 
 def from_recipe(path: str) -> dict[str, Any]:
-    from asyncrl.config import load_recipe
+    from asyncrl.config.recipe import load_recipe
 
     recipe = load_recipe(path)
     r = recipe.rollout

@@ -80,7 +80,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.models import ModelConfig
+from asyncrl.models.resolve import ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 from asyncrl.train.config import LoraConfig
 

@@ -31,7 +31,7 @@ pinned. The minutes that takes are printed and not counted in either system's fi
 
 Matched (asyncrl's key = TRL's argument):
 
-- model: the same local directory (``asyncrl.models.resolve_model_path``), fp32, CPU
+- model: the same local directory (``asyncrl.models.resolve.resolve_model_path``), fp32, CPU
   (``use_cpu=True``, ``bf16=False``), no gradient checkpointing (TRL's default is on);
 - data: asyncrl's own records (``recipes/quickstart.toml``, ``run.seed``), its held-out
   split (``eval.max_prompts`` records) kept out of both trainings; TRL gets the training
@@ -259,7 +259,7 @@ def steady(times: list[float], samples: list[int]) -> dict[str, float]:
 
 
 def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "up", str(RECIPE), "--quiet", "--overwrite"]
+    cmd = [sys.executable, "-m", "asyncrl.entry.cli", "up", str(RECIPE), "--quiet", "--overwrite"]
     for item in overrides(args):
         cmd += ["--set", item]
     run_dir = args.work / args.run_name
@@ -517,9 +517,9 @@ def verdict(result: dict[str, Any]) -> str:
 def bench_pair(args: argparse.Namespace) -> dict[str, Any]:
     """asyncrl, then TRL, on one workload and seed (``args.workload``, ``args.seed``), and
     the shared greedy evaluator on the starting and both final weights."""
-    from asyncrl.config import load_recipe
+    from asyncrl.config.recipe import load_recipe
     from asyncrl.data import load_eval_records
-    from asyncrl.models import resolve_model_path
+    from asyncrl.models.resolve import resolve_model_path
 
     args.work.mkdir(parents=True, exist_ok=True)
     t_pair = time.time()

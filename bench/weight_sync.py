@@ -42,18 +42,18 @@ from typing import Any
 from asyncrl.engines import GenerateRequest, SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
-from asyncrl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
-from asyncrl.messages import WeightsUpdated
-from asyncrl.models import torch_dtype
+from asyncrl.models.resolve import torch_dtype
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
-from asyncrl.subjects import Subjects
 from asyncrl.weights.base import Received, WeightPublisher, Weights
 from asyncrl.weights.build import object_store_copy
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.config import WeightsConfig
 from asyncrl.weights.files import DirPublisher, ObjectStorePublisher, get_weights, put_weights
+from asyncrl.weights.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from asyncrl.weights.receiver import EngineWeights
+from asyncrl.wire.messages import WeightsUpdated
+from asyncrl.wire.subjects import Subjects
 
 BUCKET = "bench_weights"
 
@@ -226,7 +226,7 @@ def model_dir(shape: str, dtype: str, tmp: Path) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncrl.tiny_model import build_tokenizer
+    from asyncrl.models.tiny import build_tokenizer
 
     about = dict(SHAPES[shape] or {})
     config = AutoConfig.for_model(about.pop("model_type"), **about)
@@ -318,7 +318,7 @@ async def run_transport(
         path = model_dir(shape, dtype, tmp)
         config = HFEngineConfig(max_batch_size=max(concurrency, 1), device=device)
         async with EmbeddedNats(tmp / "nats") as server:
-            from asyncrl.models import ModelConfig
+            from asyncrl.models.resolve import ModelConfig
 
             engine = HFEngine(ModelConfig(path=path, dtype=dtype), config)
             await engine.start()
@@ -391,9 +391,9 @@ async def engine_child(args: argparse.Namespace) -> None:
     """The engine of a ``cuda_ipc`` measurement, in a process of its own (IPC handles are
     opened by another process than the one that made them): loads each version announced
     and reports its pause on ``metrics.engine``, ``versions`` times."""
-    from asyncrl.messages import Metrics
-    from asyncrl.models import ModelConfig
+    from asyncrl.models.resolve import ModelConfig
     from asyncrl.runtime.nats_server import NatsInfo
+    from asyncrl.wire.messages import Metrics
 
     bus = await Bus.connect(NatsInfo.read(Path(args.engine_child)), name="bench-engine")
     subjects = Subjects(args.run)
@@ -424,8 +424,8 @@ async def run_in_two_processes(
     nothing generating; the trainer's side publishes a model of its own."""
     import sys
 
-    from asyncrl.messages import Metrics
-    from asyncrl.models import load_causal_lm
+    from asyncrl.models.resolve import load_causal_lm
+    from asyncrl.wire.messages import Metrics
 
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)

@@ -25,7 +25,7 @@ CI_RECIPE = REPO / "recipes" / "ci.toml"
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.cli", *args]
+    return [sys.executable, "-m", "asyncrl.entry.cli", *args]
 
 
 def up_args(parent: Path, name: str, *sets: str) -> list[str]:

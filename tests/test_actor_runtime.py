@@ -10,13 +10,13 @@ from pathlib import Path
 
 from actor_helpers.echo_actor import EchoActor
 
-from asyncrl.config import Recipe
-from asyncrl.messages import Ack, ActorExit, ActorInfo, Control
+from asyncrl.config.recipe import Recipe
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.runtime.supervisor import ActorSpec, Supervisor
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import Ack, ActorExit, ActorInfo, Control
+from asyncrl.wire.subjects import Subjects
 
 HELPER = str(Path(__file__).parent / "actor_helpers" / "echo_actor.py")
 SUBJECTS = Subjects("t")

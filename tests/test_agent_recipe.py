@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from scripted_engine import ScriptedEngine
 
-from asyncrl.checks import generation_budget, recipe_problems
-from asyncrl.config import load_recipe
+from asyncrl.config.checks import generation_budget, recipe_problems
+from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
-from asyncrl.messages import Array, Trajectory
-from asyncrl.tiny_model import build_tokenizer
+from asyncrl.models.tiny import build_tokenizer
+from asyncrl.wire.messages import Array, Trajectory
 from asyncrl.workflows import AgentWorkflow, FunctionWorkflow, SpecError, make_workflow
 from asyncrl.workflows.agent import agent_metrics
 from asyncrl.workflows.build import (
@@ -158,7 +158,7 @@ def test_check_refuses_bad_agent_keys_naming_them(code: Path) -> None:
 
 def test_asyncrl_check_prints_the_key(code: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "check", "--set", "rollout.workflow=agent",
+        [sys.executable, "-m", "asyncrl.entry.cli", "check", "--set", "rollout.workflow=agent",
          "--set", 'rollout.agent.tools=["shell"]'],
         capture_output=True, text=True, cwd=REPO, check=False,
     )  # fmt: skip

@@ -13,15 +13,15 @@ import pytest
 from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
 
-from asyncrl.codec import decode, encode
 from asyncrl.engines import SamplingParams
 from asyncrl.engines.hf import HFEngine
-from asyncrl.messages import Trajectory
+from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.rewards.pool import RewardResult
-from asyncrl.tiny_model import tiny_model_dir
 from asyncrl.tools.base import function_tool
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import tools_system_text
+from asyncrl.wire.codec import decode, encode
+from asyncrl.wire.messages import Trajectory
 from asyncrl.workflows import make_workflow
 from asyncrl.workflows.agent import AgentWorkflow, ChatFormat, agent_metrics
 

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(
 PROBE = """
 import json, os, sys
 print("start", flush=True)
-from asyncrl.config import Recipe
-from asyncrl.actors.launch import choose_allocator
+from asyncrl.config.recipe import Recipe
+from asyncrl.entry.actor import choose_allocator
 recipe = Recipe.model_validate({"trainer": json.loads(sys.argv[1])})
 chosen = choose_allocator("trainer", recipe)
 import torch
@@ -108,8 +108,8 @@ def test_a_trainer_that_up_starts_has_mimalloc_from_its_first_start(tmp_path: Pa
     """``up`` puts the preload in the trainer's own environment (every node of a gang
     too), so the trainer does not execute itself a second time; the other roles and a
     ``system`` trainer get none."""
-    from asyncrl.config import load_recipe
-    from asyncrl.up import actor_specs
+    from asyncrl.config.recipe import load_recipe
+    from asyncrl.launch.up import actor_specs
 
     ci = Path(__file__).resolve().parents[1] / "recipes" / "ci.toml"
     specs = actor_specs(load_recipe(ci, ["trainer.nodes=2", "trainer.device=cpu"]), tmp_path)

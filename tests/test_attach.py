@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_recipe
-from asyncrl.messages import ActorInfo
+from asyncrl.config.recipe import load_recipe
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import ActorInfo
+from asyncrl.wire.subjects import Subjects
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ async def attach(run_dir: Path, role: str, bus: Bus) -> tuple[int | None, str, l
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "asyncrl.cli",
+        "asyncrl.entry.cli",
         "attach",
         role,
         "--run",

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from asyncrl.actors.buffer import BufferActor
-from asyncrl.config import load_recipe
-from asyncrl.messages import ActorExit, Array, Lease, LeaseRequest, Trajectory
+from asyncrl.config.recipe import load_recipe
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.nats_server import NatsInfo
+from asyncrl.wire.messages import ActorExit, Array, Lease, LeaseRequest, Trajectory
 
 
 def make_buffer(tmp_path: Path, *overrides: str) -> BufferActor:

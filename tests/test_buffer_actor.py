@@ -13,11 +13,18 @@ from actor_helpers.buffer_kit import context, recipe, running_buffer
 
 import asyncrl.actors.buffer.actor as buffer_actor
 from asyncrl.actors.trainer import TrainerActor
-from asyncrl.config import Recipe
-from asyncrl.messages import Array, BatchRequest, Lease, LeaseRequest, TrainBatchRef, Trajectory
+from asyncrl.config.recipe import Recipe
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import (
+    Array,
+    BatchRequest,
+    Lease,
+    LeaseRequest,
+    TrainBatchRef,
+    Trajectory,
+)
+from asyncrl.wire.subjects import Subjects
 
 S = Subjects("t")
 

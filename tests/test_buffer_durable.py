@@ -22,13 +22,13 @@ from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.durable import keep_for_resume
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
-from asyncrl.messages import Array, BatchRequest, TrainBatchRef, TrainSample, Trajectory
 from asyncrl.observe.records import drop_records_after
 from asyncrl.runtime.actor import awaiting
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.runtime.supervisor import RESTART_ENV, ActorSpec
+from asyncrl.wire.messages import Array, BatchRequest, TrainBatchRef, TrainSample, Trajectory
 
 
 def traj(prompt: str, i: int, version: int, *, attempt: str = "L1", epoch: int = 0) -> Trajectory:
@@ -204,7 +204,7 @@ def test_roll_back_keeps_the_groups_of_the_versions_that_remain(tmp_path: Path) 
 
 def _lease(a: Admission, uid: str, lease_id: str) -> object:
     from asyncrl.actors.buffer.leases import Leased
-    from asyncrl.messages import Prompt
+    from asyncrl.wire.messages import Prompt
 
     a.leases.attempts[uid] += 1
     return Leased(Prompt(uid=uid, data={"question": uid}), "r0", lease_id)

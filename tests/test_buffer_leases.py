@@ -10,10 +10,10 @@ from actor_helpers.buffer_kit import LossyBus, context, recipe, running_buffer
 from test_buffer import lease, make_buffer
 
 from asyncrl.actors.rollout import RolloutActor
-from asyncrl.config import Recipe
-from asyncrl.messages import ActorInfo, EpisodeAborted, Lease, LeaseRequest
+from asyncrl.config.recipe import Recipe
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
+from asyncrl.wire.messages import ActorInfo, EpisodeAborted, Lease, LeaseRequest
 
 
 async def test_a_repeated_request_id_gets_the_same_lease(tmp_path: Path) -> None:

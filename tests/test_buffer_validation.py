@@ -9,7 +9,7 @@ import pytest
 from test_buffer import lease, make_buffer
 
 from asyncrl.actors.buffer.admission import invalid_reason
-from asyncrl.messages import Array, LeaseRequest, Trajectory
+from asyncrl.wire.messages import Array, LeaseRequest, Trajectory
 
 
 def traj(**changes: Any) -> Trajectory:

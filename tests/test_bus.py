@@ -17,8 +17,10 @@ import nats.errors
 import numpy as np
 import pytest
 
-from asyncrl.codec import encode
-from asyncrl.messages import (
+from asyncrl.runtime.bus import Bus, BusTimeout, PayloadTooLarge, RemoteError
+from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo, nats_info_for_run
+from asyncrl.wire.codec import encode
+from asyncrl.wire.messages import (
     SCHEMA_VERSION,
     Ack,
     Array,
@@ -28,8 +30,6 @@ from asyncrl.messages import (
     Prompt,
     Trajectory,
 )
-from asyncrl.runtime.bus import Bus, BusTimeout, PayloadTooLarge, RemoteError
-from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo, nats_info_for_run
 
 # Guards against a hang, never a measurement: every wait below ends on an event.
 WAIT = 10.0

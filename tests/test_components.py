@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 from train_helpers.tiny import one_torch_thread, tiny_config
 
-from asyncrl.config import Recipe, RecipeError, load_recipe
+from asyncrl.config.recipe import Recipe, RecipeError, load_recipe
 from asyncrl.engines.config import EngineConfig
-from asyncrl.models import TINY_NAME, ModelConfig, resolve_dtype
+from asyncrl.models.resolve import TINY_NAME, ModelConfig, resolve_dtype
 from asyncrl.train import TrainEngine, TrainerConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
     whose config is the recipe's trainer section itself."""
     from asyncrl.data import load_eval_records, load_prompt_records
     from asyncrl.engines import build_engine
-    from asyncrl.models import load_tokenizer
+    from asyncrl.models.resolve import load_tokenizer
     from asyncrl.rewards import build_reward_pool
     from asyncrl.train import build_train_engine
     from asyncrl.workflows.build import build_workflow
@@ -259,7 +259,7 @@ def test_check_refuses_a_dual_clip_bound_below_one() -> None:
         [
             sys.executable,
             "-m",
-            "asyncrl.cli",
+            "asyncrl.entry.cli",
             "check",
             "--set",
             "trainer.loss.c_clip=0.5",
@@ -278,6 +278,6 @@ def test_derived_trainer_values_are_no_recipe_keys() -> None:
     with pytest.raises(RecipeError, match=r"trainer\.temperature .*rollout\.sampling\.temperature"):
         load_recipe(None, ["trainer.temperature=0.5"])
     # the derived values are not written out, so a dumped recipe loads again
-    from asyncrl.config import dump_recipe
+    from asyncrl.config.recipe import dump_recipe
 
     assert "temperature" not in dump_recipe(recipe).split("[trainer]")[1].split("[")[0]

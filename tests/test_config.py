@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import Recipe, RecipeError, apply_overrides, dump_recipe, load_recipe
+from asyncrl.config.recipe import Recipe, RecipeError, apply_overrides, dump_recipe, load_recipe
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -113,19 +113,19 @@ def test_shipped_recipes_validate() -> None:
 
 
 def test_cli_starts_without_torch() -> None:
-    code = "import sys, asyncrl.cli; assert 'torch' not in sys.modules; assert 'nats' not in sys.modules"
+    code = "import sys, asyncrl.entry.cli; assert 'torch' not in sys.modules; assert 'nats' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cli_check_reports_bad_key(tmp_path: Path) -> None:
     p = write(tmp_path, "[rollout]\ngroup_sise = 4\n")
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "check", str(p)], capture_output=True, text=True
+        [sys.executable, "-m", "asyncrl.entry.cli", "check", str(p)], capture_output=True, text=True
     )
     assert out.returncode == 2
     assert "rollout.group_sise" in out.stderr
     ok = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "check", "--set", "trainer.max_steps=3"],
+        [sys.executable, "-m", "asyncrl.entry.cli", "check", "--set", "trainer.max_steps=3"],
         capture_output=True,
         text=True,
         check=True,
@@ -146,11 +146,11 @@ def test_role_cpus_must_exist_on_the_machine() -> None:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_pin_cpus_sets_the_affinity_or_names_the_key() -> None:
     code = (
-        "import os; from asyncrl.actors.launch import pin_cpus; "
+        "import os; from asyncrl.entry.actor import pin_cpus; "
         "pin_cpus('rollout', [0]); print(sorted(os.sched_getaffinity(0)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[0]"
-    bad = "from asyncrl.actors.launch import pin_cpus; pin_cpus('trainer', [4096])"
+    bad = "from asyncrl.entry.actor import pin_cpus; pin_cpus('trainer', [4096])"
     out = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True)
     assert out.returncode == 1 and "trainer.cpus = [4096]: cannot pin" in out.stderr

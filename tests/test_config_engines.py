@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import RecipeError, dump_recipe, load_recipe
-from asyncrl.models import resolve_dtype
+from asyncrl.config.recipe import RecipeError, dump_recipe, load_recipe
+from asyncrl.models.resolve import resolve_dtype
 
 QUICKSTART = "recipes/quickstart.toml"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import cores
-from asyncrl.config import load_recipe
-from asyncrl.cores import (
+from asyncrl.config.recipe import load_recipe
+from asyncrl.launch import cores
+from asyncrl.launch.cores import (
     CPUS_ENV,
     THREADS_ENV,
     CorePlacement,
@@ -21,9 +21,9 @@ from asyncrl.cores import (
     split_cores,
     why_not_placed,
 )
+from asyncrl.launch.up import actor_specs
 from asyncrl.train import trainer_threads
 from asyncrl.train.torchrun import UP_NODE_ENV
-from asyncrl.up import actor_specs
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "recipes" / "ci.toml"
@@ -132,8 +132,8 @@ def test_the_placed_threads_size_the_trainer_unless_the_recipe_sets_them(
 
 PROBE = """
 import json, os, sys
-from asyncrl.actors.launch import place_process
-from asyncrl.config import load_recipe
+from asyncrl.entry.actor import place_process
+from asyncrl.config.recipe import load_recipe
 recipe = load_recipe(sys.argv[1], sys.argv[3:])
 place_process(sys.argv[2], recipe)
 print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)),

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import ArithmeticData, HFData, JsonlData, ProductsData, RecipeError, load_recipe
+from asyncrl.config.recipe import (
+    ArithmeticData,
+    HFData,
+    JsonlData,
+    ProductsData,
+    RecipeError,
+    load_recipe,
+)
 from asyncrl.data import (
     BOXED_INSTRUCTION,
     ShardSampler,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from train_helpers.tiny import TINY_NAME, tiny_config, train_config
 
-from asyncrl import models
-from asyncrl.config import RecipeError, load_recipe
+from asyncrl.config.recipe import RecipeError, load_recipe
 from asyncrl.engines.hf import HFEngine
-from asyncrl.models import ModelConfig, cpu_has_native_bf16, resolve_dtype
+from asyncrl.models import resolve as models
+from asyncrl.models.resolve import ModelConfig, cpu_has_native_bf16, resolve_dtype
 from asyncrl.train.engine import TrainEngine
 
 REPO = Path(__file__).resolve().parents[1]

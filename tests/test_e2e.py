@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from e2e_kit import REPO, cli, run, running_up, up_args
 
-from asyncrl.cores import split_cores
-from asyncrl.messages import ActorInfo, Metrics
+from asyncrl.launch.cores import split_cores
 from asyncrl.runtime.allocator import wheel_platform
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import nats_info_for_run
-from asyncrl.subjects import Subjects
 from asyncrl.train.checkpoint import latest_checkpoint_meta
+from asyncrl.wire.messages import ActorInfo, Metrics
+from asyncrl.wire.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +100,7 @@ async def test_ci_recipe_learns_within_the_staleness_bound(tmp_path: Path) -> No
         # a CPU trainer runs under mimalloc (asyncrl.runtime.allocator), mapped, not just asked
         assert "memory allocator allocator=mimalloc" in trainer_log, trainer_log[:3000]
     assert oct((run_dir / "nats.json").stat().st_mode & 0o777) == "0o600"
-    # the recipe pins nothing, so up placed generation and training by asyncrl.cores' rule
+    # the recipe pins nothing, so up placed generation and training by asyncrl.launch.cores' rule
     # where it may use two cores or more, and each process applied it
     if len(os.sched_getaffinity(0)) >= 2:
         placed = json.loads((run_dir / "placement.json").read_text())

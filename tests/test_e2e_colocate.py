@@ -10,8 +10,8 @@ import pytest
 from e2e_kit import running_up
 from test_e2e import RUN_TIMEOUT, check_staleness_and_uniqueness, connect, read_jsonl
 
-from asyncrl.messages import Metrics
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import Metrics
+from asyncrl.wire.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from e2e_kit import run, up_args
 
-from asyncrl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
 from asyncrl.train.config import LORA_TARGETS
+from asyncrl.weights.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
 
 
 async def test_ci_recipe_with_lora_trains_and_publishes_adapters_only(tmp_path: Path) -> None:

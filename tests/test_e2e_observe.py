@@ -13,8 +13,8 @@ import pytest
 from e2e_kit import CI_RECIPE, REPO, cli, running_up
 from test_e2e import RUN_TIMEOUT, read_jsonl, run
 
-from asyncrl.messages import Metrics
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import Metrics
+from asyncrl.wire.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 

@@ -47,7 +47,13 @@ async def test_quickstart_runs_on_sglang(tmp_path: Path) -> None:
         "eval.every=0",  # an eval actor would start a second server
         "model.dtype=float32",  # what this test ran with; "auto" may pick bf16 here
     ]
-    argv = [sys.executable, "-m", "asyncrl.cli", "up", str(REPO / "recipes" / "quickstart.toml")]
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncrl.entry.cli",
+        "up",
+        str(REPO / "recipes" / "quickstart.toml"),
+    ]
     argv += [x for s in sets for x in ("--set", s)] + ["--quiet"]
     async with running_up(tmp_path, "qs", argv=argv) as run:
         code = await asyncio.wait_for(run.proc.wait(), 2300)

@@ -26,12 +26,12 @@ import pytest
 from nats.js import api
 from test_e2e import read_jsonl, run, up_args
 
-from asyncrl.codec import decode
-from asyncrl.messages import Trajectory
+from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
-from asyncrl.subjects import Subjects
-from asyncrl.up import ensure_trajectory_stream
+from asyncrl.wire.codec import decode
+from asyncrl.wire.messages import Trajectory
+from asyncrl.wire.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from e2e_kit import running_up, up_args
 from test_e2e_agent import STEPS, agent_sets, check_trained_tokens_are_the_endpoints, read_jsonl
 
 from asyncrl.endpoint.verifiers_env import import_verifiers
+from asyncrl.models.tiny import build_tokenizer
 from asyncrl.observe.records import token_digest
-from asyncrl.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.slow
 

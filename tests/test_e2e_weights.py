@@ -14,9 +14,9 @@ import pytest
 from e2e_kit import REPO, cli, running_up
 from test_e2e import RUN_TIMEOUT, check_staleness_and_uniqueness, connect, read_jsonl
 
-from asyncrl.messages import Metrics
-from asyncrl.subjects import Subjects
 from asyncrl.weights.wire import STALL_ENV
+from asyncrl.wire.messages import Metrics
+from asyncrl.wire.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from scripted_engine import ScriptedEngine, SpyHF
 from asyncrl.endpoint import Call, OpenAIAgentWorkflow, OpenAIEndpoint, episode_samples
 from asyncrl.endpoint.chat import ChatRenderer, TemplateTraits, normalize_message
 from asyncrl.engines import SamplingParams
-from asyncrl.tiny_model import build_tokenizer, tiny_model_dir
+from asyncrl.models.tiny import build_tokenizer, tiny_model_dir
 from asyncrl.tools.calls import tools_system_text
 
 TOKEN = "test-token"
@@ -383,7 +383,7 @@ async def test_a_continued_prompt_keeps_sampled_tokens_that_the_text_loses():
 def smollm2_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from asyncrl.models import resolve_model_path
+    from asyncrl.models.resolve import resolve_model_path
 
     path = Path(resolve_model_path("smollm2-135m-instruct"))
     if not (path / "tokenizer_config.json").is_file():

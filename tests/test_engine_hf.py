@@ -15,7 +15,7 @@ from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.engines.hf_batch import StepResult, cache_keyword
-from asyncrl.tiny_model import tiny_model_dir
+from asyncrl.models.tiny import tiny_model_dir
 
 LOGPROB_ATOL = 1e-4
 """fp32 tolerance between engine logprobs (left-padded, cached, batched) and a fresh
@@ -290,7 +290,7 @@ async def test_cancelled_caller_frees_its_row_and_stop_aborts(engine: HFEngine):
 async def test_other_architecture_qwen2(tmp_path: Path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from asyncrl.tiny_model import build_tokenizer
+    from asyncrl.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
     cfg = Qwen2Config(
@@ -331,7 +331,7 @@ async def test_engine_and_trainer_report_the_cut_distribution_that_sampled(
     """One definition of a behaviour logprob: temperature, then the top-k/top-p cut,
     renormalised. The engine reports it, the trainer recomputes it from its own logits."""
     from asyncrl.algo.truncation import kept_mask
-    from asyncrl.models import ModelConfig
+    from asyncrl.models.resolve import ModelConfig
     from asyncrl.train import Sample, TrainEngine, TrainerConfig
 
     temperature = 0.7

@@ -14,7 +14,7 @@ from test_engine_hf import perturbed, prompt_ids, sampling
 from asyncrl.engines import GenerateRequest
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
-from asyncrl.tiny_model import tiny_model_dir
+from asyncrl.models.tiny import tiny_model_dir
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from asyncrl.engines import GenerateRequest, SamplingParams
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.server import ServerError
 from asyncrl.engines.vllm import VLLMEngine, max_lora_rank
-from asyncrl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from asyncrl.weights.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 MODEL = "tiny-random-llama"
 

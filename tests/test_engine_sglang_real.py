@@ -74,7 +74,7 @@ def trainer_logprobs(model_path: str, outs: list[GenerateResponse], temperature:
     """The trainer's logprobs (fp32, ``temperature``) of each response's generated tokens."""
     import torch
 
-    from asyncrl.models import ModelConfig
+    from asyncrl.models.resolve import ModelConfig
     from asyncrl.train import Sample, TrainEngine, TrainerConfig
 
     trainer = TrainEngine(
@@ -217,8 +217,8 @@ async def test_the_broadcast_reaches_the_server_through_sglangs_own_endpoints(
     from asyncrl.engines.base import BroadcastStaged
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import EmbeddedNats
-    from asyncrl.subjects import Subjects
     from asyncrl.weights.receiver import EngineWeights
+    from asyncrl.wire.subjects import Subjects
 
     original = load_file(str(Path(engine.model_path) / "model.safetensors"))
     changed = {k: (v.flip(0) if v.ndim == 2 and "embed" in k else v) for k, v in original.items()}

@@ -281,10 +281,10 @@ async def test_kill_9_of_a_rollout_actor_leaves_no_vllm_and_the_replacement_star
 
     from e2e_kit import running_up
 
-    from asyncrl.messages import ActorInfo
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import nats_info_for_run
-    from asyncrl.subjects import Subjects
+    from asyncrl.wire.messages import ActorInfo
+    from asyncrl.wire.subjects import Subjects
 
     run_dir = tmp_path / "vkill"
     sets = [
@@ -302,7 +302,14 @@ async def test_kill_9_of_a_rollout_actor_leaves_no_vllm_and_the_replacement_star
         # dies before every actor has started ends the run instead of being replaced
         "eval.every=0",
     ]
-    argv = [sys.executable, "-m", "asyncrl.cli", "up", str(REPO / "recipes" / "ci.toml"), "--quiet"]
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncrl.entry.cli",
+        "up",
+        str(REPO / "recipes" / "ci.toml"),
+        "--quiet",
+    ]
     for s in sets:
         argv += ["--set", s]
     async with running_up(tmp_path, "vkill", argv=argv) as run:

@@ -23,8 +23,8 @@ from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.vllm import VLLMEngine
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
-from asyncrl.subjects import Subjects
 from asyncrl.weights.receiver import EngineWeights
+from asyncrl.wire.subjects import Subjects
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

@@ -15,11 +15,11 @@ from test_buffer import lease, make_buffer
 from asyncrl.actors.buffer.admission import group_complete, invalid_reason
 from asyncrl.algo import episode_advantages, group_advantages
 from asyncrl.algo.samples import build_samples, episodes_of
-from asyncrl.config import load_recipe
+from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
-from asyncrl.messages import Array, Trajectory
+from asyncrl.models.tiny import build_tokenizer
 from asyncrl.observe.records import batch_stats
-from asyncrl.tiny_model import build_tokenizer
+from asyncrl.wire.messages import Array, Trajectory
 from asyncrl.workflows.agent import agent_metrics
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import HFData, JsonlData, RecipeError, load_recipe, path_problems
+from asyncrl.config.recipe import HFData, JsonlData, RecipeError, load_recipe, path_problems
 
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO / "recipes" / "gsm8k.toml"
@@ -25,7 +25,7 @@ def asyncrl(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The command line on a machine without a GPU (whatever this one has)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", *args],
+        [sys.executable, "-m", "asyncrl.entry.cli", *args],
         capture_output=True,
         text=True,
         cwd=tmp_path,  # a checkout's working directory holds no data/ folder of GSM8K

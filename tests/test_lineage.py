@@ -15,11 +15,11 @@ from pathlib import Path
 
 from e2e_kit import running_up, wait_for_file
 
-from asyncrl.messages import ActorInfo, Metrics
 from asyncrl.runtime import lineage
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import nats_info_for_run
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import ActorInfo, Metrics
+from asyncrl.wire.subjects import Subjects
 
 # a child that stays in the parent's session, and a grandchild in a session of its own
 # that ignores SIGTERM; the parent prints both pids once the grandchild is ready, and exits

@@ -18,7 +18,7 @@ from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from asyncrl.codec import (
+from asyncrl.wire.codec import (
     DecodeError,
     _decode_checked,
     _encodes_directly,
@@ -27,7 +27,7 @@ from asyncrl.codec import (
     decode_any,
     encode,
 )
-from asyncrl.messages import (
+from asyncrl.wire.messages import (
     ALLOWED_DTYPES,
     MESSAGE_TYPES,
     SCHEMA_VERSION,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.models import (
+from asyncrl.models.resolve import (
     SMOLLM2_NAME,
     TINY_NAME,
     cache_root,
@@ -41,7 +41,7 @@ BUILDER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from asyncrl.models import materialize
+    from asyncrl.models.resolve import materialize
 
     target, log = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -93,7 +93,7 @@ def test_a_failed_build_leaves_no_target_and_no_temp_dir(tmp_path: Path):
 
 @pytest.mark.slow
 def test_smollm2_loads_offline_with_its_chat_template():
-    from asyncrl.models import load_causal_lm, load_tokenizer
+    from asyncrl.models.resolve import load_causal_lm, load_tokenizer
 
     path = Path(resolve_model_path(SMOLLM2_NAME))
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()

@@ -11,12 +11,12 @@ from pathlib import Path
 import nats.errors
 import pytest
 
-from asyncrl.checks import recipe_problems
-from asyncrl.config import RecipeError, RunConfig, load_recipe
-from asyncrl.messages import Metrics
+from asyncrl.config.checks import recipe_problems
+from asyncrl.config.recipe import RecipeError, RunConfig, load_recipe
 from asyncrl.runtime.bus import Bus, BusTimeout
 from asyncrl.runtime.nats_cluster import NatsCluster
 from asyncrl.runtime.nats_server import NatsInfo
+from asyncrl.wire.messages import Metrics
 
 URLS = ("nats://127.0.0.1:4222", "nats://127.0.0.1:4223", "nats://127.0.0.1:4224")
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from asyncrl import config as config_module
 from asyncrl.actors.eval import is_due, mean_at_k, pass_at_k
-from asyncrl.config import RecipeError, load_recipe
+from asyncrl.config import recipe as config_module
+from asyncrl.config.recipe import RecipeError, load_recipe
 from asyncrl.data import held_out_indices, load_eval_records, load_prompt_records
-from asyncrl.messages import ActorInfo, Array, Metrics, Trajectory
 from asyncrl.observe.dashboard import DashboardState
 from asyncrl.observe.records import batch_stats
 from asyncrl.observe.sinks import open_sinks
 from asyncrl.runtime.trace import Tracer, merge_traces
+from asyncrl.wire.messages import ActorInfo, Array, Metrics, Trajectory
 
 RECORDED = Path(__file__).parent / "data" / "recorded_metrics.jsonl"
 

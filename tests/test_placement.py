@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import cores
-from asyncrl.checks import machine_problems, recipe_problems
-from asyncrl.config import RecipeError, load_recipe
-from asyncrl.placement import (
+from asyncrl.config.checks import machine_problems, recipe_problems
+from asyncrl.config.placement import (
     assign_gpus,
     gpu_problems,
     gpus_needed,
@@ -21,6 +19,8 @@ from asyncrl.placement import (
     placement_problems,
     process_gpus,
 )
+from asyncrl.config.recipe import RecipeError, load_recipe
+from asyncrl.launch import cores
 
 CLUSTER = """
 [nodes.gpu-a]
@@ -113,7 +113,9 @@ def test_asyncrl_check_names_the_key(tmp_path: Path) -> None:
     path = tmp_path / "r.toml"
     path.write_text(CLUSTER.replace("nodes = 2\n", "nodes = 3\n"))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "check", str(path)], capture_output=True, text=True
+        [sys.executable, "-m", "asyncrl.entry.cli", "check", str(path)],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode != 0
     assert "trainer.nodes = 3" in out.stderr
@@ -125,7 +127,7 @@ def test_unknown_placement_key_fails(tmp_path: Path) -> None:
 
 
 def test_a_node_name_finds_the_alive_node_that_declares_it() -> None:
-    from asyncrl.ray_launch import find_node, nodes_used
+    from asyncrl.launch.ray_cluster import find_node, nodes_used
 
     nodes = [
         {"NodeID": "dead", "Alive": False, "Resources": {"gpu-b": 1.0}},
@@ -164,7 +166,7 @@ def test_each_process_gets_the_next_gpus_in_role_order() -> None:
 
 
 def test_up_starts_each_process_with_its_own_cuda_visible_devices(tmp_path: Path) -> None:
-    from asyncrl.up import actor_specs
+    from asyncrl.launch.up import actor_specs
 
     # the node's GPUs as its CUDA_VISIBLE_DEVICES names them (a Slurm allocation)
     node = [f"GPU-{i}" for i in range(8)]

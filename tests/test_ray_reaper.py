@@ -28,7 +28,7 @@ ROLE = (
 # group, then the status the reaper reports
 HOLDER = f"""
 import sys
-from asyncrl.ray_launch import read_status, start_reaper
+from asyncrl.launch.ray_cluster import read_status, start_reaper
 pgid, status, life = start_reaper([sys.executable, "-c", {ROLE!r}], None, sys.argv[1], None)
 print(pgid, flush=True)
 print(read_status(status), flush=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.checks import enforce_recipe, generation_budget, recipe_problems
-from asyncrl.config import RecipeError, load_recipe
+from asyncrl.config.checks import enforce_recipe, generation_budget, recipe_problems
+from asyncrl.config.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -126,7 +126,7 @@ def test_k3_in_the_loss_warns_that_its_gradient_is_the_reverse_kl() -> None:
 
 
 def test_check_refuses_k1_in_the_loss_naming_both_keys_and_the_fix() -> None:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "check"]
+    cmd = [sys.executable, "-m", "asyncrl.entry.cli", "check"]
     for key in ("kl_type=k1", "kl_in=loss"):
         cmd += ["--set", f"trainer.loss.{key}"]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -152,19 +152,19 @@ def test_colocation_needs_an_engine_that_can_release_its_memory() -> None:
 
 
 def test_check_and_up_refuse_before_anything_starts(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "check", "--set", "rollout.group_size=1"]
+    cmd = [sys.executable, "-m", "asyncrl.entry.cli", "check", "--set", "rollout.group_size=1"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 2
     assert "rollout.group_size = 1" in out.stderr and "adv_std_level" in out.stderr
     warn = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "check", "--set", "rollout.actors=0"],
+        [sys.executable, "-m", "asyncrl.entry.cli", "check", "--set", "rollout.actors=0"],
         capture_output=True,
         text=True,
         check=True,
     )
     assert "warning: rollout.actors = 0" in warn.stderr and "[rollout]" in warn.stdout
 
-    from asyncrl.up import up
+    from asyncrl.launch.up import up
 
     recipe = load_recipe(None, [f"run.dir={tmp_path}", "run.name=bad", "rollout.group_size=1"])
     with pytest.raises(RecipeError, match=r"rollout\.group_size"):

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from asyncrl.actors.reward import RewardActor
-from asyncrl.config import load_recipe
-from asyncrl.messages import Array, Trajectory
+from asyncrl.config.recipe import load_recipe
+from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
-from asyncrl.subjects import Subjects
-from asyncrl.up import ensure_trajectory_stream
+from asyncrl.wire.messages import Array, Trajectory
+from asyncrl.wire.subjects import Subjects
 
 GATE_REWARD = Path(__file__).parent / "actor_helpers" / "gate_reward.py"
 

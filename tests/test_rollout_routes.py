@@ -12,11 +12,11 @@ from typing import Any
 from actor_helpers.buffer_kit import context, recipe
 
 from asyncrl.actors.rollout import RolloutActor
-from asyncrl.codec import decode
-from asyncrl.messages import Array, Prompt, Trajectory
+from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
-from asyncrl.up import ensure_trajectory_stream
+from asyncrl.wire.codec import decode
+from asyncrl.wire.messages import Array, Prompt, Trajectory
 
 
 def sample(index: int, reward: float | None) -> Trajectory:

@@ -16,8 +16,8 @@ import pytest
 import torch
 from train_helpers.tiny import VOCAB, one_torch_thread, tiny_config, train_config
 
-from asyncrl.config import RecipeError, load_recipe
-from asyncrl.models import TINY_NAME, ModelConfig
+from asyncrl.config.recipe import RecipeError, load_recipe
+from asyncrl.models.resolve import TINY_NAME, ModelConfig
 from asyncrl.sft.config import SftConfig, SftRecipe, load_sft_recipe
 from asyncrl.sft.data import gsm8k_boxed, render_example, sft_records, split_records
 from asyncrl.sft.loss import masked_ce
@@ -86,13 +86,13 @@ def test_gsm8k_solution_ends_in_the_boxed_answer_the_reward_reads() -> None:
 
 
 def _tiny_tokenizer():  # type: ignore[no-untyped-def]
-    from asyncrl.tiny_model import build_tokenizer
+    from asyncrl.models.tiny import build_tokenizer
 
     return build_tokenizer()
 
 
 def test_rendering_masks_the_chat_prompt_and_trains_answer_and_eos() -> None:
-    from asyncrl.config import JsonlData
+    from asyncrl.config.recipe import JsonlData
     from asyncrl.workflows.base import chat_messages, encode_chat
 
     tok = _tiny_tokenizer()
@@ -157,7 +157,7 @@ def test_a_bad_sft_recipe_fails_naming_the_key(sets: list[str], names: list[str]
 
 
 def test_up_refuses_an_sft_recipe_naming_the_command(capsys: pytest.CaptureFixture[str]) -> None:
-    from asyncrl.cli import main
+    from asyncrl.entry.cli import main
 
     assert main(["up", str(CI_SFT)]) == 2
     assert "asyncrl sft" in capsys.readouterr().err
@@ -187,7 +187,7 @@ def test_check_accepts_the_gsm8k_sft_recipe_as_written(tmp_path: Path) -> None:
     checkout = tmp_path / "repo"
     checkout.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "asyncrl.cli", "check", str(GSM8K_SFT)]
+    cmd = [sys.executable, "-m", "asyncrl.entry.cli", "check", str(GSM8K_SFT)]
     ok = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stderr
     assert 'answer_format = "gsm8k_boxed"' in ok.stdout
@@ -208,7 +208,7 @@ def test_asyncrl_sft_on_two_ranks_lowers_the_loss_and_exports_a_model_path(
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     out = subprocess.run(
         [
-            sys.executable, "-m", "asyncrl.cli", "sft", str(CI_SFT), "--quiet",
+            sys.executable, "-m", "asyncrl.entry.cli", "sft", str(CI_SFT), "--quiet",
             "--set", f"run.dir={json.dumps(str(tmp_path))}", "--set", _data_set(),
             "--set", "trainer.nproc=2", "--set", "sft.eval_every=0",
         ],
@@ -232,7 +232,7 @@ def test_asyncrl_sft_on_two_ranks_lowers_the_loss_and_exports_a_model_path(
         "step_000008"
     )
     grpo = load_recipe(REPO / "recipes" / "ci.toml", [f"model.path={json.dumps(str(export))}"])
-    from asyncrl.models import load_causal_lm, load_tokenizer
+    from asyncrl.models.resolve import load_causal_lm, load_tokenizer
 
     lm = load_causal_lm(grpo.model.path)
     tok = load_tokenizer(grpo.model.path)

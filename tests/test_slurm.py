@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.cli import main
-from asyncrl.config import load_recipe
-from asyncrl.slurm import placement_problems, sbatch_script
+from asyncrl.config.recipe import load_recipe
+from asyncrl.entry.cli import main
+from asyncrl.launch.slurm import placement_problems, sbatch_script
 from asyncrl.train.torchrun import UP_NODE_ENV, check_lead_node
 
 CI = str(Path(__file__).resolve().parent.parent / "recipes" / "ci.toml")
@@ -41,7 +41,7 @@ def test_the_script_names_its_nodes_roles_and_rendezvous(tmp_path: Path) -> None
     for line in sruns:
         assert "--nodelist=" in line and "--nodes=" in line, line
     up, trainer, rollout = sruns
-    assert '--nodelist="$HEAD"' in up and "asyncrl.cli up" in up and "--nodes=1" in up
+    assert '--nodelist="$HEAD"' in up and "asyncrl.entry.cli up" in up and "--nodes=1" in up
     assert "rollout.actors=0" in up and '"trainer.rendezvous=\\"$RDZV\\""' in up
     assert '--nodelist="$TRAINER_NODES"' in trainer and "--nodes=1" in trainer
     assert "trainer_node" in trainer
@@ -59,7 +59,7 @@ def fake_slurm(bin_dir: Path) -> None:
         "#!/bin/bash\n"
         # one write per step: the steps run at once, and two writes each would interleave
         'line=$(printf "%q " "$@"); printf "%s\\n" "$line" >> "$SRUN_LOG"\n'
-        'if [[ "$*" == *"asyncrl.cli up"* ]]; then\n'
+        'if [[ "$*" == *"asyncrl.entry.cli up"* ]]; then\n'
         '  mkdir -p "$RUN"; echo {} > "$RUN/nats.json"\n'
         "  # the run lasts until the other two steps have started\n"
         '  for _ in $(seq 200); do [ "$(wc -l < "$SRUN_LOG")" -ge 3 ] && break; sleep 0.05; done\n'
@@ -91,7 +91,7 @@ def test_the_script_runs_each_role_on_its_nodes(tmp_path: Path) -> None:
     (trainer,) = [s for s in steps if s[-1] == "trainer_node"]
     (rollout,) = [s for s in steps if s[-1] == "rollout_actor"]
     assert up[:3] == ["--nodes=1", "--ntasks=1", "--nodelist=gpu1"]
-    assert up[4:7] == ["-m", "asyncrl.cli", "up"]
+    assert up[4:7] == ["-m", "asyncrl.entry.cli", "up"]
     assert 'trainer.rendezvous="gpu1:29500"' in up  # the first trainer node hosts it
     assert up[up.index("--listen") + 1] == "0.0.0.0:4222"
     assert trainer == [
@@ -168,7 +168,7 @@ def test_a_one_node_job_runs_the_whole_run_under_up(tmp_path: Path) -> None:
     assert placement_problems(recipe, 1) == []
     text = sbatch_script(recipe, CI, overrides, 1)
     sruns = [line for line in text.splitlines() if line.startswith("srun ")]
-    assert len(sruns) == 1 and "asyncrl.cli up" in sruns[0], sruns
+    assert len(sruns) == 1 and "asyncrl.entry.cli up" in sruns[0], sruns
     assert "rollout.actors=0" not in sruns[0] and "--listen" not in sruns[0]
     two = load_recipe(CI, [*overrides, "trainer.nodes=2"])
     assert any("trainer.nodes = 2 with --nodes = 1" in p for p in placement_problems(two, 1))

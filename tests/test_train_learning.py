@@ -15,7 +15,7 @@ import torch
 from train_helpers.tiny import one_torch_thread, tiny_config
 
 from asyncrl.algo import group_advantages
-from asyncrl.models import TINY_NAME, ModelConfig
+from asyncrl.models.resolve import TINY_NAME, ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 
 VOCAB, BOS, DIGITS = 16, 0, range(1, 9)

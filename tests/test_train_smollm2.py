@@ -13,7 +13,7 @@ import pytest
 import torch
 from train_helpers.tiny import one_torch_thread
 
-from asyncrl.models import ModelConfig
+from asyncrl.models.resolve import ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

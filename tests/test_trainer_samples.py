@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from asyncrl.algo.samples import build_samples
-from asyncrl.config import load_recipe
-from asyncrl.messages import Array, Trajectory
+from asyncrl.config.recipe import load_recipe
+from asyncrl.wire.messages import Array, Trajectory
 
 PROMPT = 2
 

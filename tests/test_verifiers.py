@@ -25,8 +25,8 @@ from asyncrl.endpoint.verifiers_env import (
     verifiers_workflow,
 )
 from asyncrl.engines import GenerateResponse, SamplingParams
-from asyncrl.messages import Trajectory
-from asyncrl.tiny_model import build_tokenizer, tiny_model_dir
+from asyncrl.models.tiny import build_tokenizer, tiny_model_dir
+from asyncrl.wire.messages import Trajectory
 from asyncrl.workflows.loader import SpecError
 
 try:
@@ -374,8 +374,8 @@ async def test_a_verifiers_spec_builds_the_workflow_on_the_endpoint(
 def test_check_refuses_a_verifiers_env_that_does_not_load_naming_the_key(
     env_file: Path, tmp_path: Path
 ) -> None:
-    from asyncrl.checks import recipe_problems
-    from asyncrl.config import RecipeError, load_recipe
+    from asyncrl.config.checks import recipe_problems
+    from asyncrl.config.recipe import RecipeError, load_recipe
 
     def problems(*sets: str) -> list[str]:
         return recipe_problems(load_recipe(None, list(sets)))[0]

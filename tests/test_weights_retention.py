@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import RecipeError, load_recipe
-from asyncrl.messages import WeightsUpdated
+from asyncrl.config.recipe import RecipeError, load_recipe
+from asyncrl.launch.up import prepare_run_dir
 from asyncrl.runtime.bus import Bus
-from asyncrl.up import prepare_run_dir
 from asyncrl.weights.files import (
     KEEP_VERSIONS,
     KeptExports,
@@ -26,6 +25,7 @@ from asyncrl.weights.files import (
     manifest_key,
     put_weights,
 )
+from asyncrl.wire.messages import WeightsUpdated
 
 
 def export(weights_dir: Path, epoch: int, version: int, when: float) -> Path:
@@ -114,8 +114,8 @@ async def test_the_eval_receiver_takes_a_new_epochs_version_over_a_rolled_back_o
     trainer epoch wins over a higher version of the lineage it rolled back."""
     from asyncrl.actors.eval import is_due
     from asyncrl.engines.instant import InstantEngine
-    from asyncrl.subjects import Subjects
     from asyncrl.weights.receiver import EngineWeights
+    from asyncrl.wire.subjects import Subjects
 
     receiver = EngineWeights(
         InstantEngine(),

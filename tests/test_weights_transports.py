@@ -14,15 +14,15 @@ import pytest
 import torch
 from weights_kit import gloo_publisher, tensor_weights
 
-from asyncrl.checks import recipe_problems
-from asyncrl.config import RecipeError, load_recipe
+from asyncrl.config.checks import recipe_problems
+from asyncrl.config.recipe import RecipeError, load_recipe
 from asyncrl.engines.instant import InstantEngine
 from asyncrl.runtime.bus import Bus
-from asyncrl.subjects import Subjects
 from asyncrl.weights import choose
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.receiver import EngineWeights
 from asyncrl.weights.wire import BucketPool, pack, unpack
+from asyncrl.wire.subjects import Subjects
 
 
 def test_pack_lays_tensors_out_in_buckets_and_unpack_gives_them_back() -> None:

@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncrl.codec import decode, encode
 from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.hf import HFEngine
-from asyncrl.messages import Prompt, Trajectory
+from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.rewards import RewardPool
 from asyncrl.rewards.pool import RewardResult
-from asyncrl.tiny_model import tiny_model_dir
+from asyncrl.wire.codec import decode, encode
+from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows import (
     FunctionWorkflow,
     MultiTurnWorkflow,

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from asyncrl.runtime.bus import Bus
-from asyncrl.subjects import Subjects
 from asyncrl.weights.base import Weights
 from asyncrl.weights.build import object_store_copy
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.config import WeightsConfig
+from asyncrl.wire.subjects import Subjects
 
 
 def tensor_weights(

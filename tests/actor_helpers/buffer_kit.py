@@ -12,13 +12,13 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from asyncrl.actors.buffer import BufferActor
-from asyncrl.codec import encode
-from asyncrl.config import Recipe, load_recipe
-from asyncrl.messages import ActorInfo, Message
+from asyncrl.config.recipe import Recipe, load_recipe
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus, BusTimeout, R
 from asyncrl.runtime.nats_server import NatsInfo
-from asyncrl.subjects import Subjects
+from asyncrl.wire.codec import encode
+from asyncrl.wire.messages import ActorInfo, Message
+from asyncrl.wire.subjects import Subjects
 
 BASE = [
     "run.name=t",

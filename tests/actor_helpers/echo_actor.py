@@ -12,11 +12,11 @@ import asyncio
 import sys
 from pathlib import Path
 
-from asyncrl.config import Recipe
-from asyncrl.messages import Ack
+from asyncrl.config.recipe import Recipe
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_server import nats_info_for_run
+from asyncrl.wire.messages import Ack
 
 
 class EchoActor(Actor):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from test_e2e import cli, run
 
-from asyncrl.checks import enforce_recipe
-from asyncrl.config import RecipeError, load_recipe
+from asyncrl.config.checks import enforce_recipe
+from asyncrl.config.recipe import RecipeError, load_recipe
 from asyncrl.data import MissingFieldError, load_eval_records, load_prompt_records
 
 

@@ -12,10 +12,10 @@ import nats.errors
 import pytest
 
 from asyncrl.actors.buffer.journal import Journal
-from asyncrl.codec import encode
-from asyncrl.messages import SCHEMA_VERSION, Ack, LeaseRequest, Metrics, Prompt
 from asyncrl.runtime import bus as bus_module
 from asyncrl.runtime.bus import Bus, PayloadTooLarge, RemoteError
+from asyncrl.wire.codec import encode
+from asyncrl.wire.messages import SCHEMA_VERSION, Ack, LeaseRequest, Metrics, Prompt
 
 WAIT = 10.0
 

@@ -22,8 +22,9 @@ import pytest
 from e2e_kit import running_up
 from test_e2e import connect, read_jsonl
 
-from asyncrl.codec import DecodeError, decode_any, encode
-from asyncrl.messages import (
+from asyncrl.runtime.bus import Bus, PayloadTooLarge
+from asyncrl.wire.codec import DecodeError, decode_any, encode
+from asyncrl.wire.messages import (
     SCHEMA_VERSION,
     Ack,
     ActorExit,
@@ -38,8 +39,7 @@ from asyncrl.messages import (
     WeightsQuery,
     WeightsUpdated,
 )
-from asyncrl.runtime.bus import Bus, PayloadTooLarge
-from asyncrl.subjects import Subjects
+from asyncrl.wire.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ SUBSCRIPTIONS: dict[str, list[str]] = {
 OWN_SUBSCRIPTIONS = ["actor.heartbeat.*", "actor.exit", "metrics.trainer"]
 REQUEST_SUBJECTS = {"buffer.lease", "buffer.batch", "buffer.weights", "buffer.aborted"}
 JETSTREAM_SUBJECTS = {"traj.raw", "traj.scored"}
-# Every subject of a run (asyncrl.subjects), the request subjects included; the
+# Every subject of a run (asyncrl.wire.subjects), the request subjects included; the
 # heartbeat and metrics subjects once per role and once for a role nobody has.
 FUZZED_SUBJECTS = sorted(
     {

@@ -19,9 +19,9 @@ import pytest
 from e2e_kit import running_up
 from test_e2e import RUN_TIMEOUT, connect, read_jsonl
 
-from asyncrl.messages import ActorInfo, Metrics
-from asyncrl.subjects import Subjects
 from asyncrl.weights.files import KEEP_VERSIONS
+from asyncrl.wire.messages import ActorInfo, Metrics
+from asyncrl.wire.subjects import Subjects
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from e2e_kit import running_up
 from test_e2e import RUN_TIMEOUT, connect, read_jsonl, wait_for_step
 
 from asyncrl.runtime.nats_server import nats_info_for_run
-from asyncrl.subjects import Subjects
+from asyncrl.wire.subjects import Subjects
 from faults.test_kill_9 import check_every_prompt_accounted_for
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from test_reward_actor import raw, reward_actor, score_all
 
+from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
-from asyncrl.subjects import Subjects
-from asyncrl.up import ensure_trajectory_stream
+from asyncrl.wire.subjects import Subjects
 
 HANG_TIMEOUT_S = 2.0
 

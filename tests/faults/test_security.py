@@ -24,9 +24,8 @@ import nats
 import pytest
 from e2e_kit import CI_RECIPE, running_up
 
-from asyncrl.checks import recipe_problems
-from asyncrl.config import RecipeError, load_recipe
-from asyncrl.messages import ActorInfo, Metrics
+from asyncrl.config.checks import recipe_problems
+from asyncrl.config.recipe import RecipeError, load_recipe
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import (
     NATS_JSON,
@@ -36,7 +35,8 @@ from asyncrl.runtime.nats_server import (
     external_info,
     take_credentials,
 )
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import ActorInfo, Metrics
+from asyncrl.wire.subjects import Subjects
 
 
 async def refused(info: NatsInfo) -> str:
@@ -336,7 +336,7 @@ async def test_a_listening_run_keeps_its_secret_and_a_copy_of_nats_json_attaches
     run_dir = tmp_path / "sec"
     env = {**os.environ, "ASYNCRL_NATS_USER": "trainer-box", "ASYNCRL_NATS_PASSWORD": password}
     sets = ["run.dir=" + str(tmp_path), "run.name=sec", "trainer.max_steps=100000", "eval.every=0"]
-    argv = [sys.executable, "-m", "asyncrl.cli", "up", str(CI_RECIPE), "--quiet"]
+    argv = [sys.executable, "-m", "asyncrl.entry.cli", "up", str(CI_RECIPE), "--quiet"]
     argv += ["--listen", f"127.0.0.1:{free_port()}", *[x for s in sets for x in ("--set", s)]]
     remote: asyncio.subprocess.Process | None = None
     elsewhere = tmp_path / "elsewhere"
@@ -370,7 +370,7 @@ async def test_a_listening_run_keeps_its_secret_and_a_copy_of_nats_json_attaches
                 await bus.subscribe(Subjects("sec").started, ActorInfo, on_started)
                 await bus.subscribe(Subjects("sec").metrics("trainer"), Metrics, on_metrics)
                 remote = await asyncio.create_subprocess_exec(
-                    *[sys.executable, "-m", "asyncrl.cli", "attach", "rollout", "--run", "."],
+                    *[sys.executable, "-m", "asyncrl.entry.cli", "attach", "rollout", "--run", "."],
                     *["--nats", "keys/nats.json", "--actor-id", "remote-0"],
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.STDOUT,

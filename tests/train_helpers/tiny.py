@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.models import TINY_NAME, ModelConfig
-from asyncrl.schema import DType
+from asyncrl.config.schema import DType
+from asyncrl.models.resolve import TINY_NAME, ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
 
 VOCAB = 128

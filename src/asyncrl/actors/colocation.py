@@ -8,9 +8,9 @@ import asyncio
 import time
 from typing import Any
 
-from asyncrl.messages import ActorInfo, MemoryControl, MemoryReleased
 from asyncrl.runtime.bus import Bus
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import ActorInfo, MemoryControl, MemoryReleased
+from asyncrl.wire.subjects import Subjects
 
 RELEASE_TIMEOUT = 60.0
 """Seconds a colocated trainer waits for the rollout actors it knows to release their

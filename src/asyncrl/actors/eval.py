@@ -45,14 +45,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.messages import WeightsQuery, WeightsUpdated
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.weights.build import build_receiver
 from asyncrl.weights.receiver import EngineWeights
+from asyncrl.wire.messages import WeightsQuery, WeightsUpdated
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
 
 WEIGHTS_QUERY_TIMEOUT = 5.0
 """Seconds to wait for the buffer's answer to "which weights are the latest?"."""

@@ -17,8 +17,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from asyncrl.messages import Trajectory
 from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.wire.messages import Trajectory
 
 METRICS_EVERY = 5.0
 """Seconds between metrics records: often enough to watch, rare enough to be free."""

@@ -38,7 +38,12 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
-from asyncrl.messages import (
+from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.bus import BusTimeout, RemoteError
+from asyncrl.runtime.runner import AsyncTaskRunner, TaskResult
+from asyncrl.weights.build import build_receiver
+from asyncrl.weights.receiver import EngineWeights
+from asyncrl.wire.messages import (
     Ack,
     EpisodeAborted,
     Lease,
@@ -50,11 +55,6 @@ from asyncrl.messages import (
     WeightsQuery,
     WeightsUpdated,
 )
-from asyncrl.runtime.actor import Actor, ActorContext
-from asyncrl.runtime.bus import BusTimeout, RemoteError
-from asyncrl.runtime.runner import AsyncTaskRunner, TaskResult
-from asyncrl.weights.build import build_receiver
-from asyncrl.weights.receiver import EngineWeights
 
 LEASE_TIMEOUT = 5.0
 """Seconds to wait for the buffer's answer to a lease request (or an abort report)

@@ -24,13 +24,6 @@ from typing import Any
 
 from asyncrl.actors.colocation import Colocation
 from asyncrl.algo.samples import build_samples
-from asyncrl.codec import decode
-from asyncrl.messages import (
-    ActorInfo,
-    BatchRequest,
-    Metrics,
-    TrainBatchRef,
-)
 from asyncrl.observe.fleet import FleetView
 from asyncrl.observe.records import StepRecords
 from asyncrl.runtime.actor import Actor, ActorContext
@@ -42,6 +35,13 @@ from asyncrl.weights.base import WeightPublisher, Weights
 from asyncrl.weights.build import build_publisher
 from asyncrl.weights.choose import choose
 from asyncrl.weights.files import export_name, link_export
+from asyncrl.wire.codec import decode
+from asyncrl.wire.messages import (
+    ActorInfo,
+    BatchRequest,
+    Metrics,
+    TrainBatchRef,
+)
 
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from asyncrl.messages import TrainSample
+    from asyncrl.wire.messages import TrainSample
 
 
 def build_samples(

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
-    from asyncrl.messages import Array
+    from asyncrl.config.recipe import Recipe
+    from asyncrl.wire.messages import Array
 
 
 def shape_reward(
@@ -97,7 +97,7 @@ def recipe_shaped_rewards(samples: Sequence[ScoredSample], recipe: Recipe) -> li
     """The rewards the trainer's advantages use (``trainer.shaping`` applied to each
     sample's reward and generated length); the buffer's dynamic filter judges groups on
     the same numbers."""
-    from asyncrl.checks import generation_budget
+    from asyncrl.config.checks import generation_budget
 
     s = recipe.trainer.shaping
     return shaped_rewards(

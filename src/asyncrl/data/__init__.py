@@ -31,7 +31,7 @@ def _final_answer(text: str) -> str:
 
 def load_records(cfg: Any, seed: int = 0) -> list[Record]:
     """The prompt records a recipe's ``data`` section names (``type`` = ``arithmetic``,
-    ``products``, ``jsonl`` or ``hf``; see :mod:`asyncrl.config`)."""
+    ``products``, ``jsonl`` or ``hf``; see :mod:`asyncrl.config.recipe`)."""
     kind = cfg.type
     if kind == "arithmetic":
         return arithmetic_records(

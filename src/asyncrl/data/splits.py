@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
 
 
 def load_prompt_records(recipe: Recipe) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from typing import Any
 from asyncrl.endpoint.recording import Call, EpisodeRecorder, episode_samples
 from asyncrl.endpoint.server import OpenAIEndpoint
 from asyncrl.engines.base import InferenceEngine
-from asyncrl.messages import Prompt, Trajectory
+from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.base import RolloutWorkflow, split_item
 from asyncrl.workflows.loader import load_callable
 

@@ -19,7 +19,7 @@ from asyncrl.engines.base import (
 )
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
 
 BACKENDS = {
     "hf": "asyncrl.engines.hf:HFEngine",

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from asyncrl.schema import Device, Section
+from asyncrl.config.schema import Device, Section
 
 
 class HFEngineConfig(Section):

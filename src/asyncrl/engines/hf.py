@@ -15,7 +15,7 @@ then the top-k/top-p cut, renormalised), as vLLM reports and the trainer recompu
 T = 1 without a cut, exactly a teacher-forced forward pass of the same tokens.
 
 A weight update is full weights (every parameter, HF names) or a LoRA adapter (a peft
-adapter directory, :mod:`asyncrl.lora`): the adapter is merged, in float32, into a copy of
+adapter directory, :mod:`asyncrl.weights.lora`): the adapter is merged, in float32, into a copy of
 the base weights of the layers it adapts, kept since the first adapter arrived (the base
 is what the engine loaded, or the last full update), so each adapter replaces the one
 before rather than adding to it and no rounding piles up over updates. The merge is
@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.config.schema import resolve_device
 from asyncrl.engines.base import (
     EngineStopped,
     GenerateRequest,
@@ -52,10 +53,9 @@ from asyncrl.engines.base import (
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode
-from asyncrl.lora import LoraAdapter, is_adapter_dir, merged, read_adapter
-from asyncrl.models import ModelConfig, resolve_dtype
+from asyncrl.models.resolve import ModelConfig, resolve_dtype
 from asyncrl.runtime.log import get_logger
-from asyncrl.schema import resolve_device
+from asyncrl.weights.lora import LoraAdapter, is_adapter_dir, merged, read_adapter
 
 log = get_logger(part="hf-engine")
 
@@ -98,7 +98,7 @@ class HFEngine(InferenceEngine):
     """A transformers causal LM behind :class:`InferenceEngine`, batching concurrent calls.
 
     ``model`` is the recipe's model section (or its ``path`` alone: anything
-    :func:`asyncrl.models.resolve_model_path` accepts), ``config`` its ``rollout.engine``
+    :func:`asyncrl.models.resolve.resolve_model_path` accepts), ``config`` its ``rollout.engine``
     section. ``memory_saver`` (a colocated run) keeps the weights in a region that
     :meth:`release_memory` can free, when ``torch_memory_saver`` is installed and the
     device is CUDA. ``on_step`` (if given) is called on the event loop after every step
@@ -181,7 +181,7 @@ class HFEngine(InferenceEngine):
                 self._executor = None
 
     def _load(self) -> None:
-        from asyncrl.models import load_causal_lm, load_tokenizer
+        from asyncrl.models.resolve import load_causal_lm, load_tokenizer
 
         if self.memory_saver:
             try:

@@ -16,7 +16,7 @@ from typing import Any
 
 from asyncrl.engines.base import GenerateRequest, GenerateResponse, InferenceEngine, WeightSource
 from asyncrl.engines.config import InstantEngineConfig
-from asyncrl.models import ModelConfig
+from asyncrl.models.resolve import ModelConfig
 
 RESPONSE_TOKEN = ord("7")
 """What every response is made of: a digit, so a math reward parses it (and scores 0)."""

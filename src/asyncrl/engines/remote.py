@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.schema import resolve_device
 from asyncrl.engines.base import (
     GenerateRequest,
     GenerateResponse,
@@ -42,8 +43,7 @@ from asyncrl.engines.base import (
 )
 from asyncrl.engines.config import ServerEngineConfig
 from asyncrl.engines.server import ServerError, ServerProcess, free_port, tail
-from asyncrl.models import ModelConfig, resolve_dtype
-from asyncrl.schema import resolve_device
+from asyncrl.models.resolve import ModelConfig, resolve_dtype
 
 AFFINITY_SLOTS = 4096
 """Routing keys remembered. Groups in flight are bounded by the actor's concurrency (tens
@@ -186,7 +186,7 @@ class RemoteEngine(InferenceEngine):
         import aiohttp
         from transformers import AutoTokenizer
 
-        from asyncrl.models import resolve_model_path
+        from asyncrl.models.resolve import resolve_model_path
 
         self.model_path = await asyncio.to_thread(resolve_model_path, self.model_spec)
         self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)

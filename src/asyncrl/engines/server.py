@@ -1,6 +1,6 @@
 """Inference servers as child processes: start, wait for health, report, stop.
 
-Each server runs under :mod:`asyncrl.engines.server_guard` in a process group of its own,
+Each server runs under :mod:`asyncrl.entry.server_guard` in a process group of its own,
 with a pipe from this process as the guard's stdin: when this process exits or dies
 (``kill -9`` included), the pipe closes and the guard takes the whole group down. Stopping
 normally closes the pipe the same way, then waits for the guard.
@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
-GUARD = Path(__file__).with_name("server_guard.py")
+GUARD = Path(__file__).parents[1] / "entry" / "server_guard.py"
 
 STOP_GRACE_S = 20.0
 """Seconds the guard gets to take its group down before this process kills the group."""

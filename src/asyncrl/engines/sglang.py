@@ -59,8 +59,8 @@ from asyncrl.engines.base import (
 from asyncrl.engines.config import SGLangEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
 from asyncrl.engines.server import ServerError, resolve_interpreter
-from asyncrl.lora import is_adapter_dir
-from asyncrl.models import ModelConfig
+from asyncrl.models.resolve import ModelConfig
+from asyncrl.weights.lora import is_adapter_dir
 
 MODEL_FILES = (
     "config.json",

@@ -1,6 +1,6 @@
 """``vllm``: generation on vLLM servers over their OpenAI-compatible and RL endpoints.
 
-Each server is started as ``<python> vllm_launch.py serve <model dir> ...`` with
+Each server is started as ``<python> entry/vllm_server.py serve <model dir> ...`` with
 ``VLLM_SERVER_DEV_MODE=1`` (which enables ``/collective_rpc`` and ``/reset_prefix_cache``)
 and ``--logprobs-mode processed_logprobs``. The endpoints used:
 
@@ -60,10 +60,10 @@ from asyncrl.engines.base import (
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.remote import RemoteEngine, Server
 from asyncrl.engines.server import ServerError, resolve_interpreter
-from asyncrl.lora import is_adapter_dir
-from asyncrl.models import ModelConfig
+from asyncrl.models.resolve import ModelConfig
+from asyncrl.weights.lora import is_adapter_dir
 
-LAUNCHER = Path(__file__).with_name("vllm_launch.py")
+LAUNCHER = Path(__file__).parents[1] / "entry" / "vllm_server.py"
 
 WORKER_DIR = Path(__file__).with_name("vllm_worker")
 """The folder put on the servers' ``PYTHONPATH``: it holds the worker extension alone."""

@@ -18,7 +18,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from asyncrl.messages import ActorInfo, Metrics
+from asyncrl.wire.messages import ActorInfo, Metrics
 
 ALIVE_WINDOW = 3.0
 """Seconds since its last heartbeat after which an actor no longer counts as live."""

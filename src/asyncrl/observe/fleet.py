@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from asyncrl.messages import ActorInfo, Metrics
+from asyncrl.wire.messages import ActorInfo, Metrics
 
 ALIVE_WINDOW = 3.0
 """An actor counts as live (``actors/<role>``) if its last heartbeat is this recent

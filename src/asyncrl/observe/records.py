@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
-    from asyncrl.messages import TrainSample
+    from asyncrl.config.recipe import Recipe
+    from asyncrl.wire.messages import TrainSample
 
 SAMPLES_FILE = "trained_samples.jsonl"
 METRICS_FILE = "metrics.jsonl"

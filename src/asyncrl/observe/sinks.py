@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
 
 TENSORBOARD_DIR = "tensorboard"
 

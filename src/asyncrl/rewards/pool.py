@@ -7,7 +7,7 @@
 
 A reward function is ``fn(completion: str, data: dict) -> float`` (or an ``async def``)
 named by a registry key (:data:`REWARDS`), ``module:function`` or
-``path/to/file.py:function``. Each worker is a fresh ``python -m asyncrl.rewards.worker``
+``path/to/file.py:function``. Each worker is a fresh ``python -m asyncrl.entry.reward_worker``
 process that loads it once and then scores one call at a time; being a new interpreter
 rather than a fork, it shares no threads or locks with the caller and needs no
 ``if __name__ == "__main__"`` guard in the caller's script.
@@ -38,7 +38,7 @@ import structlog
 from asyncrl.workflows.loader import SpecError, is_file_spec, split_spec
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
 
 REWARDS = {
     "math": "asyncrl.rewards.math_reward:math_reward",
@@ -89,7 +89,7 @@ class _Worker:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "asyncrl.rewards.worker",
+            "asyncrl.entry.reward_worker",
             spec,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from asyncrl import __version__
-from asyncrl.messages import ActorExit, ActorInfo, Control, Message, Metrics
 from asyncrl.runtime.log import get_logger
 from asyncrl.runtime.trace import Tracer
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import ActorExit, ActorInfo, Control, Message, Metrics
+from asyncrl.wire.subjects import Subjects
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import NatsInfo
 
@@ -99,7 +99,7 @@ class Actor:
         self.tracer = self._make_tracer()
 
     def _make_tracer(self) -> Tracer:
-        from asyncrl.config import trace_window
+        from asyncrl.config.recipe import trace_window
 
         steps = self.recipe.run.trace_steps
         window = trace_window(steps) if steps else None

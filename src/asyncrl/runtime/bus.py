@@ -1,10 +1,10 @@
-"""The typed bus: a thin async layer over nats-py that speaks :mod:`asyncrl.messages`
-(encoded by :mod:`asyncrl.codec`).
+"""The typed bus: a thin async layer over nats-py that speaks :mod:`asyncrl.wire.messages`
+(encoded by :mod:`asyncrl.wire.codec`).
 
 :class:`Bus` is the one class callers use. Its jobs live in one module each:
 
 - here, plain subjects: ``publish`` / ``subscribe`` (queue groups too) and ``request`` /
-  ``serve`` move one :class:`~asyncrl.messages.Message` per NATS message, at most once;
+  ``serve`` move one :class:`~asyncrl.wire.messages.Message` per NATS message, at most once;
 - :mod:`asyncrl.runtime.connection`: connecting, the reconnection policy, closing, the
   error counters and the bus's exceptions;
 - :mod:`asyncrl.runtime.jetstream`: ``js_publish`` / ``js_consume`` through JetStream,
@@ -31,11 +31,11 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from asyncrl.codec import DecodeError, decode, encode
-from asyncrl.messages import Ack, Message
 from asyncrl.runtime.blobs import BlobMixin
 from asyncrl.runtime.connection import BusTimeout, PayloadTooLarge, RemoteError
 from asyncrl.runtime.jetstream import JetStreamMixin, JsConsumer
+from asyncrl.wire.codec import DecodeError, decode, encode
+from asyncrl.wire.messages import Ack, Message
 
 __all__ = ["Bus", "BusTimeout", "JsConsumer", "PayloadTooLarge", "RemoteError"]
 
@@ -104,7 +104,7 @@ class Bus(JetStreamMixin, BlobMixin):
 
         Raises :class:`BusTimeout` if nobody answers in ``timeout`` seconds or nobody
         listens, :class:`RemoteError` if the responder answered ``Ack(ok=False)`` (unless
-        ``reply_type`` admits an Ack), :class:`~asyncrl.codec.DecodeError` for any other
+        ``reply_type`` admits an Ack), :class:`~asyncrl.wire.codec.DecodeError` for any other
         wrong reply (counted too).
         """
         data = encode(msg)

@@ -20,9 +20,9 @@ import structlog
 from nats.aio.client import Client
 from nats.js.object_store import ObjectStore
 
-from asyncrl.codec import DecodeError
-from asyncrl.messages import Message
 from asyncrl.runtime.nats_server import NatsInfo
+from asyncrl.wire.codec import DecodeError
+from asyncrl.wire.messages import Message
 
 log = structlog.get_logger("asyncrl.bus")
 
@@ -69,7 +69,7 @@ class Connection:
       all, never the concrete subject a sender chose, so a flood of made-up subjects
       cannot grow the keys: there are at most (subscriptions x reasons) of them. The
       reasons: ``garbage``, ``schema_version``, ``kind``, ``invalid`` (the
-      :class:`~asyncrl.codec.DecodeError` reasons), ``handler`` (the handler raised),
+      :class:`~asyncrl.wire.codec.DecodeError` reasons), ``handler`` (the handler raised),
       ``no_reply`` (a request without a reply subject), ``reply_too_large`` (the answer
       exceeded ``max_payload``; the requester got an error instead) and ``slow_consumer``
       (NATS dropped it because the handler fell behind). Actors report them.

@@ -19,9 +19,9 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import api
 
-from asyncrl.codec import DecodeError, decode, encode
-from asyncrl.messages import Message
 from asyncrl.runtime.connection import BusTimeout, Connection, log
+from asyncrl.wire.codec import DecodeError, decode, encode
+from asyncrl.wire.messages import Message
 
 M = TypeVar("M", bound=Message)
 

@@ -2,7 +2,7 @@
 
 The supervisor starts each actor in a session of its own, but what an actor starts may
 leave that session: an inference server runs under its guard in a session of its own
-(:mod:`asyncrl.engines.server_guard`), and so may anything that calls ``setsid``. Once the
+(:mod:`asyncrl.entry.server_guard`), and so may anything that calls ``setsid``. Once the
 actor is dead its children are reparented, so there is no tree left to walk. Two marks
 find them all instead:
 

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import nats
 
-from asyncrl.config import RecipeError, RunConfig, listen_address
+from asyncrl.config.recipe import RecipeError, RunConfig, listen_address
 
 NATS_JSON = "nats.json"
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024

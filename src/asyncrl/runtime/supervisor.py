@@ -39,11 +39,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from asyncrl.messages import ActorExit, ActorInfo, Control
 from asyncrl.runtime import lineage
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import ActorExit, ActorInfo, Control
+from asyncrl.wire.subjects import Subjects
 
 RESTART_ENV = "ASYNCRL_RESTART"
 """Set in a replacement actor's environment: the run's restart count when it started (the
@@ -382,7 +382,7 @@ def actor_argv(role: str, run_dir: Path, actor_id: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "asyncrl.actors.launch",
+        "asyncrl.entry.actor",
         role,
         "--run-dir",
         str(run_dir),

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from asyncrl.config import (
+from asyncrl.config.recipe import (
     HFData,
     JsonlData,
     RecipeError,
@@ -24,9 +24,9 @@ from asyncrl.config import (
     format_validation_error,
     read_recipe_file,
 )
+from asyncrl.config.schema import Section
 from asyncrl.data.gsm8k import BOXED_INSTRUCTION
-from asyncrl.models import ModelConfig
-from asyncrl.schema import Section
+from asyncrl.models.resolve import ModelConfig
 from asyncrl.train.config import DERIVED_KEYS, TrainerConfig
 
 SftData = Annotated[JsonlData | HFData, Field(discriminator="type")]

@@ -24,7 +24,7 @@ from asyncrl.data.gsm8k import gsm8k_final_answer
 from asyncrl.data.loaders import Record, read_hf_dataset, read_jsonl, to_prompt_records
 
 if TYPE_CHECKING:
-    from asyncrl.config import HFData, JsonlData
+    from asyncrl.config.recipe import HFData, JsonlData
     from asyncrl.sft.config import SftConfig, SftRecipe
     from asyncrl.train.batch import Sample
 

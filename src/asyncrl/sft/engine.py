@@ -93,7 +93,7 @@ def build_sft_engine(recipe: SftRecipe) -> SFTEngine:
     torch's threads as the GRPO trainer does (:func:`asyncrl.train.trainer_threads`)."""
     import os
 
-    from asyncrl.schema import resolve_device
+    from asyncrl.config.schema import resolve_device
     from asyncrl.train import trainer_threads
 
     torch.set_num_threads(trainer_threads(recipe.trainer.threads))

@@ -26,7 +26,7 @@ async def _greedy_accuracy(
 ) -> dict[str, float]:
     from asyncrl.engines.base import GenerateRequest, SamplingParams
     from asyncrl.engines.hf import HFEngine
-    from asyncrl.models import ModelConfig
+    from asyncrl.models.resolve import ModelConfig
     from asyncrl.rewards import RewardPool
     from asyncrl.workflows.base import chat_messages, encode_chat
 

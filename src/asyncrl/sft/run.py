@@ -17,7 +17,7 @@ and ``checkpoints/step_<N>/`` in the GRPO trainer's format (DCP model and optimi
 the last checkpoint's ``hf/``: an RL recipe starts from it with ``model.path = <run>/hf``.
 
 With ``trainer.nproc > 1`` the command starts ``torchrun`` with that many ranks, each
-running :func:`run_rank` (``python -m asyncrl.sft.run RUN_DIR``); rank 0 writes the
+running :func:`run_rank` (``python -m asyncrl.entry.sft_rank RUN_DIR``); rank 0 writes the
 records, decodes the held-out answers and commits checkpoints.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import RecipeError, dump_recipe
+from asyncrl.config.recipe import RecipeError, dump_recipe
 from asyncrl.sft.config import SftRecipe
 
 METRICS_FILE = "metrics.jsonl"
@@ -61,8 +60,8 @@ def prepare_run_dir(recipe: SftRecipe, *, overwrite: bool) -> Path:
 def sft(recipe: SftRecipe, *, overwrite: bool = False, quiet: bool = False) -> int:
     """Runs ``recipe`` to its last step; returns the exit status."""
     run_dir = prepare_run_dir(recipe, overwrite=overwrite)
-    target = ["-m", "asyncrl.sft.run", str(run_dir)] + (["--quiet"] if quiet else [])
-    from asyncrl.actors.launch import system_malloc_reason
+    target = ["-m", "asyncrl.entry.sft_rank", str(run_dir)] + (["--quiet"] if quiet else [])
+    from asyncrl.entry.actor import system_malloc_reason
     from asyncrl.runtime.allocator import mimalloc_env
 
     # a CPU trainer's ranks start under mimalloc (trainer.allocator), so a single rank runs
@@ -99,7 +98,7 @@ def _barrier() -> None:
 def run_rank(run_dir: Path, *, quiet: bool = False) -> int:
     """One rank of the SFT run in ``run_dir`` (its ``recipe.json``)."""
     recipe = SftRecipe.model_validate_json((run_dir / "recipe.json").read_text())
-    from asyncrl.actors.launch import pin_cpus
+    from asyncrl.entry.actor import pin_cpus
 
     pin_cpus("trainer", recipe.trainer.cpus)
     from transformers.utils import logging as hf_logging
@@ -209,10 +208,3 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     return run_rank(args.run_dir, quiet=args.quiet)
-
-
-if __name__ == "__main__":
-    from asyncrl.train.torchrun import rank_main
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    rank_main(main)

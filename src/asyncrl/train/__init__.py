@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.train.config import LossConfig, OptimConfig, ShapingConfig, TrainerConfig
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
     from asyncrl.train.batch import Batch, Sample
     from asyncrl.train.engine import TrainEngine
     from asyncrl.train.models import apply_fsdp
@@ -54,13 +54,13 @@ __all__ = [
 def trainer_threads(threads: int = 0) -> int:
     """Torch intra-op threads for one trainer process: ``threads`` (``trainer.threads``)
     when set, else the share ``up``'s automatic placement chose
-    (:func:`asyncrl.cores.placed_threads`), else the CPUs this process may run on (its
+    (:func:`asyncrl.launch.cores.placed_threads`), else the CPUs this process may run on (its
     affinity, ``trainer.cpus`` when pinned) shared among the trainer processes on this
     machine (``LOCAL_WORLD_SIZE``), at least 1. Never more threads than those cores:
     OpenMP workers beyond them spin and wait on each other."""
     import os
 
-    from asyncrl.cores import placed_threads
+    from asyncrl.launch.cores import placed_threads
 
     if threads > 0:
         return threads
@@ -81,7 +81,7 @@ def build_train_engine(recipe: Recipe) -> TrainEngine:
     import torch
     import torch.distributed as dist
 
-    from asyncrl.schema import resolve_device
+    from asyncrl.config.schema import resolve_device
     from asyncrl.train.engine import TrainEngine
 
     torch.set_num_threads(trainer_threads(recipe.trainer.threads))

@@ -3,7 +3,7 @@ classes are the recipe's keys and what :class:`asyncrl.train.TrainEngine` reads,
 value ``asyncrl check`` accepts is a value the trainer accepts. Imports no torch, so a
 recipe can embed it and still be parsed instantly.
 
-A few values are derived from other sections by :class:`asyncrl.config.Recipe` (one
+A few values are derived from other sections by :class:`asyncrl.config.recipe.Recipe` (one
 validator, ``_derive``): ``loss.norm_len`` when unset, and the sampler's ``temperature``,
 ``top_k``, ``top_p``, which are no recipe keys (the trainer must score the distribution
 that sampled, so they always come from ``rollout.sampling``).
@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from asyncrl.placement import Placement
-from asyncrl.schema import CpuList, Device, DType, Section
+from asyncrl.config.placement import Placement
+from asyncrl.config.schema import CpuList, Device, DType, Section
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncrl.algo.loss import agg_count, policy_loss
-from asyncrl.models import ModelConfig, resolve_dtype, resolve_model_path, torch_dtype
-from asyncrl.schema import resolve_device
+from asyncrl.config.schema import resolve_device
+from asyncrl.models.resolve import ModelConfig, resolve_dtype, resolve_model_path, torch_dtype
 from asyncrl.train import checkpoint as ckpt
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig

@@ -6,7 +6,7 @@ Under ``peft`` the model's parameters are named ``base_model.model.<module>.base
 .weight`` (the frozen base weight of an adapted layer), ``...lora_A.default.weight`` and
 ``...lora_B.default.weight`` (the adapter), and ``base_model.model.<name>`` for the rest.
 Only the adapters require grad. The exports use the names of peft's files
-(:mod:`asyncrl.lora`) and of the base model's HF checkpoint.
+(:mod:`asyncrl.weights.lora`) and of the base model's HF checkpoint.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncrl.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, merged
 from asyncrl.train import checkpoint as ckpt
 from asyncrl.train.config import LoraConfig
+from asyncrl.weights.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, merged
 
 ADAPTER_NAME = "default"
 
@@ -100,7 +100,7 @@ def iter_merged_weights(
     lm: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """:func:`~asyncrl.train.checkpoint.iter_full_weights` of the peft model ``lm`` with
-    every adapter merged into its base weight (:func:`asyncrl.lora.merged`, in float32),
+    every adapter merged into its base weight (:func:`asyncrl.weights.lora.merged`, in float32),
     under the base model's HF names. Collective, with the same bucket count on every rank
     (rank 0 gets the tensors).
 

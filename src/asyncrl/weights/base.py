@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import WeightsUpdated
+from asyncrl.wire.subjects import Subjects
 
 if TYPE_CHECKING:
     import torch

@@ -9,23 +9,23 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.cores import engine_device
-from asyncrl.messages import WeightsUpdated
-from asyncrl.models import resolve_dtype
+from asyncrl.config.schema import resolve_device
+from asyncrl.launch.cores import engine_device
+from asyncrl.models.resolve import resolve_dtype
 from asyncrl.runtime.bus import Bus
-from asyncrl.schema import resolve_device
-from asyncrl.subjects import Subjects
 from asyncrl.weights.base import WeightPublisher
 from asyncrl.weights.collective import CollectivePublisher, rendezvous_host
 from asyncrl.weights.config import TransportKind
 from asyncrl.weights.files import DirPublisher, ObjectStorePublisher, delete_weights, put_weights
 from asyncrl.weights.receiver import EngineWeights
 from asyncrl.weights.wire import Packed, unpack
+from asyncrl.wire.messages import WeightsUpdated
+from asyncrl.wire.subjects import Subjects
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
     from asyncrl.engines.base import InferenceEngine
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asyncrl.cores import engine_device, gpu_visible, is_cpu_device
+from asyncrl.launch.cores import engine_device, gpu_visible, is_cpu_device
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
     from asyncrl.weights.config import TransportKind
 
 TENSOR_ENGINES = ("hf", "instant")
@@ -76,7 +76,7 @@ def broadcast_server_problem(recipe: Recipe) -> str | None:
 
 
 def _cuda_index(device: str) -> int | None:
-    """The CUDA device a :data:`~asyncrl.schema.Device` choice names (``auto`` and
+    """The CUDA device a :data:`~asyncrl.config.schema.Device` choice names (``auto`` and
     ``cuda`` the first one), or None for the CPU; decided without importing torch."""
     if is_cpu_device(device) or not gpu_visible():
         return None

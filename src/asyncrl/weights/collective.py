@@ -3,7 +3,7 @@ torch.distributed (NCCL between GPUs, gloo on the CPU), with every step bounded 
 
 **One group per engine.** Each engine forms a two-rank group with the trainer's rank 0
 (rank 0 the trainer, rank 1 the engine) through a rendezvous store the trainer hosts;
-its address goes out over NATS in the join grant (:class:`~asyncrl.messages.WeightsGrant`).
+its address goes out over NATS in the join grant (:class:`~asyncrl.wire.messages.WeightsGrant`).
 A rebuilt group of all engines would send the bytes once, but every join (an actor
 attached mid-run, a restarted one) would stop every engine to re-form it, and one engine
 that dies would break the broadcast for all. With one group per engine an engine joins
@@ -21,7 +21,7 @@ engine's thread no longer than that either. An engine whose send fails or times 
 dropped from the broadcast and the trainer goes on; the engine notices (the next
 announcement does not list it), joins again and gets the current weights at once. An
 engine that cannot form its group (a firewall, an address it cannot reach) asks for the
-current weights in the object store instead (:class:`~asyncrl.messages.WeightsFallback`),
+current weights in the object store instead (:class:`~asyncrl.wire.messages.WeightsFallback`),
 and the log says why. Groups that failed are never destroyed (a gloo group's destructor
 joins its worker threads, which a stuck peer could hold): they are kept aside until the
 process exits.
@@ -51,15 +51,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.messages import (
-    WeightsFallback,
-    WeightsGrant,
-    WeightsJoin,
-    WeightsUpdated,
-)
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
-from asyncrl.subjects import Subjects
 from asyncrl.weights import sglang_wire
 from asyncrl.weights.base import WeightPublisher, Weights
 from asyncrl.weights.config import WeightsConfig
@@ -74,6 +67,13 @@ from asyncrl.weights.wire import (
     send_version,
     unpack,
 )
+from asyncrl.wire.messages import (
+    WeightsFallback,
+    WeightsGrant,
+    WeightsJoin,
+    WeightsUpdated,
+)
+from asyncrl.wire.subjects import Subjects
 
 
 def rendezvous_host(config: WeightsConfig, nats_url: str) -> str:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from asyncrl.schema import Section
+from asyncrl.config.schema import Section
 
 TransportKind = Literal["dir", "object_store", "collective", "cuda_ipc"]
 """A concrete transport (``auto`` resolves to one of these, :func:`asyncrl.weights.choose`)."""

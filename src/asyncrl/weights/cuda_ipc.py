@@ -17,11 +17,11 @@ import asyncio
 import pickle
 from collections import deque
 
-from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
-from asyncrl.subjects import Subjects
 from asyncrl.weights.base import NamedTensors, WeightPublisher, Weights
 from asyncrl.weights.wire import Packed, pack, unpack
+from asyncrl.wire.messages import WeightsUpdated
+from asyncrl.wire.subjects import Subjects
 
 KEEP = 2
 """Versions whose device buckets the trainer keeps alive for engines still mapping them."""

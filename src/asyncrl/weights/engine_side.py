@@ -10,12 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.engines.base import BroadcastJoin, BroadcastStaged, InferenceEngine
-from asyncrl.messages import WeightsGrant, WeightsJoin, WeightsUpdated
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
-from asyncrl.subjects import Subjects
 from asyncrl.weights import sglang_wire
 from asyncrl.weights.wire import BucketPool, Lane, bury, open_pair, recv_version, timeout_of
+from asyncrl.wire.messages import WeightsGrant, WeightsJoin, WeightsUpdated
+from asyncrl.wire.subjects import Subjects
 
 SERVER_GROUP = object()
 """Stands for the group of a server engine, which the server holds itself."""

@@ -29,11 +29,11 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from asyncrl.lora import ADAPTER_CONFIG
-from asyncrl.messages import WeightsUpdated
 from asyncrl.runtime.bus import Bus
-from asyncrl.subjects import Subjects
 from asyncrl.weights.base import NamedTensors, WeightPublisher, Weights
+from asyncrl.weights.lora import ADAPTER_CONFIG
+from asyncrl.wire.messages import WeightsUpdated
+from asyncrl.wire.subjects import Subjects
 
 KEEP_VERSIONS = 3
 """Versions kept in the object store (and on disk): a rollout actor may still be
@@ -96,7 +96,7 @@ def _uploaded_files(export_dir: Path) -> list[str]:
 
 def safetensors_files(export_dir: Path) -> list[str]:
     """The files an export travels as: its safetensors files, and a LoRA adapter's config
-    (:mod:`asyncrl.lora`; full exports need none, the engines have the model's)."""
+    (:mod:`asyncrl.weights.lora`; full exports need none, the engines have the model's)."""
     files = _uploaded_files(export_dir)
     if not files or files == [ADAPTER_CONFIG]:
         raise FileNotFoundError(f"no safetensors files in {export_dir}")
@@ -150,7 +150,7 @@ def read_safetensors(folder: Path, dtype: str | None = None) -> NamedTensors:
     """Every tensor of the safetensors files in ``folder`` (cast to ``dtype``)."""
     from safetensors import safe_open
 
-    from asyncrl.models import torch_dtype
+    from asyncrl.models.resolve import torch_dtype
 
     cast = torch_dtype(dtype) if dtype else None
     out: NamedTensors = []

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asyncrl.engines.base import InferenceEngine
-from asyncrl.messages import Prompt, Trajectory
+from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.agent import AgentWorkflow
 from asyncrl.workflows.base import (
     RolloutWorkflow,

@@ -5,7 +5,7 @@ A workflow turns one prompt record into the trajectories of one episode (a GRPO 
     trajectories = await workflow.arun_episode(engine, item)
 
 ``item`` is the prompt record with its ``uid`` (a dict with a ``"uid"`` key, or a
-:class:`~asyncrl.messages.Prompt`). It returns the group's trajectories, or None when the
+:class:`~asyncrl.wire.messages.Prompt`). It returns the group's trajectories, or None when the
 episode produced nothing usable (the engine stopped mid-way): the prompt then goes back to
 the pool. Every trajectory carries the record in ``data`` (so a reward actor can score it),
 its uid ``f"{prompt_uid}/{i}"``, generated tokens with ``loss_mask`` 1 and their behaviour
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncrl.engines.base import GenerateResponse, InferenceEngine
-from asyncrl.messages import Array, Prompt, Trajectory
+from asyncrl.wire.messages import Array, Prompt, Trajectory
 
 
 class RewardOutcome(Protocol):

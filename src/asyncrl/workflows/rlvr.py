@@ -12,7 +12,7 @@ import zlib
 from typing import Any
 
 from asyncrl.engines.base import GenerateRequest, InferenceEngine, SamplingParams
-from asyncrl.messages import Prompt, Trajectory
+from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.base import (
     RolloutWorkflow,
     Scorer,

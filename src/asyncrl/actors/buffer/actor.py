@@ -10,7 +10,7 @@ weights rollouts can have): the trainer's batch requests and ``WeightsUpdated`` 
 it. The dataset position lives in the buffer's durable state only (:mod:`.durable`): the
 position at each served step is recorded there, and ``asyncrl up --resume`` keeps the one
 that goes with the trainer's checkpoint. A batch carries what training reads
-(:class:`~asyncrl.messages.TrainSample`); the prompt records stay here, by prompt id.
+(:class:`~asyncrl.wire.messages.TrainSample`); the prompt records stay here, by prompt id.
 """
 
 from __future__ import annotations
@@ -28,9 +28,14 @@ from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, r
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.algo.shaping import recipe_shaped_rewards
-from asyncrl.codec import encode
 from asyncrl.data import load_prompt_records
-from asyncrl.messages import (
+from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.connection import worth_logging
+from asyncrl.runtime.staleness import StalenessManager
+from asyncrl.runtime.trace import now_us
+from asyncrl.train.checkpoint import latest_checkpoint_meta
+from asyncrl.wire.codec import encode
+from asyncrl.wire.messages import (
     Ack,
     ActorExit,
     ActorInfo,
@@ -43,11 +48,6 @@ from asyncrl.messages import (
     WeightsQuery,
     WeightsUpdated,
 )
-from asyncrl.runtime.actor import Actor, ActorContext
-from asyncrl.runtime.connection import worth_logging
-from asyncrl.runtime.staleness import StalenessManager
-from asyncrl.runtime.trace import now_us
-from asyncrl.train.checkpoint import latest_checkpoint_meta
 
 SCORED_CONCURRENCY = 256
 """Scored samples handled at once: each waits for the state write that holds it before

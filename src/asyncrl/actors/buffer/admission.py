@@ -11,7 +11,7 @@ the budget; with the dynamic filter, a group whose rewards are all equal is drop
 rewards the advantages use (shaped, :func:`asyncrl.algo.shaping.recipe_shaped_rewards`), not the
 raw ones, so a group of equal raw rewards that shaping tells apart keeps its signal.
 
-An admitted group is kept as :class:`~asyncrl.messages.TrainSample` s, what training reads:
+An admitted group is kept as :class:`~asyncrl.wire.messages.TrainSample` s, what training reads:
 the prompt record is the buffer's (by prompt id, :meth:`PromptSource.prompt`), and the
 lease and group size were checked here.
 """
@@ -27,8 +27,8 @@ import numpy as np
 
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook
-from asyncrl.messages import TrainSample, Trajectory
 from asyncrl.runtime.staleness import StalenessManager
+from asyncrl.wire.messages import TrainSample, Trajectory
 
 
 def invalid_reason(

@@ -13,8 +13,8 @@ from typing import Any
 
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.journal import Journal
-from asyncrl.messages import BatchWaiting, TrainBatchRef
 from asyncrl.runtime.staleness import StalenessManager
+from asyncrl.wire.messages import BatchWaiting, TrainBatchRef
 
 BLOB_FRACTION = 0.9
 """A batch whose encoding is above this share of ``max_payload`` goes by the object store

@@ -2,7 +2,7 @@
 
 What the buffer holds and nothing else has (the version, the counters, the leases, the
 groups in the making and the admitted ones, the batches already served, the dataset
-position) is captured as one :class:`~asyncrl.messages.BufferSnapshot` and put in the run's
+position) is captured as one :class:`~asyncrl.wire.messages.BufferSnapshot` and put in the run's
 buffer bucket (JetStream, file storage in the run folder). The rule that makes it durable:
 nothing is acknowledged before the snapshot that holds it is written.
 
@@ -36,8 +36,10 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.codec import DecodeError, decode, encode
-from asyncrl.messages import (
+from asyncrl.runtime.connection import worth_logging
+from asyncrl.runtime.log import get_logger
+from asyncrl.wire.codec import DecodeError, decode, encode
+from asyncrl.wire.messages import (
     AnswerRecord,
     BufferSnapshot,
     Group,
@@ -46,8 +48,6 @@ from asyncrl.messages import (
     TrainSample,
     WeightsUpdated,
 )
-from asyncrl.runtime.connection import worth_logging
-from asyncrl.runtime.log import get_logger
 
 if TYPE_CHECKING:
     from asyncrl.actors.buffer.admission import Admission

@@ -19,8 +19,8 @@ from typing import Any
 
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.data.sampler import ShardSampler
-from asyncrl.messages import Lease, LeaseRequest, Prompt
 from asyncrl.runtime.staleness import StalenessManager
+from asyncrl.wire.messages import Lease, LeaseRequest, Prompt
 
 MAX_EPISODE_ATTEMPTS = 3
 """A prompt whose episode fails this many times is dropped (and counted), so one poison

@@ -1,4 +1,4 @@
-"""The codec of the wire schema (:mod:`asyncrl.messages`): encode and decode, with a
+"""The codec of the wire schema (:mod:`asyncrl.wire.messages`): encode and decode, with a
 generated msgspec fast path.
 
 On the wire a message is one msgpack map ``{"k": kind, "v": schema_version, "d": fields}``;
@@ -22,7 +22,7 @@ import msgspec
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
-from asyncrl.messages import MESSAGE_TYPES, SCHEMA_VERSION, Message
+from asyncrl.wire.messages import MESSAGE_TYPES, SCHEMA_VERSION, Message
 
 
 class DecodeError(ValueError):

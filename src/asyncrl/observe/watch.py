@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.messages import ActorInfo, Metrics
 from asyncrl.runtime.loop import run_async
-from asyncrl.subjects import Subjects
+from asyncrl.wire.messages import ActorInfo, Metrics
+from asyncrl.wire.subjects import Subjects
 
 
 def _run_name(run_dir: Path) -> str:
@@ -27,10 +27,10 @@ def format_metrics(m: Metrics) -> str:
 
 
 async def _dashboard(run_dir: Path) -> int:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
+    from asyncrl.launch.up import start_dashboard
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import nats_info_for_run
-    from asyncrl.up import start_dashboard
 
     recipe = Recipe.model_validate(json.loads((run_dir / "recipe.json").read_text()))
     bus = await Bus.connect(nats_info_for_run(run_dir), name="asyncrl-metrics")

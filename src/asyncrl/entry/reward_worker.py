@@ -1,4 +1,4 @@
-"""A reward worker process: ``python -m asyncrl.rewards.worker SPEC``.
+"""A reward worker process: ``python -m asyncrl.entry.reward_worker SPEC``.
 
 It loads the reward function once, says ``ready`` (or ``load_error``), then answers one
 scoring request at a time until its stdin closes. Messages are length-prefixed pickles on

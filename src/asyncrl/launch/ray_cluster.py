@@ -5,7 +5,7 @@ Ray only places and hosts processes; the run is the local one. ``up`` runs where
 started (a Ray driver: the placement group, the nats-servers) and its supervisor
 (:mod:`asyncrl.runtime.supervisor`) starts, watches and restarts the same actor specs as
 a local run, under the same restart policy. Each spec's command is wrapped in a *proxy*
-(``python -m asyncrl.ray_launch ... -- <command>``), a small process beside the supervisor
+(``python -m asyncrl.launch.ray_cluster ... -- <command>``), a small process beside the supervisor
 that
 
 - creates one :class:`RoleHost` Ray actor with the role's resources (``<role>.ray_cpus``,
@@ -53,8 +53,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import Recipe, RunConfig
-from asyncrl.placement import ROLES, node_for, process_gpus
+from asyncrl.config.placement import ROLES, node_for, process_gpus
+from asyncrl.config.recipe import Recipe, RunConfig
 from asyncrl.runtime.log import get_logger
 
 VISIBILITY_ENV = (
@@ -110,7 +110,7 @@ def find_node(name: str, nodes: list[dict[str, Any]]) -> str | None:
 def nodes_used(recipe: Recipe, nodes: list[dict[str, Any]]) -> list[str]:
     """The alive node ids that the recipe's ``<role>.node`` keys name, the trainer's and
     the buffer's first (where the nats-servers go, in that order)."""
-    from asyncrl.placement import role_processes
+    from asyncrl.config.placement import role_processes
 
     counts, found = role_processes(recipe), []
     for role in STATE_ROLES:
@@ -138,7 +138,7 @@ def start_reaper(
     life_r, life_w = os.pipe()
     try:
         with open(log, "ab") as out:
-            reaper = [argv[0], "-m", "asyncrl.ray_launch", "--reap", str(status_w), str(life_r)]
+            reaper = [argv[0], "-m", "asyncrl.entry.ray_role", "--reap", str(status_w), str(life_r)]
             first = subprocess.Popen(
                 [*reaper, "--", *argv],
                 stdin=subprocess.DEVNULL,
@@ -517,7 +517,7 @@ class RayLaunch:
         argv = [
             sys.executable,
             "-m",
-            "asyncrl.ray_launch",
+            "asyncrl.entry.ray_role",
             "--address",
             self.gcs_address,
             "--namespace",
@@ -556,7 +556,7 @@ def _child_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def proxy_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m asyncrl.ray_launch")
+    parser = argparse.ArgumentParser(prog="python -m asyncrl.entry.ray_role")
     parser.add_argument("--address", required=True)
     parser.add_argument("--namespace", required=True)
     parser.add_argument("--role", required=True)
@@ -628,12 +628,6 @@ def proxy_main(argv: list[str] | None = None) -> int:
     finally:
         with contextlib.suppress(Exception):
             ray.kill(host)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--reap"] and sys.argv[4:5] == ["--"]:
-        sys.exit(reap_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[5:]))
-    sys.exit(proxy_main())
 
 
 __all__ = [

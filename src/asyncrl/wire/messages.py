@@ -1,6 +1,6 @@
 """The wire schema: every message that crosses NATS (or sits in the run's object store).
 
-Each message is a pydantic model; :mod:`asyncrl.codec` puts it on the wire as one msgpack
+Each message is a pydantic model; :mod:`asyncrl.wire.codec` puts it on the wire as one msgpack
 map ``{"k": kind, "v": SCHEMA_VERSION, "d": fields}`` and checks kind, schema version and
 fields on the way back. Numeric arrays travel as :class:`Array` (raw bytes + dtype +
 shape), never as lists. This module imports numpy but no torch, so the schema loads fast

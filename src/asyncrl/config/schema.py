@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class Section(BaseModel):
     """A recipe section: unknown keys are errors, and each field's docstring is its
-    description (what ``asyncrl check`` and the README's recipe reference show)."""
+    description (what ``asyncrl check`` and the recipe reference in docs/recipes.md show)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -22,7 +22,7 @@ class Section(BaseModel):
 CpuList = list[Annotated[int, Field(ge=0)]]
 """CPU ids a role's processes are pinned to (``os.sched_setaffinity`` at process start);
 empty: no pinning. Checked against the machine where a run starts
-(:func:`asyncrl.config.load_recipe`)."""
+(:func:`asyncrl.config.recipe.load_recipe`)."""
 
 DType = Literal["float32", "bfloat16", "float16"]
 """A parameter or reduction dtype, by its torch name."""

@@ -7,7 +7,7 @@ recipe's ``[nodes.<name>]`` tables declare what each node has (``gpus``, ``cpus`
 ``asyncrl check`` refuses a placement that cannot fit before anything starts.
 
 Who honours it: ``asyncrl up --ray`` places every process by these keys
-(:mod:`asyncrl.ray_launch`). The local launcher (one machine, ``asyncrl up``) honours
+(:mod:`asyncrl.launch.ray_cluster`). The local launcher (one machine, ``asyncrl up``) honours
 ``gpus`` as Ray does: each process it starts gets ``CUDA_VISIBLE_DEVICES`` naming GPUs of
 its own (:func:`assign_gpus`), and a role with ``gpus = 0`` inherits the machine's. It
 and the Slurm script (one ``srun`` per role on the allocated nodes) ignore ``node`` and
@@ -24,8 +24,8 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, field_validator
 
-from asyncrl.cores import engine_device
-from asyncrl.schema import Section
+from asyncrl.config.schema import Section
+from asyncrl.launch.cores import engine_device
 
 ROLES = ("buffer", "reward", "rollout", "trainer", "eval")
 """The roles ``up`` starts, in the order it starts them."""
@@ -186,7 +186,7 @@ def placement_problems(recipe: Any) -> list[str]:
 
 GpuSets = dict[str, list[tuple[int, ...]]]
 """Per role, per process the local launcher starts (in its order), the GPUs the process
-takes as positions in the node's GPU list (:func:`asyncrl.cores.node_gpus`); ``()`` for a
+takes as positions in the node's GPU list (:func:`asyncrl.launch.cores.node_gpus`); ``()`` for a
 process that takes none and so sees every GPU of the node."""
 
 

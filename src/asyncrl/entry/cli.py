@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from asyncrl import __version__
-from asyncrl.checks import check_report, enforce_recipe
-from asyncrl.config import RecipeError, dump_recipe, load_recipe, path_problems
+from asyncrl.config.checks import check_report, enforce_recipe
+from asyncrl.config.recipe import RecipeError, dump_recipe, load_recipe, path_problems
 from asyncrl.sft.config import is_sft_data, load_sft_recipe, read_recipe_data
 from asyncrl.weights.choose import choose as choose_transport
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             # are reported, not required
             recipe = load_recipe(args.recipe, args.overrides, here=args.nodes is None)
             if args.nodes is not None:
-                from asyncrl.slurm import placement_problems
+                from asyncrl.launch.slurm import placement_problems
 
                 if problems := placement_problems(recipe, args.nodes):
                     raise RecipeError(
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# weights travel by {kind}: {why}")
             return 0
         if args.command == "slurm":
-            from asyncrl.slurm import write_and_submit
+            from asyncrl.launch.slurm import write_and_submit
 
             # the job reads its files on the cluster: missing here is no reason to stop
             recipe = load_recipe(args.recipe, args.overrides, here=False)
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                     # quoted: an address is no TOML literal, and a path may look like one
                     args.overrides.append(f"run.{key}={json.dumps(getattr(args, key))}")
             recipe = load_recipe(args.recipe, args.overrides)
-            from asyncrl.up import up
+            from asyncrl.launch.up import up
 
             return up(
                 recipe,
@@ -241,14 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             if (refusal := attach_refusal(args.role)) is not None:
                 print(f"asyncrl: {refusal}", file=sys.stderr)
                 return 2
-            from asyncrl.actors.launch import run_actor
+            from asyncrl.entry.actor import run_actor
             from asyncrl.train.torchrun import exit_rank
 
             # an engine that joined the weight broadcast holds gloo threads, which the
             # interpreter's finalization can abort on: leave as every actor process does
             exit_rank(run_actor(args.role, args.run, args.actor_id, nats_file=args.nats))
         if args.command == "metrics":
-            from asyncrl.watch import stream_metrics
+            from asyncrl.observe.watch import stream_metrics
 
             return stream_metrics(
                 args.run, as_json=args.json, role=args.role, count=args.count, lines=args.lines
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
             return 0
         if args.command == "status":
-            from asyncrl.watch import show_status
+            from asyncrl.observe.watch import show_status
 
             return show_status(args.run, wait=args.wait)
     except RecipeError as exc:

@@ -29,7 +29,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from asyncrl.config import Recipe
+from asyncrl.config.recipe import Recipe
 
 RDZV_PORT = 29500
 NATS_PORT = 4222
@@ -108,7 +108,7 @@ def sbatch_script(
     # is one node (they run on the rollout nodes)
     sets = [*overrides, f"run.dir={json.dumps(str(run_dir.parent))}"]
     sets += [] if alone else ["rollout.actors=0"]
-    up_argv = ["-m", "asyncrl.cli", "up"]
+    up_argv = ["-m", "asyncrl.entry.cli", "up"]
     up_argv += [str(Path(recipe_path).resolve())] if recipe_path else []
     # one node: nothing joins from elsewhere, so NATS stays on loopback
     up_argv += ["--overwrite", "--quiet"]
@@ -167,7 +167,7 @@ def sbatch_script(
         f'    "$PY" -m torch.distributed.run --nnodes={t.nodes} \\',
         f"      --nproc-per-node={t.nproc} --rdzv-backend=c10d \\",
         f'      --rdzv-endpoint="$RDZV" --rdzv-id={_q(run.name)} --rdzv-conf=is_host=false \\',
-        '      -m asyncrl.actors.launch trainer --run-dir "$RUN" --actor-id trainer-0 && return 0',
+        '      -m asyncrl.entry.actor trainer --run-dir "$RUN" --actor-id trainer-0 && return 0',
         f"    sleep $(({backoff} << i))",
         "  done",
         "  return 1",
@@ -175,7 +175,7 @@ def sbatch_script(
         "rollout_actor() {",
         '  local i id="rollout-$SLURM_PROCID"',
         f"  for ((i = 0; i <= {max_restarts}; i++)); do",
-        '    "$PY" -m asyncrl.cli attach rollout --run "$RUN" --actor-id "$id" && return 0',
+        '    "$PY" -m asyncrl.entry.cli attach rollout --run "$RUN" --actor-id "$id" && return 0',
         '    id="rollout-$SLURM_PROCID-r$((i + 1))"  # a new id: the buffer frees the old leases',
         f"    sleep $(({backoff} << i))",
         "  done",
@@ -234,8 +234,8 @@ def write_and_submit(
     import shutil
     import subprocess
 
-    from asyncrl.checks import enforce_recipe
-    from asyncrl.config import RecipeError
+    from asyncrl.config.checks import enforce_recipe
+    from asyncrl.config.recipe import RecipeError
 
     problems = placement_problems(recipe, nodes)
     if problems:

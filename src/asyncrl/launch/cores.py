@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from asyncrl.config import Recipe
+    from asyncrl.config.recipe import Recipe
 
 CPUS_ENV = "ASYNCRL_CPUS"
 """Comma-separated CPU ids ``up`` placed this process on (unset: no placement)."""
@@ -124,7 +124,7 @@ def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
 def why_not_placed(recipe: Recipe, cores: list[int], *, cuda: bool) -> str | None:
     """Why :func:`auto_placement` leaves this run's processes where the OS puts them, or
     None when it places them."""
-    from asyncrl.config import role_cpus
+    from asyncrl.config.recipe import role_cpus
 
     if recipe.run.placement == "none":
         return 'run.placement is "none"'
@@ -188,7 +188,7 @@ def node_gpus() -> list[str]:
 
 
 def engine_device(engine: object) -> str:
-    """The :data:`~asyncrl.schema.Device` a rollout engine computes on: its ``device`` key,
+    """The :data:`~asyncrl.config.schema.Device` a rollout engine computes on: its ``device`` key,
     else ``cpu`` for the ``instant`` engine and ``auto`` for an inference server started
     here (it uses CUDA where there is one)."""
     default = "cpu" if getattr(engine, "type", "") == "instant" else "auto"
@@ -198,7 +198,7 @@ def engine_device(engine: object) -> str:
 def uses_cuda(recipe: Recipe) -> bool:
     """Whether the trainer or the rollout engines resolve to a CUDA device here (an
     inference server started here uses CUDA where there is one)."""
-    from asyncrl.schema import resolve_device
+    from asyncrl.config.schema import resolve_device
 
     devices = [recipe.trainer.device, engine_device(recipe.rollout.engine)]
     if all(d == "cpu" for d in devices) or not gpu_visible():
@@ -207,7 +207,7 @@ def uses_cuda(recipe: Recipe) -> bool:
 
 
 def is_cpu_device(device: str) -> bool:
-    """Whether a :data:`~asyncrl.schema.Device` choice is this machine's CPU: ``cpu``, or
+    """Whether a :data:`~asyncrl.config.schema.Device` choice is this machine's CPU: ``cpu``, or
     ``auto`` where no GPU is visible (:func:`gpu_visible`; decided without importing
     torch)."""
     return device == "cpu" or (device == "auto" and not gpu_visible())

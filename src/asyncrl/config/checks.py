@@ -2,18 +2,14 @@
 cannot work together (errors) or probably do not do what was meant (warnings).
 
 ``asyncrl check`` and ``asyncrl up`` both run them before anything starts. Like
-:mod:`asyncrl.config`, this module imports no torch.
+:mod:`asyncrl.config.recipe`, this module imports no torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from asyncrl.config import HFData, JsonlData, Recipe, RecipeError, path_problems
-from asyncrl.config import generation_budget as generation_budget
-from asyncrl.cores import gpu_visible, node_gpus
-from asyncrl.models import SMOLLM2_NAME, TINY_NAME
-from asyncrl.placement import (
+from asyncrl.config.placement import (
     ROLES,
     assign_gpus,
     describe_gpus,
@@ -23,6 +19,10 @@ from asyncrl.placement import (
     local_processes,
     placement_problems,
 )
+from asyncrl.config.recipe import HFData, JsonlData, Recipe, RecipeError, path_problems
+from asyncrl.config.recipe import generation_budget as generation_budget
+from asyncrl.launch.cores import gpu_visible, node_gpus
+from asyncrl.models.resolve import SMOLLM2_NAME, TINY_NAME
 from asyncrl.weights.choose import choose as choose_transport
 from asyncrl.weights.choose import transport_problems
 
@@ -319,7 +319,7 @@ def data_problems(recipe: Recipe) -> list[str]:
     the recipe reads the question or the answer from: found here, each is an error
     before anything starts rather than a buffer or eval actor that dies at its start.
     Hub datasets are left to the actors: reading one here could mean a download. A file
-    that is not here is :func:`asyncrl.config.path_problems`' to report."""
+    that is not here is :func:`asyncrl.config.recipe.path_problems`' to report."""
     from asyncrl.data import missing_fields, read_jsonl
 
     errors: list[str] = []
@@ -351,10 +351,10 @@ def shared_core_warnings(recipe: Recipe) -> list[str]:
     one torch thread there. Two thread pools on the same cores wait on each other's
     threads at every parallel region: on a 16-core Xeon a trainer with 16 threads on all
     cores, 4 of them shared with generation's 4 threads, took 24-144 s a step against
-    4.0-4.3 s on the other 12 (:mod:`asyncrl.cores`). Only roles computing on this
+    4.0-4.3 s on the other 12 (:mod:`asyncrl.launch.cores`). Only roles computing on this
     machine's CPU count; a role's threads are its ``threads`` key, else its cores (torch's
     default on a pinned process), a trainer's shared among its ranks."""
-    from asyncrl.cores import engine_device, is_cpu_device
+    from asyncrl.launch.cores import engine_device, is_cpu_device
 
     r, e, t = recipe.rollout, recipe.eval, recipe.trainer
     pools: dict[str, tuple[set[int], int]] = {}
@@ -435,8 +435,8 @@ CPU_WAY = (
 
 def machine_problems(recipe: Recipe, gpus: list[str], cuda: bool) -> list[str]:
     """Why the recipe cannot run on this machine, which gives its processes the GPUs
-    ``gpus`` (:func:`asyncrl.cores.node_gpus`) and where ``cuda`` says whether any GPU is
-    visible (:func:`asyncrl.cores.gpu_visible`): a role set to a CUDA device (``cuda``,
+    ``gpus`` (:func:`asyncrl.launch.cores.node_gpus`) and where ``cuda`` says whether any GPU is
+    visible (:func:`asyncrl.launch.cores.gpu_visible`): a role set to a CUDA device (``cuda``,
     ``cuda:N``) where there is none, or roles that take more GPUs (``<role>.gpus``) than
     the machine has. ``asyncrl up`` refuses these before it starts anything."""
     errors: list[str] = []
@@ -469,7 +469,7 @@ def machine_problems(recipe: Recipe, gpus: list[str], cuda: bool) -> list[str]:
 
 def enforce_machine(recipe: Recipe) -> list[str]:
     """Raises :class:`RecipeError` listing :func:`machine_problems` for this machine;
-    returns the GPUs it has, which ``up`` hands out (:func:`asyncrl.placement.assign_gpus`)."""
+    returns the GPUs it has, which ``up`` hands out (:func:`asyncrl.config.placement.assign_gpus`)."""
     gpus = node_gpus()
     errors = machine_problems(recipe, gpus, gpu_visible())
     if errors:

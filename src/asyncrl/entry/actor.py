@@ -1,4 +1,4 @@
-"""Entry point of one actor process: ``python -m asyncrl.actors.launch ROLE --run-dir DIR``.
+"""Entry point of one actor process: ``python -m asyncrl.entry.actor ROLE --run-dir DIR``.
 
 ``asyncrl up`` spawns this for every actor; ``asyncrl attach`` runs the same code in the
 foreground. The recipe comes from ``<run>/recipe.json`` and NATS from ``<run>/nats.json``,
@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from asyncrl.config import Recipe, role_cpus
-from asyncrl.cores import is_cpu_device, placed_cpus, placed_threads
+from asyncrl.config.recipe import Recipe, role_cpus
+from asyncrl.launch.cores import is_cpu_device, placed_cpus, placed_threads
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
@@ -62,7 +62,7 @@ def pin_cpus(role: str, cpus: list[int]) -> None:
 def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
     """Pins this process to its role's cores and sizes torch's thread pools, before torch
     is imported: the recipe's ``<role>.cpus`` and ``<role>.threads`` when set, else what
-    ``up``'s automatic placement chose (:mod:`asyncrl.cores`). Returns (cores, threads),
+    ``up``'s automatic placement chose (:mod:`asyncrl.launch.cores`). Returns (cores, threads),
     empty and 0 where nothing was set."""
     threads = {
         "rollout": recipe.rollout.threads,
