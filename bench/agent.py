@@ -307,8 +307,8 @@ async def endpoint_latency(
     """See "Endpoint latency" in the module docstring; ``tool`` None sends no ``tools``."""
     import openai
 
+    from asyncrl.api.inference import GenerateRequest, SamplingParams
     from asyncrl.endpoint import OpenAIEndpoint
-    from asyncrl.engines import GenerateRequest, SamplingParams
 
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.latency_new, stop_token_ids=())
     tools = [tool.schema()] if tool is not None else None
@@ -471,7 +471,7 @@ async def main() -> None:
     )
     args = ap.parse_args()
 
-    from asyncrl.engines import SamplingParams
+    from asyncrl.api.inference import SamplingParams
     from asyncrl.engines.config import InstantEngineConfig
     from asyncrl.engines.instant import InstantEngine
     from asyncrl.tools.builtin import calculator_tool

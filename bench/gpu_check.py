@@ -57,8 +57,8 @@ import torch
 from trainer import SHAPES, model_config, model_flops  # bench/trainer.py, beside this file
 from transformers import AutoModelForCausalLM
 
+from asyncrl.api.inference import GenerateRequest, SamplingParams
 from asyncrl.config.recipe import Recipe, load_recipe
-from asyncrl.engines import GenerateRequest, SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.resolve import ModelConfig, cache_root, materialize

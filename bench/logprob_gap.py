@@ -48,7 +48,7 @@ def build(kind: str, model: str) -> Any:
 
 
 async def generate(kind: str, args: argparse.Namespace) -> list[Any]:
-    from asyncrl.engines import GenerateRequest, SamplingParams
+    from asyncrl.api.inference import GenerateRequest, SamplingParams
 
     sp = SamplingParams(
         temperature=args.temperature,

@@ -50,7 +50,7 @@ def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 async def run_level(
     engine: Any, prompts: list[list[int]], concurrency: int, rounds: int, new: int, group: int = 1
 ) -> tuple[int, float, float, float]:
-    from asyncrl.engines import GenerateRequest, SamplingParams
+    from asyncrl.api.inference import GenerateRequest, SamplingParams
 
     sp = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=())
     stats = getattr(engine, "stats", None)  # the hf engine counts its batches

@@ -30,8 +30,8 @@ import statistics
 import time
 from typing import Any
 
+from asyncrl.api.inference import SamplingParams
 from asyncrl.data.synthetic import PRODUCTS_INSTRUCTION, products_records
-from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.resolve import resolve_model_path

@@ -219,7 +219,7 @@ def greedy_accuracy(model_dir: str, records: list[dict[str, Any]], max_new_token
     asyncrl's hf engine (the eval actor's path: chat template, greedy, token budget)."""
     import asyncio
 
-    from asyncrl.engines.base import GenerateRequest, SamplingParams
+    from asyncrl.api.inference import GenerateRequest, SamplingParams
     from asyncrl.engines.config import HFEngineConfig
     from asyncrl.engines.hf import HFEngine
     from asyncrl.rewards.math_reward import math_reward

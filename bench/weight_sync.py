@@ -39,19 +39,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.api.inference import GenerateRequest, SamplingParams
+from asyncrl.api.weights import Received, WeightPublisher, Weights
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.resolve import torch_dtype
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
-from asyncrl.weights.base import Received, WeightPublisher, Weights
 from asyncrl.weights.build import object_store_copy
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.config import WeightsConfig
 from asyncrl.weights.files import DirPublisher, ObjectStorePublisher, get_weights, put_weights
 from asyncrl.weights.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from asyncrl.weights.receiver import EngineWeights
+from asyncrl.weights.version import PolicyWeights
 from asyncrl.wire.messages import WeightsUpdated
 from asyncrl.wire.subjects import Subjects
 
@@ -269,7 +270,7 @@ def _nbytes(model: Any, tmp: Path, dtype: str) -> float:
     )
 
 
-def _weights(model: Any, version: int, tmp: Path, dtype: str) -> Weights:
+def _weights(model: Any, version: int, tmp: Path, dtype: str) -> PolicyWeights:
     """The engine's own weights as the trainer would publish them: an export (safetensors
     files) or the named tensors."""
     from safetensors.torch import save_file
@@ -286,7 +287,7 @@ def _weights(model: Any, version: int, tmp: Path, dtype: str) -> Weights:
         named = {k: v.contiguous() for k, v in tensors(dtype)}
         save_file(named, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
-    return Weights(
+    return PolicyWeights(
         version, 0, version, tmp / "weights" / f"v{version:06d}", export=export, gather=tensors
     )
 

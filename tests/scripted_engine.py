@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.engines import GenerateRequest, GenerateResponse
-from asyncrl.engines.base import InferenceEngine, WeightSource
+from asyncrl.api.inference import GenerateRequest, GenerateResponse, InferenceEngine, WeightSource
 from asyncrl.engines.hf import HFEngine
 
 

@@ -13,7 +13,7 @@ import pytest
 from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
 
-from asyncrl.engines import SamplingParams
+from asyncrl.api.inference import SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.rewards.pool import RewardResult

@@ -15,9 +15,9 @@ import openai
 import pytest
 from scripted_engine import ScriptedEngine, SpyHF
 
+from asyncrl.api.inference import SamplingParams
 from asyncrl.endpoint import Call, OpenAIAgentWorkflow, OpenAIEndpoint, episode_samples
 from asyncrl.endpoint.chat import ChatRenderer, TemplateTraits, normalize_message
-from asyncrl.engines import SamplingParams
 from asyncrl.models.tiny import build_tokenizer, tiny_model_dir
 from asyncrl.tools.calls import tools_system_text
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.engines.hf_batch import StepResult, cache_keyword

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_engine_hf import perturbed, prompt_ids, sampling
 
-from asyncrl.engines import GenerateRequest
+from asyncrl.api.inference import GenerateRequest
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.tiny import tiny_model_dir

@@ -4,8 +4,9 @@ buffer's sense checks accept, and weight updates that change only the version.""
 from __future__ import annotations
 
 from asyncrl.actors.buffer.admission import invalid_reason
+from asyncrl.api.inference import GenerateRequest, SamplingParams
 from asyncrl.config.recipe import load_recipe
-from asyncrl.engines import GenerateRequest, SamplingParams, build_engine
+from asyncrl.engines import build_engine
 from asyncrl.engines.config import InstantEngineConfig
 from asyncrl.engines.instant import RESPONSE_TOKEN, InstantEngine
 from asyncrl.workflows.build import build_workflow

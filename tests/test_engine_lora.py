@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fake_servers import FakeModel, RunningServer, vllm_app
 
-from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.api.inference import GenerateRequest, SamplingParams
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.server import ServerError
 from asyncrl.engines.vllm import VLLMEngine, max_lora_rank

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from fake_servers import FakeModel, RunningServer, vllm_app
 
-from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.api.inference import GenerateRequest, SamplingParams
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.remote import Router, Server, routing_key
 from asyncrl.engines.server import ServerError

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fake_servers import FakeModel, RunningServer, sglang_app
 
-from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.api.inference import GenerateRequest, SamplingParams
 from asyncrl.engines.config import SGLangEngineConfig
 from asyncrl.engines.server import ServerError, resolve_interpreter
 from asyncrl.engines.sglang import CPU_ARGS, SGLangEngine, generate_payload, parse_generate

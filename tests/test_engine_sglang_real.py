@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from weights_kit import gloo_publisher, tensor_weights
 
-from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.config import SGLangEngineConfig
 from asyncrl.engines.sglang import SGLangEngine
 
@@ -214,7 +214,7 @@ async def test_the_broadcast_reaches_the_server_through_sglangs_own_endpoints(
     the version received (SGLang loads while it receives)."""
     from safetensors.torch import load_file
 
-    from asyncrl.engines.base import BroadcastStaged
+    from asyncrl.api.inference import BroadcastStaged
     from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import EmbeddedNats
     from asyncrl.weights.receiver import EngineWeights

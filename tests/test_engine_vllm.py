@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.vllm import VLLMEngine
 from asyncrl.rewards.pool import RewardResult

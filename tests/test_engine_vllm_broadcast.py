@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from test_e2e import read_jsonl
 from weights_kit import gloo_publisher, tensor_weights
 
-from asyncrl.engines import GenerateRequest, SamplingParams
+from asyncrl.api.inference import GenerateRequest, SamplingParams
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.vllm import VLLMEngine
 from asyncrl.runtime.bus import Bus

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from scripted_engine import ScriptedEngine, SpyHF
 
+from asyncrl.api.inference import GenerateResponse, SamplingParams
 from asyncrl.endpoint import OpenAIEndpoint
 from asyncrl.endpoint.verifiers_env import (
     VerifiersWorkflow,
@@ -24,7 +25,6 @@ from asyncrl.endpoint.verifiers_env import (
     verifiers_records,
     verifiers_workflow,
 )
-from asyncrl.engines import GenerateResponse, SamplingParams
 from asyncrl.models.tiny import build_tokenizer, tiny_model_dir
 from asyncrl.wire.messages import Trajectory
 from asyncrl.workflows.loader import SpecError

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncrl.engines import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.rewards import RewardPool

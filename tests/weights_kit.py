@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from asyncrl.runtime.bus import Bus
-from asyncrl.weights.base import Weights
 from asyncrl.weights.build import object_store_copy
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.config import WeightsConfig
+from asyncrl.weights.version import PolicyWeights
 from asyncrl.wire.subjects import Subjects
 
 
@@ -20,7 +20,7 @@ def tensor_weights(
     version: int,
     tensors: Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
     folder: Path,
-) -> Weights:
+) -> PolicyWeights:
     """``tensors`` as version ``version`` (epoch 0, step = version): the broadcast gathers
     them in the dtype it asks for; an export is never expected."""
     pairs = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
@@ -28,7 +28,7 @@ def tensor_weights(
     def never(_: Path) -> None:
         raise AssertionError("the broadcast needs no export")
 
-    return Weights(
+    return PolicyWeights(
         version,
         0,
         version,

@@ -24,6 +24,7 @@ from typing import Any
 
 from asyncrl.actors.colocation import Colocation
 from asyncrl.algo.samples import build_samples
+from asyncrl.api.weights import WeightPublisher
 from asyncrl.observe.fleet import FleetView
 from asyncrl.observe.records import StepRecords
 from asyncrl.runtime.actor import Actor, ActorContext
@@ -31,10 +32,10 @@ from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.supervisor import RESTART_ENV
 from asyncrl.train import build_train_engine
 from asyncrl.train.checkpoint import commit_checkpoint, latest_checkpoint_meta
-from asyncrl.weights.base import WeightPublisher, Weights
 from asyncrl.weights.build import build_publisher
 from asyncrl.weights.choose import choose
 from asyncrl.weights.files import export_name, link_export
+from asyncrl.weights.version import PolicyWeights
 from asyncrl.wire.codec import decode
 from asyncrl.wire.messages import (
     ActorInfo,
@@ -250,7 +251,7 @@ class TrainerActor(Actor):
         (:mod:`asyncrl.weights`), which announces them; ``source`` is an export of the same
         weights already on disk (a checkpoint's)."""
         assert self.transport is not None
-        weights = Weights(
+        weights = PolicyWeights(
             self.version,
             self.epoch,
             self.step,

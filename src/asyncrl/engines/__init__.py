@@ -1,4 +1,5 @@
-"""Inference engines: the :class:`InferenceEngine` API and its backends.
+"""Inference engines: the backends of the :class:`~asyncrl.api.inference.InferenceEngine`
+contract, and the builder that picks one for a recipe.
 
 Importing this package loads no torch; a backend is imported when it is built.
 """
@@ -8,15 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.engines.base import (
-    EngineStopped,
-    FinishReason,
-    GenerateRequest,
-    GenerateResponse,
-    InferenceEngine,
-    SamplingParams,
-    WeightSource,
-)
+from asyncrl.api.inference import InferenceEngine
 
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe
@@ -50,14 +43,4 @@ def build_engine(recipe: Recipe) -> InferenceEngine:
     return cls(recipe.model, cfg, **options)  # type: ignore[no-any-return]
 
 
-__all__ = [
-    "BACKENDS",
-    "EngineStopped",
-    "FinishReason",
-    "GenerateRequest",
-    "GenerateResponse",
-    "InferenceEngine",
-    "SamplingParams",
-    "WeightSource",
-    "build_engine",
-]
+__all__ = ["BACKENDS", "build_engine"]

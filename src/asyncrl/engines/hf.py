@@ -23,7 +23,7 @@ staged like a download, while generation goes on; the pause only copies the merg
 weights in.
 
 Pausing takes effect between two steps: the running sequences end as ``abort`` with their
-partial tokens and the KV cache is dropped; :class:`~asyncrl.engines.base.InferenceEngine`
+partial tokens and the KV cache is dropped; :class:`~asyncrl.api.inference.InferenceEngine`
 resubmits them after ``resume()``, so their continuation is prefilled from the partial
 tokens under whatever weights are loaded then.
 """
@@ -42,14 +42,14 @@ from typing import Any
 
 import torch
 
-from asyncrl.config.schema import resolve_device
-from asyncrl.engines.base import (
+from asyncrl.api.inference import (
     EngineStopped,
     GenerateRequest,
     GenerateResponse,
     InferenceEngine,
     WeightSource,
 )
+from asyncrl.config.schema import resolve_device
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode

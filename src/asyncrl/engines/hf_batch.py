@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.engines.base import SamplingParams
+from asyncrl.api.inference import SamplingParams
 from asyncrl.engines.sampling import LogprobMode, sample_next
 
 COLUMN_SLACK = 64

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.engines.base import GenerateRequest, GenerateResponse, InferenceEngine, WeightSource
+from asyncrl.api.inference import GenerateRequest, GenerateResponse, InferenceEngine, WeightSource
 from asyncrl.engines.config import InstantEngineConfig
 from asyncrl.models.resolve import ModelConfig
 

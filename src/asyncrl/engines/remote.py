@@ -18,7 +18,7 @@ the rest:
   sent before the gate closed but reached the server after the pause is queued there, not
   run; it is aborted explicitly, so it also returns. Hence no segment spans a weight
   update, and stamping a segment's tokens with the version current when it returns is
-  exact. :class:`~asyncrl.engines.base.InferenceEngine` then resubmits prompt + partial.
+  exact. :class:`~asyncrl.api.inference.InferenceEngine` then resubmits prompt + partial.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config.schema import resolve_device
-from asyncrl.engines.base import (
+from asyncrl.api.inference import (
     GenerateRequest,
     GenerateResponse,
     InferenceEngine,
     WeightSource,
 )
+from asyncrl.config.schema import resolve_device
 from asyncrl.engines.config import ServerEngineConfig
 from asyncrl.engines.server import ServerError, ServerProcess, free_port, tail
 from asyncrl.models.resolve import ModelConfig, resolve_dtype

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from asyncrl.engines.base import (
+from asyncrl.api.inference import (
     BroadcastJoin,
     BroadcastStaged,
     GenerateRequest,
@@ -148,7 +148,7 @@ def parse_generate(request: GenerateRequest, body: Any) -> GenerateResponse:
 
 
 class SGLangEngine(RemoteEngine):
-    """SGLang servers behind :class:`~asyncrl.engines.base.InferenceEngine`.
+    """SGLang servers behind :class:`~asyncrl.api.inference.InferenceEngine`.
 
     ``memory_saver`` starts the servers with ``--enable-memory-saver`` so that
     :meth:`release_memory` can free their weights and KV cache while a trainer steps on

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
-from asyncrl.engines.base import (
+from asyncrl.api.inference import (
     BroadcastJoin,
     BroadcastStaged,
     FinishReason,
@@ -140,7 +140,7 @@ def parse_completion(request: GenerateRequest, body: Any) -> GenerateResponse:
 
 
 class VLLMEngine(RemoteEngine):
-    """vLLM servers behind :class:`~asyncrl.engines.base.InferenceEngine`.
+    """vLLM servers behind :class:`~asyncrl.api.inference.InferenceEngine`.
 
     Built from the recipe's ``rollout.engine`` section (:class:`VLLMEngineConfig`): its
     ``python`` is the interpreter of the virtualenv holding vLLM (``make vllm`` makes

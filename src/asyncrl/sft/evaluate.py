@@ -24,7 +24,7 @@ async def _greedy_accuracy(
     dtype: str,
     system_prompt: str | None,
 ) -> dict[str, float]:
-    from asyncrl.engines.base import GenerateRequest, SamplingParams
+    from asyncrl.api.inference import GenerateRequest, SamplingParams
     from asyncrl.engines.hf import HFEngine
     from asyncrl.models.resolve import ModelConfig
     from asyncrl.rewards import RewardPool

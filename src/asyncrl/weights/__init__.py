@@ -1,6 +1,6 @@
 """Weight transports: how a new policy gets from the trainer to the inference engines.
 
-One family behind one interface (:mod:`asyncrl.weights.base`): the trainer side's
+One family behind one interface (:mod:`asyncrl.api.weights`): the trainer side's
 ``publish(weights)`` gets a version (its HF export, or its named tensors, whichever the
 transport wants) to the engines and announces it with ``WeightsUpdated``; the engine side
 (:mod:`asyncrl.weights.receiver`) takes every announcement as it arrives (``announce``)

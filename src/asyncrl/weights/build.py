@@ -9,11 +9,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncrl.api.weights import WeightPublisher
 from asyncrl.config.schema import resolve_device
 from asyncrl.launch.cores import engine_device
 from asyncrl.models.resolve import resolve_dtype
 from asyncrl.runtime.bus import Bus
-from asyncrl.weights.base import WeightPublisher
 from asyncrl.weights.collective import CollectivePublisher, rendezvous_host
 from asyncrl.weights.config import TransportKind
 from asyncrl.weights.files import DirPublisher, ObjectStorePublisher, delete_weights, put_weights
@@ -25,8 +25,8 @@ from asyncrl.wire.subjects import Subjects
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from asyncrl.api.inference import InferenceEngine
     from asyncrl.config.recipe import Recipe
-    from asyncrl.engines.base import InferenceEngine
 
 
 def engine_side(recipe: Recipe) -> tuple[str, str, str]:

@@ -51,10 +51,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.api.weights import WeightPublisher, Weights
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.weights import sglang_wire
-from asyncrl.weights.base import WeightPublisher, Weights
 from asyncrl.weights.config import WeightsConfig
 from asyncrl.weights.wire import (
     Lane,

@@ -17,8 +17,8 @@ import asyncio
 import pickle
 from collections import deque
 
+from asyncrl.api.weights import NamedTensors, WeightPublisher, Weights
 from asyncrl.runtime.bus import Bus
-from asyncrl.weights.base import NamedTensors, WeightPublisher, Weights
 from asyncrl.weights.wire import Packed, pack, unpack
 from asyncrl.wire.messages import WeightsUpdated
 from asyncrl.wire.subjects import Subjects

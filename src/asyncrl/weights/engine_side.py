@@ -9,7 +9,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.engines.base import BroadcastJoin, BroadcastStaged, InferenceEngine
+from asyncrl.api.inference import BroadcastJoin, BroadcastStaged, InferenceEngine
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.weights import sglang_wire

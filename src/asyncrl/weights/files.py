@@ -29,8 +29,8 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from asyncrl.api.weights import NamedTensors, WeightPublisher, Weights
 from asyncrl.runtime.bus import Bus
-from asyncrl.weights.base import NamedTensors, WeightPublisher, Weights
 from asyncrl.weights.lora import ADAPTER_CONFIG
 from asyncrl.wire.messages import WeightsUpdated
 from asyncrl.wire.subjects import Subjects

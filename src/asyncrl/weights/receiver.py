@@ -20,16 +20,16 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.api.weights import NamedTensors, Received, WeightReceiver
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
-from asyncrl.weights.base import NamedTensors, Received, WeightReceiver
 from asyncrl.weights.engine_side import CollectiveEngineSide
 from asyncrl.weights.files import fetched, get_weights, read_safetensors
 from asyncrl.wire.messages import WeightsFallback, WeightsUpdated
 from asyncrl.wire.subjects import Subjects
 
 if TYPE_CHECKING:
-    from asyncrl.engines.base import InferenceEngine
+    from asyncrl.api.inference import InferenceEngine
 
 PENDING_LIMIT = 64
 """Announcements kept while none is taken: the trainer publishes one per step and a

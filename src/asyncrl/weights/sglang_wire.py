@@ -26,7 +26,7 @@ import io
 import json
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.engines.base import TensorSpec
+from asyncrl.api.inference import TensorSpec
 from asyncrl.weights import wire
 from asyncrl.weights.wire import Packed, timeout_of, unpack
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.runtime.bus import Bus
 from asyncrl.wire.messages import WeightsUpdated
@@ -34,60 +33,31 @@ NamedTensors = list[tuple[str, "torch.Tensor"]]
 """Full weights as ``(HF parameter name, tensor)`` pairs."""
 
 
-class Weights:
-    """One version of the policy, in the forms transports ask for; each made once.
+class Weights(Protocol):
+    """One version of the policy, in the forms transports ask for, each made at most once
+    (:class:`asyncrl.weights.version.PolicyWeights` is the trainer's)."""
 
-    ``export(folder)`` writes the HF export (collective across trainer ranks);
-    ``gather(dtype)`` returns the full named tensors on rank 0 (collective too). A
-    version restored from a checkpoint has its export already (``source``): the folder
-    links it, the tensors are read from it."""
-
-    def __init__(
-        self,
-        version: int,
-        epoch: int,
-        step: int,
-        folder: Path,
-        *,
-        export: Callable[[Path], None],
-        gather: Callable[[str], NamedTensors],
-        source: Path | None = None,
-    ) -> None:
-        self.version, self.epoch, self.step = version, epoch, step
-        self.folder = folder
-        self._export, self._gather, self.source = export, gather, source
-        self._exported = False
+    version: int
+    epoch: int
+    step: int
+    folder: Path
+    """Where :meth:`directory` puts the HF export."""
 
     def directory(self) -> Path:
-        """The HF export of this version at :attr:`folder` (blocking: call in a thread)."""
-        if not self._exported:
-            import shutil
-
-            from asyncrl.weights.files import link_export
-
-            # only a --resume finds the name taken (epochs count the restarts of one
-            # ``up``), by an export of the run before it that nothing reads any more
-            shutil.rmtree(self.folder, ignore_errors=True)
-            if self.source is not None and self.source.is_dir():
-                link_export(self.source, self.folder)
-            else:
-                self._export(self.folder)
-            self._exported = True
-        return self.folder
+        """The HF export of this version at :attr:`folder` (blocking: call in a thread).
+        Collective across trainer ranks."""
+        ...
 
     @property
     def exported(self) -> bool:
         """Whether :meth:`directory` wrote the export (a checkpoint may link it)."""
-        return self._exported
+        ...
 
     def tensors(self, dtype: str) -> NamedTensors:
-        """The named tensors in ``dtype`` (blocking: call in a thread). Some may be the
-        trainer's live parameters: a transport copies what it keeps before it returns."""
-        if self.source is not None and self.source.is_dir():
-            from asyncrl.weights.files import read_safetensors
-
-            return read_safetensors(self.source, dtype)
-        return self._gather(dtype)
+        """The full named tensors in ``dtype`` on rank 0 (blocking: call in a thread;
+        collective). Some may be the trainer's live parameters: a transport copies what it
+        keeps before it returns."""
+        ...
 
 
 class WeightPublisher(ABC):

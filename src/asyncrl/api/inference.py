@@ -1,4 +1,5 @@
-"""The inference-engine API every backend implements, and its request/response types.
+"""The inference-engine contract every backend (:mod:`asyncrl.engines`) implements, and its
+request/response types.
 
 A backend provides one primitive, :meth:`InferenceEngine._generate_segment`: generate for
 one request until it finishes *or until the engine is paused*, in which case the segment
