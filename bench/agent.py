@@ -66,7 +66,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.rewards.pool import RewardResult
+from asyncrl.api.reward import RewardResult
 
 SYSTEM_PROMPT = """You solve arithmetic with the calculator. Call it for every product, then give the answer.
 Example:

@@ -31,12 +31,12 @@ import time
 from typing import Any
 
 from asyncrl.api.inference import SamplingParams
+from asyncrl.api.reward import RewardResult
 from asyncrl.data.synthetic import PRODUCTS_INSTRUCTION, products_records
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.resolve import resolve_model_path
 from asyncrl.rewards.math_reward import math_reward
-from asyncrl.rewards.pool import RewardResult
 from asyncrl.workflows.agent import AgentWorkflow
 
 DESCRIBED = (

@@ -14,9 +14,9 @@ from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
 
 from asyncrl.api.inference import SamplingParams
+from asyncrl.api.reward import RewardResult
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.tiny import tiny_model_dir
-from asyncrl.rewards.pool import RewardResult
 from asyncrl.tools.base import function_tool
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import tools_system_text

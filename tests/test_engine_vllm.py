@@ -19,9 +19,9 @@ import pytest
 import pytest_asyncio
 
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.api.reward import RewardResult
 from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.vllm import VLLMEngine
-from asyncrl.rewards.pool import RewardResult
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import ParsedReply, ToolCall, tools_system_text
 from asyncrl.tools.env import Step, ToolEnv

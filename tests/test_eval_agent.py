@@ -13,10 +13,10 @@ from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
 
 from asyncrl.actors.eval import EvalActor, tool_metrics
+from asyncrl.api.reward import RewardResult
 from asyncrl.config.recipe import load_recipe
 from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.rewards.math_reward import math_reward
-from asyncrl.rewards.pool import RewardResult
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.nats_server import NatsInfo
 

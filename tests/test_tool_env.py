@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from asyncrl.rewards.pool import RewardResult
+from asyncrl.api.reward import RewardResult
 from asyncrl.tools.base import function_tool
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import parse_hermes

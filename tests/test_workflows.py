@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.api.reward import RewardResult
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.rewards import RewardPool
-from asyncrl.rewards.pool import RewardResult
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows import (

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+
+from structlog.typing import FilteringBoundLogger
 
 from asyncrl.runtime.bus import Bus
 from asyncrl.wire.messages import ActorInfo, MemoryControl, MemoryReleased
@@ -20,7 +21,9 @@ memory before it steps anyway (an actor that died meanwhile never answers)."""
 class Colocation:
     """The trainer's side of the handshake; :meth:`subscribe` in setup."""
 
-    def __init__(self, bus: Bus, subjects: Subjects, lease_ttl: float, log: Any) -> None:
+    def __init__(
+        self, bus: Bus, subjects: Subjects, lease_ttl: float, log: FilteringBoundLogger
+    ) -> None:
         self.bus, self.subjects, self.lease_ttl, self.log = bus, subjects, lease_ttl, log
         self._seen: dict[str, float] = {}  # rollout actor id -> last heartbeat
         self._released: dict[str, MemoryReleased] = {}

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import Any
 
+from asyncrl.api.reward import RewardScorer
+from asyncrl.rewards import build_reward_pool
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.wire.messages import Trajectory
 
@@ -33,21 +34,19 @@ class RewardActor(Actor):
     def __init__(self, ctx: ActorContext) -> None:
         super().__init__(ctx)
         self.counters: Counter[str] = Counter()
-        self.pool: Any = None
+        self.pool: RewardScorer | None = None
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.rewards import build_reward_pool
-
         cfg = self.recipe.reward
-        self.pool = build_reward_pool(self.recipe)
-        await self.pool.start()
+        self.pool = pool = build_reward_pool(self.recipe)
+        await pool.start()
         s = self.subjects
         consumer = await self.bus.js_consume(
             s.stream,
             s.trajectories,
             "reward",
             Trajectory,
-            self.on_trajectory,
+            lambda traj: self.on_trajectory(pool, traj),
             ack_wait=max(30.0, 3 * cfg.timeout),
             # one handler per worker: more would only queue inside the pool
             concurrency=cfg.workers,
@@ -62,13 +61,13 @@ class RewardActor(Actor):
         if self.pool is not None:
             await self.pool.aclose()
 
-    async def on_trajectory(self, traj: Trajectory) -> None:
+    async def on_trajectory(self, pool: RewardScorer, traj: Trajectory) -> None:
         if traj.reward is None:
             t0 = time.monotonic()
             # the newest version in the sample: what the tracer's window compares with
             self.version = int(traj.versions.numpy().max(initial=-1))
             with self.tracer.span("score", sample=traj.uid):
-                result = await self.pool.score(traj.completion, traj.data)
+                result = await pool.score(traj.completion, traj.data)
             self.counters["score_seconds_x1000"] += int(1000 * (time.monotonic() - t0))
             traj = traj.model_copy(
                 update={

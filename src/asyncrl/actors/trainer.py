@@ -20,10 +20,10 @@ import io
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from asyncrl.actors.colocation import Colocation
 from asyncrl.algo.samples import build_samples
+from asyncrl.api.train_engine import TrainEngineProtocol
 from asyncrl.api.weights import WeightPublisher
 from asyncrl.observe.fleet import FleetView
 from asyncrl.observe.records import StepRecords
@@ -32,6 +32,7 @@ from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.supervisor import RESTART_ENV
 from asyncrl.train import build_train_engine
 from asyncrl.train.checkpoint import commit_checkpoint, latest_checkpoint_meta
+from asyncrl.train.commands import Leader
 from asyncrl.weights.build import build_publisher
 from asyncrl.weights.choose import choose
 from asyncrl.weights.files import export_name, link_export
@@ -56,8 +57,8 @@ class TrainerActor(Actor):
 
     def __init__(self, ctx: ActorContext) -> None:
         super().__init__(ctx)
-        self.engine: Any = None
-        self.ranks: Any = None  # a train.commands.Leader: the engine on every rank
+        self.engine: TrainEngineProtocol | None = None
+        self._ranks: Leader | None = None
         self.published_version = 0  # rollouts start from the initial weights, version 0
         self.epoch = int(os.environ.get(RESTART_ENV, "0"))
         """How many times ``up`` restarted the trainer in this run: its weights and batch
@@ -77,20 +78,26 @@ class TrainerActor(Actor):
     def step(self) -> int:
         """Train steps taken: the engine's (it saves them with its checkpoint); 0 before
         the engine is built."""
-        return int(self.engine.step) if self.engine is not None else 0
+        return self.engine.step if self.engine is not None else 0
 
     @property
     def version(self) -> int:
         """Policy version of the current weights: the engine's; 0 before it is built."""
-        return int(self.engine.version) if self.engine is not None else 0
+        return self.engine.version if self.engine is not None else 0
 
     @version.setter
     def version(self, value: int) -> None:
         raise AttributeError("the train engine owns the trainer's version")
 
-    async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.train.commands import Leader
+    @property
+    def ranks(self) -> Leader:
+        """The engine on every rank (rank 0 leads the others through each command); built in
+        :meth:`setup`."""
+        if self._ranks is None:
+            raise RuntimeError("the train engine is built in setup")
+        return self._ranks
 
+    async def setup(self, tg: asyncio.TaskGroup) -> None:
         meta = latest_checkpoint_meta(self.ctx.run_dir)
         self.records.open(kept_step=int(meta["step"]) if meta is not None else 0)
         await self.bus.subscribe(self.subjects.heartbeat("*"), ActorInfo, self.fleet.on_heartbeat)
@@ -103,7 +110,7 @@ class TrainerActor(Actor):
             )
             await self.colocation.subscribe()
         self.engine = await asyncio.to_thread(build_train_engine, self.recipe)
-        self.ranks = Leader(self.engine)
+        self._ranks = Leader(self.engine)
         kind, why = choose(self.recipe)
         self.transport = build_publisher(
             self.recipe, kind, self.bus, self.subjects, self.weights_dir, self.ctx.nats.url
@@ -122,7 +129,7 @@ class TrainerActor(Actor):
     async def teardown(self) -> None:
         if self.transport is not None:
             await self.transport.close()
-        if self.ranks is not None:
+        if self._ranks is not None:
             try:
                 await asyncio.to_thread(self.ranks.stop)
             except RuntimeError as exc:  # what gloo and NCCL raise for a peer gone

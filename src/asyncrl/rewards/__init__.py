@@ -9,7 +9,6 @@ from asyncrl.rewards.pool import (
     REWARDS,
     RewardLoadError,
     RewardPool,
-    RewardResult,
     build_reward_pool,
     resolve_reward_spec,
 )
@@ -18,7 +17,6 @@ __all__ = [
     "REWARDS",
     "RewardLoadError",
     "RewardPool",
-    "RewardResult",
     "boxed_math_reward",
     "build_reward_pool",
     "extract_answer",

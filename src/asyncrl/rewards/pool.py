@@ -5,8 +5,8 @@
     result = await pool.score(completion_text, data)    # never raises for a bad reward
     pool.close()
 
-A reward function is ``fn(completion: str, data: dict) -> float`` (or an ``async def``)
-named by a registry key (:data:`REWARDS`), ``module:function`` or
+A reward function (:class:`asyncrl.api.reward.RewardFunction`) is
+``fn(completion: str, data: dict) -> float`` (or an ``async def``) named by a registry key (:data:`REWARDS`), ``module:function`` or
 ``path/to/file.py:function``. Each worker is a fresh ``python -m asyncrl.entry.reward_worker``
 process that loads it once and then scores one call at a time; being a new interpreter
 rather than a fork, it shares no threads or locks with the caller and needs no
@@ -29,12 +29,12 @@ import pickle
 import struct
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 import structlog
 
+from asyncrl.api.reward import RewardResult
 from asyncrl.workflows.loader import SpecError, is_file_spec, split_spec
 
 if TYPE_CHECKING:
@@ -55,15 +55,6 @@ HEADER = struct.Struct("<I")
 """Each message between the pool and a worker: this length prefix, then a pickle."""
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class RewardResult:
-    """One scored completion. ``reason`` is empty when ``ok``."""
-
-    reward: float
-    ok: bool = True
-    reason: str = ""
 
 
 class RewardLoadError(RuntimeError):
@@ -127,7 +118,8 @@ class _Worker:
 
 
 class RewardPool:
-    """A fixed number of reward worker processes behind an async ``score``."""
+    """A fixed number of reward worker processes behind an async ``score``: the
+    :class:`~asyncrl.api.reward.RewardScorer` of a run."""
 
     def __init__(self, fn: str, workers: int = 2, timeout: float = 10.0) -> None:
         """Checks ``fn``'s form (and that its file exists); workers start on

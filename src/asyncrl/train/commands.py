@@ -15,11 +15,11 @@ from __future__ import annotations
 import enum
 import os
 import threading
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from asyncrl.api.train_engine import TrainEngineProtocol
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig
 from asyncrl.train.shard import TrainShard, plan_shards
@@ -75,7 +75,7 @@ class Leader:
     from another thread waits for the command in flight (a stop asked for while a step
     runs in its thread must not put its collective between the step's)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: TrainEngineProtocol) -> None:
         self.engine = engine
         self.world_size = _world()
         self._one_at_a_time = threading.Lock()
@@ -83,10 +83,7 @@ class Leader:
     def train(self, batch: Batch) -> dict[str, float]:
         """One train step on the global ``batch`` (:func:`lead_train`)."""
         with self._one_at_a_time:
-            stats: dict[str, float] = self.engine.train_shard(
-                lead_train(batch, self.engine.config, self.world_size)
-            )
-        return stats
+            return self.engine.train_shard(lead_train(batch, self.engine.config, self.world_size))
 
     def export(self, path: str | os.PathLike[str]) -> None:
         """The weights a rollout engine loads, at ``path`` (rank 0 writes): an HF directory,
@@ -112,14 +109,14 @@ class Leader:
         with self._one_at_a_time:
             if self.world_size > 1:
                 self._header(Command.OFFLOAD)
-            return self.engine.offload()  # type: ignore[no-any-return]
+            return self.engine.offload()
 
     def onload(self) -> tuple[int, float]:
         """Brings back what :meth:`offload` moved; rank 0's (bytes taken, seconds)."""
         with self._one_at_a_time:
             if self.world_size > 1:
                 self._header(Command.ONLOAD)
-            return self.engine.onload()  # type: ignore[no-any-return]
+            return self.engine.onload()
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """A resumable checkpoint (model, optimizer, RNG, step, version) at ``path``."""
@@ -182,7 +179,7 @@ def next_command() -> tuple[Command, TrainShard | str | None]:
     return command, os.fsdecode(data.numpy().tobytes())
 
 
-def follow(engine: Any) -> int:
+def follow(engine: TrainEngineProtocol) -> int:
     """Ranks > 0: runs rank 0's commands on ``engine`` until ``stop``; returns 0."""
     while True:
         command, arg = next_command()
@@ -190,12 +187,14 @@ def follow(engine: Any) -> int:
             return 0
         if isinstance(arg, TrainShard):
             engine.train_shard(arg)
-        elif command is Command.EXPORT:
-            engine.export_weights(arg)
         elif command is Command.OFFLOAD:
             engine.offload()
         elif command is Command.ONLOAD:
             engine.onload()
+        elif arg is None:
+            raise RuntimeError(f"rank 0 sent {command.name} without its argument")
+        elif command is Command.EXPORT:
+            engine.export_weights(arg)
         elif command is Command.GATHER:
             for _ in engine.iter_weights(dtype=arg):
                 pass  # rank 0 keeps the weights; this rank only takes part in the gathers
