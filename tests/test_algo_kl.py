@@ -3,14 +3,22 @@ distribution: exact sums over the actions, compared with autograd of the exact K
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from asyncrl.algo import policy_loss
+from asyncrl.train.config import LossConfig
 
 F64 = torch.float64  # exact sums: compared to numerical precision
 THETA = torch.tensor([0.3, -1.2, 0.8, 0.1, -0.4], dtype=F64)
 REF = torch.log_softmax(torch.tensor([-0.5, 0.4, 0.2, 1.0, -0.3], dtype=F64), dim=0)
+
+
+def loss_config(**settings: Any) -> LossConfig:
+    """The loss section with ``settings``; no behaviour-weight cap unless one is given."""
+    return LossConfig(**{"behav_imp_weight_cap": None, **settings})
 
 
 def forward_kl(theta: torch.Tensor) -> torch.Tensor:
@@ -36,10 +44,8 @@ def exact_gradient(kl_type: str, kl_in: str) -> torch.Tensor:
             lp.detach(),
             torch.zeros(1, dtype=F64),
             torch.ones(1, 1, dtype=torch.bool),
+            loss_config(kl_coef=1.0, kl_type=kl_type, kl_in=kl_in),
             ref_logprobs=REF[a].reshape(1, 1),
-            kl_coef=1.0,
-            kl_type=kl_type,  # type: ignore[arg-type]
-            kl_in=kl_in,  # type: ignore[arg-type]
         )
         expected = expected + logp[a].exp().detach() * loss
     (grad,) = torch.autograd.grad(expected, theta)
@@ -86,10 +92,8 @@ def test_a_kl_reward_is_the_kl_still_to_come_in_the_sequence() -> None:
         logp.detach(),
         torch.tensor([1.0]),
         mask,
+        loss_config(kl_coef=0.5, kl_type="k1", kl_in="reward"),
         ref_logprobs=ref,
-        kl_coef=0.5,
-        kl_type="k1",
-        kl_in="reward",
     )
     to_go = torch.stack([k1[0] + k1[1] + k1[2], k1[1] + k1[2], k1[2], torch.zeros(())])
     adv = torch.where(mask[0], 1.0 - 0.5 * to_go, torch.zeros(()))
@@ -111,12 +115,14 @@ def test_a_token_the_behaviour_cap_drops_carries_no_kl_term(kl_in: str) -> None:
         logp.detach(),
         torch.zeros(1),
         torch.ones(1, 2, dtype=torch.bool),
+        loss_config(
+            behav_imp_weight_cap=5.0,
+            kl_coef=1.0,
+            kl_type="k2" if kl_in == "loss" else "k1",
+            kl_in=kl_in,
+        ),
         behav_logprobs=behav,
-        behav_imp_weight_cap=5.0,
         ref_logprobs=ref,
-        kl_coef=1.0,
-        kl_type="k2" if kl_in == "loss" else "k1",
-        kl_in=kl_in,
     )
     assert stats["behav_masked_frac"].item() == pytest.approx(0.5)
     loss.backward()

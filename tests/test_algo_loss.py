@@ -7,11 +7,18 @@ Convention in these tests: old logprobs are 0, so ``logprobs = log r`` puts the 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
 from asyncrl.algo import agg_count, aggregate, kl_penalty, policy_loss
+from asyncrl.train.config import LossConfig
+
+
+def loss_config(**settings: Any) -> LossConfig:
+    """The loss section with ``settings``; no behaviour-weight cap unless one is given."""
+    return LossConfig(**{"behav_imp_weight_cap": None, **settings})
 
 
 def row(*values: float) -> torch.Tensor:
@@ -29,7 +36,9 @@ def ones_mask(n: int) -> torch.Tensor:
 def test_symmetric_ppo_clip_values_gradients_and_fractions() -> None:
     logp = log_ratios(1.5, 0.5, 1.1, 0.7)
     adv = row(1.0, 1.0, -1.0, -1.0)
-    loss, stats = policy_loss(logp, torch.zeros_like(logp), adv, ones_mask(4), eps_clip=0.2)
+    loss, stats = policy_loss(
+        logp, torch.zeros_like(logp), adv, ones_mask(4), loss_config(eps_clip=0.2)
+    )
     # per token: max(−1.5, −1.2)=−1.2 (clipped high), max(−0.5, −0.8)=−0.5,
     #            max(1.1, 1.1)=1.1, max(0.7, 0.8)=0.8 (clipped low)
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8) / 4)
@@ -45,7 +54,11 @@ def test_clip_higher_widens_only_the_upper_bound() -> None:
     logp = log_ratios(1.5, 0.5, 1.1, 0.7)
     adv = row(1.0, 1.0, -1.0, -1.0)
     loss, stats = policy_loss(
-        logp, torch.zeros_like(logp), adv, ones_mask(4), eps_clip=0.2, eps_clip_high=0.6
+        logp,
+        torch.zeros_like(logp),
+        adv,
+        ones_mask(4),
+        loss_config(eps_clip=0.2, eps_clip_high=0.6),
     )
     # r = 1.5 < 1.6 is no longer clipped; the lower clip at 0.8 still holds
     assert loss.item() == pytest.approx((-1.5 - 0.5 + 1.1 + 0.8) / 4)
@@ -56,7 +69,9 @@ def test_clip_higher_widens_only_the_upper_bound() -> None:
 def test_dual_clip_bounds_negative_advantages() -> None:
     logp = log_ratios(4.0, 2.0, 4.0)
     adv = row(-1.0, -1.0, 1.0)
-    loss, stats = policy_loss(logp, torch.zeros_like(logp), adv, ones_mask(3), c_clip=3.0)
+    loss, stats = policy_loss(
+        logp, torch.zeros_like(logp), adv, ones_mask(3), loss_config(c_clip=3.0)
+    )
     # A<0, r=4: max(4, 1.2)=4 → min(4, 3)=3 (dual); A<0, r=2: 2 < 3 stays;
     # A>0, r=4: max(−4, −1.2)=−1.2 (clipped high, dual never applies)
     assert loss.item() == pytest.approx((3.0 + 2.0 - 1.2) / 3)
@@ -65,7 +80,7 @@ def test_dual_clip_bounds_negative_advantages() -> None:
     loss.backward()
     torch.testing.assert_close(logp.grad, row(0.0, 2.0 / 3, 0.0))
     with pytest.raises(ValueError, match="c_clip"):
-        policy_loss(logp, torch.zeros_like(logp), adv, ones_mask(3), c_clip=1.0)
+        policy_loss(logp, torch.zeros_like(logp), adv, ones_mask(3), loss_config(c_clip=1.0))
 
 
 def test_decoupled_weights_and_cap() -> None:
@@ -73,10 +88,10 @@ def test_decoupled_weights_and_cap() -> None:
     prox = torch.zeros(1, 3)
     behav = -torch.log(row(0.5, 2.0, 8.0))  # w = exp(prox − behav) = 0.5, 2, 8
     adv = row(1.0, 1.0, 1.0)
-    loss, stats = policy_loss(logp, prox, adv, ones_mask(3), behav_logprobs=behav)
+    loss, stats = policy_loss(logp, prox, adv, ones_mask(3), loss_config(), behav_logprobs=behav)
     assert loss.item() == pytest.approx(-(0.5 + 2.0 + 8.0) / 3)
     capped, cstats = policy_loss(
-        logp, prox, adv, ones_mask(3), behav_logprobs=behav, behav_imp_weight_cap=5.0
+        logp, prox, adv, ones_mask(3), loss_config(behav_imp_weight_cap=5.0), behav_logprobs=behav
     )
     # the w = 8 token drops out of the sum but stays in the denominator
     assert capped.item() == pytest.approx(-(0.5 + 2.0) / 3)
@@ -93,7 +108,9 @@ def test_decoupled_ratio_is_against_the_proximal_policy() -> None:
     logp = torch.log(row(3.0)).requires_grad_(True)
     prox = torch.log(row(2.0))  # r = 3/2 = 1.5 → clipped to 1.2 for A > 0
     behav = torch.log(row(1.0))  # w = 2
-    loss, stats = policy_loss(logp, prox, row(1.0), ones_mask(1), behav_logprobs=behav)
+    loss, stats = policy_loss(
+        logp, prox, row(1.0), ones_mask(1), loss_config(), behav_logprobs=behav
+    )
     assert loss.item() == pytest.approx(-2.0 * 1.2)
     assert stats["clip_frac_high"].item() == 1.0
 
@@ -105,14 +122,14 @@ def test_sequence_level_ratio_is_shared_by_the_sequence() -> None:
     mask = torch.ones(2, 2, dtype=torch.bool)
     adv = torch.tensor([1.0, 1.0])  # one advantage per sequence
     seq_loss, stats = policy_loss(
-        logp, torch.zeros(2, 2), adv, mask, importance_sampling_level="sequence"
+        logp, torch.zeros(2, 2), adv, mask, loss_config(importance_sampling_level="sequence")
     )
     assert seq_loss.item() == pytest.approx((-1.0 - 1.0 - 1.2 - 1.2) / 4)
     assert stats["clip_frac_high"].item() == pytest.approx(0.5)
     seq_loss.backward()
     # pg_t = −exp(mean_j log r_j): each token of seq 0 gets −(1/2)·2 tokens / 4 = −0.25
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.25, -0.25], [0.0, 0.0]]))
-    token_loss, _ = policy_loss(logp, torch.zeros(2, 2), adv, mask)
+    token_loss, _ = policy_loss(logp, torch.zeros(2, 2), adv, mask, loss_config())
     assert token_loss.item() == pytest.approx((-1.2 - 0.5 - 1.2 - 1.2) / 4)
 
 
@@ -139,7 +156,7 @@ def test_each_aggregation(loss_agg: str, norm_len: float | None, expected: float
         torch.zeros(3, 3),
         -VALUES,
         MASK,
-        loss_agg=loss_agg,
+        loss_config(loss_agg=loss_agg),
         norm_len=norm_len,  # type: ignore[arg-type]
     )
     assert loss.item() == pytest.approx(expected)
@@ -175,9 +192,9 @@ def test_masked_garbage_never_reaches_loss_or_gradient() -> None:
         old,
         adv,
         mask,
+        loss_config(kl_coef=0.1),
         behav_logprobs=torch.tensor([[0.0, math.nan, 0.0]]),
         ref_logprobs=torch.tensor([[0.0, math.nan, 0.0]]),
-        kl_coef=0.1,
     )
     assert torch.isfinite(loss)
     assert all(torch.isfinite(v) for v in stats.values())
@@ -189,7 +206,7 @@ def test_masked_garbage_never_reaches_loss_or_gradient() -> None:
 def test_empty_mask_gives_zero_with_a_graph() -> None:
     logp = torch.zeros(2, 3, requires_grad=True)
     loss, stats = policy_loss(
-        logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3, dtype=torch.bool)
+        logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3, dtype=torch.bool), loss_config()
     )
     assert loss.item() == 0.0
     loss.backward()  # must not raise: idle distributed ranks run this
@@ -215,9 +232,8 @@ def test_kl_penalty_is_added_per_token() -> None:
         logp.detach(),
         row(1.0, 1.0),
         ones_mask(2),
+        loss_config(kl_coef=0.1, kl_type="k3"),
         ref_logprobs=ref,
-        kl_coef=0.1,
-        kl_type="k3",
     )
     assert loss.item() == pytest.approx(-1.0 + 0.1 * k3 / 2)
     assert stats["kl_ref"].item() == pytest.approx(k3 / 2)
@@ -226,7 +242,7 @@ def test_kl_penalty_is_added_per_token() -> None:
 
 def test_stats_approx_kl_and_ratio_mean() -> None:
     logp = log_ratios(2.0, 1.0)
-    _, stats = policy_loss(logp, torch.zeros_like(logp), row(0.0, 0.0), ones_mask(2))
+    _, stats = policy_loss(logp, torch.zeros_like(logp), row(0.0, 0.0), ones_mask(2), loss_config())
     # k3 of KL(π_old ‖ π) with r = π/π_old: (r − 1) − log r
     assert stats["approx_kl"].item() == pytest.approx((1 - math.log(2)) / 2)
     assert stats["ratio_mean"].item() == pytest.approx(1.5)
@@ -235,11 +251,13 @@ def test_stats_approx_kl_and_ratio_mean() -> None:
 def test_bad_options_are_refused() -> None:
     logp = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="importance_sampling_level"):
-        policy_loss(logp, logp, row(1.0, 1.0), ones_mask(2), importance_sampling_level="group")  # type: ignore[arg-type]
+        policy_loss(
+            logp, logp, row(1.0, 1.0), ones_mask(2), loss_config(importance_sampling_level="group")
+        )
     with pytest.raises(ValueError, match="loss_agg"):
-        policy_loss(logp, logp, row(1.0, 1.0), ones_mask(2), loss_agg="sum")  # type: ignore[arg-type]
+        policy_loss(logp, logp, row(1.0, 1.0), ones_mask(2), loss_config(loss_agg="sum"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"\[B, T\]"):
-        policy_loss(logp[0], logp[0], row(1.0, 1.0)[0], ones_mask(2)[0])
+        policy_loss(logp[0], logp[0], row(1.0, 1.0)[0], ones_mask(2)[0], loss_config())
 
 
 def test_entropy_bonus_goes_through_the_loss_aggregation() -> None:
@@ -252,9 +270,8 @@ def test_entropy_bonus_goes_through_the_loss_aggregation() -> None:
         logp.detach(),
         adv,
         mask,
+        loss_config(entropy_coef=0.1, loss_agg="seq-mean-token-mean"),
         entropy=entropy,
-        entropy_coef=0.1,
-        loss_agg="seq-mean-token-mean",
     )
     # seq-mean-token-mean of H: ((1 + 2)/2 + 4/1)/2 = 2.75; the loss loses 0.1 of it
     assert loss.item() == pytest.approx(-0.275)
@@ -264,10 +281,12 @@ def test_entropy_bonus_goes_through_the_loss_aggregation() -> None:
         entropy.grad, torch.tensor([[-0.025, -0.025, 0.0], [-0.05, 0.0, 0.0]])
     )
     # without a coefficient the entropy is only reported
-    loss, stats = policy_loss(logp, logp.detach(), adv, mask, entropy=entropy.detach())
+    loss, stats = policy_loss(
+        logp, logp.detach(), adv, mask, loss_config(), entropy=entropy.detach()
+    )
     assert loss.item() == 0.0 and stats["entropy"].item() == pytest.approx(7 / 3)
     with pytest.raises(ValueError, match="entropy"):
-        policy_loss(logp, logp.detach(), adv, mask, entropy_coef=0.1)
+        policy_loss(logp, logp.detach(), adv, mask, loss_config(entropy_coef=0.1))
 
 
 def test_entropy_bonus_gradient_step_raises_the_entropy() -> None:
@@ -282,8 +301,8 @@ def test_entropy_bonus_gradient_step_raises_the_entropy() -> None:
             torch.zeros(1, 1),
             torch.zeros(1),
             torch.ones(1, 1, dtype=torch.bool),
+            loss_config(entropy_coef=1.0),
             entropy=h[None],
-            entropy_coef=1.0,
         )
         (grad,) = torch.autograd.grad(loss, weight)
         with torch.no_grad():

@@ -8,19 +8,16 @@ masked-out positions are ignored, whatever they are (even inf or NaN).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import get_args
 
 import torch
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-ImportanceLevel = Literal["token", "sequence"]
-KLType = Literal["k1", "k2", "k3"]
-KLPlacement = Literal["reward", "loss"]
+from asyncrl.train.config import ImportanceLevel, KLPlacement, KLType, LossAgg, LossConfig
 
-LOSS_AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")
-KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3")
-KL_PLACEMENTS: tuple[str, ...] = ("reward", "loss")
+LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
+IMPORTANCE_LEVELS: tuple[str, ...] = get_args(ImportanceLevel)
+KL_TYPES: tuple[str, ...] = get_args(KLType)
+KL_PLACEMENTS: tuple[str, ...] = get_args(KLPlacement)
 
 
 def kl_penalty(
@@ -115,21 +112,12 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
+    config: LossConfig,
     *,
-    eps_clip: float = 0.2,
-    eps_clip_high: float | None = None,
-    c_clip: float | None = None,
     behav_logprobs: torch.Tensor | None = None,
-    behav_imp_weight_cap: float | None = None,
-    importance_sampling_level: ImportanceLevel = "token",
-    loss_agg: LossAgg = "token-mean",
     norm_len: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_type: KLType = "k2",
-    kl_in: KLPlacement = "loss",
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss, to be minimised. Per token, with ``A`` the advantage and
     ``k_t = KL_k(π ‖ π_ref)`` the per-token estimate of :func:`kl_penalty`::
@@ -161,13 +149,23 @@ def policy_loss(
     depends on the policy. At sequence level every token of a sequence shares one ratio
     (and one clip decision); ``w`` stays per token.
 
+    The coefficients and choices are the recipe's ``trainer.loss`` section itself
+    (``eps_clip``, ``eps_clip_high``, ``c_clip``, ``behav_imp_weight_cap``,
+    ``importance_sampling_level``, ``loss_agg``, ``kl_coef``, ``kl_type``, ``kl_in``,
+    ``entropy_coef``); the advantage settings in it play no part here.
+
     Args:
         logprobs: ``[B, T]`` current-policy logprobs, with gradient.
         old_logprobs: ``[B, T]`` proximal (or, without ``behav_logprobs``, behaviour) logprobs.
         advantages: ``[B, T]`` per token or ``[B]`` per sequence.
         loss_mask: ``[B, T]`` bool, True on tokens that carry a loss.
-        eps_clip_high: upper clip ε; defaults to ``eps_clip`` (symmetric PPO).
-        norm_len: the constant of ``seq-mean-token-sum-norm`` (see :func:`aggregate`).
+        config: the loss settings (``eps_clip_high`` None: ``eps_clip``, symmetric PPO).
+        behav_logprobs: ``[B, T]`` the behaviour policy's logprobs (decoupled PPO); None:
+            ``old_logprobs`` are the behaviour's, no importance weight.
+        norm_len: the constant of ``seq-mean-token-sum-norm`` (see :func:`aggregate`);
+            None: ``config.norm_len``, else the longest loss span of this batch.
+        ref_logprobs: ``[B, T]`` the reference policy's logprobs; the KL penalty needs them
+            when ``config.kl_coef`` ≠ 0.
         entropy: ``[B, T]`` entropy of the policy's sampled distribution per token, with
             gradient; the bonus needs it when ``entropy_coef`` ≠ 0.
 
@@ -179,6 +177,13 @@ def policy_loss(
         ``behav_masked_frac`` (share dropped by the cap), ``pg_loss``, ``kl_ref``,
         ``entropy`` (mean over the masked tokens; 0 when none was given).
     """
+    eps_clip, eps_clip_high, c_clip = config.eps_clip, config.eps_clip_high, config.c_clip
+    behav_imp_weight_cap = config.behav_imp_weight_cap
+    importance_sampling_level, loss_agg = config.importance_sampling_level, config.loss_agg
+    kl_coef, kl_type, kl_in = config.kl_coef, config.kl_type, config.kl_in
+    entropy_coef = config.entropy_coef
+    if norm_len is None:
+        norm_len = config.norm_len
     if importance_sampling_level not in IMPORTANCE_LEVELS:
         raise ValueError(
             f"importance_sampling_level {importance_sampling_level!r}: "

@@ -20,6 +20,15 @@ from asyncrl.config.schema import CpuList, Device, DType, Section
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+"""How token losses become one number (:func:`asyncrl.algo.loss.aggregate`)."""
+ImportanceLevel = Literal["token", "sequence"]
+"""Where the policy ratio lives: per token (PPO) or one per sequence (GSPO)."""
+KLType = Literal["k1", "k2", "k3"]
+"""The per-token KL estimator (:func:`asyncrl.algo.loss.kl_penalty`)."""
+KLPlacement = Literal["reward", "loss"]
+"""Where the KL penalty acts: a per-token reward, or a term of the loss."""
+
 
 class OptimConfig(Section):
     """AdamW and its learning-rate schedule."""
@@ -59,9 +68,9 @@ class LossConfig(Section):
     behav_imp_weight_cap: float | None = Field(5.0, gt=0)
     """Decoupled PPO: tokens whose exp(proximal − behaviour) exceeds this are masked;
     None: no cap."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
+    importance_sampling_level: ImportanceLevel = "token"
     """Token ratios (PPO) or sequence-level ratios (GSPO)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg: LossAgg = "token-mean"
     """How token losses become one number."""
     proximal: Literal["recompute", "behaviour"] = "recompute"
     """Decoupled PPO's proximal policy: the weights before the update (with one minibatch,
@@ -80,11 +89,11 @@ class LossConfig(Section):
     """Weight of the per-token KL penalty to a frozen copy of the initial policy; 0: off
     (above 0 the trainer holds that second model; with ``trainer.lora``, the reference is
     the base model, its adapters disabled, and no copy is made)."""
-    kl_type: Literal["k1", "k2", "k3"] = "k2"
+    kl_type: KLType = "k2"
     """KL estimator, with d = log π_ref − log π: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d.
     The default, k2 in the loss, is the one placement whose expected gradient is exactly
     ∇KL(π ‖ π_ref) there."""
-    kl_in: Literal["reward", "loss"] = "loss"
+    kl_in: KLPlacement = "loss"
     """Where the KL penalty goes. ``loss``: ``kl_coef · k`` is added to each token's loss
     and differentiated; its expected gradient is ∇KL(π ‖ π_ref) for k2 and ∇KL(π_ref ‖ π)
     (the reverse KL, as in GRPO) for k3, and 0 for k1, which is refused. ``reward``:

@@ -494,20 +494,11 @@ class TrainEngine:
                 behav_BT if old_BT is None else old_BT,
                 mb.advantages_BT,
                 mb.loss_mask_BT,
-                eps_clip=loss_cfg.eps_clip,
-                eps_clip_high=loss_cfg.eps_clip_high,
-                c_clip=loss_cfg.c_clip,
+                loss_cfg,
                 behav_logprobs=None if mode == "behaviour" else behav_BT,
-                behav_imp_weight_cap=loss_cfg.behav_imp_weight_cap,
-                importance_sampling_level=loss_cfg.importance_sampling_level,
-                loss_agg=loss_cfg.loss_agg,
                 norm_len=norm_len,
                 ref_logprobs=mb.ref_logprobs_BT,
-                kl_coef=loss_cfg.kl_coef,
-                kl_type=loss_cfg.kl_type,
-                kl_in=loss_cfg.kl_in,
                 entropy=entropy_BT,
-                entropy_coef=loss_cfg.entropy_coef,
             )
             entropy_sum = entropy_sum + entropy_BT.detach().sum()
             share = sum(units[i] for i in mb.seq_index) / total_units
