@@ -53,7 +53,7 @@ from asyncrl.config.schema import resolve_device
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode
-from asyncrl.models.resolve import ModelConfig, resolve_dtype
+from asyncrl.models.resolve import ModelConfig, load_causal_lm, load_tokenizer, resolve_dtype
 from asyncrl.runtime.log import get_logger
 from asyncrl.weights.lora import LoraAdapter, is_adapter_dir, merged, read_adapter
 
@@ -181,7 +181,6 @@ class HFEngine(InferenceEngine):
                 self._executor = None
 
     def _load(self) -> None:
-        from asyncrl.models.resolve import load_causal_lm, load_tokenizer
 
         if self.memory_saver:
             try:

@@ -43,7 +43,7 @@ from asyncrl.api.inference import (
 from asyncrl.config.schema import resolve_device
 from asyncrl.engines.config import ServerEngineConfig
 from asyncrl.engines.server import ServerError, ServerProcess, free_port, tail
-from asyncrl.models.resolve import ModelConfig, resolve_dtype
+from asyncrl.models.resolve import ModelConfig, resolve_dtype, resolve_model_path
 
 AFFINITY_SLOTS = 4096
 """Routing keys remembered. Groups in flight are bounded by the actor's concurrency (tens
@@ -185,8 +185,6 @@ class RemoteEngine(InferenceEngine):
     async def start(self) -> None:
         import aiohttp
         from transformers import AutoTokenizer
-
-        from asyncrl.models.resolve import resolve_model_path
 
         self.model_path = await asyncio.to_thread(resolve_model_path, self.model_spec)
         self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)

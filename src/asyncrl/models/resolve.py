@@ -205,11 +205,45 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(resolve_model_path(spec))
 
 
-def load_causal_lm(spec: str, dtype: str = "float32", device: str = "cpu") -> Any:
-    """The causal LM of ``spec`` in eval mode, its parameters in ``dtype`` on ``device``."""
+def load_causal_lm(
+    model: Any,
+    dtype: str = "float32",
+    device: str = "cpu",
+    *,
+    attn_implementation: str | None = None,
+    seed: int = 0,
+    gguf_file: str | None = None,
+) -> Any:
+    """A transformers causal LM in eval mode, its parameters in ``dtype`` on ``device``: the
+    one loader of the rollout engine (``model.dtype``) and the train engine (float32 master
+    weights, on the CPU before it places them).
+
+    ``model`` is a ``model.path`` spec (:func:`resolve_model_path`), or a transformers
+    ``PretrainedConfig`` for a random init seeded with ``seed`` (every rank builds the same
+    weights, so sharding needs no broadcast). ``attn_implementation``: transformers' name
+    (None: its default). ``gguf_file``: a GGUF checkpoint in the model directory,
+    dequantised on load.
+    """
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per load floods actor logs, says nothing new
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(spec), dtype=torch_dtype(dtype))
-    return model.to(device).eval()  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if not isinstance(model, str):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            lm = AutoModelForCausalLM.from_config(model, **kwargs)
+        return lm.to(device).eval()  # type: ignore[arg-type]
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    lm = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), **kwargs)
+    if gguf_file is not None:
+        # The weights are dequantised on load; a quantizer left attached would make the
+        # export claim a quantised checkpoint.
+        lm.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(lm.config, "quantization_config"):
+            del lm.config.quantization_config
+    return lm.to(device).eval()  # type: ignore[arg-type]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,9 +18,6 @@ import torch.distributed as dist
 from asyncrl.sft.loss import masked_ce
 from asyncrl.train.batch import Batch
 from asyncrl.train.engine import TrainEngine
-
-if TYPE_CHECKING:
-    from asyncrl.sft.config import SftRecipe
 
 
 class SFTEngine(TrainEngine):
@@ -87,20 +83,4 @@ class SFTEngine(TrainEngine):
         return float(loss_sum)
 
 
-def build_sft_engine(recipe: SftRecipe) -> SFTEngine:
-    """The recipe's SFT engine (its ``trainer`` and ``model`` sections, ``run.seed``); joins
-    the torchrun process group first when there is one (NCCL on CUDA, else gloo), and sets
-    torch's threads as the GRPO trainer does (:func:`asyncrl.train.trainer_threads`)."""
-    import os
-
-    from asyncrl.config.schema import resolve_device
-    from asyncrl.train import trainer_threads
-
-    torch.set_num_threads(trainer_threads(recipe.trainer.threads))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        cuda = resolve_device(recipe.trainer.device).startswith("cuda")
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return SFTEngine(recipe.trainer, recipe.model, seed=recipe.run.seed)
-
-
-__all__ = ["SFTEngine", "build_sft_engine"]
+__all__ = ["SFTEngine"]

@@ -34,6 +34,7 @@ from typing import Any
 
 from asyncrl.config.recipe import RecipeError, dump_recipe
 from asyncrl.sft.config import SftRecipe
+from asyncrl.train import build_train_engine
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
@@ -107,10 +108,10 @@ def run_rank(run_dir: Path, *, quiet: bool = False) -> int:
     from asyncrl.data.sampler import ShardSampler
     from asyncrl.runtime.allocator import loaded_mimalloc
     from asyncrl.sft.data import render_records, split_records
-    from asyncrl.sft.engine import build_sft_engine
+    from asyncrl.sft.engine import SFTEngine
     from asyncrl.train.checkpoint import commit_checkpoint
 
-    engine = build_sft_engine(recipe)
+    engine = build_train_engine(recipe, SFTEngine)
     lead = engine.rank == 0
     say = print if lead and not quiet else (lambda *a, **k: None)
     cfg, steps = recipe.sft, recipe.trainer.max_steps

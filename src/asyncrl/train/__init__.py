@@ -20,12 +20,16 @@ tree can reference this package cheaply.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import os
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
+from asyncrl.config.schema import resolve_device
+from asyncrl.launch.cores import placed_threads
 from asyncrl.train.config import LossConfig, OptimConfig, ShapingConfig, TrainerConfig
 
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe
+    from asyncrl.sft.config import SftRecipe
     from asyncrl.train.batch import Batch, Sample
     from asyncrl.train.engine import TrainEngine
     from asyncrl.train.models import apply_fsdp
@@ -58,10 +62,6 @@ def trainer_threads(threads: int = 0) -> int:
     affinity, ``trainer.cpus`` when pinned) shared among the trainer processes on this
     machine (``LOCAL_WORLD_SIZE``), at least 1. Never more threads than those cores:
     OpenMP workers beyond them spin and wait on each other."""
-    import os
-
-    from asyncrl.launch.cores import placed_threads
-
     if threads > 0:
         return threads
     if placed_threads() > 0:
@@ -71,17 +71,22 @@ def trainer_threads(threads: int = 0) -> int:
     return max(1, (cpus or 1) // local)
 
 
-def build_train_engine(recipe: Recipe) -> TrainEngine:
-    """The recipe's train engine, built from its ``trainer`` and ``model`` sections and
-    ``run.seed``; joins the torchrun process group first when there is one (NCCL when the
-    trainer's device is CUDA, else gloo). Sets torch's intra-op threads to
-    :func:`trainer_threads`."""
-    import os
+Engine = TypeVar("Engine", bound="TrainEngine")
 
+
+@overload
+def build_train_engine(recipe: Recipe | SftRecipe) -> TrainEngine: ...
+@overload
+def build_train_engine(recipe: Recipe | SftRecipe, engine: type[Engine]) -> Engine: ...
+def build_train_engine(recipe: Recipe | SftRecipe, engine: type[TrainEngine] | None = None) -> Any:
+    """The recipe's train engine, an ``engine`` (default :class:`TrainEngine`; the SFT run
+    gives :class:`asyncrl.sft.engine.SFTEngine`) built from its ``trainer`` and ``model``
+    sections and ``run.seed``; joins the torchrun process group first when there is one
+    (NCCL when the trainer's device is CUDA, else gloo). Sets torch's intra-op threads to
+    :func:`trainer_threads`."""
     import torch
     import torch.distributed as dist
 
-    from asyncrl.config.schema import resolve_device
     from asyncrl.train.engine import TrainEngine
 
     torch.set_num_threads(trainer_threads(recipe.trainer.threads))
@@ -89,7 +94,7 @@ def build_train_engine(recipe: Recipe) -> TrainEngine:
     if world > 1 and not dist.is_initialized():
         cuda = resolve_device(recipe.trainer.device).startswith("cuda")
         dist.init_process_group("nccl" if cuda else "gloo")
-    return TrainEngine(recipe.trainer, recipe.model, seed=recipe.run.seed)
+    return (engine or TrainEngine)(recipe.trainer, recipe.model, seed=recipe.run.seed)
 
 
 def __getattr__(name: str) -> Any:

@@ -25,11 +25,19 @@ from torch import nn
 
 from asyncrl.algo.loss import agg_count, policy_loss
 from asyncrl.config.schema import resolve_device
-from asyncrl.models.resolve import ModelConfig, resolve_dtype, resolve_model_path, torch_dtype
+from asyncrl.models.resolve import (
+    ModelConfig,
+    load_causal_lm,
+    resolve_dtype,
+    resolve_model_path,
+    torch_dtype,
+)
 from asyncrl.train import checkpoint as ckpt
+from asyncrl.train.attention import register as register_attention
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig
-from asyncrl.train.models import TokenLogprobs, apply_fsdp, decoder_layers, load_causal_lm
+from asyncrl.train.lora import apply_lora, export_adapter, iter_merged_weights
+from asyncrl.train.models import TokenLogprobs, apply_fsdp, decoder_layers
 from asyncrl.train.packing import (
     MicroBatch,
     build_micro_batch,
@@ -103,12 +111,7 @@ class TrainEngine:
         self.skipped_nonfinite = 0
         torch.manual_seed(seed + self.rank)
 
-        lm = load_causal_lm(
-            self._source,
-            attn_implementation=config.attn_implementation,
-            seed=seed,
-            gguf_file=model.gguf_file,
-        )
+        lm = self._load_lm()
         if config.gradient_checkpointing:
             # Non-reentrant: the only kind that composes with FSDP2's hooks. transformers 5
             # renamed the method; the old name still works there but warns.
@@ -123,8 +126,6 @@ class TrainEngine:
                 layer.compile(dynamic=True)
         self.lora = config.lora.enabled
         if self.lora:
-            from asyncrl.train.lora import apply_lora
-
             lm = apply_lora(lm, config.lora, seed=seed)  # before FSDP, which shards them too
         self.lm = lm
         self.module: nn.Module = self._wrap(lm)
@@ -133,12 +134,7 @@ class TrainEngine:
         # a resumed run keeps penalising the distance to where training began.
         self.ref_module: nn.Module | None = None
         if config.loss.kl_coef > 0 and not self.lora:
-            ref_lm = load_causal_lm(
-                self._source,
-                attn_implementation=config.attn_implementation,
-                seed=seed,
-                gguf_file=model.gguf_file,
-            )
+            ref_lm = self._load_lm()
             ref_lm.requires_grad_(False)
             self.ref_module = self._wrap(ref_lm).eval()
         self.optimizer = torch.optim.AdamW(
@@ -152,6 +148,19 @@ class TrainEngine:
         self._offloaded = False  # parameters and optimizer state in host memory (colocation)
 
     # --- setup ------------------------------------------------------------------------------
+
+    def _load_lm(self) -> nn.Module:
+        """The model in float32 (the master weights) on the CPU, without a KV cache (a
+        training forward sees whole sequences)."""
+        register_attention()  # trainer.attn_implementation may name asyncrl_varlen
+        lm = load_causal_lm(
+            self._source,
+            attn_implementation=self.config.attn_implementation,
+            seed=self.seed,
+            gguf_file=self.model_config.gguf_file,
+        )
+        lm.config.use_cache = False
+        return lm  # type: ignore[no-any-return]
 
     def _wrap(self, lm: nn.Module) -> nn.Module:
         """``lm`` as a :class:`TokenLogprobs` root on the engine's device, FSDP-sharded
@@ -582,8 +591,6 @@ class TrainEngine:
         "adapter"`` the adapter alone (:func:`~asyncrl.train.lora.export_adapter`), else
         the full HF directory (:meth:`export_hf`). Collective; rank 0 writes."""
         if self.config.lora.publishes_adapter:
-            from asyncrl.train.lora import export_adapter
-
             self._reshard()
             export_adapter(path, self.lm, dtype=torch_dtype(self.dtype_name))
         else:
@@ -598,7 +605,6 @@ class TrainEngine:
         lm: Any = self.lm
         buckets = None
         if self.lora:
-            from asyncrl.train.lora import iter_merged_weights
 
             def buckets(size: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
                 return iter_merged_weights(self.lm, size, dtype=torch_type)
@@ -624,8 +630,6 @@ class TrainEngine:
         self._reshard()
         torch_type = torch_dtype(dtype or self.dtype_name)
         if self.lora:
-            from asyncrl.train.lora import iter_merged_weights
-
             return iter_merged_weights(self.lm, bucket_bytes, dtype=torch_type)
         return ckpt.iter_full_weights(self.lm, bucket_bytes, dtype=torch_type, copy=copy)
 

@@ -17,48 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-# Importing the module registers "asyncrl_varlen" with transformers.
 from asyncrl.algo.truncation import cut_logprobs, kept_mask
-from asyncrl.train.attention import ATTN_IMPLEMENTATION
-
-
-def load_causal_lm(
-    model: Any,
-    *,
-    attn_implementation: str = ATTN_IMPLEMENTATION,
-    seed: int = 0,
-    gguf_file: str | None = None,
-) -> nn.Module:
-    """A transformers causal LM in float32 (the master weights), on the CPU.
-
-    ``model`` is a local directory or hub id (loaded with ``AutoModelForCausalLM``), or a
-    ``PretrainedConfig`` for a random init seeded with ``seed`` (every rank builds the
-    same weights, so sharding needs no broadcast).
-    """
-    from transformers import AutoModelForCausalLM
-
-    if isinstance(model, str):
-        kwargs: dict[str, Any] = {
-            "dtype": torch.float32,
-            "attn_implementation": attn_implementation,
-        }
-        if gguf_file is not None:
-            kwargs["gguf_file"] = gguf_file
-        lm = AutoModelForCausalLM.from_pretrained(model, **kwargs)
-        if gguf_file is not None:
-            # The weights are dequantised on load; a quantizer left attached would make the
-            # export claim a quantised checkpoint.
-            lm.hf_quantizer = None  # type: ignore[assignment]
-            if hasattr(lm.config, "quantization_config"):
-                del lm.config.quantization_config
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            lm = AutoModelForCausalLM.from_config(
-                model, dtype=torch.float32, attn_implementation=attn_implementation
-            )
-    lm.config.use_cache = False
-    return lm  # type: ignore[no-any-return]
 
 
 def _chunk_logq(

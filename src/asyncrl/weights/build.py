@@ -16,6 +16,7 @@ from asyncrl.models.resolve import resolve_dtype
 from asyncrl.runtime.bus import Bus
 from asyncrl.weights.collective import CollectivePublisher, rendezvous_host
 from asyncrl.weights.config import TransportKind
+from asyncrl.weights.cuda_ipc import CudaIpcPublisher
 from asyncrl.weights.files import DirPublisher, ObjectStorePublisher, delete_weights, put_weights
 from asyncrl.weights.receiver import EngineWeights
 from asyncrl.weights.wire import Packed, unpack
@@ -57,8 +58,6 @@ def build_publisher(
     backend, _, dtype = engine_side(recipe)
     trainer_dev = resolve_device(recipe.trainer.device, local_rank=0)
     if kind == "cuda_ipc":
-        from asyncrl.weights.cuda_ipc import CudaIpcPublisher
-
         return CudaIpcPublisher(bus, subjects, dtype=dtype, device=trainer_dev)
     return CollectivePublisher(
         bus,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from asyncrl.api.weights import NamedTensors, WeightPublisher, Weights
+from asyncrl.models.resolve import torch_dtype
 from asyncrl.runtime.bus import Bus
 from asyncrl.weights.lora import ADAPTER_CONFIG
 from asyncrl.wire.messages import WeightsUpdated
@@ -126,7 +128,6 @@ async def delete_weights(bus: Bus, bucket: str, export_dir: Path) -> None:
 
 async def get_weights(bus: Bus, bucket: str, key: str, dest_dir: Path) -> None:
     """Downloads the files of manifest ``key`` into ``dest_dir``."""
-    import io
 
     buf = io.BytesIO()
     await bus.get_blob(bucket, key, buf)
@@ -149,8 +150,6 @@ async def fetched(bus: Bus, bucket: str, msg: WeightsUpdated) -> AsyncIterator[P
 def read_safetensors(folder: Path, dtype: str | None = None) -> NamedTensors:
     """Every tensor of the safetensors files in ``folder`` (cast to ``dtype``)."""
     from safetensors import safe_open
-
-    from asyncrl.models.resolve import torch_dtype
 
     cast = torch_dtype(dtype) if dtype else None
     out: NamedTensors = []

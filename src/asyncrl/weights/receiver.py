@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import io
 import shutil
 import tempfile
 import time
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.api.weights import NamedTensors, Received, WeightReceiver
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
+from asyncrl.weights.cuda_ipc import open_handles
 from asyncrl.weights.engine_side import CollectiveEngineSide
 from asyncrl.weights.files import fetched, get_weights, read_safetensors
 from asyncrl.wire.messages import WeightsFallback, WeightsUpdated
@@ -85,8 +87,6 @@ class EngineWeights(WeightReceiver):
             if job is None:
                 return  # the join under way brings these weights
         elif msg.kind == "cuda_ipc":
-            from asyncrl.weights.cuda_ipc import open_handles
-
             job = self._group().lane.submit(
                 lambda: open_handles(self._await_blob(msg.location), self.device)
             )
@@ -118,7 +118,6 @@ class EngineWeights(WeightReceiver):
         return self._collective
 
     def _await_blob(self, key: str) -> bytes:
-        import io
 
         async def get() -> bytes:
             buf = io.BytesIO()
