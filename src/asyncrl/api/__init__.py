@@ -1,0 +1,1 @@
+"""Contracts between the parts: the inference engine, the train engine, the rollout workflow, the reward function and the weight transport. Each is a Protocol or an ABC that mypy checks at every seam; implementations live beside their families (engines/, train/, workflows/, rewards/, weights/)."""
