@@ -167,7 +167,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 f.write(json.dumps(entry) + "\n")
 
     async def _run_agent(self, record: dict[str, Any]) -> Episode:
-        import openai
+        import openai  # noqa: PLC0415 - optional: openai (the agents extra)
 
         async with self.endpoint.episode() as recorder:
             client = openai.AsyncOpenAI(

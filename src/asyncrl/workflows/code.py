@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 from asyncrl.api.workflow import RolloutWorkflow
 from asyncrl.engines.base import InferenceEngine
@@ -55,9 +55,10 @@ FUNCTION_FORMS = (
 )
 
 
-def function_kind(fn: Callable[..., Any], spec: str = "") -> Literal["agent", "episode"]:
-    """``"agent"`` or ``"episode"`` for an async workflow function, by its first
-    parameter (see the module docstring); :class:`SpecError` for anything else."""
+def takes_client(fn: Callable[..., Any], spec: str = "") -> bool:
+    """Whether an async workflow function is agent code (True) or an episode function
+    (False), by its first parameter (see the module docstring); :class:`SpecError` for
+    anything else."""
     name = spec or getattr(fn, "__qualname__", repr(fn))
     params = list(inspect.signature(fn).parameters.values())
     if params and params[0].kind in (
@@ -68,9 +69,9 @@ def function_kind(fn: Callable[..., Any], spec: str = "") -> Literal["agent", "e
         annotation = first.annotation
         spelled = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
         if first.name == "client" or spelled.rsplit(".", 1)[-1] == "AsyncOpenAI":
-            return "agent"
+            return True
         if first.name == "engine":
-            return "episode"
+            return False
     raise SpecError(f"{name!r} is an async function of neither form: write {FUNCTION_FORMS}")
 
 
@@ -79,7 +80,7 @@ def is_agent_code(spec: str) -> bool:
     function whose first parameter is the client. Loads it; raises :class:`SpecError` if
     it does not load, or is an async function of neither form."""
     obj = load_callable(spec)
-    return inspect.iscoroutinefunction(obj) and function_kind(obj, spec) == "agent"
+    return inspect.iscoroutinefunction(obj) and takes_client(obj, spec)
 
 
 def user_workflow(spec: str, options: dict[str, Any]) -> RolloutWorkflow:
@@ -87,7 +88,7 @@ def user_workflow(spec: str, options: dict[str, Any]) -> RolloutWorkflow:
     class or factory called with the ``options`` it accepts."""
     obj = load_callable(spec)
     if inspect.iscoroutinefunction(obj):
-        if function_kind(obj, spec) == "agent":
+        if takes_client(obj, spec):
             raise SpecError(f"{spec!r} is agent code, which runs through the endpoint")
         return FunctionWorkflow(obj)
     built = call_with_accepted(obj, options)
