@@ -14,20 +14,17 @@ from typing import Any
 
 import pytest
 from scripted_engine import ScriptedEngine
+from workflow_kit import workflow_from
 
 from asyncrl.config.checks import generation_budget, recipe_problems
-from asyncrl.config.recipe import load_recipe
+from asyncrl.config.recipe import RecipeError, load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.wire.messages import Array, Trajectory
-from asyncrl.workflows import AgentWorkflow, FunctionWorkflow, SpecError, make_workflow
-from asyncrl.workflows.agent import agent_metrics
-from asyncrl.workflows.build import (
-    build_agent_tools,
-    build_workflow,
-    endpoint_wanted,
-    workflow_scores_inline,
-)
+from asyncrl.workflows.agent import AgentWorkflow, agent_metrics
+from asyncrl.workflows.code import FunctionWorkflow
+from asyncrl.workflows.config import AgentCodeWorkflowConfig, AgentWorkflowConfig, WorkflowParts
+from asyncrl.workflows.loader import SpecError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -143,7 +140,9 @@ def test_check_refuses_bad_agent_keys_naming_them(code: Path) -> None:
     assert "rollout.agent.env" in err
     (err,) = problems(agent, 'rollout.agent.mcp=[{command = "no-such-mcp-server-7"}]')
     assert "rollout.agent.mcp[0].command = 'no-such-mcp-server-7' is not an installed" in err
-    (err,) = problems(f"rollout.workflow={code}:neither")
+    with pytest.raises(RecipeError) as bad:
+        load_recipe(None, [f"rollout.workflow={code}:neither"])
+    err = str(bad.value)
     assert "rollout.workflow" in err and "async def agent(client, data)" in err
     assert "async def episode(engine, item)" in err
     (err,) = problems(f"rollout.workflow={code}:agent", "rollout.endpoint=false")
@@ -171,18 +170,27 @@ async def test_agent_code_and_episode_functions_are_told_apart(code: Path) -> No
     async with ScriptedEngine(tok, ["hi"]) as engine:
         async with OpenAIEndpoint(engine, model_name="m", token="t") as ep:
             for name in ("agent", "annotated"):
-                wf = make_workflow(f"{code}:{name}", endpoint=ep, group_size=3)
+                wf = workflow_from(f"{code}:{name}", endpoint=ep, group_size=3)
                 assert isinstance(wf, OpenAIAgentWorkflow) and wf.group_size == 3
             with pytest.raises(SpecError, match=r"rollout\.endpoint = true"):
-                make_workflow(f"{code}:agent")
-            assert isinstance(make_workflow(f"{code}:episode", endpoint=ep), FunctionWorkflow)
-            with pytest.raises(SpecError, match="neither form"):
-                make_workflow(f"{code}:neither")
-    assert endpoint_wanted(load_recipe(None, [f"rollout.workflow={code}:agent"]))
-    assert not endpoint_wanted(load_recipe(None, [f"rollout.workflow={code}:episode"]))
-    assert endpoint_wanted(load_recipe(None, ["rollout.endpoint=true"]))
-    assert not workflow_scores_inline(load_recipe(None, [f"rollout.workflow={code}:agent"]))
-    assert workflow_scores_inline(load_recipe(None, ["rollout.workflow=agent"]))
+                workflow_from(f"{code}:agent")
+            assert isinstance(workflow_from(f"{code}:episode", endpoint=ep), FunctionWorkflow)
+            with pytest.raises(RecipeError, match="neither form"):
+                workflow_from(f"{code}:neither")
+    agent_code = load_recipe(None, [f"rollout.workflow={code}:agent"]).rollout
+    assert isinstance(agent_code.workflow, AgentCodeWorkflowConfig)
+    assert agent_code.workflow.fn == f"{code}:agent"
+    assert agent_code.serves_endpoint
+    assert not load_recipe(None, [f"rollout.workflow={code}:episode"]).rollout.serves_endpoint
+    assert load_recipe(None, ["rollout.endpoint=true"]).rollout.serves_endpoint
+    assert not agent_code.workflow.scores_inline(agent_code)
+    agent = load_recipe(None, ["rollout.workflow=agent"]).rollout
+    assert agent.workflow.scores_inline(agent)
+    # the table says the same as the shorthand
+    table = load_recipe(
+        None, ["rollout.workflow.type=agent_code", f"rollout.workflow.fn={code}:agent"]
+    )
+    assert table.rollout.workflow == agent_code.workflow
 
 
 async def test_the_agent_workflow_gets_the_recipes_tools_and_limits(code: Path) -> None:
@@ -197,14 +205,17 @@ async def test_the_agent_workflow_gets_the_recipes_tools_and_limits(code: Path) 
             "rollout.max_turns=3",
         ],
     )
-    tools = build_agent_tools(recipe)
+    tools = AgentWorkflowConfig.tools(recipe.rollout.agent)
     assert [t.name for t in tools] == ["calculator", "python", "shout"]
     assert tools[0].timeout_s == 3 and tools[2].timeout_s == 3
     assert tools[1].timeout_s == 3 + 10  # the sandbox's wall clock (3 s) ends it first
     assert await tools[2].call({"text": "hi"}) == "HI"
     tok = build_tokenizer()
     async with ScriptedEngine(tok, ["4"]) as engine:
-        wf = build_workflow(recipe, engine, reward=object(), tools=tools)
+        r = recipe.rollout
+        parts = WorkflowParts(engine.tokenizer, r.sampling.params(), r.group_size, tools=tools)
+        parts.reward = object()  # type: ignore[assignment]
+        wf = r.workflow.build(r, parts)
     assert isinstance(wf, AgentWorkflow)
     assert (wf.max_turns, wf.max_total_tokens, wf.group_size) == (3, 300, recipe.rollout.group_size)
     env = wf.env_factory()
@@ -223,7 +234,7 @@ async def test_agent_code_reports_the_agent_metrics_and_records_its_calls(
     call = '<tool_call>{"name": "shout", "arguments": {"text": "hi"}}</tool_call>'
     async with ScriptedEngine(tok, lambda p: "ok" if "<|tool|>" in p else call) as engine:
         async with OpenAIEndpoint(engine, model_name="m", token="t") as ep:
-            wf = make_workflow(f"{code}:tool_agent", endpoint=ep, group_size=2)
+            wf = workflow_from(f"{code}:tool_agent", endpoint=ep, group_size=2)
             wf.record_path = tmp_path / "calls.jsonl"
             out = await wf.arun_episode(engine, {"uid": "p", "question": "q"})
     assert out is not None and len(out) == 2
@@ -297,7 +308,7 @@ async def test_an_episode_without_a_call_fails_the_group_naming_why(code: Path) 
     tok = build_tokenizer()
     async with ScriptedEngine(tok, ["x"]) as engine:
         async with OpenAIEndpoint(engine, model_name="m", token="t") as ep:
-            wf = make_workflow(f"{code}:agent", endpoint=ep, group_size=2)
+            wf = workflow_from(f"{code}:agent", endpoint=ep, group_size=2)
             with pytest.raises(RuntimeError, match="made no call to the endpoint"):
                 await wf.arun_episode(engine, {"uid": "p", "question": "q"})
 
@@ -345,10 +356,10 @@ async def test_a_rollout_actor_opens_mcp_tools_and_serves_the_endpoint_with_its_
     ctx = ActorContext("r", tmp_path, NatsInfo(url="nats://127.0.0.1:1"), recipe, "rollout-t")
     actor = RolloutActor(ctx)
     actor.engine = ScriptedEngine(build_tokenizer(), lambda prompt: "hello")
-    tools = await actor._open_tools()
+    tools = await recipe.rollout.workflow.open_tools(recipe.rollout, actor._resources)
     assert tools is not None and [t.name for t in tools] == ["calculator", "multiply"]
     assert await tools[1].call({"a": 6, "b": 7}) == "42"
-    await actor._serve_endpoint()
+    await actor._serve_endpoint(actor.engine)
     about_file = tmp_path / "endpoints" / "rollout-t.json"
     about = json.loads(about_file.read_text())
     assert about_file.stat().st_mode & 0o777 == 0o600

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from scripted_engine import ScriptedEngine
 from transformers import AutoTokenizer
+from workflow_kit import workflow_from
 
 from asyncrl.api.inference import SamplingParams
 from asyncrl.api.reward import RewardResult
@@ -22,7 +23,6 @@ from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import tools_system_text
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.messages import Trajectory
-from asyncrl.workflows import make_workflow
 from asyncrl.workflows.agent import AgentWorkflow, ChatFormat, agent_metrics
 
 
@@ -224,14 +224,14 @@ async def test_the_tiny_model_runs_agent_episodes(engine: HFEngine) -> None:
 
 
 async def test_the_recipe_name_agent_builds_it_with_the_builtin_tools(tokenizer: Any) -> None:
-    wf = make_workflow(
+    wf = workflow_from(
         "agent",
+        "rollout.max_turns=3",
+        "rollout.agent.max_total_tokens=4096",
         tokenizer=tokenizer,
         sampling=SP,
         reward=ExactAnswer(),
         group_size=2,
-        max_turns=3,
-        turn_discount=0.9,
     )
     assert isinstance(wf, AgentWorkflow) and (wf.group_size, wf.max_turns) == (2, 3)
     engine = scripted(tokenizer, ["561741", "561741"])

@@ -87,7 +87,7 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
     from asyncrl.models.resolve import load_tokenizer
     from asyncrl.rewards import build_reward_pool
     from asyncrl.train import build_train_engine
-    from asyncrl.workflows.build import build_workflow
+    from asyncrl.workflows.config import WorkflowParts
 
     recipe, replaced = offline(path, tmp_path)
     hub = ["model.path", "data.type", "data.path", "eval.data.type", "eval.data.path"]
@@ -102,7 +102,10 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
     assert reward.size == recipe.reward.workers
     # the workflow reads the tokenizer that the engine loads when it starts
     started = SimpleNamespace(tokenizer=load_tokenizer(recipe.model.path))
-    build_workflow(recipe, started, reward)  # as the rollout actor does: offered the pool
+    r = recipe.rollout
+    # as the rollout actor does: offered the pool when the workflow scores inline
+    pool = reward if r.workflow.scores_inline(r) else None
+    r.workflow.build(r, WorkflowParts(started.tokenizer, r.sampling.params(), r.group_size, pool))
     assert load_prompt_records(recipe)
     if recipe.eval.every:
         assert len(load_eval_records(recipe)) == recipe.eval.max_prompts

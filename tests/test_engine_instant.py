@@ -9,7 +9,7 @@ from asyncrl.config.recipe import load_recipe
 from asyncrl.engines import build_engine
 from asyncrl.engines.config import InstantEngineConfig
 from asyncrl.engines.instant import RESPONSE_TOKEN, InstantEngine
-from asyncrl.workflows.build import build_workflow
+from asyncrl.workflows.config import WorkflowParts
 
 
 async def test_responses_have_the_fixed_length_capped_by_the_budget() -> None:
@@ -38,7 +38,9 @@ async def test_the_recipe_builds_it_and_rlvr_episodes_pass_the_buffer_checks() -
     engine = build_engine(r)
     assert isinstance(engine, InstantEngine) and engine.response_tokens == 4
     await engine.start()
-    workflow = build_workflow(r, engine)
+    ro = r.rollout
+    parts = WorkflowParts(engine.tokenizer, ro.sampling.params(), ro.group_size)
+    workflow = ro.workflow.build(ro, parts)
     trajectories = await workflow.arun_episode(engine, {"uid": "p0", "prompt": "1+1?"})
     await engine.stop()
     assert trajectories is not None and len(trajectories) == 3

@@ -1,6 +1,6 @@
 """The eval actor on agent runs: held-out prompts become episodes of the recipe's own
 workflow (tool calls run, the final answer is scored) and the record adds the tool-call
-rate and success; rlvr runs keep single-turn generation. A scripted engine writes the
+rate and success; rlvr runs are single-turn (the rlvr workflow). A scripted engine writes the
 calls, so every number is known beforehand."""
 
 from __future__ import annotations
@@ -71,9 +71,7 @@ async def eval_actor(tmp_path: Path, nats: NatsInfo, overrides: list[str]) -> Ev
     actor.engine = ScriptedEngine(tokenizer, reply)
     actor.reward_pool = InlineMath()
     actor.records = [dict(r) for r in RECORDS]
-    actor.agent = recipe.rollout.workflow == "agent"
-    if actor.agent:
-        actor.tools = await actor._open_tools()
+    await actor.prepare_jobs()
     return actor
 
 

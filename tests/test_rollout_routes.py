@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from actor_helpers.buffer_kit import context, recipe
+from scripted_engine import ScriptedEngine
 
 from asyncrl.actors.rollout import RolloutActor
+from asyncrl.api.workflow import RolloutWorkflow
 from asyncrl.launch.up import ensure_trajectory_stream
+from asyncrl.models.tiny import build_tokenizer
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.wire.codec import decode
@@ -34,7 +37,7 @@ def sample(index: int, reward: float | None) -> Trajectory:
     )
 
 
-class FixedWorkflow:
+class FixedWorkflow(RolloutWorkflow):
     """Returns the same samples for every prompt."""
 
     def __init__(self, samples: list[Trajectory]) -> None:
@@ -54,6 +57,7 @@ async def published(
     r = recipe("rollout.group_size=2")
     actor = RolloutActor(context(tmp_path, nats, r, "r0"))
     actor._bus = await Bus.connect(nats, name="r0")
+    actor.engine = ScriptedEngine(build_tokenizer(), lambda prompt: "")  # never asked
     actor.workflow = FixedWorkflow(samples)
     s = actor.subjects
     await ensure_trajectory_stream(bus, s)

@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 from scripted_engine import ScriptedEngine, SpyHF
+from workflow_kit import workflow_from
 
 from asyncrl.api.inference import GenerateResponse, SamplingParams
+from asyncrl.config.recipe import RecipeError, load_recipe
 from asyncrl.endpoint import OpenAIEndpoint
 from asyncrl.endpoint.verifiers_env import (
     VerifiersWorkflow,
@@ -359,23 +361,21 @@ def test_a_missing_verifiers_says_how_to_install_it(monkeypatch: pytest.MonkeyPa
 async def test_a_verifiers_spec_builds_the_workflow_on_the_endpoint(
     env_file: Path, endpoint: OpenAIEndpoint
 ) -> None:
-    from asyncrl.workflows import is_agent_code, make_workflow
-
     spec = f"verifiers:{env_file}"
-    assert is_agent_code(spec)
-    built = make_workflow(spec, endpoint=endpoint, group_size=3, env_args={"kind": "tool"})
+    tool = 'rollout.agent.env_args={kind = "tool"}'
+    assert load_recipe(None, [f"rollout.workflow={spec}"]).rollout.workflow.needs_endpoint
+    built = workflow_from(spec, tool, endpoint=endpoint, group_size=3)
     assert isinstance(built, VerifiersWorkflow) and built.group_size == 3
     with pytest.raises(SpecError, match=r"rollout\.endpoint"):
-        make_workflow(spec, group_size=3)
-    with pytest.raises(SpecError, match="names no environment"):
-        make_workflow("verifiers:", endpoint=endpoint)
+        workflow_from(spec, tool, group_size=3)
+    with pytest.raises(RecipeError, match=r"rollout\.workflow\.verifiers\.env"):
+        workflow_from("verifiers:", endpoint=endpoint)
 
 
 def test_check_refuses_a_verifiers_env_that_does_not_load_naming_the_key(
     env_file: Path, tmp_path: Path
 ) -> None:
     from asyncrl.config.checks import recipe_problems
-    from asyncrl.config.recipe import RecipeError, load_recipe
 
     def problems(*sets: str) -> list[str]:
         return recipe_problems(load_recipe(None, list(sets)))[0]
@@ -397,4 +397,4 @@ def test_check_refuses_a_verifiers_env_that_does_not_load_naming_the_key(
     # a file named in a recipe is found beside the recipe
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'[rollout]\nworkflow = "verifiers:{env_file.name}"\n')
-    assert load_recipe(recipe).rollout.workflow == f"verifiers:{env_file}"
+    assert load_recipe(recipe).rollout.workflow.code() == str(env_file)

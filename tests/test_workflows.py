@@ -10,23 +10,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+from workflow_kit import workflow_from
 
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.api.reward import RewardResult
+from asyncrl.config.recipe import RecipeError
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.rewards import RewardPool
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.messages import Prompt, Trajectory
-from asyncrl.workflows import (
-    FunctionWorkflow,
-    MultiTurnWorkflow,
-    RLVRWorkflow,
-    SpecError,
-    encode_chat,
-    make_workflow,
-)
-from asyncrl.workflows.multi_turn import DEFAULT_FEEDBACK
+from asyncrl.workflows.base import encode_chat
+from asyncrl.workflows.code import FunctionWorkflow
+from asyncrl.workflows.multi_turn import DEFAULT_FEEDBACK, MultiTurnWorkflow
+from asyncrl.workflows.rlvr import RLVRWorkflow
 
 GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
@@ -170,7 +167,7 @@ async def test_multi_turn_stops_at_the_first_positive_reward_and_discounts_it(en
 
 USER_WORKFLOWS = textwrap.dedent(
     """
-    from asyncrl.workflows import RLVRWorkflow
+    from asyncrl.workflows.rlvr import RLVRWorkflow
 
     class Greedy(RLVRWorkflow):
         def __init__(self, tokenizer, sampling):
@@ -185,21 +182,21 @@ USER_WORKFLOWS = textwrap.dedent(
 )
 
 
-async def test_make_workflow_from_names_files_and_modules(engine: HFEngine, tmp_path: Path):
+async def test_workflows_from_names_files_and_modules(engine: HFEngine, tmp_path: Path):
     (tmp_path / "flows.py").write_text(USER_WORKFLOWS)
-    options = {"tokenizer": engine.tokenizer, "sampling": SP, "group_size": 2, "reward": None}
-    assert isinstance(make_workflow("rlvr", **options), RLVRWorkflow)
-    greedy = make_workflow(f"{tmp_path}/flows.py:Greedy", **options)
+    options: dict[str, Any] = {"tokenizer": engine.tokenizer, "sampling": SP, "group_size": 2}
+    assert isinstance(workflow_from("rlvr", **options), RLVRWorkflow)
+    greedy = workflow_from(f"{tmp_path}/flows.py:Greedy", **options)
     assert isinstance(greedy, RLVRWorkflow) and greedy.sampling.temperature == 0.0
-    assert type(make_workflow(f"{tmp_path}/flows.py:factory", **options)).__name__ == "Greedy"
-    fn = make_workflow(f"{tmp_path}/flows.py:episode")
+    assert type(workflow_from(f"{tmp_path}/flows.py:factory", **options)).__name__ == "Greedy"
+    fn = workflow_from(f"{tmp_path}/flows.py:episode")
     assert isinstance(fn, FunctionWorkflow)
     assert await fn.arun_episode(engine, {"uid": "x"}) == []
-    assert isinstance(make_workflow("asyncrl.workflows.rlvr:RLVRWorkflow", **options), RLVRWorkflow)
-    with pytest.raises(SpecError, match="not one of"):
-        make_workflow("nope")
-    with pytest.raises(SpecError, match="no attribute"):
-        make_workflow(f"{tmp_path}/flows.py:missing")
+    assert isinstance(workflow_from("asyncrl.workflows.rlvr:RLVRWorkflow", **options), RLVRWorkflow)
+    with pytest.raises(RecipeError, match="not one of"):
+        workflow_from("nope")
+    with pytest.raises(RecipeError, match="no attribute"):
+        workflow_from(f"{tmp_path}/flows.py:missing")
 
 
 @pytest.mark.slow

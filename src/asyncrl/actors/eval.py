@@ -18,12 +18,15 @@ Per evaluation, over ``eval.max_prompts`` held-out prompts (see
 - ``eval/response_length``, ``eval/clip_ratio`` (share that hit the token budget),
   ``eval/seconds``, ``eval/tokens_per_s``.
 
-For ``rollout.workflow = "rlvr"`` (and any workflow but ``agent``) generation is
-single-turn, from the prompt record's chat as the ``rlvr`` workflow builds it. For
-``agent`` runs each prompt is an episode of the recipe's own workflow (built like the
-rollout actor's, by :func:`asyncrl.workflows.build.build_workflow`, with the eval's
-sampling and samples per prompt): tool calls run, and the final answer is scored. The
-record then adds, over the greedy episodes (the sampled ones when ``greedy`` is off):
+Each prompt is an episode of the recipe's own workflow, of any kind, built as the rollout
+actor builds it (:func:`asyncrl.actors.generation.build_workflow`) with the eval's
+sampling (seeded by the run's seed) and samples per prompt, and offered the eval's reward
+pool: ``rlvr`` replies once, ``multi_turn`` takes its feedback turns, ``agent`` runs its
+tool calls; agent code and ``verifiers`` environments run through an endpoint of the eval's
+own per job, whose default sampling is the job's (agent code that sets its own temperature
+overrides it). A sample its workflow left unscored is scored with ``reward.fn``. When the
+episodes report tool calls (``agent``, agent code), the record adds, over the greedy
+episodes (the sampled ones when ``greedy`` is off):
 
 - ``eval/tool_call_rate``: share of episodes with at least one parsable tool call;
 - ``eval/tool_success``: share of the calls that succeeded;
@@ -43,27 +46,35 @@ import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from asyncrl.actors.generation import build_workflow, latest_weights, serve_endpoint
+from asyncrl.api.inference import InferenceEngine, SamplingParams
+from asyncrl.api.workflow import RolloutWorkflow
+from asyncrl.config.recipe import Recipe
+from asyncrl.data import load_eval_records
+from asyncrl.engines import build_engine
+from asyncrl.observe.sinks import Sinks, open_sinks
+from asyncrl.rewards.pool import RewardPool, build_reward_pool
 from asyncrl.runtime.actor import Actor, ActorContext
-from asyncrl.runtime.bus import BusTimeout, RemoteError
+from asyncrl.train.checkpoint import latest_checkpoint_meta
 from asyncrl.weights.build import build_receiver
 from asyncrl.weights.receiver import EngineWeights
-from asyncrl.wire.messages import WeightsQuery, WeightsUpdated
-
-if TYPE_CHECKING:
-    from asyncrl.config.recipe import Recipe
-
-WEIGHTS_QUERY_TIMEOUT = 5.0
-"""Seconds to wait for the buffer's answer to "which weights are the latest?"."""
 
 EVAL_FILE = "eval.jsonl"
 
 PASS_THRESHOLD = 0.5
 """A sample with at least this reward counts as solved for pass@k."""
 
-AGENT_WORKFLOWS = ("agent",)
-"""Workflows whose episodes the eval runs through the workflow itself."""
+
+@dataclass
+class EvalJob:
+    """One way of scoring every prompt: ``n`` samples each with ``sampling``, through
+    ``workflow``."""
+
+    n: int
+    sampling: SamplingParams
+    workflow: RolloutWorkflow
 
 
 @dataclass
@@ -120,27 +131,20 @@ class EvalActor(Actor):
 
     def __init__(self, ctx: ActorContext) -> None:
         super().__init__(ctx)
-        self.engine: Any = None
-        self.reward_pool: Any = None
+        self.engine: InferenceEngine | None = None
+        self.reward_pool: RewardPool | None = None
         self.records: list[dict[str, Any]] = []
         self.counters: Counter[str] = Counter()
-        self.sinks: Any = None
+        self.sinks: Sinks | None = None
         self.receiver: EngineWeights | None = None
         self.evaluated: list[int] = []
         self._baseline = True
-        self.agent = False
-        self.tools: list[Any] | None = None
+        self.jobs: list[EvalJob] = []
         self._resources = contextlib.AsyncExitStack()
-        """MCP servers of an agent run's tools; closed in teardown, in setup's task, as the
-        MCP transport requires."""
+        """The workflow's MCP servers and endpoints; closed in teardown, in setup's task, as
+        the MCP transport requires."""
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.data import load_eval_records
-        from asyncrl.engines import build_engine
-        from asyncrl.observe.sinks import open_sinks
-        from asyncrl.rewards import build_reward_pool
-        from asyncrl.train.checkpoint import latest_checkpoint_meta
-
         self.records = load_eval_records(self.recipe)
         if not self.records:
             raise ValueError(
@@ -149,17 +153,15 @@ class EvalActor(Actor):
                 if not self.recipe.eval.every and self.recipe.eval.data is None
                 else "eval: eval.data has no records"
             )
-        self.engine = build_engine(self.recipe)
-        await self.engine.start()
+        engine = self.engine = build_engine(self.recipe)
+        await engine.start()
         self.reward_pool = build_reward_pool(self.recipe)
         await self.reward_pool.start()
-        self.agent = self.recipe.rollout.workflow in AGENT_WORKFLOWS
-        if self.agent:
-            self.tools = await self._open_tools()
+        await self.prepare_jobs()
         self.sinks = open_sinks(self.recipe, self.ctx.run_dir, jsonl=EVAL_FILE, job="eval")
         self.receiver = build_receiver(
             self.recipe,
-            self.engine,
+            engine,
             self.bus,
             self.subjects,
             self.actor_id,
@@ -167,7 +169,7 @@ class EvalActor(Actor):
             in_order=True,  # every due version is evaluated, however fast training goes
         )
         await self.receiver.listen()
-        latest = await self._query_weights()
+        latest = await latest_weights(self)
         # a fresh run's engine holds its starting policy, version 0: the baseline is scored
         # first even if the trainer has moved on; a resumed run's starting policy is the
         # restored one, which arrives as the latest weights
@@ -176,44 +178,61 @@ class EvalActor(Actor):
             self.receiver.announce(latest, force=not self._baseline)
         self.log.info("eval ready", prompts=len(self.records))
 
+    @property
+    def _engine(self) -> InferenceEngine:
+        assert self.engine is not None, "the engine starts in setup"
+        return self.engine
+
+    async def prepare_jobs(self) -> None:
+        """One :class:`EvalJob` per way of scoring (greedy, ``k`` samples), each with the
+        recipe's workflow built for it: the tools opened once, an endpoint per job for a
+        workflow that runs through one."""
+        r, engine = self.recipe.rollout, self._engine
+        tools = await r.workflow.open_tools(r, self._resources)
+        for n, sampling in eval_samplings(self.recipe):
+            endpoint = None
+            if r.workflow.needs_endpoint:
+                endpoint = await serve_endpoint(self, engine, sampling, self._resources)
+            workflow = build_workflow(
+                self,
+                engine,
+                sampling,
+                n,
+                reward=self.reward_pool,
+                endpoint=endpoint,
+                tools=tools,
+            )
+            self.jobs.append(EvalJob(n, sampling, workflow))
+
     def _is_due(self, version: int) -> bool:
         return is_due(version, self.recipe.eval.every, self.recipe.trainer.max_steps)
 
     async def teardown(self) -> None:
         if self.receiver is not None:
             await self.receiver.close()
-        if self.reward_pool is not None:
-            await self.reward_pool.aclose()
         if self.engine is not None:
             await self.engine.stop()
         await self._resources.aclose()
+        if self.reward_pool is not None:
+            await self.reward_pool.aclose()
         if self.sinks is not None:
             self.sinks.close()
 
-    async def _query_weights(self) -> WeightsUpdated | None:
-        try:
-            return await self.bus.request(
-                self.subjects.weights_query,
-                WeightsQuery(actor_id=self.actor_id),
-                WeightsUpdated,
-                timeout=WEIGHTS_QUERY_TIMEOUT,
-            )
-        except (BusTimeout, RemoteError):
-            return None  # nothing published yet: the engine holds version 0
-
     async def run(self) -> None:
         assert self.receiver is not None
+        engine = self._engine
         last = self.recipe.trainer.max_steps
         if self._baseline:
-            await self._evaluate_and_record(int(self.engine.version))
+            await self._evaluate_and_record(int(engine.version))
         while not self.evaluated or self.evaluated[-1] < last:
             try:
                 async with self.receiver.receive() as got:
+                    # versions only, across trainer epochs: what was evaluated stays so
                     if self.evaluated and got.version <= self.evaluated[-1]:
                         continue
-                    if got.version != self.engine.version:
+                    if got.version != engine.version:
                         with self.tracer.span("load weights", to_version=got.version):
-                            await self.engine.update_weights(got.source, got.version)
+                            await engine.update_weights(got.source, got.version)
             except (FileNotFoundError, OSError) as exc:
                 # the trainer keeps only a few versions: this one is already gone
                 self.counters["skipped"] += 1
@@ -228,6 +247,7 @@ class EvalActor(Actor):
         evaluated: after a trainer restart, the versions up to the last one evaluated are
         not evaluated again); ``epoch`` says which trainer lineage a record's weights
         came from."""
+        assert self.sinks is not None
         self.version = version
         t0 = time.monotonic()
         with self.tracer.span("eval", version=version, prompts=len(self.records)):
@@ -249,33 +269,20 @@ class EvalActor(Actor):
         self.log.info("evaluated", **{k: round(v, 4) for k, v in values.items()})
 
     async def evaluate(self) -> dict[str, float]:
-        """Generates and scores every held-out prompt at the engine's current weights."""
-        cfg = self.recipe.eval
-        jobs: list[tuple[int, Any]] = []
-        if cfg.greedy:
-            jobs.append((1, eval_sampling_params(self.recipe, greedy=True)))
-        if cfg.k:
-            jobs.append((cfg.k, eval_sampling_params(self.recipe, greedy=False)))
+        """Runs and scores every held-out prompt's episodes at the engine's current weights."""
         async with asyncio.TaskGroup() as tg:
-            tasks = []
-            for n, sampling in jobs:
-                if self.agent:
-                    workflow = self._workflow(sampling, n)
-                    row = [
-                        tg.create_task(self._episodes(i, rec, workflow))
-                        for i, rec in enumerate(self.records)
-                    ]
-                else:
-                    row = [
-                        tg.create_task(self._complete(i, rec, sampling, n))
-                        for i, rec in enumerate(self.records)
-                    ]
-                tasks.append(row)
+            tasks = [
+                [
+                    tg.create_task(self._episodes(i, rec, job.workflow, job.n))
+                    for i, rec in enumerate(self.records)
+                ]
+                for job in self.jobs
+            ]
         out: dict[str, float] = {"eval/prompts": float(len(self.records)), "_tokens": 0.0}
         lengths: list[int] = []
         clipped = 0
         infos: list[dict[str, Any]] = []
-        for (n, sampling), row in zip(jobs, tasks, strict=True):
+        for job, row in zip(self.jobs, tasks, strict=True):
             results = [t.result() for t in row]
             rewards_PK = [[r.reward for r in res] for res in results]
             for res in results:
@@ -284,115 +291,57 @@ class EvalActor(Actor):
                     clipped += r.hit_max
             if not infos:  # the first job's episodes: the greedy ones when there are
                 infos = [r.info for res in results for r in res]
-            if sampling.temperature == 0:
+            if job.sampling.temperature == 0:
                 out["eval/accuracy"] = mean_at_k(rewards_PK)
             else:
-                out[f"eval/mean@{n}"] = mean_at_k(rewards_PK)
-                out[f"eval/pass@{n}"] = pass_at_k(rewards_PK)
+                out[f"eval/mean@{job.n}"] = mean_at_k(rewards_PK)
+                out[f"eval/pass@{job.n}"] = pass_at_k(rewards_PK)
         out["_tokens"] = float(sum(lengths))
         out["eval/response_length"] = sum(lengths) / max(1, len(lengths))
         out["eval/clip_ratio"] = clipped / max(1, len(lengths))
-        if self.agent:
-            out.update(tool_metrics(infos))
+        out.update(tool_metrics([i for i in infos if "tool_calls" in i]))
         return out
 
-    async def _open_tools(self) -> list[Any] | None:
-        """The agent workflow's tools as a rollout actor opens them (``rollout.agent.tools``
-        and the tools of the MCP servers, started here); None when an environment brings
-        its own."""
-        from asyncrl.tools.mcp import MCPTools
-        from asyncrl.workflows.build import build_agent_tools, mcp_server_specs
-
-        if self.recipe.rollout.agent.env:
-            return None
-        tools = build_agent_tools(self.recipe)
-        for spec in mcp_server_specs(self.recipe):
-            server = await self._resources.enter_async_context(MCPTools(spec))
-            tools += server.tools
-        return tools
-
-    def _workflow(self, sampling: Any, n: int) -> Any:
-        """The recipe's workflow, built as the rollout actor builds it, with the eval's
-        sampling (seeded by the run's seed) and ``n`` samples per prompt."""
-        from asyncrl.workflows.build import build_workflow
-
-        workflow = build_workflow(self.recipe, self.engine, self.reward_pool, tools=self.tools)
-        workflow.sampling = sampling.model_copy(update={"seed": self.recipe.run.seed})
-        workflow.group_size = n
-        return workflow
-
-    async def _episodes(self, index: int, record: dict[str, Any], workflow: Any) -> list[Scored]:
-        """The episodes of one prompt through ``workflow`` (see :meth:`_workflow`), as
-        :class:`Scored`: the length counts every generated token of an episode, ``info``
-        is the workflow's ``reward_info``. Sample j of prompt i is seeded by the run's
-        seed, i and j, as in :meth:`_complete`. An episode the engine aborted scores
-        nothing."""
-        with self.tracer.span("episode", n=workflow.group_size):
-            trajectories = await workflow.arun_episode(
-                self.engine, {**record, "uid": f"eval/{index}"}
-            )
-        return [
-            Scored(
-                float(t.reward or 0.0),
-                int(t.loss_mask.numpy().sum()),
-                t.finish_reason == "length",
-                dict(t.reward_info),
-            )
-            for t in trajectories or []
-        ]
-
-    async def _complete(
-        self, index: int, record: dict[str, Any], sampling: Any, n: int
+    async def _episodes(
+        self, index: int, record: dict[str, Any], workflow: RolloutWorkflow, n: int
     ) -> list[Scored]:
-        """``n`` single-turn completions of one prompt as :class:`Scored`.
-
-        Sample j of prompt i has a seed fixed by the run's seed, i and j: every version
-        is scored on the same draws, so a change between versions is the policy's."""
-        from asyncrl.engines.base import GenerateRequest
-        from asyncrl.workflows.base import chat_messages, encode_chat
-        from asyncrl.workflows.rlvr import sample_seed
-
-        tokenizer = self.engine.tokenizer
-        prompt_ids = encode_chat(tokenizer, chat_messages(record))
-        with self.tracer.span("generate", n=n):
-            async with asyncio.TaskGroup() as tg:
-                gens = [
-                    tg.create_task(
-                        self.engine.agenerate(
-                            GenerateRequest(
-                                input_ids=prompt_ids,
-                                sampling=sampling.model_copy(
-                                    update={
-                                        "seed": sample_seed(
-                                            self.recipe.run.seed, f"eval/{index}", j
-                                        )
-                                    }
-                                ),
-                            )
-                        )
-                    )
-                    for j in range(n)
-                ]
+        """The ``n`` samples of one prompt through ``workflow``, as :class:`Scored`: the
+        length counts every generated token of an episode, ``info`` is the workflow's
+        ``reward_info``. Sample j of prompt i is seeded by the run's seed, i and j: every
+        version is scored on the same draws, so a change between versions is the
+        policy's. A sample the workflow left unscored is scored here; an episode the
+        engine aborted scores nothing."""
+        assert self.reward_pool is not None
+        with self.tracer.span("episode", n=n):
+            trajectories = await workflow.arun_episode(
+                self._engine, {**record, "uid": f"eval/{index}"}
+            )
         out = []
-        for g in gens:
-            resp = g.result()
-            text = tokenizer.decode(resp.output_ids, skip_special_tokens=True)
-            with self.tracer.span("score"):
-                scored = await self.reward_pool.score(text, record)
+        for t in trajectories or []:
+            reward = t.reward
+            if reward is None:
+                with self.tracer.span("score"):
+                    reward = (await self.reward_pool.score(t.completion, record)).reward
             out.append(
-                Scored(float(scored.reward), len(resp.output_ids), resp.finish_reason == "length")
+                Scored(
+                    float(reward),
+                    int(t.loss_mask.numpy().sum()),
+                    t.finish_reason == "length",
+                    dict(t.reward_info),
+                )
             )
         return out
 
 
-def eval_sampling_params(recipe: Recipe, *, greedy: bool) -> Any:
-    """Greedy (temperature 0) or the eval's sampling, under the eval's token budget."""
-    from asyncrl.engines.base import SamplingParams
-
+def eval_samplings(recipe: Recipe) -> list[tuple[int, SamplingParams]]:
+    """``(samples per prompt, sampling)`` of each eval job: one greedy completion
+    (temperature 0) and ``k`` at the eval's temperature, under the eval's token budget,
+    seeded by the run's seed."""
     cfg, s = recipe.eval, recipe.rollout.sampling
-    budget = cfg.max_new_tokens or s.max_new_tokens
-    if greedy:
-        return SamplingParams(temperature=0.0, max_new_tokens=budget)
-    return SamplingParams(
-        temperature=cfg.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=budget
-    )
+    budget = {"max_new_tokens": cfg.max_new_tokens or s.max_new_tokens, "seed": recipe.run.seed}
+    jobs = []
+    if cfg.greedy:
+        jobs.append((1, s.params(temperature=0.0, top_p=1.0, top_k=0, **budget)))
+    if cfg.k:
+        jobs.append((cfg.k, s.params(temperature=cfg.temperature, **budget)))
+    return jobs

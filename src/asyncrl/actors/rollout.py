@@ -20,8 +20,9 @@ OpenAI-compatible endpoint from its engine on 127.0.0.1 (:mod:`asyncrl.endpoint`
 key is the run's NATS token, or in a run without one a token the actor makes; the URL and
 the key are in ``<run>/endpoints/<actor id>.json`` (mode 0600, removed when the actor
 ends), and the URL in the actor's log, so that agent code outside the run can use it too.
-The ``agent`` workflow's MCP servers (``rollout.agent.mcp``) start with the actor and end
-with it.
+The workflow is built from its config (:func:`asyncrl.actors.generation.build_workflow`),
+as the eval actor builds it; the ``agent`` workflow's MCP servers (``rollout.agent.mcp``)
+start with the actor and end with it.
 """
 
 from __future__ import annotations
@@ -29,17 +30,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
-import secrets
 import time
 import uuid
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any
 
+from asyncrl.actors.generation import build_workflow, latest_weights, serve_endpoint, supersedes
+from asyncrl.api.inference import InferenceEngine
+from asyncrl.api.workflow import RolloutWorkflow
+from asyncrl.endpoint.server import OpenAIEndpoint
+from asyncrl.engines import build_engine
+from asyncrl.rewards.pool import RewardPool, build_reward_pool
 from asyncrl.runtime.actor import Actor, ActorContext
-from asyncrl.runtime.bus import BusTimeout, RemoteError
+from asyncrl.runtime.bus import BusTimeout
 from asyncrl.runtime.runner import AsyncTaskRunner, TaskResult
 from asyncrl.weights.build import build_receiver
 from asyncrl.weights.receiver import EngineWeights
@@ -52,7 +56,6 @@ from asyncrl.wire.messages import (
     MemoryReleased,
     Prompt,
     Trajectory,
-    WeightsQuery,
     WeightsUpdated,
 )
 
@@ -77,9 +80,9 @@ class RolloutActor(Actor):
 
     def __init__(self, ctx: ActorContext) -> None:
         super().__init__(ctx)
-        self.engine: Any = None
-        self.workflow: Any = None
-        self.reward_pool: Any = None
+        self.engine: InferenceEngine | None = None
+        self.workflow: RolloutWorkflow | None = None
+        self.reward_pool: RewardPool | None = None
         self.counters: Counter[str] = Counter()
         self._pending_weights: WeightsUpdated | None = None
         self.weights_epoch = 0
@@ -95,102 +98,72 @@ class RolloutActor(Actor):
         self.delivered: deque[str] = deque(maxlen=4 * self.recipe.rollout.max_concurrent)
         self._last_pause: float | None = None
         self._runner: AsyncTaskRunner[list[Trajectory]] | None = None
-        self.endpoint: Any = None
+        self.endpoint: OpenAIEndpoint | None = None
         self.endpoint_file: Path | None = None
         self._resources = contextlib.AsyncExitStack()
         """What setup opened beside the engine (MCP servers, the endpoint); closed in
         teardown, in the same task, as the MCP transport requires."""
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
-        from asyncrl.engines import build_engine
-        from asyncrl.rewards import build_reward_pool
-        from asyncrl.workflows.build import build_workflow, endpoint_wanted, workflow_scores_inline
-
-        self.engine = build_engine(self.recipe)
-        await self.engine.start()
-        if workflow_scores_inline(self.recipe):
+        r = self.recipe.rollout
+        engine = self.engine = build_engine(self.recipe)
+        await engine.start()
+        if r.workflow.scores_inline(r):
             self.reward_pool = build_reward_pool(self.recipe)
             await self.reward_pool.start()
-        tools = await self._open_tools()
-        if endpoint_wanted(self.recipe):
-            await self._serve_endpoint()
+        tools = await r.workflow.open_tools(r, self._resources)
+        if tools is not None:
+            self.log.info("tools", tools=[t.name for t in tools])
+        if r.serves_endpoint:
+            await self._serve_endpoint(engine)
         self.workflow = build_workflow(
-            self.recipe, self.engine, self.reward_pool, endpoint=self.endpoint, tools=tools
+            self,
+            engine,
+            r.sampling.params(),
+            r.group_size,
+            reward=self.reward_pool,
+            endpoint=self.endpoint,
+            tools=tools,
         )
-        self.version = self.engine.version
-        self.receiver = build_receiver(
-            self.recipe, self.engine, self.bus, self.subjects, self.actor_id
-        )
+        self.version = engine.version
+        self.receiver = build_receiver(self.recipe, engine, self.bus, self.subjects, self.actor_id)
         await self.bus.subscribe(self.subjects.weights, WeightsUpdated, self.on_weights)
-        if self.recipe.rollout.colocate:
+        if r.colocate:
             await self.bus.subscribe(self.subjects.memory, MemoryControl, self.on_memory)
         await self._query_weights()
         tg.create_task(self._weights_loop(), name="weights")
         tg.create_task(self._report(), name="metrics")
 
+    @property
+    def _engine(self) -> InferenceEngine:
+        assert self.engine is not None, "the engine starts in setup"
+        return self.engine
+
     def _known_version(self) -> int:
         pending = self._pending_weights.version if self._pending_weights is not None else -1
-        return max(int(self.engine.version), pending)
+        return max(int(self._engine.version), pending)
 
     async def _query_weights(self) -> None:
-        """Asks the buffer for the latest weights (an actor that joins a live run, or one
-        that missed a broadcast)."""
-        try:
-            latest = await self.bus.request(
-                self.subjects.weights_query,
-                WeightsQuery(actor_id=self.actor_id),
-                WeightsUpdated,
-                timeout=LEASE_TIMEOUT,
-            )
-        except (BusTimeout, RemoteError):
-            return  # no weights published yet (or no buffer yet): keep the current ones
-        await self.on_weights(latest)
+        """Loads the latest weights the buffer knows of, if any (an actor that joins a live
+        run, or one that missed a broadcast)."""
+        latest = await latest_weights(self)
+        if latest is not None:
+            await self.on_weights(latest)
 
-    async def _open_tools(self) -> list[Any] | None:
-        """The ``agent`` workflow's tools, the MCP servers' included (started here); None
-        for other workflows and for an ``agent`` whose environment brings its own."""
-        from asyncrl.tools.mcp import MCPTools
-        from asyncrl.workflows.build import build_agent_tools, mcp_server_specs
-
-        r = self.recipe.rollout
-        if r.workflow != "agent" or r.agent.env:
-            return None
-        tools = build_agent_tools(self.recipe)
-        for spec in mcp_server_specs(self.recipe):
-            server = await self._resources.enter_async_context(MCPTools(spec))
-            tools += server.tools
-            self.log.info("MCP server started", command=spec.command, tools=len(server.tools))
-        return tools
-
-    async def _serve_endpoint(self) -> None:
+    async def _serve_endpoint(self, engine: InferenceEngine) -> None:
         """Starts the endpoint and writes where it is (see the module docstring)."""
-        from asyncrl.endpoint import OpenAIEndpoint
-        from asyncrl.workflows.build import sampling_params
-
         r = self.recipe.rollout
-        token = self.ctx.nats.token or secrets.token_urlsafe(24)
-        self.endpoint = OpenAIEndpoint(
-            self.engine,
-            model_name=self.recipe.model.path,
-            token=token,
-            port=r.endpoint_port,
-            parser=r.agent.parser,
-            sampling=sampling_params(self.recipe),
+        endpoint = self.endpoint = await serve_endpoint(
+            self, engine, r.sampling.params(), self._resources, port=r.endpoint_port
         )
-        await self.endpoint.start()
-        # the openai client's HTTP library (httpx, or its httpx2 fork) logs every request
-        # at INFO: a line per call of every episode
-        for name in ("httpx", "httpx2"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        self._resources.push_async_callback(self.endpoint.stop)
         folder = self.ctx.run_dir / "endpoints"
         folder.mkdir(parents=True, exist_ok=True)
         self.endpoint_file = folder / f"{self.actor_id}.json"
         about = {
-            "url": self.endpoint.base_url,
-            "model": self.endpoint.model_name,
-            "api_key": token,
-            "api_key_is_run_token": token == self.ctx.nats.token,
+            "url": endpoint.base_url,
+            "model": endpoint.model_name,
+            "api_key": endpoint.token,
+            "api_key_is_run_token": endpoint.token == self.ctx.nats.token,
         }
         # written whole under another name, then renamed: a reader never sees half of it
         partial = folder / f".{self.actor_id}.json.tmp"
@@ -198,7 +171,7 @@ class RolloutActor(Actor):
         with os.fdopen(fd, "w") as f:
             json.dump(about, f)
         os.replace(partial, self.endpoint_file)
-        self.log.info("endpoint", url=self.endpoint.base_url, key_file=str(self.endpoint_file))
+        self.log.info("endpoint", url=endpoint.base_url, key_file=str(self.endpoint_file))
 
     async def teardown(self) -> None:
         if self.receiver is not None:
@@ -292,9 +265,10 @@ class RolloutActor(Actor):
 
     async def _episode(self, prompt: Prompt, lease_id: str) -> list[Trajectory]:
         epoch = self.weights_epoch  # the buffer refuses samples of a rolled-back lineage
+        assert self.workflow is not None, "the workflow is built in setup"
         with self.tracer.span("generate", prompt=prompt.uid):
             trajectories = await self.workflow.arun_episode(
-                self.engine, {**prompt.data, "uid": prompt.uid}
+                self._engine, {**prompt.data, "uid": prompt.uid}
             )
         if not trajectories:
             raise EpisodeProducedNothing("the workflow returned no trajectory")
@@ -348,38 +322,39 @@ class RolloutActor(Actor):
         # a newer trainer epoch (a trainer restarted from its checkpoint) wins over a
         # higher version of the lineage it rolled back
         pending = self._pending_weights
-        if pending is None or (msg.epoch, msg.version) > (pending.epoch, pending.version):
+        if pending is None or supersedes(msg.epoch, msg.version, (pending.epoch, pending.version)):
             self._pending_weights = msg
 
     async def on_memory(self, msg: MemoryControl) -> None:
         """Colocation: give the accelerator to the trainer for a step, or take it back."""
         if msg.action == "release":
-            freed = await self.engine.release_memory()
+            freed = await self._engine.release_memory()
             self.log.info("memory released", step=msg.step, freed_bytes=freed)
             await self.bus.publish(
                 self.subjects.memory_released,
                 MemoryReleased(actor_id=self.actor_id, step=msg.step, freed_bytes=freed),
             )
         else:
-            await self.engine.resume_memory()
-            await self.engine.resume()
+            await self._engine.resume_memory()
+            await self._engine.resume()
 
     async def _weights_loop(self) -> None:
         """Receives and stages each new version while generation goes on, then pauses
         only for the load itself (``rollout/pause_s``; receiving and staging is
         ``rollout/weights_fetch_s``)."""
         assert self.receiver is not None
+        engine = self._engine
         while True:
             async with self.receiver.receive() as got:
-                if (got.epoch, got.version) <= (self.weights_epoch, self.engine.version):
+                if not supersedes(got.epoch, got.version, (self.weights_epoch, engine.version)):
                     continue
                 t1 = time.monotonic()
-                await self.engine.pause()
+                await engine.pause()
                 try:
                     with self.tracer.span("load weights", to_version=got.version):
-                        await self.engine.update_weights(got.source, got.version)
+                        await engine.update_weights(got.source, got.version)
                 finally:
-                    await self.engine.resume()
+                    await engine.resume()
                 pause_s = self._last_pause = time.monotonic() - t1
             self.weights_epoch = got.epoch
             self.version = got.version
@@ -407,7 +382,7 @@ class RolloutActor(Actor):
         actor began to lease (waiting on the staleness budget or for new weights), out of
         ``run_s``. A pause to load weights does not count: its episodes are still running."""
         values = {
-            "version": float(self.engine.version),
+            "version": float(self._engine.version),
             **{k: float(v) for k, v in self.counters.items()},
             "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
         }
@@ -429,4 +404,4 @@ class RolloutActor(Actor):
             last_tokens, last_t = tokens, now
             if self._last_pause is not None:
                 values["weight_update_s"] = self._last_pause
-            await self.emit_metrics(values, step=int(self.engine.version))
+            await self.emit_metrics(values, step=int(self._engine.version))

@@ -21,7 +21,8 @@ from asyncrl.config.placement import (
 )
 from asyncrl.config.recipe import HFData, JsonlData, Recipe, RecipeError, path_problems
 from asyncrl.config.recipe import generation_budget as generation_budget
-from asyncrl.launch.cores import gpu_visible, node_gpus
+from asyncrl.data import missing_fields, read_jsonl
+from asyncrl.launch.cores import engine_device, gpu_visible, is_cpu_device, node_gpus
 from asyncrl.models.resolve import SMOLLM2_NAME, TINY_NAME
 from asyncrl.weights.choose import choose as choose_transport
 from asyncrl.weights.choose import transport_problems
@@ -55,9 +56,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
                 "use at least 2 samples per prompt"
             )
     budget = generation_budget(recipe)
-    budget_keys = "rollout.sampling.max_new_tokens" + (
-        " × rollout.max_turns" if r.workflow in ("multi_turn", "agent") else ""
-    )
+    budget_keys = r.workflow.budget_keys()
     if loss.norm_len is not None:
         if loss.loss_agg != "seq-mean-token-sum-norm":
             warnings.append(
@@ -206,112 +205,10 @@ def kl_problems(recipe: Recipe) -> list[str]:
 
 
 def workflow_problems(recipe: Recipe) -> list[str]:
-    """A workflow that cannot be built: a ``rollout.workflow`` spec that does not load or
-    is an async function of neither form, agent code with the endpoint turned off, and for
-    ``agent``: a tool that is no built-in and does not load as a function tool, an
-    environment factory that does not load, an unknown parser, an MCP command that is not
-    installed, a token budget without room for a prompt. Loads the recipe's code."""
-    import shutil
-
-    from asyncrl.tools.calls import PARSERS
-    from asyncrl.workflows import WORKFLOWS, is_agent_code
-    from asyncrl.workflows.loader import load_callable
-
-    r, errors = recipe.rollout, []
-    if r.workflow.startswith("verifiers:"):
-        errors.extend(verifiers_problems(recipe))
-    elif r.workflow not in WORKFLOWS:
-        try:
-            agent_code = is_agent_code(r.workflow)
-        except Exception as exc:  # user code: whatever its import raises
-            errors.append(f"rollout.workflow = {r.workflow!r}: {type(exc).__name__}: {exc}")
-        else:
-            if agent_code and r.endpoint is False:
-                errors.append(
-                    f"rollout.workflow = {r.workflow!r} is agent code, which runs through the "
-                    "rollout actor's endpoint, but rollout.endpoint = false: leave it unset"
-                )
-    if r.workflow != "agent":
-        return errors
-    a = r.agent
-    if a.parser not in PARSERS:
-        errors.append(
-            f"rollout.agent.parser = {a.parser!r} is unknown: known {', '.join(sorted(PARSERS))}"
-        )
-    if a.max_total_tokens <= r.sampling.max_new_tokens:
-        errors.append(
-            f"rollout.agent.max_total_tokens = {a.max_total_tokens} leaves no room for a "
-            f"prompt before a reply of rollout.sampling.max_new_tokens = "
-            f"{r.sampling.max_new_tokens} tokens; raise it above the prompt plus a reply"
-        )
-    if a.env:
-        try:
-            load_callable(a.env)
-        except Exception as exc:
-            errors.append(f"rollout.agent.env = {a.env!r}: {type(exc).__name__}: {exc}")
-        return errors
-    errors.extend(tool_problems(recipe))
-    for i, server in enumerate(a.mcp):
-        if shutil.which(server.command) is None:
-            errors.append(
-                f"rollout.agent.mcp[{i}].command = {server.command!r} is not an installed "
-                "program (not on PATH)"
-            )
-    return errors
-
-
-def verifiers_problems(recipe: Recipe) -> list[str]:
-    """A ``verifiers:<env>`` workflow whose environment does not load (``verifiers``
-    missing, no ``load_environment``, arguments that do not fit, not an Environment), or
-    with the endpoint turned off. Builds the environment once, as each actor will."""
-    from asyncrl.endpoint.verifiers_env import load_verifiers_env
-    from asyncrl.workflows import verifiers_env_spec
-
-    r, errors = recipe.rollout, []
-    if r.endpoint is False:
-        errors.append(
-            f"rollout.workflow = {r.workflow!r} runs through the rollout actor's endpoint, "
-            "but rollout.endpoint = false: leave it unset"
-        )
-    try:
-        env = verifiers_env_spec(r.workflow)
-        assert env is not None
-        load_verifiers_env(env, r.agent.env_args)
-    except ImportError as exc:
-        errors.append(f"rollout.workflow = {r.workflow!r}: {exc}")
-    except Exception as exc:  # user code: whatever building the environment raises
-        errors.append(
-            f"rollout.workflow = {r.workflow!r} (rollout.agent.env_args = "
-            f"{dict(r.agent.env_args)}): {type(exc).__name__}: {exc}"
-        )
-    return errors
-
-
-def tool_problems(recipe: Recipe) -> list[str]:
-    """``rollout.agent.tools`` entries that are no built-in tool, or a function spec that
-    does not load or cannot become a tool (an argument type without a JSON schema)."""
-    from asyncrl.tools.base import function_tool
-    from asyncrl.tools.builtin import BUILTIN_TOOLS
-    from asyncrl.workflows.loader import load_callable
-
-    errors, names = [], []
-    for i, name in enumerate(recipe.rollout.agent.tools):
-        key = f"rollout.agent.tools[{i}] = {name!r}"
-        if name in BUILTIN_TOOLS:
-            names.append(name)
-        elif ":" not in name:
-            errors.append(
-                f"{key} is no built-in tool ({', '.join(sorted(BUILTIN_TOOLS))}) nor a "
-                "path/to/file.py:fn or module:fn"
-            )
-        else:
-            try:
-                names.append(function_tool(load_callable(name)).name)
-            except Exception as exc:
-                errors.append(f"{key}: {type(exc).__name__}: {exc}")
-    if len(set(names)) < len(names):
-        errors.append(f"rollout.agent.tools: two tools share a name: {names}")
-    return errors
+    """A workflow that cannot be built, each line naming its key: the workflow's own checks
+    (:meth:`~asyncrl.workflows.config.WorkflowConfigBase.problems`; they load the recipe's
+    code)."""
+    return recipe.rollout.workflow.problems(recipe.rollout)
 
 
 def data_problems(recipe: Recipe) -> list[str]:
@@ -320,8 +217,6 @@ def data_problems(recipe: Recipe) -> list[str]:
     before anything starts rather than a buffer or eval actor that dies at its start.
     Hub datasets are left to the actors: reading one here could mean a download. A file
     that is not here is :func:`asyncrl.config.recipe.path_problems`' to report."""
-    from asyncrl.data import missing_fields, read_jsonl
-
     errors: list[str] = []
     for section, source in (("data", recipe.data), ("eval.data", recipe.eval.data)):
         if not isinstance(source, JsonlData) or not Path(source.path).expanduser().is_file():
@@ -354,8 +249,6 @@ def shared_core_warnings(recipe: Recipe) -> list[str]:
     4.0-4.3 s on the other 12 (:mod:`asyncrl.launch.cores`). Only roles computing on this
     machine's CPU count; a role's threads are its ``threads`` key, else its cores (torch's
     default on a pinned process), a trainer's shared among its ranks."""
-    from asyncrl.launch.cores import engine_device, is_cpu_device
-
     r, e, t = recipe.rollout, recipe.eval, recipe.trainer
     pools: dict[str, tuple[set[int], int]] = {}
     engine_cpu = r.engine.type == "hf" and is_cpu_device(engine_device(r.engine))

@@ -10,6 +10,7 @@ from others are computed in :meth:`Recipe._derive` only. This module imports no 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,10 +18,12 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
+from asyncrl.api.inference import SamplingParams
 from asyncrl.config.placement import NodeSpec, Placement
 from asyncrl.config.schema import CpuList, Section
+from asyncrl.data.gsm8k import BOXED_INSTRUCTION
 
 # The sections of other components are theirs: each class is the config its component
 # is built from, so that what this schema accepts, the component accepts.
@@ -28,11 +31,16 @@ from asyncrl.engines.config import EngineConfig, HFEngineConfig
 from asyncrl.models.resolve import ModelConfig
 from asyncrl.train.config import DERIVED_KEYS, TrainerConfig
 from asyncrl.weights.config import WeightsConfig
+from asyncrl.workflows.config import (
+    VERIFIERS_PREFIX,
+    AgentConfig,
+    RLVRWorkflowConfig,
+    WorkflowConfig,
+    workflow_shorthand,
+)
 
 
 def _importable(name: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(name) is not None
 
 
@@ -188,7 +196,7 @@ class ArithmeticData(Section):
     """Largest operand."""
     ops: str = "+-"
     """Operators to draw from."""
-    instruction: str = "Solve the problem step by step, then put the final answer in \\boxed{}."
+    instruction: str = BOXED_INSTRUCTION
     """Appended to each question."""
 
 
@@ -247,48 +255,16 @@ class SamplingConfig(Section):
     max_new_tokens: int = Field(256, ge=1)
     """Most tokens generated per turn."""
 
-
-class McpServer(Section):
-    """An MCP server started over stdio by each rollout actor of an agent workflow."""
-
-    command: str
-    """The program, e.g. ``python`` or ``npx``."""
-    args: list[str] = Field(default_factory=list)
-    """Its arguments, e.g. ``["my_server.py"]``."""
-    env: dict[str, str] = Field(default_factory=dict)
-    """Variables added to the small default environment the server gets (never the
-    actor's NATS credentials or the run's token)."""
-
-
-class AgentConfig(Section):
-    """The tools, limits and prompt of ``rollout.workflow = "agent"``."""
-
-    tools: list[str] = Field(default_factory=lambda: ["calculator", "python"])
-    """Tools the model may call: built-in names (``calculator``, ``python``) or Python
-    functions, ``path/to/file.py:fn`` / ``module:fn`` (schema from the signature and the
-    docstring)."""
-    mcp: list[McpServer] = Field(default_factory=list)
-    """MCP servers over stdio whose tools join ``tools``: each ``{command = "...", args =
-    [...], env = {...}}``, started once per rollout actor and closed when it ends."""
-    parser: str = "hermes"
-    """How tool calls are read from the generated text (``hermes``:
-    ``<tool_call>{json}</tool_call>``)."""
-    max_total_tokens: int = Field(2048, ge=1)
-    """Most tokens of one sample, prompt, replies and tool results together; the episode
-    ends when the next reply would not fit."""
-    tool_timeout: float = Field(10.0, gt=0)
-    """Seconds one tool call may take; past it the model reads a ``timeout`` error (the
-    ``python`` tool's wall clock, and each MCP call's read timeout)."""
-    system_prompt: str = ""
-    """A system message before each record's chat (the tools are listed after it); a
-    worked example of a tool call here helps a small model find the format. Empty: none."""
-    env: str = ""
-    """``path/to/file.py:factory`` / ``module:factory``: a function of no arguments that
-    returns a fresh :class:`asyncrl.tools.env.Environment` per sample. It replaces
-    ``tools``, ``mcp`` and ``reward.fn``: the environment gives the tools and the reward."""
-    env_args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of a ``verifiers`` environment's ``load_environment`` (with
-    ``rollout.workflow = "verifiers:<env>"``), e.g. ``{num_train_examples = 500}``."""
+    def params(self, **changes: Any) -> SamplingParams:
+        """These settings as the engines take them, with ``changes`` (an eval's
+        temperature and budget) applied."""
+        fields = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+        }
+        return SamplingParams(**{**fields, **changes})
 
 
 class RolloutConfig(Placement):
@@ -296,12 +272,17 @@ class RolloutConfig(Placement):
     """Rollout actor processes ``up`` starts (more can be attached later)."""
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
     """The inference backend."""
-    workflow: str = "rlvr"
-    """``rlvr``, ``multi_turn``, ``agent`` (tool calls; its tools in ``rollout.agent``), or
-    ``path/to/file.py:name`` / ``module:name``: agent code ``async def agent(client,
-    data) -> float`` (its first parameter named ``client`` or annotated
-    ``openai.AsyncOpenAI``; it runs against this actor's endpoint), a bare
-    ``async def episode(engine, item)``, or a workflow class or factory."""
+    workflow: Annotated[WorkflowConfig, BeforeValidator(workflow_shorthand)] = Field(
+        default_factory=RLVRWorkflowConfig
+    )
+    """The workflow, a table on ``type`` (:mod:`asyncrl.workflows.config`): ``rlvr``,
+    ``multi_turn``, ``agent`` (tool calls; its tools in ``rollout.agent``), ``agent_code``
+    (``fn``: ``async def agent(client, data) -> float``, run against this actor's
+    endpoint), ``verifiers`` (``env``) or ``episode`` (``fn``: ``async def
+    episode(engine, item)``, or a workflow class or factory). One string says the same:
+    ``"rlvr"``, ``"multi_turn"``, ``"agent"``, ``"verifiers:<env>"``, or
+    ``"path/to/file.py:name"`` / ``"module:name"`` (agent code or an episode function by
+    its first parameter)."""
     agent: AgentConfig = Field(default_factory=AgentConfig)
     """Tools, parser and limits of the ``agent`` workflow."""
     endpoint: bool | None = None
@@ -345,6 +326,12 @@ class RolloutConfig(Placement):
     """Rollout engines and the trainer take turns on one accelerator: before each trainer
     step the engines pause and release their weights and KV cache, and take them back
     with the new weights (synchronous, like η = 0, but in half the GPUs)."""
+
+    @property
+    def serves_endpoint(self) -> bool:
+        """Whether each rollout actor serves the endpoint: ``endpoint``, or when it is
+        unset, whether the workflow runs through it (agent code)."""
+        return self.endpoint if self.endpoint is not None else self.workflow.needs_endpoint
 
 
 class RewardConfig(Placement):
@@ -475,11 +462,7 @@ def generation_budget(recipe: Recipe) -> int:
     """Most tokens a sample can generate: ``max_new_tokens``, per turn for ``multi_turn``
     and ``agent`` (there at most ``rollout.agent.max_total_tokens``). Agent code decides
     its own turns: its budget is counted per call."""
-    r = recipe.rollout
-    if r.workflow not in ("multi_turn", "agent"):
-        return r.sampling.max_new_tokens
-    budget = r.sampling.max_new_tokens * r.max_turns
-    return min(budget, r.agent.max_total_tokens) if r.workflow == "agent" else budget
+    return recipe.rollout.workflow.generation_budget(recipe.rollout)
 
 
 class RecipeError(ValueError):
@@ -593,14 +576,10 @@ def load_recipe(
         _anchor_code_specs(data, Path(path).parent)
     _switch_types(data, overrides or [])
     apply_overrides(data, overrides or [])
-    if isinstance(data.get("data"), dict):
-        data["data"].setdefault("type", "arithmetic")  # the default dataset's type
-    rollout = data.get("rollout")
-    if isinstance(rollout, dict) and isinstance(rollout.get("engine"), dict):
-        rollout["engine"].setdefault("type", "hf")  # the default engine's type
-    eval_node = data.get("eval")
-    if isinstance(eval_node, dict) and isinstance(eval_node.get("data"), dict):
-        eval_node["data"].setdefault("type", "arithmetic")
+    for section, (_, default) in TYPED_SECTIONS.items():
+        node = _section(data, section)
+        if isinstance(node, dict):
+            node.setdefault("type", default.model_fields["type"].default)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
@@ -612,12 +591,21 @@ def load_recipe(
     return recipe
 
 
-TYPED_SECTIONS: dict[str, Any] = {
-    "data": DataConfig,
-    "eval.data": DataConfig,
-    "rollout.engine": EngineConfig,
+TYPED_SECTIONS: dict[str, tuple[Any, type[BaseModel]]] = {
+    "data": (DataConfig, ArithmeticData),
+    "eval.data": (DataConfig, ArithmeticData),
+    "rollout.engine": (EngineConfig, HFEngineConfig),
+    "rollout.workflow": (WorkflowConfig, RLVRWorkflowConfig),
 }
-"""The sections that are a choice of types (a discriminated union on ``type``)."""
+"""The sections that are a choice of types (a discriminated union on ``type``), each with
+the type a table without ``type`` has."""
+
+
+def _section(data: dict[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _switch_types(data: dict[str, Any], overrides: list[str]) -> None:
@@ -631,13 +619,11 @@ def _switch_types(data: dict[str, Any], overrides: list[str]) -> None:
         section = key.strip().removesuffix(".type")
         if not sep or section == key.strip() or section not in TYPED_SECTIONS:
             continue
-        node: Any = data
-        for part in section.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
+        node = _section(data, section)
         new_type = parse_value(value.strip())
         if not isinstance(node, dict) or node.get("type", new_type) == new_type:
             continue
-        union = get_args(get_args(TYPED_SECTIONS[section])[0])
+        union = get_args(get_args(TYPED_SECTIONS[section][0])[0])
         fields = next(
             (m.model_fields for m in union if m.model_fields["type"].default == new_type), None
         )
@@ -648,13 +634,19 @@ def _switch_types(data: dict[str, Any], overrides: list[str]) -> None:
 def _anchor_code_specs(data: dict[str, Any], base: Path) -> None:
     rollout = data.get("rollout")
     agent = rollout.get("agent") if isinstance(rollout, dict) else None
+    workflow = rollout.get("workflow") if isinstance(rollout, dict) else None
     for node, key in (
         (data.get("reward"), "fn"),
         (rollout, "workflow"),
         (agent, "env"),
+        (workflow, "fn"),
     ):
         if isinstance(node, dict) and isinstance(node.get(key), str):
             node[key] = _anchored(node[key], base)
+    if isinstance(workflow, dict) and isinstance(workflow.get("env"), str):
+        workflow["env"] = _anchored(VERIFIERS_PREFIX + workflow["env"], base).removeprefix(
+            VERIFIERS_PREFIX
+        )
     if isinstance(agent, dict) and isinstance(agent.get("tools"), list):
         agent["tools"] = [_anchored(t, base) if isinstance(t, str) else t for t in agent["tools"]]
 
@@ -662,11 +654,11 @@ def _anchor_code_specs(data: dict[str, Any], base: Path) -> None:
 def _anchored(spec: str, base: Path) -> str:
     """``file.py:name`` with the file found beside the recipe made absolute; any other
     spec as it is."""
-    if spec.startswith("verifiers:"):
-        env = spec.split(":", 1)[1]
+    if spec.startswith(VERIFIERS_PREFIX):
+        env = spec.removeprefix(VERIFIERS_PREFIX)
         beside = base / env
         if env.endswith(".py") and not Path(env).is_absolute() and beside.is_file():
-            return f"verifiers:{beside.resolve()}"
+            return f"{VERIFIERS_PREFIX}{beside.resolve()}"
         return spec
     if ":" not in spec:
         return spec
@@ -677,16 +669,17 @@ def _anchored(spec: str, base: Path) -> str:
     return spec
 
 
-def code_specs(recipe: Recipe) -> list[tuple[str, str]]:
-    """``(key, spec)`` of every ``file.py:name`` / ``module:name`` the recipe names."""
+def code_files(recipe: Recipe) -> list[tuple[str, str]]:
+    """``(key, file)`` of every ``path/to/file.py`` the recipe's code specs name."""
     agent = recipe.rollout.agent
     specs = [
-        ("rollout.workflow", recipe.rollout.workflow),
-        ("reward.fn", recipe.reward.fn),
+        ("rollout.workflow", recipe.rollout.workflow.code()),
+        ("reward.fn", recipe.reward.fn if ":" in recipe.reward.fn else ""),
         ("rollout.agent.env", agent.env),
     ]
-    specs += [(f"rollout.agent.tools[{i}]", t) for i, t in enumerate(agent.tools)]
-    return [(key, spec) for key, spec in specs if ":" in spec]
+    specs += [(f"rollout.agent.tools[{i}]", t) for i, t in enumerate(agent.tools) if ":" in t]
+    files = [(key, spec.split(":", 1)[0]) for key, spec in specs]
+    return [(key, file) for key, file in files if file.endswith(".py")]
 
 
 def path_problems(recipe: Recipe) -> list[str]:
@@ -726,12 +719,9 @@ def _check_paths(recipe: Recipe) -> None:
             f"  eval.max_prompts: {recipe.eval.max_prompts} held-out prompts would leave none "
             f"of data.size={recipe.data.size} to train on"
         )
-    for key, spec in code_specs(recipe):
-        file_part = spec.split(":", 1)[0]
-        if file_part == "verifiers":
-            file_part = spec.split(":", 1)[1]
-        if file_part.endswith(".py") and not Path(file_part).is_file():
-            problems.append(f"  {key}: file {file_part!r} does not exist")
+    for key, file in code_files(recipe):
+        if not Path(file).is_file():
+            problems.append(f"  {key}: file {file!r} does not exist")
     if problems:
         raise RecipeError("invalid recipe:\n" + "\n".join(problems))
 

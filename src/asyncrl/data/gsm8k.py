@@ -7,7 +7,8 @@ from pathlib import Path
 from asyncrl.data.loaders import Record, read_jsonl, to_prompt_records
 
 BOXED_INSTRUCTION = "Solve the problem step by step, then put the final answer in \\boxed{}."
-HASH_INSTRUCTION = "Solve the problem step by step, then write the final answer after '####'."
+"""The instruction appended to each question: the final answer in ``\\boxed{}``, as the
+``math`` reward reads it (the default of ``data.instruction``)."""
 
 
 def gsm8k_final_answer(solution: str) -> str:

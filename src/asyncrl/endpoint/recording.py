@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.engines.base import GenerateResponse
+from asyncrl.api.inference import GenerateResponse
 from asyncrl.workflows.base import TokenTrace
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from asyncrl.engines.base import SamplingParams
+from asyncrl.api.inference import SamplingParams
 
 
 class RequestError(ValueError):

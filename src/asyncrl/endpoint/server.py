@@ -37,16 +37,16 @@ from typing import Any, Self
 from aiohttp import web
 from pydantic import ValidationError
 
-from asyncrl.endpoint.chat import ChatError, ChatRenderer, normalize_message
-from asyncrl.endpoint.recording import Call, EpisodeRecorder
-from asyncrl.endpoint.requests import ChatRequest, CompletionRequest, RequestError
-from asyncrl.engines.base import (
+from asyncrl.api.inference import (
     EngineStopped,
     GenerateRequest,
     GenerateResponse,
     InferenceEngine,
     SamplingParams,
 )
+from asyncrl.endpoint.chat import ChatError, ChatRenderer, normalize_message
+from asyncrl.endpoint.recording import Call, EpisodeRecorder
+from asyncrl.endpoint.requests import ChatRequest, CompletionRequest, RequestError
 from asyncrl.tools.calls import ToolCall, get_parser
 
 log = logging.getLogger(__name__)

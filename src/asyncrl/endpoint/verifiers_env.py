@@ -59,7 +59,7 @@ def import_verifiers() -> Any:
     """The ``verifiers`` package, if it is installed and has the environment API used here;
     otherwise ``ImportError`` saying how to install it."""
     try:
-        import verifiers
+        import verifiers  # noqa: PLC0415 - optional: verifiers
     except ImportError as exc:
         raise ImportError(
             f"verifiers environments need the verifiers package: {INSTALL_HINT}"

@@ -32,11 +32,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from asyncrl.api.inference import InferenceEngine
+from asyncrl.api.workflow import RolloutWorkflow
 from asyncrl.endpoint.recording import Call, EpisodeRecorder, episode_samples
 from asyncrl.endpoint.server import OpenAIEndpoint
-from asyncrl.engines.base import InferenceEngine
 from asyncrl.wire.messages import Prompt, Trajectory
-from asyncrl.workflows.base import RolloutWorkflow, split_item
+from asyncrl.workflows.base import split_item
 from asyncrl.workflows.loader import load_callable
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 f.write(json.dumps(entry) + "\n")
 
     async def _run_agent(self, record: dict[str, Any]) -> Episode:
-        import openai
+        import openai  # noqa: PLC0415 - optional: openai (the agents extra)
 
         async with self.endpoint.episode() as recorder:
             client = openai.AsyncOpenAI(

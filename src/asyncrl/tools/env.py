@@ -9,7 +9,7 @@ the ``tool`` role), whether the episode ended, its reward when it did, and ``inf
 turn's tool counts). One environment object serves one episode; a workflow makes a fresh
 one per sample from a factory.
 
-- :class:`RewardEnv`: a plain reward (any :class:`~asyncrl.workflows.base.Scorer`) is an
+- :class:`RewardEnv`: a plain reward (any :class:`~asyncrl.api.workflow.Scorer`) is an
   environment without tools; the first reply ends the episode and is scored.
 - :class:`ToolEnv`: a reply with tool calls runs them (concurrently, each under its
   timeout, errors as observations) and the episode goes on; a reply without calls ends it
@@ -27,13 +27,12 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from asyncrl.api.workflow import Scorer
 from asyncrl.tools.base import Tool, ToolBox, ToolResult
 from asyncrl.tools.calls import ParsedReply
-
-if TYPE_CHECKING:
-    from asyncrl.workflows.base import Scorer
+from asyncrl.workflows.base import chat_messages
 
 
 @dataclass
@@ -71,8 +70,6 @@ EnvFactory = Callable[[], Environment]
 def first_messages(record: dict[str, Any], system_prompt: str | None) -> list[dict[str, Any]]:
     """The record's chat (``messages``, or one user turn from ``prompt``/``question``),
     after ``system_prompt`` if given."""
-    from asyncrl.workflows.base import chat_messages
-
     return list(chat_messages(record, system_prompt))
 
 

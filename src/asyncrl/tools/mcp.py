@@ -50,8 +50,8 @@ class MCPTools:
         self._session: Any = None
 
     async def __aenter__(self) -> MCPTools:
-        from mcp import ClientSession, StdioServerParameters
-        from mcp.client.stdio import stdio_client
+        from mcp import ClientSession, StdioServerParameters  # noqa: PLC0415 - optional: mcp
+        from mcp.client.stdio import stdio_client  # noqa: PLC0415 - optional: mcp
 
         params = StdioServerParameters(
             command=self.spec.command,
@@ -89,7 +89,7 @@ class MCPTools:
         timeout_s = self.spec.timeout_s
 
         async def call(arguments: dict[str, Any]) -> str:
-            from mcp.shared.exceptions import MCPError
+            from mcp.shared.exceptions import MCPError  # noqa: PLC0415 - optional: mcp
 
             try:
                 result = await self._session.call_tool(

@@ -30,15 +30,14 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrl.engines.base import GenerateRequest, InferenceEngine, SamplingParams
+from asyncrl.api.inference import GenerateRequest, InferenceEngine, SamplingParams
+from asyncrl.api.workflow import RolloutWorkflow, Scorer
 from asyncrl.tools.base import Tool
 from asyncrl.tools.builtin import BUILTIN_TOOLS
 from asyncrl.tools.calls import get_parser, tools_system_text
 from asyncrl.tools.env import EnvFactory, Environment, RewardEnv, ToolEnv
 from asyncrl.wire.messages import Prompt, TrainSample, Trajectory
 from asyncrl.workflows.base import (
-    RolloutWorkflow,
-    Scorer,
     TokenTrace,
     encode_text,
     rest_of_turn_end,

@@ -1,47 +1,15 @@
-"""The workflow contract and the pieces every workflow shares.
-
-A workflow turns one prompt record into the trajectories of one episode (a GRPO group):
-
-    trajectories = await workflow.arun_episode(engine, item)
-
-``item`` is the prompt record with its ``uid`` (a dict with a ``"uid"`` key, or a
-:class:`~asyncrl.wire.messages.Prompt`). It returns the group's trajectories, or None when the
-episode produced nothing usable (the engine stopped mid-way): the prompt then goes back to
-the pool. Every trajectory carries the record in ``data`` (so a reward actor can score it),
-its uid ``f"{prompt_uid}/{i}"``, generated tokens with ``loss_mask`` 1 and their behaviour
-logprobs and versions, and prompt/environment tokens with mask 0, logprob 0, version -1.
-"""
+"""The pieces every workflow shares: the item's uid and record, the chat to generate
+from, its tokens, and the growing token sequence of a sample. The contract itself is
+:mod:`asyncrl.api.workflow`."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from asyncrl.engines.base import GenerateResponse, InferenceEngine
+from asyncrl.api.inference import GenerateResponse
 from asyncrl.wire.messages import Array, Prompt, Trajectory
-
-
-class RewardOutcome(Protocol):
-    reward: float
-    ok: bool
-    reason: str
-
-
-class Scorer(Protocol):
-    """What scores a completion: :class:`asyncrl.rewards.RewardPool` or any look-alike."""
-
-    async def score(self, completion: str, data: dict[str, Any]) -> RewardOutcome: ...
-
-
-class RolloutWorkflow(ABC):
-    """Produces one episode's trajectories; see the module docstring for the contract."""
-
-    @abstractmethod
-    async def arun_episode(
-        self, engine: InferenceEngine, item: dict[str, Any] | Prompt
-    ) -> list[Trajectory] | None: ...
 
 
 def split_item(item: dict[str, Any] | Prompt) -> tuple[str, dict[str, Any]]:

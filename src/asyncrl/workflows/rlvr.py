@@ -11,11 +11,10 @@ import asyncio
 import zlib
 from typing import Any
 
-from asyncrl.engines.base import GenerateRequest, InferenceEngine, SamplingParams
+from asyncrl.api.inference import GenerateRequest, InferenceEngine, SamplingParams
+from asyncrl.api.workflow import RolloutWorkflow, Scorer
 from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.base import (
-    RolloutWorkflow,
-    Scorer,
     TokenTrace,
     chat_messages,
     encode_chat,

@@ -1,0 +1,99 @@
+"""What the rollout and eval actors share: asking for the latest weights, the order in
+which weights supersede one another, and the recipe's workflow built from its config with
+the tools and the endpoint it needs (:mod:`asyncrl.workflows.config`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+
+from asyncrl.api.inference import InferenceEngine, SamplingParams
+from asyncrl.api.workflow import RolloutWorkflow, Scorer
+from asyncrl.endpoint.server import OpenAIEndpoint
+from asyncrl.runtime.actor import Actor
+from asyncrl.runtime.bus import BusTimeout, RemoteError
+from asyncrl.tools.base import Tool
+from asyncrl.wire.messages import WeightsQuery, WeightsUpdated
+from asyncrl.workflows.config import ENDPOINT_CALLS, WorkflowParts
+
+WEIGHTS_QUERY_TIMEOUT = 5.0
+"""Seconds to wait for the buffer's answer to "which weights are the latest?"."""
+
+
+async def latest_weights(actor: Actor) -> WeightsUpdated | None:
+    """The latest weights the buffer knows of (for an actor that joins a live run, or one
+    that missed a broadcast); None when nothing is published yet, or no buffer answers."""
+    try:
+        return await actor.bus.request(
+            actor.subjects.weights_query,
+            WeightsQuery(actor_id=actor.actor_id),
+            WeightsUpdated,
+            timeout=WEIGHTS_QUERY_TIMEOUT,
+        )
+    except (BusTimeout, RemoteError):
+        return None
+
+
+def supersedes(epoch: int, version: int, than: tuple[int, int]) -> bool:
+    """Whether weights ``(epoch, version)`` supersede ``than``'s: a newer trainer epoch (a
+    trainer restarted from its checkpoint) wins over a higher version of the lineage it
+    rolled back."""
+    return (epoch, version) > than
+
+
+async def serve_endpoint(
+    actor: Actor,
+    engine: InferenceEngine,
+    sampling: SamplingParams,
+    resources: contextlib.AsyncExitStack,
+    *,
+    port: int = 0,
+) -> OpenAIEndpoint:
+    """The actor's OpenAI-compatible endpoint on ``engine`` and ``port`` (0: a free one),
+    started, with ``sampling`` as the defaults a request overrides, stopped when
+    ``resources`` closes. Its API key is the run's NATS token, or in a run without one a
+    fresh token."""
+    recipe = actor.recipe
+    endpoint = OpenAIEndpoint(
+        engine,
+        model_name=recipe.model.path,
+        token=actor.ctx.nats.token or secrets.token_urlsafe(24),
+        port=port,
+        parser=recipe.rollout.agent.parser,
+        sampling=sampling,
+    )
+    await endpoint.start()
+    # the openai client's HTTP library (httpx, or its httpx2 fork) logs every request at
+    # INFO: a line per call of every episode
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    resources.push_async_callback(endpoint.stop)
+    return endpoint
+
+
+def build_workflow(
+    actor: Actor,
+    engine: InferenceEngine,
+    sampling: SamplingParams,
+    group_size: int,
+    *,
+    reward: Scorer | None,
+    endpoint: OpenAIEndpoint | None,
+    tools: list[Tool] | None,
+) -> RolloutWorkflow:
+    """The recipe's workflow as both actors build it, from ``rollout.workflow``'s config,
+    with ``sampling`` and ``group_size`` (the rollout's, or an eval job's). Agent code
+    appends its endpoint calls to ``<run>/endpoint_calls.jsonl`` with
+    ``rollout.endpoint_record``."""
+    r = actor.recipe.rollout
+    parts = WorkflowParts(
+        tokenizer=engine.tokenizer,
+        sampling=sampling,
+        group_size=group_size,
+        reward=reward,
+        endpoint=endpoint,
+        tools=tools,
+        record_path=actor.ctx.run_dir / ENDPOINT_CALLS if r.endpoint_record else None,
+    )
+    return r.workflow.build(r, parts)
