@@ -283,7 +283,7 @@ class Trajectory(Message):
 
 
 class TrainSample(Message):
-    """One scored sample as training and its records read it, in a served batch: the
+    """One scored sample as training and its records read it, in its :class:`Group`: the
     tokens, loss mask, behaviour logprobs, per-token versions and reward of a
     :class:`Trajectory`, with the ids that place it in its group and episode. The prompt
     record, the completion text and the lease it ran under stay behind."""
