@@ -122,8 +122,8 @@ class NullTrainer(TrainerActor):
             batch = await self._fetch_batch(self.step)
             self.step += 1
             self.version += 1
-            samples = batch.samples
-            self._note_step(len(samples), len(encode(batch)))
+            samples = sum(len(g.samples) for g in batch.groups)
+            self._note_step(samples, len(encode(batch)))
             if self.step % self.recipe.trainer.update_every == 0:
                 msg = WeightsUpdated(
                     version=self.version, kind="dir", location=location, step=self.step

@@ -84,7 +84,7 @@ async def test_dynamic_filter_drops_groups_without_signal(tmp_path: Path) -> Non
         await buf.on_scored(sample(a, i, 0, 1.0))
     await buf.on_scored(sample(b, 0, 0, 1.0))
     await buf.on_scored(sample(b, 1, 0, 0.0))
-    assert [g[0].prompt_uid for g in buf.admission.ready] == [b]
+    assert [g.prompt_uid for g in buf.admission.ready] == [b]
     assert buf.counters["filtered_groups"] == 1 and buf.staleness.accepted == 1
 
 
@@ -106,7 +106,7 @@ async def test_dynamic_filter_judges_the_shaped_rewards_the_advantages_use(
     # b: equal raw rewards, both within the free zone: equal shaped rewards, dropped
     await buf.on_scored(sample(b, 0, 0, 1.0, generated=2))
     await buf.on_scored(sample(b, 1, 0, 1.0, generated=5))
-    assert [g[0].prompt_uid for g in buf.admission.ready] == [a]
+    assert [g.prompt_uid for g in buf.admission.ready] == [a]
     assert buf.counters["filtered_groups"] == 1
 
 

@@ -87,7 +87,7 @@ async def test_update_every_beyond_eta_plus_one_still_gets_batches(
             for step in range(3):
                 t.version = step  # trained, not yet published
                 batch = await t._fetch_batch(step)
-                assert len(batch.samples) == 4 and batch.version == 0
+                assert [len(g.samples) for g in batch.groups] == [2, 2] and batch.version == 0
         assert buf.staleness.rejected == 0 and buf.version == 0
 
 
@@ -111,7 +111,7 @@ async def test_the_not_ready_answer_says_what_the_trainer_waits_for(
             reply = await bus.request(S.batch, req, TrainBatchRef, timeout=10)
             while reply.waiting is None or reply.waiting.running != 2:
                 reply = await bus.request(S.batch, req, TrainBatchRef, timeout=10)
-        assert reply.waiting is not None and not reply.samples
+        assert reply.waiting is not None and not reply.groups
         w = reply.waiting
         assert (w.ready_groups, w.batch_size, w.rejected_stale, w.running) == (1, 2, 1, 2)
         assert "1/2 groups ready" in w.describe() and "1 rejected as stale" in w.describe()
@@ -139,8 +139,9 @@ async def test_invalid_trajectories_are_counted_and_the_batch_forms_from_good_on
         t = trainer(tmp_path, nats_server, bus, r)
         async with asyncio.timeout(30):
             batch = await t._fetch_batch(0)
-        prompts = {x.prompt_uid for x in batch.samples}
+        prompts = {x.prompt_uid for g in batch.groups for x in g.samples}
         assert prompts == {got.prompts[0].uid, got.prompts[2].uid}
+        assert {g.prompt_uid for g in batch.groups} == prompts
         assert batch.counters["invalid_loss_on_prompt_token"] == 1
         assert buf.counters["invalid_samples"] == 1
         # the bad prompt went back to the pool with its budget
@@ -169,8 +170,8 @@ async def test_batch_blobs_have_their_own_bucket_and_are_deleted_once_fetched(
             t = trainer(tmp_path, small_nats, bus, r)
             async with asyncio.timeout(30):
                 batch = await t._fetch_batch(0)
-            assert len(batch.samples) == 4 and not batch.blob_key
-            assert batch.samples[0].input_ids.shape == (3000,)
+            assert [len(g.samples) for g in batch.groups] == [2, 2] and not batch.blob_key
+            assert batch.groups[0].samples[0].input_ids.shape == (3000,)
             store = await bus.js.object_store(S.batch_bucket)
             try:
                 left = [o.name for o in await store.list(ignore_deletes=True)]

@@ -13,13 +13,15 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgpack
 import pytest
 from actor_helpers.buffer_kit import recipe, running_buffer
 from test_buffer_actor import S, sample, score, take_lease
 
 from asyncrl.actors.buffer import actor as buffer_actor
-from asyncrl.actors.buffer.admission import Admission
-from asyncrl.actors.buffer.durable import keep_for_resume
+from asyncrl.actors.buffer.admission import Admission, admitted_group, raw_rewards
+from asyncrl.actors.buffer.batching import Batcher
+from asyncrl.actors.buffer.durable import OldSnapshotError, keep_for_resume, restore
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.observe.records import drop_records_after
@@ -28,7 +30,15 @@ from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.runtime.supervisor import RESTART_ENV, ActorSpec
-from asyncrl.wire.messages import Array, BatchRequest, TrainBatchRef, TrainSample, Trajectory
+from asyncrl.wire.messages import (
+    SCHEMA_VERSION,
+    Array,
+    BatchRequest,
+    BufferSnapshot,
+    Group,
+    TrainBatchRef,
+    Trajectory,
+)
 
 
 def traj(prompt: str, i: int, version: int, *, attempt: str = "L1", epoch: int = 0) -> Trajectory:
@@ -75,7 +85,7 @@ async def test_a_restarted_buffer_goes_on_where_the_last_one_stood(
         assert [len(g) for g in second.admission.groups.values()] == [1]  # the half group
         assert len(second.admission.ready) == 1  # three groups, two of them served
         again = await bus.request(S.batch, req, TrainBatchRef, timeout=30)
-        assert [t.uid for t in again.samples] == [t.uid for t in batch.samples]
+        assert again.groups == batch.groups  # samples and shaped rewards alike
         await score(bus, g[3][1])  # the rest of the half group completes it
         async with asyncio.timeout(30):
             while len(second.admission.ready) < 2:
@@ -147,7 +157,7 @@ async def test_a_stopping_buffer_ends_its_batch_wait_and_writes_its_last_changes
         buf.stop("test")
         async with asyncio.timeout(60):
             answer = await waiting
-        assert answer.waiting is not None and not answer.samples
+        assert answer.waiting is not None and not answer.groups
     assert buf.durable.writes == writes + 1
     async with running_buffer(tmp_path, nats_server, bus, r) as again:
         assert sorted(again.leases.leased) == sorted(
@@ -164,9 +174,9 @@ def admission(tmp_path: Path, version: int) -> Admission:
     return Admission(sm, leases, journal, group_size=2, dynamic_filter=False)
 
 
-def group(prompt: str, version: int) -> list[TrainSample]:
+def group(prompt: str, version: int) -> Group:
     """An admitted group of two, as the buffer keeps it."""
-    return [traj(prompt, i, version).to_train_sample() for i in range(2)]
+    return admitted_group([traj(prompt, i, version) for i in range(2)], raw_rewards)
 
 
 def test_roll_back_keeps_the_groups_of_the_versions_that_remain(tmp_path: Path) -> None:
@@ -183,7 +193,7 @@ def test_roll_back_keeps_the_groups_of_the_versions_that_remain(tmp_path: Path) 
     dropped = a.roll_back(2, epoch=1, served=served)
 
     # restarted from version 2: versions ≤ 2 stay (served first, then ready), 3 is gone
-    assert [g[0].prompt_uid for g in a.ready] == ["e0-5", "e0-1"]
+    assert [g.prompt_uid for g in a.ready] == ["e0-5", "e0-1"]
     assert dropped == 2 and a.journal.counters["rolled_back_groups"] == 2
     assert a.journal.counters["rolled_back_samples"] == 4
     # they run again, with their records from the dataset (samples carry none)
@@ -200,6 +210,27 @@ def test_roll_back_keeps_the_groups_of_the_versions_that_remain(tmp_path: Path) 
     assert a.on_scored(traj("e0-9", 0, 2, attempt="L2", epoch=0)) == "invalid"
     assert a.journal.counters["invalid_old_epoch"] == 1
     assert a.on_scored(traj("e0-7", 0, 2, attempt="L3", epoch=1)) == "pending"
+
+
+def test_a_snapshot_of_groups_kept_as_bare_samples_is_refused_naming_the_run(
+    tmp_path: Path,
+) -> None:
+    """An older asyncrl kept an admitted group as a bare list of samples (no shaped
+    rewards): restoring it fails before changing anything, with the run folder named."""
+    a = admission(tmp_path, version=3)
+    batcher = Batcher(a, a.staleness, a.journal, batch_size=2)
+    samples = group("e0-1", 2).samples
+    old = msgpack.packb(
+        {
+            "k": "buffer_group",
+            "v": SCHEMA_VERSION,
+            "d": {"samples": [t.__pydantic_serializer__.to_python(t) for t in samples]},
+        }
+    )
+    snap = BufferSnapshot(version=9, ready=[old])
+    with pytest.raises(OldSnapshotError, match=str(tmp_path)):
+        restore(snap, a.leases, a, batcher, 0.0, run_dir=tmp_path)
+    assert a.staleness.version == 3 and not a.ready
 
 
 def _lease(a: Admission, uid: str, lease_id: str) -> object:

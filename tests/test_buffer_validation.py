@@ -82,7 +82,7 @@ async def test_an_invalid_sample_abandons_its_group_and_returns_the_prompt(
     await buf.on_scored(scored(bad, 1, got.lease_id, reward=None))
     for i in range(2):
         await buf.on_scored(scored(good, i, got.lease_id))
-    assert [g[0].prompt_uid for g in buf.admission.ready] == [good]
+    assert [g.prompt_uid for g in buf.admission.ready] == [good]
     assert buf.counters["invalid_missing_reward"] == 1 and buf.counters["invalid_samples"] == 1
     # the bad prompt's budget came back and the prompt is first in line again
     assert buf.staleness.running == 0 and bad not in buf.leases.leased
@@ -94,7 +94,7 @@ async def test_an_invalid_sample_abandons_its_group_and_returns_the_prompt(
     assert [p.uid for p in again.prompts] == [bad]
     for i in range(2):
         await buf.on_scored(scored(bad, i, again.lease_id))
-    assert [g[0].prompt_uid for g in buf.admission.ready] == [good, bad]
+    assert [g.prompt_uid for g in buf.admission.ready] == [good, bad]
     buf.journal.close()
     events = (tmp_path / "buffer_events.jsonl").read_text()
     assert '"event": "invalid"' in events and '"reason": "missing_reward"' in events

@@ -12,9 +12,14 @@ import torch
 from scripted_engine import ScriptedEngine
 from test_buffer import lease, make_buffer
 
-from asyncrl.actors.buffer.admission import group_complete, invalid_reason
+from asyncrl.actors.buffer.admission import (
+    admitted_group,
+    group_complete,
+    invalid_reason,
+    raw_rewards,
+)
 from asyncrl.algo import episode_advantages, group_advantages
-from asyncrl.algo.samples import build_samples, episodes_of
+from asyncrl.algo.samples import build_samples
 from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
 from asyncrl.models.tiny import build_tokenizer
@@ -46,43 +51,43 @@ def traj(
 def test_episode_advantages_by_hand() -> None:
     """One group of 3 episodes, rewards R = (1, 0, 0.5): mean 0.5, unbiased std 0.5.
     Episode 0 gave two samples (0.9 = 1·γ with γ = 0.9, then 1); the others one each."""
-    sample_r = torch.tensor([0.9, 1.0, 0.0, 0.5])
-    episode_of = torch.tensor([0, 0, 1, 2])
-    episode_r = torch.tensor([1.0, 0.0, 0.5])
+    sample_r = [torch.tensor([0.9, 1.0, 0.0, 0.5])]
+    episode_of = [torch.tensor([0, 0, 1, 2])]
+    episode_r = torch.tensor([[1.0, 0.0, 0.5]])
     eps = 1e-6
-    adv = episode_advantages(sample_r, episode_of, episode_r, 3, eps=eps)
+    (adv,) = episode_advantages(episode_r, sample_r, episode_of, eps=eps)
     s = 0.5 + eps
     expected = [(0.9 - 0.5) / s, (1.0 - 0.5) / s, (0.0 - 0.5) / s, 0.0]
     assert adv.tolist() == pytest.approx(expected, abs=1e-5)
     # one sample per episode: exactly GRPO
-    single = episode_advantages(episode_r, torch.arange(3), episode_r, 3)
-    assert single.tolist() == pytest.approx(group_advantages(episode_r, 3).tolist())
+    (single,) = episode_advantages(episode_r, [episode_r[0]], [torch.arange(3)])
+    assert single.tolist() == pytest.approx(group_advantages(episode_r)[0].tolist())
     # RLOO, no std: episode 0's baseline is the others' mean 0.25
-    loo = episode_advantages(sample_r, episode_of, episode_r, 3, std_level=None, leave_one_out=True)
+    (loo,) = episode_advantages(episode_r, sample_r, episode_of, std_level=None, leave_one_out=True)
     assert loo.tolist() == pytest.approx([0.9 - 0.25, 1.0 - 0.25, 0.0 - 0.75, 0.5 - 0.5])
     # equal episode rewards carry no signal: a discounted sample is not blown up by std 0
-    flat = episode_advantages(
-        torch.tensor([0.9, 1.0, 1.0]), torch.tensor([0, 0, 1]), torch.tensor([1.0, 1.0]), 2
+    (flat,) = episode_advantages(
+        torch.tensor([[1.0, 1.0]]), [torch.tensor([0.9, 1.0, 1.0])], [torch.tensor([0, 0, 1])]
     )
     assert flat.tolist() == [0.0, 0.0, 0.0]
 
 
 def test_the_trainer_batch_of_episodes_of_several_samples() -> None:
     """Two groups of 2 episodes: p0 = [e0: 0.9, 1.0 | e1: 0.0], p1 = [e0: 1.0 | e1: 1.0]."""
-    batch = [
-        traj("p0", 0, 0.9, 0, 2),
-        traj("p0", 0, 1.0, 1, 2),
-        traj("p0", 1, 0.0),
-        traj("p1", 0, 1.0),
-        traj("p1", 1, 1.0),
-    ]
-    assert episodes_of(batch) == ([0, 0, 1, 2, 3], [1, 2, 3, 4])
-    samples, _ = build_samples(batch, load_recipe(None, ["rollout.group_size=2"]))
+    # p0's samples arrive out of order: the group puts them in episode order
+    p0 = admitted_group(
+        [traj("p0", 1, 0.0), traj("p0", 0, 1.0, 1, 2), traj("p0", 0, 0.9, 0, 2)], raw_rewards
+    )
+    p1 = admitted_group([traj("p1", 0, 1.0), traj("p1", 1, 1.0)], raw_rewards)
+    assert [t.uid for t in p0.samples] == ["p0/0/0", "p0/0/1", "p0/1"]
+    assert p0.final_positions == [1, 2] and p1.final_positions == [0, 1]
+    samples, _ = build_samples([p0, p1], load_recipe(None, ["rollout.group_size=2"]))
     s = 2**-0.5 + 1e-6  # the unbiased std of (1, 0)
     expected = [(0.9 - 0.5) / s, (1.0 - 0.5) / s, (0.0 - 0.5) / s, 0.0, 0.0]
     assert [x.advantages for x in samples] == pytest.approx(expected, abs=1e-5)
-    stats = batch_stats(batch, 2, 256)
+    stats = batch_stats([p0, p1], 256)
     assert stats["reward_groups/all_one"] == 0.5  # p1 only: p0 is told by prompt, not by 2s
+    batch = [*p0.samples, *p1.samples]
     assert agent_metrics(batch)["agent/turns"] == pytest.approx((2 + 1 + 1 + 1) / 4)
 
 
@@ -103,7 +108,9 @@ async def test_the_buffer_admits_the_group_once_every_sample_is_in(tmp_path: Pat
         assert not buf.admission.ready
     await buf.on_scored(traj(uid, 1, 1.0, 1, 2))
     (group,) = buf.admission.ready
-    assert [(t.group_index, t.episode_sample) for t in group] == [(0, 0), (1, 0), (1, 1)]
+    assert [(t.group_index, t.episode_sample) for t in group.samples] == [(0, 0), (1, 0), (1, 1)]
+    assert group.prompt_uid == uid and group.final_positions == [0, 2]
+    assert group.shaped_rewards == [1.0, 0.9, 1.0]  # shaped once, here (no shaping set)
 
 
 FRESH_AGENT = """

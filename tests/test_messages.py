@@ -34,6 +34,7 @@ from asyncrl.wire.messages import (
     Ack,
     ActorInfo,
     Array,
+    Group,
     Lease,
     Message,
     Metrics,
@@ -235,12 +236,40 @@ def test_a_train_sample_holds_what_training_reads_and_nothing_else() -> None:
     for name in set(TrainSample.model_fields):
         assert getattr(s, name) == getattr(t, name), name
     assert (s.head_version, s.versions_spanned) == (2, 2)
-    batch = TrainBatchRef(step=0, version=3, samples=[s, s])
+    group = Group(prompt_uid="e0-4", samples=[s, s], shaped_rewards=[0.5, 0.5])
+    batch = TrainBatchRef(step=0, version=3, groups=[group, group])
     back = decode(encode(batch), TrainBatchRef)
-    assert back == batch and back.samples[0].reward == 1.0
+    assert back == batch and back.groups[0].samples[0].reward == 1.0
+    assert back.groups[0].shaped_rewards == [0.5, 0.5] and back.groups[0].head_version == 2
     assert len(encode(s)) < len(encode(t)) - 1000  # the record and the text stay behind
     with pytest.raises(ValueError, match="not scored"):
         t.model_copy(update={"reward": None}).to_train_sample()
+
+
+def test_a_group_has_one_shaped_reward_per_sample_of_its_own_prompt() -> None:
+    def sample(prompt: str, index: int, versions: list[int]) -> TrainSample:
+        return TrainSample(
+            uid=f"{prompt}/{index}",
+            prompt_uid=prompt,
+            group_index=index,
+            input_ids=Array.of([1, 2, 3], "int32"),
+            loss_mask=Array.of([False, True, True]),
+            logprobs=Array.of([0.0, -0.5, -0.25], "float32"),
+            versions=Array.of(versions, "int32"),
+            reward=1.0,
+        )
+
+    a, b = sample("p", 0, [-1, 4, 5]), sample("p", 1, [-1, 3, 3])
+    group = Group(prompt_uid="p", samples=[a, b], shaped_rewards=[1.0, 0.0])
+    assert (group.head_version, group.newest_version, group.final_positions) == (3, 5, [0, 1])
+    with pytest.raises(ValueError, match="1 shaped rewards for 2 samples"):
+        Group(prompt_uid="p", samples=[a, b], shaped_rewards=[1.0])
+    with pytest.raises(ValueError, match="holds samples of"):
+        Group(prompt_uid="p", samples=[a, sample("q", 1, [-1, 3, 3])], shaped_rewards=[1.0, 0.0])
+    # a group travels in a batch on the fast path
+    assert _fast_decoder(Group) is not None
+    back = decode(encode(group), Group)
+    assert back == group
 
 
 # -- malformed payloads -------------------------------------------------------------------------
@@ -433,7 +462,7 @@ def _paths_agree(payload: bytes, cls: type[Message]) -> None:
 
 
 def test_the_hot_message_types_take_the_fast_path() -> None:
-    for cls in (Trajectory, TrainSample, Metrics, Ack, TrainBatchRef, ActorInfo, Lease):
+    for cls in (Trajectory, TrainSample, Group, Metrics, Ack, TrainBatchRef, ActorInfo, Lease):
         assert _fast_decoder(cls) is not None, cls
 
 

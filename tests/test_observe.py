@@ -18,7 +18,7 @@ from asyncrl.observe.dashboard import DashboardState
 from asyncrl.observe.records import batch_stats
 from asyncrl.observe.sinks import open_sinks
 from asyncrl.runtime.trace import Tracer, merge_traces
-from asyncrl.wire.messages import ActorInfo, Array, Metrics, Trajectory
+from asyncrl.wire.messages import ActorInfo, Array, Group, Metrics, Trajectory
 
 RECORDED = Path(__file__).parent / "data" / "recorded_metrics.jsonl"
 
@@ -104,6 +104,15 @@ def _traj(
     )
 
 
+def _groups(*trajectories: Trajectory) -> list[Group]:
+    """The batch's groups of two, in order."""
+    samples = [t.to_train_sample() for t in trajectories]
+    return [
+        Group(prompt_uid="p", samples=pair, shaped_rewards=[t.reward for t in pair])
+        for pair in (samples[i : i + 2] for i in range(0, len(samples), 2))
+    ]
+
+
 def test_batch_stats_by_hand() -> None:
     batch = [
         _traj(0.0, 3, "stop"),
@@ -113,7 +122,7 @@ def test_batch_stats_by_hand() -> None:
         _traj(1.0, 4, "stop"),
         _traj(1.0, 8, "stop"),  # group 3: all one; 8 tokens is the budget
     ]
-    stats = batch_stats(batch, group_size=2, max_new_tokens=8)
+    stats = batch_stats(_groups(*batch), max_new_tokens=8)
     assert stats["response_length/mean"] == pytest.approx(30 / 6)
     assert stats["response_length/max"] == 8
     assert stats["response_length/clip_ratio"] == pytest.approx(2 / 6)
@@ -124,14 +133,14 @@ def test_batch_stats_by_hand() -> None:
     # an update landed mid-sequence: the prompt's -1s do not count as a version
     mixed = batch[0].model_copy(update={"versions": Array.of([-1, -1, 3, 3, 4], "int32")})
     assert mixed.versions_spanned == 2 and batch[0].versions_spanned == 1
-    stats = batch_stats([mixed, *batch[1:]], group_size=2, max_new_tokens=8)
+    stats = batch_stats(_groups(mixed, *batch[1:]), max_new_tokens=8)
     assert stats["versions/mixed_samples"] == 1
     # two replies of 6 (12 generated tokens, over one reply's budget of 8) that stopped on
     # their own are not cut; the same sample ending on the budget is
     two = _traj(1.0, 0, "stop", mask=[0] * 3 + [1] * 6 + [0] * 4 + [1] * 6)
-    assert batch_stats([two, two], 2, 8)["response_length/clip_ratio"] == 0
+    assert batch_stats(_groups(two, two), 8)["response_length/clip_ratio"] == 0
     cut = two.model_copy(update={"finish_reason": "length"})
-    assert batch_stats([two, cut], 2, 8)["response_length/clip_ratio"] == 0.5
+    assert batch_stats(_groups(two, cut), 8)["response_length/clip_ratio"] == 0.5
 
 
 def test_chunk_entropy_by_hand() -> None:

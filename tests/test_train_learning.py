@@ -74,7 +74,8 @@ def test_grpo_learns_to_copy() -> None:
         )
         ids, logprobs = sample(engine, prompts, g)
         rewards = rewards_of(ids)
-        advantages = group_advantages(rewards, GROUP)
+        # prompts repeat GROUP times in a row: a row per group
+        advantages = group_advantages(rewards.reshape(PROMPTS, GROUP)).reshape(-1)
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[:, 2:] = True
         behav = torch.zeros(ids.shape)

@@ -1,14 +1,19 @@
-"""The trainer's build_samples: reward shaping (DAPO overlong penalty, affine, clip) before
-group advantages, against hand-computed values."""
+"""The trainer's build_samples: reward shaping (DAPO overlong penalty, affine, clip), done
+once as the buffer admits a group, before group advantages, against hand-computed
+values."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
+from asyncrl.actors.buffer.admission import admitted_group
 from asyncrl.algo.samples import build_samples
-from asyncrl.config.recipe import load_recipe
-from asyncrl.wire.messages import Array, Trajectory
+from asyncrl.algo.shaping import recipe_shaped_rewards
+from asyncrl.config.recipe import Recipe, load_recipe
+from asyncrl.wire.messages import Array, Group, Trajectory
 
 PROMPT = 2
 
@@ -45,21 +50,36 @@ def advantages(samples: list) -> list[float]:
     return [float(s.advantages) for s in samples]
 
 
+def admitted(batch: Sequence[Trajectory], recipe: Recipe) -> list[Group]:
+    """The batch's groups of two as the buffer admits them: shaped by the recipe."""
+    return [
+        admitted_group(batch[i : i + 2], lambda s: recipe_shaped_rewards(s, recipe))
+        for i in range(0, len(batch), 2)
+    ]
+
+
+def train(batch: Sequence[Trajectory], overrides: list[str]) -> tuple[list, dict[str, float]]:
+    recipe = load_recipe(None, overrides)
+    return build_samples(admitted(batch, recipe), recipe)
+
+
 def test_overlong_penalty_and_affine_shaping_before_advantages() -> None:
     # Budget 10, buffer 4: free up to 6 tokens, then (6 − L)/4.
     # r' = (r + overlong + bias)·scale: a: (1+0−.5)·2 = 1, (1−.75−.5)·2 = −.5
     #                                  b: (0−1−.5)·2 = −3, (0+0−.5)·2 = −1
-    samples, stats = build_samples(BATCH, load_recipe(None, SHAPING))
+    groups = admitted(BATCH, load_recipe(None, SHAPING))
+    assert [g.shaped_rewards for g in groups] == [[1.0, -0.5], [-3.0, -1.0]]
+    samples, stats = build_samples(groups, load_recipe(None, SHAPING))
     assert advantages(samples) == pytest.approx([0.75, -0.75, -1.0, 1.0])
     assert stats["reward_mean"] == pytest.approx(0.5)  # the raw reward, for the metrics
     assert stats["reward_shaped_mean"] == pytest.approx(-0.875)
     # clip 2: b's −3 becomes −2, its group mean −1.5
-    samples, _ = build_samples(BATCH, load_recipe(None, [*SHAPING, "trainer.shaping.clip=2"]))
+    samples, _ = train(BATCH, [*SHAPING, "trainer.shaping.clip=2"])
     assert advantages(samples) == pytest.approx([0.75, -0.75, -0.5, 0.5])
 
 
 def test_no_shaping_by_default() -> None:
-    samples, stats = build_samples(BATCH, load_recipe(None, SHAPING[:3]))
+    samples, stats = train(BATCH, SHAPING[:3])
     assert advantages(samples) == pytest.approx([0.0, 0.0, 0.0, 0.0])
     assert stats["reward_shaped_mean"] == stats["reward_mean"] == pytest.approx(0.5)
 
@@ -67,10 +87,8 @@ def test_no_shaping_by_default() -> None:
 def test_mask_truncated_clears_the_loss_of_samples_cut_by_the_budget() -> None:
     batch = [t.model_copy(update={"finish_reason": "stop"}) for t in BATCH]
     batch[1] = batch[1].model_copy(update={"finish_reason": "length"})
-    masked, stats = build_samples(
-        batch, load_recipe(None, [*SHAPING, "trainer.loss.mask_truncated=true"])
-    )
-    kept, _ = build_samples(batch, load_recipe(None, SHAPING))
+    masked, stats = train(batch, [*SHAPING, "trainer.loss.mask_truncated=true"])
+    kept, _ = train(batch, SHAPING)
     assert [int(s.loss_mask.sum()) for s in kept] == [3, 9, 10, 5]
     assert [int(s.loss_mask.sum()) for s in masked] == [3, 0, 10, 5]
     assert stats["truncated_masked"] == 1.0

@@ -150,7 +150,7 @@ class TrainerActor(Actor):
             t0 = time.monotonic()
             with self.tracer.span("wait batch", step=self.step + 1):
                 batch = await self._fetch_batch(self.step)
-            trained = batch.samples
+            trained = batch.groups
             t_batch = time.monotonic() - t0
             samples, stats = build_samples(trained, self.recipe)
             if self.colocation is not None:

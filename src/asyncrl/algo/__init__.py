@@ -2,7 +2,7 @@
 no transport, no engine.
 
 Names are imported on first use: :mod:`asyncrl.algo.shaping` imports no torch, so the
-buffer (which filters groups on shaped rewards) loads without it.
+buffer (which shapes the rewards of the groups it admits) loads without it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Group-relative advantages: GRPO, Dr.GRPO and RLOO from one function.
 
-Rewards arrive as one flat tensor of whole groups laid end to end: the ``G`` samples of
-prompt 0, then the ``G`` samples of prompt 1, and so on (the order the buffer assembles
-them in). The function is pure: rewards are data, so nothing here tracks gradients.
+Rewards arrive as ``[N, G]``: one row per group (prompt), one column per episode of it,
+stacked from the batch's groups (:class:`~asyncrl.wire.messages.Group`) by the caller.
+The functions are pure: rewards are data, so nothing here tracks gradients.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -32,8 +33,7 @@ def _level_std(rewards_NG: torch.Tensor, level: str, *, unbiased: bool) -> torch
 
 
 def group_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
+    rewards_NG: torch.Tensor,
     *,
     mean_level: MeanLevel = "group",
     std_level: StdLevel = "group",
@@ -41,10 +41,11 @@ def group_advantages(
     eps: float = 1e-6,
     unbiased_std: bool = True,
 ) -> torch.Tensor:
-    """One advantage per sample from rewards of whole groups.
+    """One advantage per episode from the rewards of whole groups.
 
-    With ``r`` the rewards of the ``n`` samples in the reference set of sample ``i`` (its
-    group of ``G`` for level ``"group"``, the whole batch of ``N·G`` for ``"batch"``)::
+    With ``r`` the rewards of the ``n`` episodes in the reference set of episode ``i`` (its
+    group's ``G``, a row, for level ``"group"``; the whole batch's ``N·G`` for
+    ``"batch"``)::
 
         baseline_i = mean(r)                                  (leave_one_out=False)
         baseline_i = (sum(r) − r_i) / (n − 1)                 (leave_one_out=True, RLOO)
@@ -60,21 +61,20 @@ def group_advantages(
     ``leave_one_out=True, std_level=None``.
 
     Args:
-        rewards: ``[N·G]`` float rewards, groups contiguous.
-        group_size: ``G``; must divide ``len(rewards)`` and be ≥ 2 for leave-one-out.
+        rewards_NG: ``[N, G]`` float rewards, a row per group; ``G`` ≥ 2 for
+            leave-one-out and for an unbiased std at level ``"group"``.
 
     Returns:
-        ``[N·G]`` float32 advantages, in the order of ``rewards``.
+        ``[N, G]`` float32 advantages, in the places of ``rewards_NG``.
     """
     if mean_level not in _LEVELS or std_level not in _LEVELS:
         raise ValueError(
             f"mean_level {mean_level!r} / std_level {std_level!r}: allowed {list(_LEVELS)}"
         )
-    if rewards.ndim != 1:
-        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
-    if group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    rewards_NG = rewards.to(torch.float32).reshape(-1, group_size)
+    if rewards_NG.ndim != 2:
+        raise ValueError(f"rewards must be [N, G], a row per group; got {tuple(rewards_NG.shape)}")
+    rewards_NG = rewards_NG.to(torch.float32)
+    group_size = rewards_NG.shape[1]
 
     if mean_level is None:
         baseline_NG = torch.zeros_like(rewards_NG)
@@ -93,27 +93,27 @@ def group_advantages(
         if (group_size if std_level == "group" else rewards_NG.numel()) < 2 and unbiased_std:
             raise ValueError("an unbiased std needs at least 2 samples; pass unbiased_std=False")
         adv_NG = adv_NG / (_level_std(rewards_NG, std_level, unbiased=unbiased_std) + eps)
-    return adv_NG.reshape(-1)
+    return adv_NG
 
 
 def episode_advantages(
-    sample_rewards: torch.Tensor,
-    episode_of_sample: torch.Tensor,
-    episode_rewards: torch.Tensor,
-    group_size: int,
+    episode_rewards_NG: torch.Tensor,
+    sample_rewards: Sequence[torch.Tensor],
+    sample_episodes: Sequence[torch.Tensor],
     *,
     std_level: StdLevel = "group",
     leave_one_out: bool = False,
     eps: float = 1e-6,
-) -> torch.Tensor:
+) -> list[torch.Tensor]:
     """Advantages of samples that come several to an episode (agent code whose calls do not
     all continue one another), with the baseline of the episodes.
 
-    ``episode_rewards`` are the ``N·G`` episodes' rewards, groups contiguous as in
+    ``episode_rewards_NG`` are the episodes' rewards, a row per group as in
     :func:`group_advantages`, which gives each episode ``i`` its advantage
-    ``A_i = (R_i − b_i) / s`` (``s = std + eps`` at ``std_level``, 1 without). Sample ``j``
-    of episode ``i = episode_of_sample[j]`` has reward ``r_j`` (the episode's, discounted
-    when it ended calls before the last) and advantage
+    ``A_i = (R_i − b_i) / s`` (``s = std + eps`` at ``std_level``, 1 without). Group ``n``'s
+    samples have rewards ``sample_rewards[n]`` (``[S_n]``; the episode's, discounted when
+    the sample ended calls before the last) and episodes ``sample_episodes[n]`` (``[S_n]``
+    column indices into row ``n``). Sample ``j`` of episode ``i`` has advantage
 
         A_j = (r_j − b_i) / s = A_i + (r_j − R_i) / s
 
@@ -121,20 +121,31 @@ def episode_advantages(
     each gave, and an episode of one sample gets exactly its GRPO advantage. With
     ``std_level`` set, a group whose episode rewards are all equal carries no signal, as in
     GRPO: every sample of it gets 0 (dividing a discount by a zero std would not be one).
+
+    Returns:
+        a ``[S_n]`` float32 tensor per group, in the order of ``sample_rewards``.
     """
-    adv_episode = group_advantages(
-        episode_rewards, group_size, std_level=std_level, leave_one_out=leave_one_out, eps=eps
+    if not len(sample_rewards) == len(sample_episodes) == episode_rewards_NG.shape[0]:
+        raise ValueError(
+            f"{episode_rewards_NG.shape[0]} groups of episode rewards, {len(sample_rewards)} "
+            f"of sample rewards and {len(sample_episodes)} of sample episodes"
+        )
+    adv_NG = group_advantages(
+        episode_rewards_NG, std_level=std_level, leave_one_out=leave_one_out, eps=eps
     )
-    rewards_NG = episode_rewards.to(torch.float32).reshape(-1, group_size)
+    rewards_NG = episode_rewards_NG.to(torch.float32)
     if std_level is None:
-        scale = torch.ones_like(episode_rewards, dtype=torch.float32)
-        signal = torch.ones_like(scale, dtype=torch.bool)
+        scale_NG = torch.ones_like(rewards_NG)
+        signal_NG = torch.ones_like(rewards_NG, dtype=torch.bool)
     else:
         std_NG = _level_std(rewards_NG, std_level, unbiased=True)
-        scale = (std_NG + eps).reshape(-1)
-        signal = (std_NG > 0).reshape(-1)
-    idx = episode_of_sample.to(torch.long)
-    offset = (sample_rewards.to(torch.float32) - episode_rewards.to(torch.float32)[idx]) / scale[
-        idx
-    ]
-    return torch.where(signal[idx], adv_episode[idx] + offset, torch.zeros_like(offset))
+        scale_NG = std_NG + eps
+        signal_NG = std_NG > 0
+    out = []
+    for n, (rewards_S, episodes_S) in enumerate(zip(sample_rewards, sample_episodes, strict=True)):
+        idx = episodes_S.to(torch.long)
+        offset = (rewards_S.to(torch.float32) - rewards_NG[n, idx]) / scale_NG[n, idx]
+        out.append(
+            torch.where(signal_NG[n, idx], adv_NG[n, idx] + offset, torch.zeros_like(offset))
+        )
+    return out

@@ -1,10 +1,11 @@
 """Reward shaping applied before advantages: DAPO's soft overlong penalty, then an affine
 map with a clip.
 
-Plain Python on floats, no torch: the trainer shapes rewards with
-:func:`shaped_rewards` before advantages, and the buffer's dynamic filter judges a group on
-the very same numbers, so a group whose raw rewards are equal but whose shaped rewards
-differ (different lengths under the overlong penalty) still carries a signal and is kept.
+Plain Python on floats, no torch: the buffer shapes a group's rewards once, as it admits
+the group (:class:`~asyncrl.wire.messages.Group` carries them to the trainer's
+advantages), and its dynamic filter judges the group on those very numbers, so a group
+whose raw rewards are equal but whose shaped rewards differ (different lengths under the
+overlong penalty) still carries a signal and is kept.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from asyncrl.config.recipe import Recipe, generation_budget
+
 if TYPE_CHECKING:
-    from asyncrl.config.recipe import Recipe
     from asyncrl.wire.messages import Array
 
 
@@ -95,10 +97,8 @@ class ScoredSample(Protocol):
 
 def recipe_shaped_rewards(samples: Sequence[ScoredSample], recipe: Recipe) -> list[float]:
     """The rewards the trainer's advantages use (``trainer.shaping`` applied to each
-    sample's reward and generated length); the buffer's dynamic filter judges groups on
-    the same numbers."""
-    from asyncrl.config.checks import generation_budget
-
+    sample's reward and generated length), computed by the buffer as it admits a group;
+    its dynamic filter judges the group on the same numbers."""
     s = recipe.trainer.shaping
     return shaped_rewards(
         [float(t.reward or 0.0) for t in samples],

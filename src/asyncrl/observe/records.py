@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe
-    from asyncrl.wire.messages import TrainSample
+    from asyncrl.wire.messages import Group
 
 SAMPLES_FILE = "trained_samples.jsonl"
 METRICS_FILE = "metrics.jsonl"
@@ -40,9 +40,7 @@ def _replies(mask: Any) -> int:
     return int(mask[0]) + int((mask[1:] & ~mask[:-1]).sum())
 
 
-def batch_stats(
-    trajectories: Sequence[TrainSample], group_size: int, max_new_tokens: int
-) -> dict[str, float]:
+def batch_stats(groups: Sequence[Group], max_new_tokens: int) -> dict[str, float]:
     """Response lengths and per-group reward shape of one training batch.
 
     - ``response_length/mean``, ``/max``: generated tokens per sample (loss-mask sum);
@@ -54,8 +52,7 @@ def batch_stats(
       (population std: the spread GRPO normalises by);
     - ``versions/mixed_samples``: samples whose tokens span two policy versions or more.
     """
-    from asyncrl.actors.buffer.admission import split_groups
-
+    trajectories = [t for g in groups for t in g.samples]
     masks = [t.loss_mask.numpy().astype(bool) for t in trajectories]
     lengths = [int(m.sum()) for m in masks]
     # A reply that filled its budget counts as cut even when it ended on a stop token; a
@@ -65,21 +62,18 @@ def batch_stats(
         t.finish_reason == "length" or (n >= max_new_tokens and _replies(m) == 1)
         for t, n, m in zip(trajectories, lengths, masks, strict=True)
     ]
-    groups = [
-        [float(t.reward or 0.0) for t in group]
-        for group in split_groups(list(trajectories), group_size)
-    ]
+    rewards = [[t.reward for t in g.samples] for g in groups]
     stds = []
-    for g in groups:
+    for g in rewards:
         mu = sum(g) / len(g)
         stds.append((sum((r - mu) ** 2 for r in g) / len(g)) ** 0.5)
-    n_groups = max(1, len(groups))
+    n_groups = max(1, len(rewards))
     return {
         "response_length/mean": sum(lengths) / max(1, len(lengths)),
         "response_length/max": float(max(lengths, default=0)),
         "response_length/clip_ratio": sum(clipped) / max(1, len(clipped)),
-        "reward_groups/all_zero": sum(all(r <= 0 for r in g) for g in groups) / n_groups,
-        "reward_groups/all_one": sum(all(r >= 1 for r in g) for g in groups) / n_groups,
+        "reward_groups/all_zero": sum(all(r <= 0 for r in g) for g in rewards) / n_groups,
+        "reward_groups/all_one": sum(all(r >= 1 for r in g) for g in rewards) / n_groups,
         "reward_groups/std_mean": sum(stds) / n_groups,
         # samples whose tokens came from two versions or more (an update mid-generation)
         "versions/mixed_samples": float(sum(t.versions_spanned > 1 for t in trajectories)),
@@ -142,7 +136,7 @@ class StepRecords:
         self,
         step: int,
         version: int,
-        samples: Sequence[TrainSample],
+        groups: Sequence[Group],
         counters: dict[str, int],
         stats: dict[str, float],
         train_stats: dict[str, float],
@@ -150,13 +144,14 @@ class StepRecords:
         live: dict[str, float],
     ) -> dict[str, float]:
         """Records step ``step`` (which took the policy to ``version``) trained on
-        ``samples``: a line per sample, and the step's record to every sink: ``stats`` (the
+        ``groups``: a line per sample, and the step's record to every sink: ``stats`` (the
         batch's rewards and advantages), the buffer's ``counters``, staleness, throughput,
         ``train_stats``, ``times`` (``time_<phase>_s``), :func:`batch_stats`, the agent
         metrics (:func:`~asyncrl.workflows.agent.agent_metrics`) and ``live`` (the fleet's
         and the drops' numbers). Returns the record's numbers."""
         from asyncrl.workflows.agent import agent_metrics
 
+        samples = [t for g in groups for t in g.samples]
         trained_at = version - 1  # the weights these samples updated
         staleness = []
         n_tokens = 0
@@ -197,11 +192,7 @@ class StepRecords:
             **{name: train_stats.get(key) for key, name in TRAIN_KEYS.items()},
             "lr": train_stats.get("lr"),
             **times,
-            **batch_stats(
-                samples,
-                self.recipe.rollout.group_size,
-                self.recipe.rollout.sampling.max_new_tokens,
-            ),
+            **batch_stats(groups, self.recipe.rollout.sampling.max_new_tokens),
             **agent_metrics(samples),
             **live,
             **{f"train/{k}": v for k, v in train_stats.items() if k not in (*TRAIN_KEYS, "lr")},

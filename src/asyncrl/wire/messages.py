@@ -264,24 +264,11 @@ class Trajectory(Message):
         return f"{stage}/{self.attempt}/{self.uid}"
 
     def to_train_sample(self) -> TrainSample:
-        """What training reads of this scored sample (raises ``ValueError`` if unscored)."""
+        """What training reads of this scored sample (raises ``ValueError`` if unscored):
+        every field :class:`TrainSample` has, taken from this one."""
         if self.reward is None:
             raise ValueError(f"sample {self.uid} is not scored")
-        return TrainSample(
-            uid=self.uid,
-            prompt_uid=self.prompt_uid,
-            group_index=self.group_index,
-            episode_sample=self.episode_sample,
-            episode_samples=self.episode_samples,
-            actor_id=self.actor_id,
-            input_ids=self.input_ids,
-            loss_mask=self.loss_mask,
-            logprobs=self.logprobs,
-            versions=self.versions,
-            reward=self.reward,
-            reward_info=self.reward_info,
-            finish_reason=self.finish_reason,
-        )
+        return TrainSample.model_validate({name: getattr(self, name) for name in _TRAIN_FIELDS})
 
     @property
     def versions_spanned(self) -> int:
@@ -296,7 +283,7 @@ class Trajectory(Message):
 
 
 class TrainSample(Message):
-    """One scored sample as training and its records read it, in a served batch: the
+    """One scored sample as training and its records read it, in its :class:`Group`: the
     tokens, loss mask, behaviour logprobs, per-token versions and reward of a
     :class:`Trajectory`, with the ids that place it in its group and episode. The prompt
     record, the completion text and the lease it ran under stay behind."""
@@ -350,6 +337,59 @@ def _head_version(versions: Array) -> int:
     return int(gen.min()) if gen.size else -1
 
 
+_TRAIN_FIELDS = tuple(TrainSample.model_fields)
+"""The fields a :class:`Trajectory` hands on to training: each is one of its own too."""
+
+
+class Group(Message):
+    """One admitted GRPO group, the unit of training data from admission to the loss.
+
+    ``samples`` are every sample of every episode of one prompt, in episode order (by
+    ``group_index``, then ``episode_sample``); ``shaped_rewards`` are the rewards the
+    advantages use, one per sample, shaped once at admission (``trainer.shaping``, see
+    :func:`~asyncrl.algo.shaping.recipe_shaped_rewards`; the dynamic filter judged the
+    group on them). An episode of several samples (agent code whose calls do not all
+    continue one another) has its reward on its final sample (:attr:`final_positions`).
+    """
+
+    KIND: ClassVar[str] = "group"
+    prompt_uid: str
+    samples: list[TrainSample]
+    shaped_rewards: list[float]
+
+    @model_validator(mode="after")
+    def _one_reward_per_sample(self) -> Group:
+        if len(self.shaped_rewards) != len(self.samples):
+            raise ValueError(
+                f"{len(self.shaped_rewards)} shaped rewards for {len(self.samples)} samples"
+            )
+        others = {t.prompt_uid for t in self.samples} - {self.prompt_uid}
+        if others:
+            raise ValueError(f"group {self.prompt_uid} holds samples of {sorted(others)}")
+        return self
+
+    @property
+    def final_positions(self) -> list[int]:
+        """For each episode, by ``group_index``: the position in ``samples`` of its final
+        sample (the one that holds its last call, whose reward is the episode's)."""
+        finals: dict[int, int] = {}
+        for i, t in enumerate(self.samples):
+            finals.setdefault(t.group_index, i)
+            if t.episode_sample == t.episode_samples - 1:
+                finals[t.group_index] = i
+        return [finals[e] for e in sorted(finals)]
+
+    @property
+    def head_version(self) -> int:
+        """The oldest policy version that produced a token of the group (-1 if none)."""
+        return min((t.head_version for t in self.samples), default=-1)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest policy version of any token of the group (-1 if none)."""
+        return max((int(t.versions.numpy().max(initial=-1)) for t in self.samples), default=-1)
+
+
 class BatchWaiting(BaseModel):
     """What a batch request is waiting for: the buffer's answer when a batch is not ready."""
 
@@ -371,7 +411,7 @@ class BatchWaiting(BaseModel):
 
 
 class TrainBatchRef(Message):
-    """A batch of whole groups for one trainer step: the samples inline, or, when they
+    """A batch of whole groups for one trainer step: the groups inline, or, when they
     would not fit in one message, an object-store key (``blob_key``, in the run's batch
     bucket) holding an encoded :class:`TrainBatchRef` with them inline. With ``waiting``
     set there is no batch yet: it says what the buffer is waiting for."""
@@ -379,7 +419,7 @@ class TrainBatchRef(Message):
     KIND: ClassVar[str] = "train_batch"
     step: int
     version: int
-    samples: list[TrainSample] = Field(default_factory=list)
+    groups: list[Group] = Field(default_factory=list)
     blob_key: str = ""
     waiting: BatchWaiting | None = None
     counters: dict[str, int] = Field(default_factory=dict, description="buffer counters")
@@ -545,13 +585,6 @@ class BufferSnapshot(Message):
     trainer's latest checkpoint on: a run resumed from the checkpoint of step s continues
     the dataset from the position of step s - 1."""
     weights: WeightsUpdated | None = None
-
-
-class Group(Message):
-    """One admitted group, the unit the snapshot keeps encoded."""
-
-    KIND: ClassVar[str] = "buffer_group"
-    samples: list[TrainSample]
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

@@ -9,8 +9,9 @@ The version is the staleness manager's, and it is the newest *published* version
 weights rollouts can have): the trainer's batch requests and ``WeightsUpdated`` advance
 it. The dataset position lives in the buffer's durable state only (:mod:`.durable`): the
 position at each served step is recorded there, and ``asyncrl up --resume`` keeps the one
-that goes with the trainer's checkpoint. A batch carries what training reads
-(:class:`~asyncrl.wire.messages.TrainSample`); the prompt records stay here, by prompt id.
+that goes with the trainer's checkpoint. A batch carries what training reads: whole
+:class:`~asyncrl.wire.messages.Group` s, their rewards shaped here at admission; the prompt
+records stay here, by prompt id.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.buffer.admission import Admission, split_groups
+from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
 from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, restore
 from asyncrl.actors.buffer.journal import Journal
@@ -84,7 +85,7 @@ class BufferActor(Actor):
             self.journal,
             group_size=r.rollout.group_size,
             dynamic_filter=r.buffer.dynamic_filter,
-            rewards_of=lambda samples: recipe_shaped_rewards(samples, r),
+            shape=lambda samples: recipe_shaped_rewards(samples, r),
         )
         self.batcher = Batcher(
             self.admission, self.staleness, self.journal, batch_size=r.buffer.batch_size
@@ -149,7 +150,14 @@ class BufferActor(Actor):
         if self.durable.enabled:
             snap = await self.durable.load()
             if snap is not None:
-                restore(snap, self.leases, self.admission, self.batcher, time.monotonic())
+                restore(
+                    snap,
+                    self.leases,
+                    self.admission,
+                    self.batcher,
+                    time.monotonic(),
+                    run_dir=self.ctx.run_dir,
+                )
                 self.admission.epoch = snap.epoch
                 if snap.weights is not None:  # else those of the checkpoint, if any
                     self.weights = snap.weights
@@ -204,7 +212,7 @@ class BufferActor(Actor):
             "leased": sorted(self.leases.leased),
             "pool": [p.uid for p in self.leases.source.pool],
             "ready_groups": len(self.admission.ready),
-            "ready": [g[0].prompt_uid for g in self.admission.ready],
+            "ready": [g.prompt_uid for g in self.admission.ready],
             "partial": sorted(self.admission.groups),
             "epoch": self.epoch,
             "state_writes": self.durable.writes if self.durable else 0,
@@ -333,7 +341,7 @@ class BufferActor(Actor):
             group
             for step, batch in sorted(self.batcher.served.items())
             if step >= version  # the batch of step s is trained as step s + 1
-            for group in split_groups(batch.samples, self.recipe.rollout.group_size)
+            for group in batch.groups
         ]
         # older batches since the checkpoint: only their prompt ids are kept, to run again
         rerun = [

@@ -7,13 +7,14 @@ sample id) are dropped. A group is complete when ``group_size`` distinct episode
 each with all its samples (``episode_samples``: one, except for agent code whose calls do
 not all continue one another);
 it is admitted if v − h ≤ η (h: its oldest token's version), else rejected without using
-the budget; with the dynamic filter, a group whose rewards are all equal is dropped: the
-rewards the advantages use (shaped, :func:`asyncrl.algo.shaping.recipe_shaped_rewards`), not the
-raw ones, so a group of equal raw rewards that shaping tells apart keeps its signal.
+the budget. A whole group's rewards are shaped here, once (the buffer's ``shape``,
+:func:`asyncrl.algo.shaping.recipe_shaped_rewards`): the trainer's advantages use those
+numbers, and with the dynamic filter a group whose episodes' shaped rewards are all equal
+is dropped, so a group of equal raw rewards that shaping tells apart keeps its signal.
 
-An admitted group is kept as :class:`~asyncrl.wire.messages.TrainSample` s, what training reads:
-the prompt record is the buffer's (by prompt id, :meth:`PromptSource.prompt`), and the
-lease and group size were checked here.
+An admitted group is kept as a :class:`~asyncrl.wire.messages.Group`, what training reads
+from here to the loss: the prompt record is the buffer's (by prompt id,
+:meth:`PromptSource.prompt`), and the lease and group size were checked here.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
 
 import numpy as np
 
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook
 from asyncrl.runtime.staleness import StalenessManager
-from asyncrl.wire.messages import TrainSample, Trajectory
+from asyncrl.wire.messages import Group, TrainSample, Trajectory
+
+Shaping = Callable[[Sequence[TrainSample]], Sequence[float]]
+"""The rewards the advantages use, one per sample of a group, from its samples."""
 
 
 def invalid_reason(
@@ -94,30 +97,17 @@ def group_complete(samples: Iterable[Trajectory], group_size: int) -> bool:
     return len(counts) == group_size and all(counts[i] >= n for i, n in expected.items())
 
 
-class _GroupMember(Protocol):
-    @property
-    def prompt_uid(self) -> str: ...
-
-    @property
-    def episode_samples(self) -> int: ...
+def raw_rewards(samples: Sequence[TrainSample]) -> list[float]:
+    """The identity :data:`Shaping`: each sample's own reward."""
+    return [t.reward for t in samples]
 
 
-S = TypeVar("S", bound=_GroupMember)
-
-
-def split_groups(trajectories: Sequence[S], group_size: int) -> list[list[S]]:
-    """Samples of whole groups laid end to end (a batch), back into their groups: runs of
-    ``group_size`` when every episode is one sample, else runs of one prompt's samples."""
-    items = list(trajectories)
-    if all(t.episode_samples == 1 for t in items):
-        return [items[i : i + group_size] for i in range(0, len(items), group_size)]
-    groups: list[list[S]] = []
-    for t in items:
-        if groups and groups[-1][0].prompt_uid == t.prompt_uid:
-            groups[-1].append(t)
-        else:
-            groups.append([t])
-    return groups
+def admitted_group(samples: Iterable[Trajectory], shape: Shaping) -> Group:
+    """The whole group of ``samples`` (scored, of one prompt) as training reads it: in
+    episode order, with the rewards ``shape`` gives them."""
+    ordered = sorted(samples, key=lambda t: (t.group_index, t.episode_sample))
+    train = [t.to_train_sample() for t in ordered]
+    return Group(prompt_uid=train[0].prompt_uid, samples=train, shaped_rewards=list(shape(train)))
 
 
 class Admission:
@@ -131,23 +121,23 @@ class Admission:
         *,
         group_size: int,
         dynamic_filter: bool,
-        rewards_of: Callable[[Sequence[TrainSample]], Sequence[float]] | None = None,
+        shape: Shaping = raw_rewards,
     ) -> None:
-        """``rewards_of`` gives the rewards the dynamic filter compares (those the
-        advantages are computed from); None: the raw rewards."""
+        """``shape`` gives a group's rewards for its advantages (the recipe's
+        ``trainer.shaping``), which the dynamic filter compares too."""
         self.staleness = staleness
         self.leases = leases
         self.journal = journal
         self.group_size = group_size
         self.dynamic_filter = dynamic_filter
-        self.rewards_of = rewards_of or (lambda samples: [t.reward for t in samples])
+        self.shape = shape
         self.groups: dict[str, dict[str, Trajectory]] = {}
         self.seen_samples: set[str] = set()
         """Sample ids of the groups in the making (a finished group is known by its prompt)."""
         self.completed: set[str] = set()
         self.refused: set[tuple[str, str]] = set()
         """(attempt, prompt uid) of groups abandoned for an invalid sample."""
-        self.ready: deque[list[TrainSample]] = deque()
+        self.ready: deque[Group] = deque()
         self._fresh_at = -1
         """The version at which every ready group was last found admissible."""
         self.epoch = 0
@@ -181,24 +171,21 @@ class Admission:
         self.completed.add(traj.prompt_uid)  # from now on the prompt tells duplicates
         self.seen_samples.difference_update(group)
         self.leases.finish(traj.prompt_uid)
-        samples = [
-            t.to_train_sample()
-            for t in sorted(group.values(), key=lambda t: (t.group_index, t.episode_sample))
-        ]
-        head = min(t.head_version for t in samples)
+        admitted = admitted_group(group.values(), self.shape)
+        head = admitted.head_version
         version = self.staleness.version
         if not self.staleness.on_scored(head):
-            self.journal.count("rejected_samples", len(samples))
+            self.journal.count("rejected_samples", len(admitted.samples))
             self.journal.event("reject", prompt=traj.prompt_uid, head=head, version=version)
             return "rejected"
         # judged on the episodes' rewards (their final samples'), as the advantages are
-        finals = [t for t in samples if t.episode_sample == t.episode_samples - 1]
-        if self.dynamic_filter and len(set(self.rewards_of(finals))) == 1:
+        finals = {admitted.shaped_rewards[i] for i in admitted.final_positions}
+        if self.dynamic_filter and len(finals) == 1:
             self.staleness.drop_accepted(1)
             self.journal.count("filtered_groups")
             self.journal.event("filter", prompt=traj.prompt_uid)
             return "filtered"
-        self.ready.append(samples)
+        self.ready.append(admitted)
         self.journal.event("admit", prompt=traj.prompt_uid, head=head, version=version)
         return "admitted"
 
@@ -227,18 +214,18 @@ class Admission:
         if self.staleness.version == self._fresh_at:
             return 0
         self._fresh_at = self.staleness.version
-        fresh: deque[list[TrainSample]] = deque()
+        fresh: deque[Group] = deque()
         dropped = 0
         for group in self.ready:
-            head = min(t.head_version for t in group)
+            head = group.head_version
             if self.staleness.admissible(head):
                 fresh.append(group)
                 continue
             dropped += 1
             self.staleness.expire_accepted(1)
-            self.journal.count("rejected_samples", len(group))
+            self.journal.count("rejected_samples", len(group.samples))
             self.journal.event(
-                "reject", prompt=group[0].prompt_uid, head=head, version=self.staleness.version
+                "reject", prompt=group.prompt_uid, head=head, version=self.staleness.version
             )
         self.ready = fresh
         return dropped
@@ -247,7 +234,7 @@ class Admission:
         self,
         version: int,
         epoch: int,
-        served: list[list[TrainSample]],
+        served: Sequence[Group],
         rerun: Sequence[str] = (),
     ) -> int:
         """The trainer restarted from its checkpoint at ``version`` (a new ``epoch``): the
@@ -270,18 +257,18 @@ class Admission:
         self.epoch = epoch
         self.staleness.version = version
         self._fresh_at = -1
-        keep: deque[list[TrainSample]] = deque()
+        keep: deque[Group] = deque()
         dropped = 0
         for group in [*served, *self.ready]:
-            if max(int(t.versions.numpy().max()) for t in group) <= version:
+            if group.newest_version <= version:
                 keep.append(group)
                 continue
             dropped += 1
-            uid = group[0].prompt_uid
+            uid = group.prompt_uid
             self.completed.discard(uid)
             self.leases.rerun(self.leases.source.prompt(uid))
             self.journal.count("rolled_back_groups")
-            self.journal.count("rolled_back_samples", len(group))
+            self.journal.count("rolled_back_samples", len(group.samples))
             self.journal.event("roll_back", prompt=uid, version=version, epoch=epoch)
         for uid in rerun:
             dropped += 1

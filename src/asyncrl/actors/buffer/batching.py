@@ -84,15 +84,15 @@ class Batcher:
         batch = TrainBatchRef(
             step=step,
             version=self.staleness.version,
-            samples=[t for g in groups for t in g],
+            groups=groups,
             counters=self.counters(),
         )
         self.served = {s: b for s, b in self.served.items() if s >= step - 1}
         self.served[step] = batch
-        self.since_checkpoint[step] = [g[0].prompt_uid for g in groups]
+        self.since_checkpoint[step] = [g.prompt_uid for g in groups]
         self.positions[step] = position
         for g in groups:
-            self.journal.event("batch", prompt=g[0].prompt_uid, step=step)
+            self.journal.event("batch", prompt=g.prompt_uid, step=step)
         return batch
 
 

@@ -34,8 +34,10 @@ import asyncio
 import io
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from asyncrl.actors.buffer.leases import LeaseBook, Leased
 from asyncrl.runtime.connection import worth_logging
 from asyncrl.runtime.log import get_logger
 from asyncrl.wire.codec import DecodeError, decode, encode
@@ -44,15 +46,14 @@ from asyncrl.wire.messages import (
     BufferSnapshot,
     Group,
     LeasedRecord,
+    Message,
     TrainBatchRef,
-    TrainSample,
     WeightsUpdated,
 )
 
 if TYPE_CHECKING:
     from asyncrl.actors.buffer.admission import Admission
     from asyncrl.actors.buffer.batching import Batcher
-    from asyncrl.actors.buffer.leases import LeaseBook
     from asyncrl.runtime.bus import Bus
 
 SNAPSHOT_KEY = "state"
@@ -63,24 +64,29 @@ FINAL_WRITE_S = 5.0
 
 log = get_logger(role="buffer")
 
+M = TypeVar("M", bound=Message)
+
+
+class OldSnapshotError(RuntimeError):
+    """A snapshot whose groups or batches are in a form this asyncrl does not read."""
+
 
 class EncodedParts:
     """The encodings of the snapshot's big parts, admitted groups and served batches,
     which never change once made: each is encoded once, not at every write.
 
-    A part is known by its identity (the list or batch object itself, held with its
-    encoding, so its id cannot be reused while cached): a group that was rolled back and
-    served again is a new object and is encoded anew."""
+    A part is known by its identity (the group or batch object itself, held with its
+    encoding, so its id cannot be reused while cached)."""
 
     def __init__(self) -> None:
-        self._groups: dict[int, tuple[list[TrainSample], bytes]] = {}
+        self._groups: dict[int, tuple[Group, bytes]] = {}
         self._batches: dict[int, tuple[TrainBatchRef, bytes]] = {}
 
-    def groups(self, groups: Iterable[list[TrainSample]]) -> list[bytes]:
+    def groups(self, groups: Iterable[Group]) -> list[bytes]:
         cache, self._groups = self._groups, {}
         for g in groups:
             hit = cache.get(id(g))
-            data = hit[1] if hit is not None and hit[0] is g else encode(Group(samples=g))
+            data = hit[1] if hit is not None and hit[0] is g else encode(g)
             self._groups[id(g)] = (g, data)
         return [data for _, data in self._groups.values()]
 
@@ -143,11 +149,17 @@ def restore(
     admission: Admission,
     batcher: Batcher,
     now: float,
+    *,
+    run_dir: Path,
 ) -> None:
     """Puts ``snap`` back into the buffer's parts. Lease clocks start again at ``now``: an
-    actor that died with the buffer is found out by the usual heartbeat timeout."""
-    from asyncrl.actors.buffer.leases import Leased
+    actor that died with the buffer is found out by the usual heartbeat timeout.
 
+    Raises :class:`OldSnapshotError`, naming ``run_dir``, before changing anything when
+    the snapshot's groups or batches do not decode (an older asyncrl kept a group as a
+    bare list of samples, without its shaped rewards)."""
+    ready = [_decode_part(g, Group, run_dir) for g in snap.ready]
+    served = [_decode_part(b, TrainBatchRef, run_dir) for b in snap.served]
     sm = leases.staleness
     sm.version, sm.accepted, sm.running, sm.rejected = (
         snap.version,
@@ -172,11 +184,22 @@ def restore(
     admission.seen_samples = {t.uid for t in snap.partial}
     admission.completed = set(snap.completed)
     admission.refused = {(a, p) for a, p in snap.refused}
-    admission.ready = deque(decode(g, Group).samples for g in snap.ready)
-    served = [decode(b, TrainBatchRef) for b in snap.served]
+    admission.ready = deque(ready)
     batcher.served = {b.step: b for b in served}
     batcher.since_checkpoint = dict(snap.since_checkpoint)
     batcher.positions = dict(snap.positions)
+
+
+def _decode_part(data: bytes, kind: type[M], run_dir: Path) -> M:
+    try:
+        return decode(data, kind)
+    except DecodeError as exc:
+        raise OldSnapshotError(
+            f"the buffer state of the run in {run_dir} holds a {kind.KIND} this asyncrl "
+            f"does not read ({exc.reason}: {exc.detail[:200]}); an older asyncrl wrote it. "
+            "Start the run anew, or resume it from the trainer's checkpoint with "
+            "`asyncrl up --resume`, which keeps only the dataset position of that state"
+        ) from None
 
 
 class DurableState:
