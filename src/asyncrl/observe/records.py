@@ -15,6 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.actors.buffer.admission import split_groups
+from asyncrl.observe.sinks import open_sinks
+from asyncrl.workflows.agent import agent_metrics
+
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe
     from asyncrl.wire.messages import TrainSample
@@ -54,8 +58,6 @@ def batch_stats(
       (population std: the spread GRPO normalises by);
     - ``versions/mixed_samples``: samples whose tokens span two policy versions or more.
     """
-    from asyncrl.actors.buffer.admission import split_groups
-
     masks = [t.loss_mask.numpy().astype(bool) for t in trajectories]
     lengths = [int(m.sum()) for m in masks]
     # A reply that filled its budget counts as cut even when it ended on a stop token; a
@@ -123,8 +125,6 @@ class StepRecords:
         """Drops the records of steps after ``kept_step`` (the restored checkpoint's: what
         a dead trainer recorded after it did not happen; 0 in a fresh run), then opens the
         sinks."""
-        from asyncrl.observe.sinks import open_sinks
-
         for name in (SAMPLES_FILE, METRICS_FILE):
             drop_records_after(self.run_dir / name, kept_step)
         self.sinks = open_sinks(self.recipe, self.run_dir, jsonl=METRICS_FILE, job="trainer")
@@ -155,8 +155,6 @@ class StepRecords:
         ``train_stats``, ``times`` (``time_<phase>_s``), :func:`batch_stats`, the agent
         metrics (:func:`~asyncrl.workflows.agent.agent_metrics`) and ``live`` (the fleet's
         and the drops' numbers). Returns the record's numbers."""
-        from asyncrl.workflows.agent import agent_metrics
-
         trained_at = version - 1  # the weights these samples updated
         staleness = []
         n_tokens = 0
