@@ -33,7 +33,7 @@ then the speedup, async steps/hour over sync steps/hour. If the faster run's rew
 held-out accuracy is lower, the summary says so beside the speedup.
 
 **Placements mode** (``--placements``) runs only the asynchronous recipe, once under
-asyncrl's own placement (no ``cpus`` or ``threads`` override: :mod:`asyncrl.launch.cores`)
+asyncrl's own placement (no ``cpus`` or ``threads`` override: :mod:`asyncrl.launch.core_placement`)
 and once under each hand placement: generation (rollout, reward, eval) on the first k
 cores and the trainer on the rest, for k in {1, N/4, N/2, N − 1}, and the unpinned
 machine with torch's default threads or with one generation thread and N trainer
@@ -387,7 +387,7 @@ def real(args: argparse.Namespace) -> dict[str, Any]:
 
 def placement_candidates(cores: list[int]) -> dict[str, list[str]]:
     """Label -> placement overrides. ``default`` is asyncrl's own rule
-    (:mod:`asyncrl.launch.cores`: no override at all); the others are placed by hand: disjoint
+    (:mod:`asyncrl.launch.core_placement`: no override at all); the others are placed by hand: disjoint
     splits giving generation k cores, and the shared machine (no pinning) with torch's
     default threads, or with one generation thread and every core for the trainer; and the
     overlapping placement: the trainer on every core, generation pinned to N/4 of them."""

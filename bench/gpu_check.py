@@ -64,7 +64,8 @@ from asyncrl.engines.hf import HFEngine
 from asyncrl.models.resolve import ModelConfig, cache_root, materialize
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.observe.records import METRICS_FILE, SAMPLES_FILE
-from asyncrl.train import Sample, TrainEngine, build_train_engine
+from asyncrl.train.batch import Sample
+from asyncrl.train.engine import TrainEngine, build_train_engine
 
 REPO = Path(__file__).resolve().parents[1]
 CI_RECIPE = REPO / "recipes" / "ci.toml"

@@ -69,7 +69,7 @@ async def generate(kind: str, args: argparse.Namespace) -> list[Any]:
 def gap(outs: list[Any], trainer: Any) -> tuple[float, float, float, int]:
     import torch
 
-    from asyncrl.train import Sample
+    from asyncrl.train.batch import Sample
 
     samples = []
     for o in outs:
@@ -103,7 +103,8 @@ async def main() -> None:
     args = ap.parse_args()
 
     from asyncrl.models.resolve import ModelConfig, resolve_model_path
-    from asyncrl.train import TrainEngine, TrainerConfig
+    from asyncrl.train import TrainerConfig
+    from asyncrl.train.engine import TrainEngine
 
     outputs = {kind: await generate(kind, args) for kind in args.engines}
     trainer = TrainEngine(

@@ -81,8 +81,10 @@ from typing import Any
 import torch
 
 from asyncrl.models.resolve import ModelConfig
-from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
+from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
+from asyncrl.train.batch import Sample
 from asyncrl.train.config import LoraConfig
+from asyncrl.train.engine import TrainEngine
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = next(

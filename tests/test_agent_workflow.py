@@ -18,12 +18,13 @@ from asyncrl.api.inference import SamplingParams
 from asyncrl.api.reward import RewardResult
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.tiny import tiny_model_dir
+from asyncrl.observe.records import agent_metrics
 from asyncrl.tools.base import function_tool
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import tools_system_text
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.messages import Trajectory
-from asyncrl.workflows.agent import AgentWorkflow, ChatFormat, agent_metrics
+from asyncrl.workflows.agent import AgentWorkflow, ChatFormat
 
 
 class ExactAnswer:

@@ -18,7 +18,8 @@ from train_helpers.tiny import one_torch_thread, tiny_config
 from asyncrl.config.recipe import Recipe, RecipeError, load_recipe
 from asyncrl.engines.config import EngineConfig
 from asyncrl.models.resolve import TINY_NAME, ModelConfig, resolve_dtype
-from asyncrl.train import TrainEngine, TrainerConfig
+from asyncrl.train import TrainerConfig
+from asyncrl.train.engine import TrainEngine
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = [p for p in sorted((REPO / "recipes").glob("*.toml")) if "[sft]" not in p.read_text()]
@@ -86,7 +87,7 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
     from asyncrl.engines import build_engine
     from asyncrl.models.resolve import load_tokenizer
     from asyncrl.rewards import build_reward_pool
-    from asyncrl.train import build_train_engine
+    from asyncrl.train.engine import build_train_engine
     from asyncrl.workflows.config import WorkflowParts
 
     recipe, replaced = offline(path, tmp_path)

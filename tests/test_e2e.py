@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from e2e_kit import REPO, cli, run, running_up, up_args
 
-from asyncrl.launch.cores import split_cores
+from asyncrl.launch.core_placement import split_cores
 from asyncrl.runtime.allocator import wheel_platform
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import nats_info_for_run
@@ -100,7 +100,7 @@ async def test_ci_recipe_learns_within_the_staleness_bound(tmp_path: Path) -> No
         # a CPU trainer runs under mimalloc (asyncrl.runtime.allocator), mapped, not just asked
         assert "memory allocator allocator=mimalloc" in trainer_log, trainer_log[:3000]
     assert oct((run_dir / "nats.json").stat().st_mode & 0o777) == "0o600"
-    # the recipe pins nothing, so up placed generation and training by asyncrl.launch.cores' rule
+    # the recipe pins nothing, so up placed generation and training by asyncrl.launch.core_placement's rule
     # where it may use two cores or more, and each process applied it
     if len(os.sched_getaffinity(0)) >= 2:
         placed = json.loads((run_dir / "placement.json").read_text())

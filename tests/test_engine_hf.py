@@ -332,7 +332,9 @@ async def test_engine_and_trainer_report_the_cut_distribution_that_sampled(
     renormalised. The engine reports it, the trainer recomputes it from its own logits."""
     from asyncrl.algo.truncation import kept_mask
     from asyncrl.models.resolve import ModelConfig
-    from asyncrl.train import Sample, TrainEngine, TrainerConfig
+    from asyncrl.train import TrainerConfig
+    from asyncrl.train.batch import Sample
+    from asyncrl.train.engine import TrainEngine
 
     temperature = 0.7
     sp = sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=3)

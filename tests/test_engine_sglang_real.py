@@ -75,7 +75,9 @@ def trainer_logprobs(model_path: str, outs: list[GenerateResponse], temperature:
     import torch
 
     from asyncrl.models.resolve import ModelConfig
-    from asyncrl.train import Sample, TrainEngine, TrainerConfig
+    from asyncrl.train import TrainerConfig
+    from asyncrl.train.batch import Sample
+    from asyncrl.train.engine import TrainEngine
 
     trainer = TrainEngine(
         TrainerConfig(max_tokens_per_microbatch=4096, temperature=temperature),

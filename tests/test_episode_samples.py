@@ -23,9 +23,8 @@ from asyncrl.algo.samples import build_samples
 from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
 from asyncrl.models.tiny import build_tokenizer
-from asyncrl.observe.records import batch_stats
+from asyncrl.observe.records import agent_metrics, batch_stats
 from asyncrl.wire.messages import Array, Trajectory
-from asyncrl.workflows.agent import agent_metrics
 
 
 def traj(

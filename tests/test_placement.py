@@ -16,7 +16,7 @@ from asyncrl.config.placement import (
     gpu_problems,
     gpus_needed,
     node_for,
-    placement_problems,
+    node_placement_problems,
     process_gpus,
 )
 from asyncrl.config.recipe import RecipeError, load_recipe
@@ -65,7 +65,7 @@ def test_placement_parses_and_places_each_process(tmp_path: Path) -> None:
 def test_without_actors_per_node_actors_go_round_robin() -> None:
     r = load_recipe(None, ["rollout.actors=3", 'rollout.node=["a", "b"]'])
     assert [node_for(r, "rollout", i) for i in range(3)] == ["a", "b", "a"]
-    assert placement_problems(r) == []  # no [nodes]: nothing to fit
+    assert node_placement_problems(r) == []  # no [nodes]: nothing to fit
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def test_no_rollout_actors_started_fits_any_actors_per_node(tmp_path: Path) -> N
 
 
 def test_actors_per_node_needs_nodes() -> None:
-    errors = placement_problems(load_recipe(None, ["rollout.actors_per_node=2"]))
+    errors = node_placement_problems(load_recipe(None, ["rollout.actors_per_node=2"]))
     assert len(errors) == 1 and "rollout.node empty" in errors[0]
 
 

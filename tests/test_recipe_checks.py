@@ -175,7 +175,7 @@ def test_check_and_up_refuse_before_anything_starts(tmp_path: Path) -> None:
 
 
 def test_dr_grpo_divides_by_the_generation_budget() -> None:
-    from asyncrl.train import build_train_engine
+    from asyncrl.train.engine import build_train_engine
 
     sets = [
         "model.path=tiny-random-llama",
@@ -201,7 +201,7 @@ def test_dr_grpo_divides_by_the_generation_budget() -> None:
 
 
 def test_new_loss_and_sampling_keys_reach_the_train_engine() -> None:
-    from asyncrl.train import build_train_engine
+    from asyncrl.train.engine import build_train_engine
 
     recipe = load_recipe(
         None,

@@ -21,7 +21,7 @@ from asyncrl.models.resolve import TINY_NAME, ModelConfig
 from asyncrl.sft.config import SftConfig, SftRecipe, load_sft_recipe
 from asyncrl.sft.data import gsm8k_boxed, render_example, sft_records, split_records
 from asyncrl.sft.loss import masked_ce
-from asyncrl.train import Sample
+from asyncrl.train.batch import Sample
 
 REPO = Path(__file__).resolve().parent.parent
 CI_SFT = REPO / "recipes" / "ci_sft.toml"

@@ -16,7 +16,7 @@ import pytest
 
 from asyncrl.config.recipe import load_recipe
 from asyncrl.entry.cli import main
-from asyncrl.launch.slurm import placement_problems, sbatch_script
+from asyncrl.launch.slurm import sbatch_script, slurm_job_problems
 from asyncrl.train.torchrun import UP_NODE_ENV, check_lead_node
 
 CI = str(Path(__file__).resolve().parent.parent / "recipes" / "ci.toml")
@@ -26,7 +26,7 @@ FOUR_NODES = ["trainer.nodes=2", "rollout.actors=2"]
 def script_for(tmp_path: Path, *sets: str, nodes: int = 4) -> str:
     overrides = [f"run.dir={tmp_path / 'runs'}", *FOUR_NODES, *sets]
     recipe = load_recipe(CI, overrides)
-    assert placement_problems(recipe, nodes) == []
+    assert slurm_job_problems(recipe, nodes) == []
     return sbatch_script(recipe, CI, overrides, nodes, partition="gpu", time="02:00:00")
 
 
@@ -165,10 +165,10 @@ def test_a_one_node_job_runs_the_whole_run_under_up(tmp_path: Path) -> None:
     NATS stays on loopback."""
     overrides = [f"run.dir={tmp_path / 'runs'}", "rollout.actors=2", "rollout.colocate=true"]
     recipe = load_recipe(CI, overrides)
-    assert placement_problems(recipe, 1) == []
+    assert slurm_job_problems(recipe, 1) == []
     text = sbatch_script(recipe, CI, overrides, 1)
     sruns = [line for line in text.splitlines() if line.startswith("srun ")]
     assert len(sruns) == 1 and "asyncrl.entry.cli up" in sruns[0], sruns
     assert "rollout.actors=0" not in sruns[0] and "--listen" not in sruns[0]
     two = load_recipe(CI, [*overrides, "trainer.nodes=2"])
-    assert any("trainer.nodes = 2 with --nodes = 1" in p for p in placement_problems(two, 1))
+    assert any("trainer.nodes = 2 with --nodes = 1" in p for p in slurm_job_problems(two, 1))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from train_helpers.tiny import fsdp_engine, full_weights, one_torch_thread, random_batch
 
-from asyncrl.train import TrainEngine
+from asyncrl.train.engine import TrainEngine
 from asyncrl.train.torchrun import LOOPBACK, free_port, torchrun_argv
 
 WORKER = Path(__file__).parent / "train_helpers" / "worker.py"

@@ -22,7 +22,8 @@ from train_helpers.tiny import (
     train_config,
 )
 
-from asyncrl.train import LossConfig, OptimConfig, Sample, TrainerConfig
+from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
+from asyncrl.train.batch import Sample
 from asyncrl.train.packing import split_minibatches
 from asyncrl.train.schedule import lr_at
 
@@ -266,7 +267,7 @@ def test_export_hf_loads_back_and_gives_the_same_logprobs(tmp_path: Path) -> Non
 
 
 def test_export_shards_with_an_index(tmp_path: Path) -> None:
-    from asyncrl.train.checkpoint import export_hf
+    from asyncrl.train.dcp import export_hf
 
     engine = tiny_engine(train_config())
     export_hf(tmp_path, engine.lm, max_shard_bytes=20_000)

@@ -16,7 +16,9 @@ from train_helpers.tiny import one_torch_thread, tiny_config
 
 from asyncrl.algo import group_advantages
 from asyncrl.models.resolve import TINY_NAME, ModelConfig
-from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
+from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
+from asyncrl.train.batch import Sample
+from asyncrl.train.engine import TrainEngine
 
 VOCAB, BOS, DIGITS = 16, 0, range(1, 9)
 GROUP, PROMPTS, NEW_TOKENS = 8, 16, 2

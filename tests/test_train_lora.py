@@ -16,8 +16,9 @@ import torch
 from train_helpers.tiny import one_torch_thread, random_batch, tiny_engine, train_config
 
 from asyncrl.models.resolve import TINY_NAME, ModelConfig
-from asyncrl.train import LossConfig, TrainEngine
+from asyncrl.train import LossConfig
 from asyncrl.train.config import LoraConfig
+from asyncrl.train.engine import TrainEngine
 from asyncrl.weights.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merged, read_adapter
 
 LORA = LoraConfig(rank=4, alpha=8)

@@ -17,7 +17,7 @@ from train_helpers.tiny import (
     train_config,
 )
 
-from asyncrl.train import TrainEngine
+from asyncrl.train.engine import TrainEngine
 from asyncrl.train.packing import build_micro_batch, plan_micro_batches, split_minibatches
 
 

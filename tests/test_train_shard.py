@@ -7,7 +7,8 @@ import pytest
 import torch
 from train_helpers.tiny import random_batch, train_config
 
-from asyncrl.train import LossConfig, Sample
+from asyncrl.train import LossConfig
+from asyncrl.train.batch import Sample
 from asyncrl.train.shard import TrainShard, plan_shards
 
 

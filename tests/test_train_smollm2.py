@@ -14,7 +14,9 @@ import torch
 from train_helpers.tiny import one_torch_thread
 
 from asyncrl.models.resolve import ModelConfig
-from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
+from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
+from asyncrl.train.batch import Sample
+from asyncrl.train.engine import TrainEngine
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 from train_helpers.tiny import full_weights, one_torch_thread, random_batch, resume_engine
 
-from asyncrl.train import TrainEngine
 from asyncrl.train.checkpoint import CheckpointError, commit_checkpoint, latest_checkpoint_meta
+from asyncrl.train.engine import TrainEngine
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,9 @@ import torch
 
 from asyncrl.config.schema import DType
 from asyncrl.models.resolve import TINY_NAME, ModelConfig
-from asyncrl.train import LossConfig, OptimConfig, Sample, TrainEngine, TrainerConfig
+from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
+from asyncrl.train.batch import Sample
+from asyncrl.train.engine import TrainEngine
 
 VOCAB = 128
 

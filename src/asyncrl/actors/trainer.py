@@ -30,9 +30,9 @@ from asyncrl.observe.records import StepRecords
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.supervisor import RESTART_ENV
-from asyncrl.train import build_train_engine
 from asyncrl.train.checkpoint import commit_checkpoint, latest_checkpoint_meta
 from asyncrl.train.commands import Leader
+from asyncrl.train.engine import build_train_engine
 from asyncrl.weights.build import build_publisher
 from asyncrl.weights.choose import choose
 from asyncrl.weights.files import export_name, link_export

@@ -17,12 +17,13 @@ from asyncrl.config.placement import (
     gpu_problems,
     gpus_needed,
     local_processes,
-    placement_problems,
+    node_placement_problems,
 )
 from asyncrl.config.recipe import HFData, JsonlData, Recipe, RecipeError, path_problems
 from asyncrl.config.recipe import generation_budget as generation_budget
+from asyncrl.config.schema import engine_device
 from asyncrl.data import missing_fields, read_jsonl
-from asyncrl.launch.cores import engine_device, gpu_visible, is_cpu_device, node_gpus
+from asyncrl.launch.cores import gpu_visible, is_cpu_device, node_gpus
 from asyncrl.models.resolve import SMOLLM2_NAME, TINY_NAME
 from asyncrl.weights.choose import choose as choose_transport
 from asyncrl.weights.choose import transport_problems
@@ -127,7 +128,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             'share one GPU; use "cuda" (each rank on its own, cuda:LOCAL_RANK) or nproc = 1'
         )
     errors.extend(trainer_node_problems(recipe))
-    errors.extend(placement_problems(recipe))
+    errors.extend(node_placement_problems(recipe))
     errors.extend(gpu_problems(recipe))
     errors.extend(transport_problems(recipe))
     if recipe.model.gguf_file and r.engine.type != "instant":
@@ -246,7 +247,7 @@ def shared_core_warnings(recipe: Recipe) -> list[str]:
     one torch thread there. Two thread pools on the same cores wait on each other's
     threads at every parallel region: on a 16-core Xeon a trainer with 16 threads on all
     cores, 4 of them shared with generation's 4 threads, took 24-144 s a step against
-    4.0-4.3 s on the other 12 (:mod:`asyncrl.launch.cores`). Only roles computing on this
+    4.0-4.3 s on the other 12 (:mod:`asyncrl.launch.core_placement`). Only roles computing on this
     machine's CPU count; a role's threads are its ``threads`` key, else its cores (torch's
     default on a pinned process), a trainer's shared among its ranks."""
     r, e, t = recipe.rollout, recipe.eval, recipe.trainer

@@ -24,8 +24,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, field_validator
 
-from asyncrl.config.schema import Section
-from asyncrl.launch.cores import engine_device
+from asyncrl.config.schema import Section, engine_device
 
 ROLES = ("buffer", "reward", "rollout", "trainer", "eval")
 """The roles ``up`` starts, in the order it starts them."""
@@ -111,7 +110,7 @@ def node_for(recipe: Any, role: str, index: int) -> str:
     return nodes[index // per_node % len(nodes)] if per_node else nodes[index % len(nodes)]
 
 
-def placement_problems(recipe: Any) -> list[str]:
+def node_placement_problems(recipe: Any) -> list[str]:
     """Placements that cannot fit, each naming its keys: more rollout actors per node than
     ``rollout.actors`` allows, a trainer gang larger than its nodes, a node no
     ``[nodes.*]`` table declares, more GPUs or CPUs on a node than it has."""

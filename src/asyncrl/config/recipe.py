@@ -106,7 +106,7 @@ class RunConfig(Section):
     """``auto``: when every role runs on this machine's CPU and no ``<role>.cpus`` is set,
     ``up`` pins generation (rollout, reward, eval, buffer) to a quarter of the cores and
     the trainer to all of them (it takes generation's back while generation waits), with
-    torch threads to match, and prints the placement first (:mod:`asyncrl.launch.cores`).
+    torch threads to match, and prints the placement first (:mod:`asyncrl.launch.core_placement`).
     ``none``: processes go where the OS puts them."""
     plots: bool = True
     """Draw the run's curves as PNG files under ``<run>/plots`` when it finishes (a few

@@ -1,5 +1,6 @@
 """The parts every recipe section shares: the section base class, the dtype and device
-types, and the one function that turns a device choice into a device.
+types, the one function that turns a device choice into a device, and the device a
+rollout engine's section names.
 
 Imports no torch (the device check imports it when it runs), so the recipe schema built
 on it parses instantly.
@@ -38,9 +39,17 @@ def resolve_device(choice: str, *, local_rank: int | None = None) -> str:
     bare ``cuda`` (or ``auto`` on a CUDA machine) becomes ``cuda:<local_rank>``, so that
     each rank takes its own device; an explicit ``cuda:N`` is kept."""
     if choice == "auto":
-        import torch
+        import torch  # noqa: PLC0415 - heavy: only "auto" needs it; the schema parses without torch
 
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and local_rank is not None:
         return f"cuda:{local_rank}"
     return choice
+
+
+def engine_device(engine: object) -> str:
+    """The :data:`Device` a rollout engine computes on: its ``device`` key, else ``cpu`` for
+    the ``instant`` engine and ``auto`` for an inference server started here (it uses CUDA
+    where there is one)."""
+    default = "cpu" if getattr(engine, "type", "") == "instant" else "auto"
+    return str(getattr(engine, "device", default))

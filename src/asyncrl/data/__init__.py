@@ -3,8 +3,6 @@ and products tasks, and deterministic shuffling/sharding with a resumable positi
 
 from __future__ import annotations
 
-from typing import Any
-
 from asyncrl.data.gsm8k import (
     BOXED_INSTRUCTION,
     gsm8k_final_answer,
@@ -20,55 +18,9 @@ from asyncrl.data.loaders import (
     to_prompt_records,
 )
 from asyncrl.data.sampler import ShardSampler, epoch_permutation
+from asyncrl.data.sources import load_records
 from asyncrl.data.splits import held_out_indices, load_eval_records, load_prompt_records
 from asyncrl.data.synthetic import arithmetic_records, products_records
-
-
-def _final_answer(text: str) -> str:
-    """GSM8K-style worked solutions (``... #### 72``) keep only their final number."""
-    return gsm8k_final_answer(text) if "####" in text else text.strip()
-
-
-def load_records(cfg: Any, seed: int = 0) -> list[Record]:
-    """The prompt records a recipe's ``data`` section names (``type`` = ``arithmetic``,
-    ``products``, ``jsonl`` or ``hf``; see :mod:`asyncrl.config.recipe`)."""
-    kind = cfg.type
-    if kind == "arithmetic":
-        return arithmetic_records(
-            cfg.size,
-            seed=seed,
-            max_operand=cfg.max_operand,
-            ops=cfg.ops,
-            instruction=cfg.instruction,
-        )
-    if kind == "products":
-        return products_records(
-            cfg.size,
-            seed=seed,
-            digits=tuple(cfg.digits),
-            instruction=cfg.instruction,
-            example=cfg.example,
-        )
-    if kind == "jsonl":
-        rows = read_jsonl(cfg.path)
-        source = str(cfg.path)
-    elif kind == "hf":
-        rows = read_hf_dataset(cfg.name, cfg.subset, cfg.split)
-        source = f"dataset {cfg.name} ({cfg.split})"
-    else:
-        raise ValueError(f"data type {kind!r} is not one of arithmetic, products, jsonl, hf")
-    records = to_prompt_records(
-        rows,
-        cfg.prompt_key,
-        cfg.answer_key,
-        instruction=BOXED_INSTRUCTION,
-        transform=_final_answer,
-        source=source,
-    )
-    for rec, row in zip(records, rows, strict=True):
-        rec.setdefault("solution", row[cfg.answer_key])
-    return records
-
 
 __all__ = [
     "BOXED_INSTRUCTION",

@@ -45,7 +45,7 @@ def read_hf_dataset(
     Needs the ``datasets`` package; a local ``name`` of a data file (``.json``,
     ``.jsonl``, ``.csv``, ``.parquet``) is read with its matching builder."""
     try:
-        import datasets
+        import datasets  # noqa: PLC0415 - heavy (pyarrow, pandas): data.type = "hf" only
     except ImportError as exc:
         raise ImportError("HF datasets need the 'datasets' package: pip install datasets") from exc
     builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

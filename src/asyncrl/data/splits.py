@@ -3,7 +3,10 @@ the eval actor scores."""
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING, Any
+
+from asyncrl.data.sources import load_records
 
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe
@@ -11,8 +14,6 @@ if TYPE_CHECKING:
 
 def load_prompt_records(recipe: Recipe) -> list[dict[str, Any]]:
     """The records the buffer leases: the run's data minus the held-out split."""
-    from asyncrl.data import load_records
-
     records = load_records(recipe.data, seed=recipe.run.seed)
     held_out = set(held_out_indices(recipe, len(records)))
     return [r for i, r in enumerate(records) if i not in held_out]
@@ -22,8 +23,6 @@ def held_out_indices(recipe: Recipe, n_records: int) -> list[int]:
     """Indices of the run's records set aside for evaluation: ``eval.max_prompts`` of them,
     drawn by a seeded permutation (the same on every process and on resume), or none when
     evaluation is off or reads its own ``eval.data``."""
-    import random
-
     cfg = recipe.eval
     if not cfg.every or cfg.data is not None:
         return []
@@ -40,8 +39,6 @@ def held_out_indices(recipe: Recipe, n_records: int) -> list[int]:
 def load_eval_records(recipe: Recipe) -> list[dict[str, Any]]:
     """The held-out prompts: ``eval.data`` (its first ``max_prompts``), or the split that
     :func:`load_prompt_records` leaves out."""
-    from asyncrl.data import load_records
-
     cfg = recipe.eval
     if cfg.data is not None:
         return load_records(cfg.data, seed=recipe.run.seed)[: cfg.max_prompts]

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from asyncrl.api.inference import (
     EngineStopped,
@@ -184,7 +185,7 @@ class HFEngine(InferenceEngine):
 
         if self.memory_saver:
             try:
-                from torch_memory_saver import torch_memory_saver
+                from torch_memory_saver import torch_memory_saver  # noqa: PLC0415 - optional: torch-memory-saver (the gpu extra)
 
                 torch_memory_saver.hook_mode = "torch"  # no LD_PRELOAD needed
                 with torch_memory_saver.region(tag=MEMORY_TAG, enable_cpu_backup=True):
@@ -380,7 +381,7 @@ class HFEngine(InferenceEngine):
             return 0
         before = torch.cuda.memory_reserved(self.device)
         if self.memory_saver:
-            from torch_memory_saver import torch_memory_saver
+            from torch_memory_saver import torch_memory_saver  # noqa: PLC0415 - optional: torch-memory-saver (the gpu extra)
 
             torch_memory_saver.pause(MEMORY_TAG)
         else:
@@ -392,7 +393,7 @@ class HFEngine(InferenceEngine):
         if not self.device.startswith("cuda"):
             return
         if self.memory_saver:
-            from torch_memory_saver import torch_memory_saver
+            from torch_memory_saver import torch_memory_saver  # noqa: PLC0415 - optional: torch-memory-saver (the gpu extra)
 
             torch_memory_saver.resume(MEMORY_TAG)
         else:
@@ -485,7 +486,6 @@ class HFEngine(InferenceEngine):
 
 
 def _read_safetensors_dir(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+from transformers import AutoTokenizer
+
 from asyncrl.api.inference import (
     GenerateRequest,
     GenerateResponse,
@@ -183,8 +186,6 @@ class RemoteEngine(InferenceEngine):
         return self._tokenizer
 
     async def start(self) -> None:
-        import aiohttp
-        from transformers import AutoTokenizer
 
         self.model_path = await asyncio.to_thread(resolve_model_path, self.model_spec)
         self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path)
@@ -265,7 +266,6 @@ class RemoteEngine(InferenceEngine):
 
     @staticmethod
     def _client_errors() -> type[Exception]:
-        import aiohttp
 
         return aiohttp.ClientError
 
@@ -282,7 +282,6 @@ class RemoteEngine(InferenceEngine):
         """One JSON call with retries on connection errors; returns the decoded body (or the
         text when it is not JSON). Raises :class:`ServerError` with the server's words.
         ``limit_s`` replaces ``request_timeout`` for this call."""
-        import aiohttp
 
         url = server.url + path
         limit = self.config.request_timeout if limit_s is None else limit_s

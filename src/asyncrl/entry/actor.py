@@ -12,17 +12,18 @@ import json
 import os
 from pathlib import Path
 
+from asyncrl.actors import actor_class
 from asyncrl.config.recipe import Recipe, role_cpus
-from asyncrl.launch.cores import is_cpu_device, placed_cpus, placed_threads
+from asyncrl.launch.cores import pin_cpus, placed_cpus, placed_threads
 from asyncrl.runtime.actor import ActorContext
+from asyncrl.runtime.allocator import system_malloc_reason, use_mimalloc
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
-from asyncrl.train.config import TrainerConfig
+from asyncrl.runtime.nats_server import NatsInfo, nats_info_for_run
+from asyncrl.train.torchrun import check_lead_node, rank_main
 
 
 def build_context(run_dir: Path, actor_id: str = "", nats_file: Path | None = None) -> ActorContext:
-    from asyncrl.runtime.nats_server import NatsInfo, nats_info_for_run
-
     recipe_path = run_dir / "recipe.json"
     if not recipe_path.is_file():
         raise SystemExit(f"{run_dir} is not a run folder (no recipe.json)")
@@ -45,24 +46,10 @@ def dist_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def pin_cpus(role: str, cpus: list[int]) -> None:
-    """Pins this process to ``cpus`` (``<role>.cpus``; empty: leaves it be). Called before
-    torch starts its thread pools and before the actor starts workers or servers, which
-    inherit the affinity. A CPU this machine lacks fails naming the key."""
-    if not cpus:
-        return
-    if not hasattr(os, "sched_setaffinity"):
-        raise SystemExit(f"{role}.cpus is set, but this platform cannot pin processes")
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError as exc:
-        raise SystemExit(f"{role}.cpus = {cpus}: cannot pin this process ({exc})") from None
-
-
 def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
     """Pins this process to its role's cores and sizes torch's thread pools, before torch
     is imported: the recipe's ``<role>.cpus`` and ``<role>.threads`` when set, else what
-    ``up``'s automatic placement chose (:mod:`asyncrl.launch.cores`). Returns (cores, threads),
+    ``up``'s automatic placement chose (:mod:`asyncrl.launch.core_placement`). Returns (cores, threads),
     empty and 0 where nothing was set."""
     threads = {
         "rollout": recipe.rollout.threads,
@@ -78,16 +65,6 @@ def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
     return cpus, threads
 
 
-def system_malloc_reason(trainer: TrainerConfig) -> str | None:
-    """Why a trainer process with these settings keeps the C library's malloc, or None
-    when it runs under mimalloc (:mod:`asyncrl.runtime.allocator`)."""
-    if trainer.allocator == "system":
-        return "the C library's malloc (trainer.allocator = system)"
-    if not is_cpu_device(trainer.device):
-        return "the C library's malloc (the trainer computes on a GPU)"
-    return None
-
-
 def choose_allocator(role: str, recipe: Recipe) -> str | None:
     """A CPU trainer process runs under mimalloc unless ``trainer.allocator = "system"``:
     this executes the process's command again with it preloaded (same process id; see
@@ -98,16 +75,12 @@ def choose_allocator(role: str, recipe: Recipe) -> str | None:
         return None
     if (reason := system_malloc_reason(recipe.trainer)) is not None:
         return reason
-    from asyncrl.runtime.allocator import use_mimalloc
-
     return use_mimalloc()
 
 
 def run_actor(
     role: str, run_dir: Path, actor_id: str = "", *, nats_file: Path | None = None
 ) -> int:
-    from asyncrl.actors import actor_class
-
     configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "INFO"))
     ctx = build_context(run_dir, actor_id, nats_file)
     allocator = choose_allocator(role, ctx.recipe)
@@ -116,13 +89,13 @@ def run_actor(
         get_logger(role=role).info("memory allocator", allocator=allocator)
     if role == "trainer" and dist_rank() > 0:
         # torchrun ranks > 0 are not actors: they follow rank 0's collective commands
-        from asyncrl.train import build_train_engine
-        from asyncrl.train.commands import follow
+        # torch loads here, after choose_allocator and place_process: the allocator must
+        # be in place and OMP_NUM_THREADS set before torch starts
+        from asyncrl.train.commands import follow  # noqa: PLC0415 - imports torch
+        from asyncrl.train.engine import build_train_engine  # noqa: PLC0415 - imports torch
 
         return follow(build_train_engine(ctx.recipe))
     if role == "trainer":
-        from asyncrl.train.torchrun import check_lead_node
-
         check_lead_node()
     actor = actor_class(role)(ctx)
     return run_async(actor.main())
@@ -138,6 +111,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from asyncrl.train.torchrun import rank_main
-
     rank_main(main)

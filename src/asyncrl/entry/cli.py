@@ -1,8 +1,9 @@
 """``asyncrl``: the command line.
 
-Only argparse and the config schema load at start; torch, transformers and NATS are
-imported by the command that needs them, so ``asyncrl --help`` and ``asyncrl check`` are
-instant.
+Only argparse, the config schema and the launchers that need neither torch nor NATS load
+at start; what runs a run (``up``, an actor, the NATS clients of ``metrics`` and
+``status``) is imported by the command that needs it, so ``asyncrl --help`` and
+``asyncrl check`` are instant (``tests/test_config.py`` holds the CLI to that).
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from pathlib import Path
 from asyncrl import __version__
 from asyncrl.config.checks import check_report, enforce_recipe
 from asyncrl.config.recipe import RecipeError, dump_recipe, load_recipe, path_problems
+from asyncrl.launch.slurm import slurm_job_problems, write_and_submit
+from asyncrl.observe.plot import plot_run
 from asyncrl.sft.config import is_sft_data, load_sft_recipe, read_recipe_data
+from asyncrl.sft.run import sft
+from asyncrl.train.torchrun import exit_rank
 from asyncrl.weights.choose import choose as choose_transport
 
 
@@ -169,17 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "check":
                 print(dump_recipe(sft_recipe), end="")
                 return 0
-            from asyncrl.sft.run import sft
-
             return sft(sft_recipe, overwrite=args.overwrite, quiet=args.quiet)
         if args.command == "check":
             # with --nodes the run starts on the cluster: this machine's paths and GPUs
             # are reported, not required
             recipe = load_recipe(args.recipe, args.overrides, here=args.nodes is None)
             if args.nodes is not None:
-                from asyncrl.launch.slurm import placement_problems
-
-                if problems := placement_problems(recipe, args.nodes):
+                if problems := slurm_job_problems(recipe, args.nodes):
                     raise RecipeError(
                         "placement cannot fit:\n" + "\n".join(f"  {p}" for p in problems)
                     )
@@ -194,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# weights travel by {kind}: {why}")
             return 0
         if args.command == "slurm":
-            from asyncrl.launch.slurm import write_and_submit
-
             # the job reads its files on the cluster: missing here is no reason to stop
             recipe = load_recipe(args.recipe, args.overrides, here=False)
             for line in path_problems(recipe):
@@ -227,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                     # quoted: an address is no TOML literal, and a path may look like one
                     args.overrides.append(f"run.{key}={json.dumps(getattr(args, key))}")
             recipe = load_recipe(args.recipe, args.overrides)
-            from asyncrl.launch.up import up
+            from asyncrl.launch.up import up  # noqa: PLC0415 - loads NATS, the runtime
 
             return up(
                 recipe,
@@ -241,21 +240,18 @@ def main(argv: list[str] | None = None) -> int:
             if (refusal := attach_refusal(args.role)) is not None:
                 print(f"asyncrl: {refusal}", file=sys.stderr)
                 return 2
-            from asyncrl.entry.actor import run_actor
-            from asyncrl.train.torchrun import exit_rank
+            from asyncrl.entry.actor import run_actor  # noqa: PLC0415 - loads NATS, the runtime
 
             # an engine that joined the weight broadcast holds gloo threads, which the
             # interpreter's finalization can abort on: leave as every actor process does
             exit_rank(run_actor(args.role, args.run, args.actor_id, nats_file=args.nats))
         if args.command == "metrics":
-            from asyncrl.observe.watch import stream_metrics
+            from asyncrl.observe.watch import stream_metrics  # noqa: PLC0415 - loads NATS
 
             return stream_metrics(
                 args.run, as_json=args.json, role=args.role, count=args.count, lines=args.lines
             )
         if args.command == "plot":
-            from asyncrl.observe.plot import plot_run
-
             try:
                 paths = plot_run(args.run, vs=args.vs, out=args.out)
             except FileNotFoundError as exc:
@@ -265,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
             return 0
         if args.command == "status":
-            from asyncrl.observe.watch import show_status
+            from asyncrl.observe.watch import show_status  # noqa: PLC0415 - loads NATS
 
             return show_status(args.run, wait=args.wait)
     except RecipeError as exc:

@@ -16,6 +16,7 @@ import traceback
 from typing import IO, Any
 
 from asyncrl.rewards.pool import HEADER
+from asyncrl.workflows.loader import load_callable
 
 
 def write_message(stream: IO[bytes], message: Any) -> None:
@@ -41,8 +42,6 @@ def describe(exc: BaseException) -> str:
 
 
 def serve(spec: str, requests: IO[bytes], replies: IO[bytes]) -> None:
-    from asyncrl.workflows.loader import load_callable
-
     try:
         fn = load_callable(spec)
     except BaseException as exc:

@@ -3,7 +3,7 @@ torchrun or directly for one rank, by :func:`asyncrl.sft.run.sft`)."""
 
 import os
 
-from asyncrl.sft.run import main
+from asyncrl.sft.rank import main
 from asyncrl.train.torchrun import rank_main
 
 if __name__ == "__main__":

@@ -1,63 +1,18 @@
-"""Core placement: where the processes of a one-machine CPU run go when the recipe pins
-none of them.
-
-On a CPU, generation and training compete for the same cores, and torch's thread pools
-oversubscribe them: two pools of threads on the same cores spin and wait on each other.
-So when every role runs on this machine's CPU and no ``<role>.cpus`` is set, ``asyncrl up``
-places them:
-
-- **generation** (rollout, reward, eval and the buffer): pinned to the first
-  ``max(1, round(N / 4))`` cores; each rollout actor gets a torch thread per core of its
-  share, the eval actor **one** thread;
-- **training** (every trainer process): the **other** cores, a thread per core; on a
-  2-core machine (:data:`OVERLAP_MAX_CORES`) every core, generation's included.
-
-Measured on the quickstart (SmolLM2-135M) with ``bench/async_vs_sync.py --placements``
-on 2 cores, and on 16 with ``asyncrl up`` given that bench's hand-placement overrides:
-
-- on **16 cores** (an Intel Xeon with AMX, bf16), disjoint sets win by far: the trainer on
-  the 12 cores generation does not use took 4.0-4.3 s a step; on all 16, four of them
-  shared with generation's 4-thread pool, 24-144 s. Generation on 4 cores kept a
-  12-core trainer fed (763 and 840 steps/h), on 2 it did not (614), and 8 cores for each
-  made 630. An eval actor with 4 threads beside the rollout actor's 4 on the same 4
-  cores slowed both about 12-fold (4.6 against 56 tokens/s), hence its one thread.
-- on **2 cores** the overlap wins instead: generation runs one thread on one core and
-  idles most of the time (about 70%), and the trainer takes that core back whenever it
-  waits: 125 steps/h against 104 for one core each (fp32), 118 against 109-112 for the
-  best hand placements over three rounds. On disjoint cores there it would lose half the
-  machine.
-
-Each process gets torch threads equal to its share of its set (the rollout actors divide
-the generation cores among them; trainer processes divide the training cores). A role's
-explicit ``threads`` key still wins. The choice travels to the processes ``up`` starts as
-environment variables (:data:`CPUS_ENV`, :data:`THREADS_ENV`), never into the run's
-recipe: an actor attached from another machine must not inherit this machine's core ids.
-``run.placement = "none"`` turns the rule off.
+"""This machine's GPUs and cores as the processes ``up`` starts see them, known without
+importing torch: whether a GPU is visible, the GPUs a process may be given, and the cores
+and threads ``up``'s automatic placement (:mod:`asyncrl.launch.core_placement`) gave this
+process, which reach it as environment variables (:data:`CPUS_ENV`, :data:`THREADS_ENV`).
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from asyncrl.config.recipe import Recipe
 
 CPUS_ENV = "ASYNCRL_CPUS"
 """Comma-separated CPU ids ``up`` placed this process on (unset: no placement)."""
 THREADS_ENV = "ASYNCRL_THREADS"
 """Torch intra-op threads ``up`` chose for this process (unset: no placement)."""
-
-GEN_SHARE = 0.25
-"""Share of the cores generation gets (at least one)."""
-
-OVERLAP_MAX_CORES = 2
-"""Up to this many cores the trainer runs on generation's cores too (measured on 2 cores:
-it then loses no core to a generation that mostly idles); above it the two are
-disjoint (measured on 16: a trainer sharing cores with generation's threads stalls)."""
 
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 """Device files of the NVIDIA, ROCm and WSL GPU drivers: without any of them torch finds
@@ -68,100 +23,6 @@ NVIDIA_GPU_FILES = "/dev/nvidia[0-9]*"
 GPUs of a machine without importing torch."""
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
-
-
-@dataclass(frozen=True)
-class CorePlacement:
-    """Cores and torch threads per role, as chosen by :func:`auto_placement`."""
-
-    generation: list[int]
-    training: list[int]
-    threads: dict[str, int] = field(default_factory=dict)
-
-    def cpus(self, role: str) -> list[int]:
-        return self.training if role == "trainer" else self.generation
-
-    def env(self, role: str) -> dict[str, str]:
-        """The environment a process of ``role`` is started with."""
-        env = {CPUS_ENV: ",".join(map(str, self.cpus(role)))}
-        if role in self.threads:
-            env[THREADS_ENV] = str(self.threads[role])
-        return env
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {"generation": self.generation, "training": self.training, "threads": self.threads}
-        )
-
-    def describe(self) -> str:
-        def ids(cores: list[int]) -> str:
-            return ",".join(map(str, cores))
-
-        n = len(set(self.generation) | set(self.training))
-        shared = " (generation's included)" if set(self.generation) & set(self.training) else ""
-        return (
-            f"placement: {n} cores; generation (rollout, reward, eval, buffer) on "
-            f"[{ids(self.generation)}], {self.threads.get('rollout', 1)} thread(s) per "
-            f"rollout actor; training on [{ids(self.training)}]{shared}, "
-            f"{self.threads.get('trainer', 1)} thread(s) per trainer process "
-            f'(run.placement = "none" turns this off)'
-        )
-
-
-def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
-    """(generation, training) cores: the first ``max(1, round(N · GEN_SHARE))`` for
-    generation, the rest for training (all of them up to :data:`OVERLAP_MAX_CORES`).
-    Needs at least 2 cores."""
-    if len(cores) < 2:
-        raise ValueError(f"cannot place generation and training on {len(cores)} core(s)")
-    ordered = sorted(cores)
-    gen = max(1, round(len(ordered) * GEN_SHARE))
-    if len(ordered) <= OVERLAP_MAX_CORES:
-        return ordered[:gen], ordered
-    return ordered[:gen], ordered[gen:]
-
-
-def why_not_placed(recipe: Recipe, cores: list[int], *, cuda: bool) -> str | None:
-    """Why :func:`auto_placement` leaves this run's processes where the OS puts them, or
-    None when it places them."""
-    from asyncrl.config.recipe import role_cpus
-
-    if recipe.run.placement == "none":
-        return 'run.placement is "none"'
-    pinned = [role for role, ids in role_cpus(recipe).items() if ids]
-    if pinned:
-        return f"the recipe pins {', '.join(f'{r}.cpus' for r in pinned)} itself"
-    if cuda:
-        return "a CUDA device runs the model"
-    if len(cores) < 2:
-        return f"this process may use {len(cores)} core"
-    return None
-
-
-def auto_placement(
-    recipe: Recipe, cores: list[int] | None = None, *, cuda: bool | None = None
-) -> CorePlacement | None:
-    """The placement of a run whose roles all run here on the CPU, or None (see
-    :func:`why_not_placed`). ``cores``: the CPUs this process may use (default: its
-    affinity); ``cuda``: whether a CUDA device runs the trainer or the rollout engines
-    (default: resolved from the recipe's devices on this machine)."""
-    if cores is None:
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if cuda is None:
-        cuda = uses_cuda(recipe)
-    if why_not_placed(recipe, cores, cuda=cuda) is not None:
-        return None
-    gen, train = split_cores(cores)
-    t = recipe.trainer
-    # trainer nodes on loopback all run here; with a rendezvous elsewhere only the first
-    trainer_procs = t.nproc * (1 if t.rendezvous else t.nodes)
-    threads = {
-        "rollout": max(1, len(gen) // max(1, recipe.rollout.actors)),
-        # one: it runs beside the rollout actors, on their cores (see the module's text)
-        "eval": 1,
-        "trainer": max(1, len(train) // trainer_procs),
-    }
-    return CorePlacement(gen, train, threads)
 
 
 def gpu_visible() -> bool:
@@ -187,25 +48,6 @@ def node_gpus() -> list[str]:
     return [str(i) for i in range(len(glob.glob(NVIDIA_GPU_FILES)))]
 
 
-def engine_device(engine: object) -> str:
-    """The :data:`~asyncrl.config.schema.Device` a rollout engine computes on: its ``device`` key,
-    else ``cpu`` for the ``instant`` engine and ``auto`` for an inference server started
-    here (it uses CUDA where there is one)."""
-    default = "cpu" if getattr(engine, "type", "") == "instant" else "auto"
-    return str(getattr(engine, "device", default))
-
-
-def uses_cuda(recipe: Recipe) -> bool:
-    """Whether the trainer or the rollout engines resolve to a CUDA device here (an
-    inference server started here uses CUDA where there is one)."""
-    from asyncrl.config.schema import resolve_device
-
-    devices = [recipe.trainer.device, engine_device(recipe.rollout.engine)]
-    if all(d == "cpu" for d in devices) or not gpu_visible():
-        return False  # without importing torch into up, which never needs it otherwise
-    return any(resolve_device(d).startswith("cuda") for d in devices)
-
-
 def is_cpu_device(device: str) -> bool:
     """Whether a :data:`~asyncrl.config.schema.Device` choice is this machine's CPU: ``cpu``, or
     ``auto`` where no GPU is visible (:func:`gpu_visible`; decided without importing
@@ -223,3 +65,17 @@ def placed_threads() -> int:
     """The torch threads ``up`` chose for this process (:data:`THREADS_ENV`), or 0."""
     raw = os.environ.get(THREADS_ENV, "")
     return int(raw) if raw.strip() else 0
+
+
+def pin_cpus(role: str, cpus: list[int]) -> None:
+    """Pins this process to ``cpus`` (``<role>.cpus``; empty: leaves it be). Called before
+    torch starts its thread pools and before the actor starts workers or servers, which
+    inherit the affinity. A CPU this machine lacks fails naming the key."""
+    if not cpus:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit(f"{role}.cpus is set, but this platform cannot pin processes")
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        raise SystemExit(f"{role}.cpus = {cpus}: cannot pin this process ({exc})") from None

@@ -50,12 +50,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config.placement import ROLES, node_for, process_gpus
+from asyncrl.config.placement import ROLES, node_for, process_gpus, role_processes
 from asyncrl.config.recipe import Recipe, RunConfig
 from asyncrl.runtime.log import get_logger
+from asyncrl.runtime.nats_cluster import (
+    JETSTREAM_READY_TIMEOUT_S,
+    cluster_info,
+    free_ports,
+    wait_for_jetstream,
+)
+from asyncrl.runtime.nats_server import NATS_JSON, ClusterRoutes, EmbeddedNats
+from asyncrl.runtime.supervisor import actor_argv
+from asyncrl.train.torchrun import UP_NODE_ENV, free_port, torchrun_argv
 
 VISIBILITY_ENV = (
     "CUDA_VISIBLE_DEVICES",
@@ -73,7 +83,7 @@ STATE_ROLES = ("trainer", "buffer", "reward", "eval", "rollout")
 
 def require_ray() -> Any:
     try:
-        import ray
+        import ray  # noqa: PLC0415 - optional: the ray extra
     except ImportError:
         raise SystemExit(
             'asyncrl up --ray needs Ray: pip install -e ".[ray]" (or make test-ray)'
@@ -110,8 +120,6 @@ def find_node(name: str, nodes: list[dict[str, Any]]) -> str | None:
 def nodes_used(recipe: Recipe, nodes: list[dict[str, Any]]) -> list[str]:
     """The alive node ids that the recipe's ``<role>.node`` keys name, the trainer's and
     the buffer's first (where the nats-servers go, in that order)."""
-    from asyncrl.config.placement import role_processes
-
     counts, found = role_processes(recipe), []
     for role in STATE_ROLES:
         if not counts[role]:
@@ -204,7 +212,7 @@ class RoleHost:
         self._done = False
 
     def start(self, argv: list[str], env: dict[str, str], log: str, cwd: str) -> dict[str, Any]:
-        import ray
+        ray = require_ray()  # in the Ray worker that hosts this actor
 
         env = {**env, **{k: os.environ[k] for k in VISIBILITY_ENV if k in os.environ}}
         Path(log).parent.mkdir(parents=True, exist_ok=True)
@@ -240,10 +248,7 @@ class NatsHost:
 
     async def where(self) -> tuple[str, int]:
         """This node's address and a port free on it, for the server's routes."""
-        import ray
-
-        from asyncrl.runtime.nats_cluster import free_ports
-
+        ray = require_ray()  # in the Ray worker that hosts this actor
         ip = ray.util.get_node_ip_address()
         return ip, free_ports(ip, 1)[0]
 
@@ -277,14 +282,9 @@ class RayNats:
         self._info: Any = None
 
     async def start(self) -> Any:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from asyncrl.runtime.nats_cluster import (
-            JETSTREAM_READY_TIMEOUT_S,
-            cluster_info,
-            wait_for_jetstream,
+        from ray.util.scheduling_strategies import (  # noqa: PLC0415 - optional: the ray extra
+            NodeAffinitySchedulingStrategy,
         )
-        from asyncrl.runtime.nats_server import NATS_JSON, EmbeddedNats
 
         ray, run, n = self.ray, self.run, self.run.nats_servers
         host_cls = ray.remote(num_cpus=0, max_restarts=0)(NatsHost)
@@ -307,8 +307,6 @@ class RayNats:
             for i, (ip, route_port) in enumerate(where):
                 routes = None
                 if n > 1:
-                    from asyncrl.runtime.nats_server import ClusterRoutes
-
                     others = tuple(f"{h}:{p}" for j, (h, p) in enumerate(where) if j != i)
                     routes = ClusterRoutes(
                         f"asyncrl-{run.name}", ip, route_port, others, "route", route_password
@@ -422,7 +420,7 @@ class RayLaunch:
     def _trainer_group(self) -> Any:
         """One bundle per trainer node (its ranks' CPUs and GPUs, and a sliver of the
         custom resource its ``trainer.node`` names, if it is one), spread one per node."""
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group  # noqa: PLC0415 - the ray extra
 
         t, ray = self.recipe.trainer, self.ray
         nodes = ray.nodes()
@@ -469,11 +467,6 @@ class RayLaunch:
         """One torchrun per trainer node, each in its bundle of the placement group and
         known by that node's address; the rendezvous is ``trainer.rendezvous`` or, empty,
         a port on the node of bundle 0 (which hosts it)."""
-        from dataclasses import replace
-
-        from asyncrl.runtime.supervisor import actor_argv
-        from asyncrl.train.torchrun import UP_NODE_ENV, free_port, torchrun_argv
-
         t, ray, actor_id = self.recipe.trainer, self.ray, "trainer-0"
         on = ray.util.placement_group_table(self.group)["bundles_to_node_id"]
         address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
@@ -503,10 +496,6 @@ class RayLaunch:
         ]
 
     def wrap(self, spec: Any) -> Any:
-        from dataclasses import replace
-
-        from asyncrl.train.torchrun import UP_NODE_ENV
-
         role, recipe = spec.role, self.recipe
         if role == "trainer":
             index = int(spec.env.get(UP_NODE_ENV, "0"))
@@ -573,7 +562,7 @@ def proxy_main(argv: list[str] | None = None) -> int:
     env = _child_env(dict(os.environ))  # before ray.init adds its own
     stop = threading.Event()
     ray = require_ray()
-    from ray.util.scheduling_strategies import (
+    from ray.util.scheduling_strategies import (  # noqa: PLC0415 - optional: the ray extra
         NodeAffinitySchedulingStrategy,
         PlacementGroupSchedulingStrategy,
     )
@@ -596,7 +585,7 @@ def proxy_main(argv: list[str] | None = None) -> int:
         "max_restarts": 0,  # the supervisor replaces it, under the run's restart policy
     }
     if args.group:
-        from ray.util.placement_group import get_placement_group
+        from ray.util.placement_group import get_placement_group  # noqa: PLC0415 - ray extra
 
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             get_placement_group(args.group), placement_group_bundle_index=args.bundle

@@ -26,16 +26,19 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-from asyncrl.config.recipe import Recipe
+from asyncrl.config.checks import enforce_recipe
+from asyncrl.config.recipe import Recipe, RecipeError
 
 RDZV_PORT = 29500
 NATS_PORT = 4222
 
 
-def placement_problems(recipe: Recipe, nodes: int) -> list[str]:
+def slurm_job_problems(recipe: Recipe, nodes: int) -> list[str]:
     """Why the recipe cannot be placed on ``nodes`` Slurm nodes (empty: it can)."""
     t, r = recipe.trainer, recipe.rollout
     problems = []
@@ -97,7 +100,7 @@ def sbatch_script(
     time: str = "",
     gpus_per_node: int = 0,
 ) -> str:
-    """The sbatch script of the run (:func:`placement_problems` must be empty)."""
+    """The sbatch script of the run (:func:`slurm_job_problems` must be empty)."""
     t, run = recipe.trainer, recipe.run
     run_dir = run.path.resolve()
     trainer_rest = t.nodes - 1
@@ -231,13 +234,7 @@ def write_and_submit(
 ) -> int:
     """``asyncrl slurm``: checks the placement, writes the script (beside the run folder,
     which ``up --overwrite`` replaces), and with ``submit`` hands it to sbatch."""
-    import shutil
-    import subprocess
-
-    from asyncrl.config.checks import enforce_recipe
-    from asyncrl.config.recipe import RecipeError
-
-    problems = placement_problems(recipe, nodes)
+    problems = slurm_job_problems(recipe, nodes)
     if problems:
         raise RecipeError("placement cannot fit:\n" + "\n".join(f"  {p}" for p in problems))
     for warning in enforce_recipe(recipe):
@@ -269,4 +266,4 @@ def write_and_submit(
     return subprocess.run([sbatch, str(path)], check=False).returncode
 
 
-__all__ = ["NATS_PORT", "RDZV_PORT", "placement_problems", "sbatch_script", "write_and_submit"]
+__all__ = ["NATS_PORT", "RDZV_PORT", "sbatch_script", "slurm_job_problems", "write_and_submit"]

@@ -22,13 +22,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors.buffer.durable import forget as forget_buffer_state
+from asyncrl.actors.buffer.durable import keep_for_resume as keep_buffer_position
 from asyncrl.config.checks import enforce_machine, enforce_recipe
 from asyncrl.config.placement import assign_gpus
 from asyncrl.config.recipe import Recipe, RecipeError, dump_recipe
-from asyncrl.launch.cores import VISIBLE_ENV, CorePlacement, auto_placement
+from asyncrl.launch.core_placement import CorePlacement, auto_placement
+from asyncrl.launch.cores import VISIBLE_ENV
+from asyncrl.launch.ray_cluster import ray_launch, require_ray
+from asyncrl.observe.dashboard import start_dashboard
+from asyncrl.observe.plot import plot_run
+from asyncrl.runtime.allocator import mimalloc_preload, system_malloc_reason
+from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
+from asyncrl.runtime.nats_cluster import NatsCluster
+from asyncrl.runtime.nats_server import external_info
+from asyncrl.runtime.supervisor import ActorSpec, Supervisor, actor_argv
+from asyncrl.runtime.trace import merge_traces
 from asyncrl.train.checkpoint import latest_checkpoint_meta
+from asyncrl.train.torchrun import LOOPBACK, UP_NODE_ENV, free_port, torchrun_argv
 from asyncrl.wire.messages import Metrics
 from asyncrl.wire.subjects import Subjects
 
@@ -84,7 +97,7 @@ def actor_specs(
     run_dir: Path,
     placement: CorePlacement | None = None,
     gpus: list[str] | None = None,
-) -> list:
+) -> list[ActorSpec]:
     """One spec per actor process. Every role is replaced when it dies in mid-run (up to
     ``run.max_restarts`` times each): rollout, reward and eval actors hold nothing that is
     not also on the stream or in the buffer's leases, the buffer restores its durable
@@ -92,8 +105,6 @@ def actor_specs(
     started on its role's cores; with ``gpus`` (the machine's, :func:`asyncrl.launch.cores.node_gpus`)
     each process that ``<role>.gpus`` gives GPUs sees only those (``CUDA_VISIBLE_DEVICES``),
     and one of ``gpus = 0`` sees the machine's. A replacement keeps its predecessor's."""
-    from asyncrl.runtime.supervisor import ActorSpec, actor_argv
-
     sets = assign_gpus(recipe)
 
     def spec(
@@ -128,11 +139,6 @@ def trainer_nodes(recipe: Recipe, run_dir: Path) -> list[tuple[str, list[str], d
     ``trainer.rendezvous`` only the first, which hosts it; the others join from their
     machines). Each node runs the same ``--actor-id trainer-0``: the rendezvous decides
     which holds global rank 0 (:mod:`asyncrl.train.torchrun`)."""
-    from asyncrl.entry.actor import system_malloc_reason
-    from asyncrl.runtime.allocator import mimalloc_preload
-    from asyncrl.runtime.supervisor import actor_argv
-    from asyncrl.train.torchrun import LOOPBACK, UP_NODE_ENV, free_port, torchrun_argv
-
     t, actor_id = recipe.trainer, "trainer-0"
     target = actor_argv("trainer", run_dir, actor_id)[1:]  # after the interpreter
     # a CPU trainer starts with its allocator preloaded, rather than executing itself
@@ -187,8 +193,6 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
     that trained."""
     lines = []
     if recipe.run.trace_steps:
-        from asyncrl.runtime.trace import merge_traces
-
         trace = merge_traces(run_dir)
         lines.append(
             f"timeline: {trace} (open in https://ui.perfetto.dev)"
@@ -200,8 +204,6 @@ def finish_run_folder(run_dir: Path, recipe: Recipe) -> list[str]:
     if not recipe.run.plots:
         return lines
     try:
-        from asyncrl.observe.plot import plot_run
-
         pngs = plot_run(run_dir)
         if pngs:
             lines.append(f"plots: {pngs[0].parent}/ ({', '.join(p.name for p in pngs)})")
@@ -222,13 +224,6 @@ async def _up(
     ray: Any = None,
     gpus: list[str] | None = None,
 ) -> int:
-    from asyncrl.actors.buffer.durable import forget as forget_buffer_state
-    from asyncrl.actors.buffer.durable import keep_for_resume as keep_buffer_position
-    from asyncrl.runtime.bus import Bus
-    from asyncrl.runtime.nats_cluster import NatsCluster
-    from asyncrl.runtime.nats_server import external_info
-    from asyncrl.runtime.supervisor import Supervisor
-
     log = get_logger(role="up", run=recipe.run.name)
     subjects = Subjects(recipe.run.name)
     server: Any = None
@@ -335,33 +330,6 @@ async def keep_server_alive(server: Any, sup: Any, quiet: bool) -> None:
         sup.fail(f"the embedded nats-server died and could not be started again: {exc}")
 
 
-async def start_dashboard(bus: Any, subjects: Subjects, recipe: Recipe) -> Any:
-    """Subscribes a :class:`DashboardState` to the run and starts redrawing it; returns
-    the rich ``Live`` to stop at the end."""
-    from rich.live import Live
-
-    from asyncrl.observe.dashboard import DashboardState
-    from asyncrl.wire.messages import ActorInfo
-
-    state = DashboardState(
-        run=recipe.run.name,
-        max_steps=recipe.trainer.max_steps,
-        batch_size=recipe.buffer.batch_size,
-    )
-    live = Live(state.render(), refresh_per_second=2, get_renderable=state.render)
-
-    async def on_metrics(m: Metrics) -> None:
-        state.on_metrics(m)
-
-    async def on_heartbeat(info: ActorInfo) -> None:
-        state.on_heartbeat(info)
-
-    await bus.subscribe(subjects.metrics("*"), Metrics, on_metrics)
-    await bus.subscribe(subjects.heartbeat("*"), ActorInfo, on_heartbeat)
-    live.start()
-    return live
-
-
 def up(
     recipe: Recipe,
     *,
@@ -375,8 +343,6 @@ def up(
     for warning in enforce_recipe(recipe):  # a recipe that cannot run fails here, first
         print(f"asyncrl: warning: {warning}", file=sys.stderr, flush=True)
     if ray:  # no ray, no run folder touched
-        from asyncrl.launch.ray_cluster import require_ray
-
         require_ray()
         gpus = None  # Ray hands out the cluster's GPUs itself
     else:
@@ -395,7 +361,5 @@ def up(
             get_logger(role="up").info(placement.describe())
         if not ray:
             return run_async(_up(recipe, run_dir, quiet, resume, placement, gpus=gpus))
-        from asyncrl.launch.ray_cluster import ray_launch
-
         with ray_launch(recipe, run_dir, ray) as launch:
             return run_async(_up(recipe, run_dir, quiet, resume, None, launch))

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pydantic import model_validator
 
 from asyncrl.config.schema import DType, Section
+from asyncrl.models.tiny import tiny_model_dir
 
 if TYPE_CHECKING:
     import torch
@@ -122,8 +123,8 @@ def smollm2_gguf_path() -> Path:
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantizes a GGUF checkpoint into an fp32 safetensors HF directory at ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # noqa: PLC0415 - on every process's path (model.path); only loading a model needs it
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - on every process's path (model.path); only loading a model needs it
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
@@ -150,8 +151,6 @@ def resolve_model_path(spec: str) -> str:
     if spec == SMOLLM2_NAME:
         return str(smollm2_dir())
     if spec == TINY_NAME:
-        from asyncrl.models.tiny import tiny_model_dir
-
         return str(tiny_model_dir())
     local = Path(spec).expanduser()
     if local.is_dir():
@@ -191,7 +190,7 @@ def resolve_dtype(name: str, device: str) -> DType:
 
 def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``; only the names in :data:`DTYPES`."""
-    import torch
+    import torch  # noqa: PLC0415 - on every process's path (model.path); only loading a model needs it
 
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of {DTYPES}")
@@ -200,7 +199,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_tokenizer(spec: str) -> Any:
     """The tokenizer of ``spec`` (chat template included) from :func:`resolve_model_path`."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 - on every process's path (model.path); only loading a model needs it
 
     return AutoTokenizer.from_pretrained(resolve_model_path(spec))
 
@@ -224,9 +223,9 @@ def load_causal_lm(
     (None: its default). ``gguf_file``: a GGUF checkpoint in the model directory,
     dequantised on load.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    import torch  # noqa: PLC0415 - on every process's path (model.path); only loading a model needs it
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - on every process's path (model.path); only loading a model needs it
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 - on every process's path (model.path); only loading a model needs it
 
     hf_logging.disable_progress_bar()  # a bar per load floods actor logs, says nothing new
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}

@@ -24,8 +24,8 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():  # type: ignore[no-untyped-def]
     """A character-level fast tokenizer: printable ASCII plus chat special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 - on every process's path through models.resolve; only building the model needs it
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - on every process's path through models.resolve; only building the model needs it
 
     chars = sorted(set(string.printable) - set("\r\x0b\x0c"))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
@@ -50,8 +50,8 @@ def tiny_model_dir(cache_dir: Path | None = None, seed: int = 0) -> Path:
     target = root / f"{TINY_NAME}-s{seed}"
     if (target / "config.json").is_file():
         return target
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # noqa: PLC0415 - on every process's path through models.resolve; only building the model needs it
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 - on every process's path through models.resolve; only building the model needs it
 
     root.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()

@@ -4,7 +4,8 @@ metrics and heartbeats arrive.
 :class:`DashboardState` folds the run's NATS records (``Metrics`` of every role,
 ``ActorInfo`` heartbeats) into what the screen shows; :meth:`DashboardState.render` draws
 it with rich. The state knows nothing of NATS, so a test (or a replay of a finished
-run's ``metrics.jsonl``) drives it with recorded records.
+run's ``metrics.jsonl``) drives it with recorded records; :func:`start_dashboard`
+subscribes one to a live run.
 """
 
 from __future__ import annotations
@@ -12,13 +13,19 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group, RenderableType
+from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from asyncrl.wire.messages import ActorInfo, Metrics
+from asyncrl.wire.subjects import Subjects
+
+if TYPE_CHECKING:
+    from asyncrl.config.recipe import Recipe
+    from asyncrl.runtime.bus import Bus
 
 ALIVE_WINDOW = 3.0
 """Seconds since its last heartbeat after which an actor no longer counts as live."""
@@ -254,3 +261,25 @@ def _sparkline(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     span = (hi - lo) or 1.0
     return "".join(_SPARKS[round((v - lo) / span * (len(_SPARKS) - 1))] for v in values)
+
+
+async def start_dashboard(bus: Bus, subjects: Subjects, recipe: Recipe) -> Live:
+    """Subscribes a :class:`DashboardState` to the run and starts redrawing it; returns
+    the rich ``Live`` to stop at the end."""
+    state = DashboardState(
+        run=recipe.run.name,
+        max_steps=recipe.trainer.max_steps,
+        batch_size=recipe.buffer.batch_size,
+    )
+    live = Live(state.render(), refresh_per_second=2, get_renderable=state.render)
+
+    async def on_metrics(m: Metrics) -> None:
+        state.on_metrics(m)
+
+    async def on_heartbeat(info: ActorInfo) -> None:
+        state.on_heartbeat(info)
+
+    await bus.subscribe(subjects.metrics("*"), Metrics, on_metrics)
+    await bus.subscribe(subjects.heartbeat("*"), ActorInfo, on_heartbeat)
+    live.start()
+    return live

@@ -90,17 +90,18 @@ class RunData:
 
 
 def _figure(ncols: int = 1) -> tuple[Any, Any]:
-    import matplotlib
+    # heavy: matplotlib loads when a plot is drawn, not with every process that records
+    import matplotlib  # noqa: PLC0415 - heavy
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - heavy, and after use("Agg")
 
     fig, axes = plt.subplots(1, ncols, figsize=FIGSIZE, dpi=DPI, squeeze=False)
     return fig, axes[0]
 
 
 def _save(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - heavy; loaded by _figure already
 
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": every PNG has the same size

@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.observe.sinks import open_sinks
+
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe
-    from asyncrl.wire.messages import Group
+    from asyncrl.wire.messages import Group, TrainSample, Trajectory
 
 SAMPLES_FILE = "trained_samples.jsonl"
 METRICS_FILE = "metrics.jsonl"
@@ -117,8 +119,6 @@ class StepRecords:
         """Drops the records of steps after ``kept_step`` (the restored checkpoint's: what
         a dead trainer recorded after it did not happen; 0 in a fresh run), then opens the
         sinks."""
-        from asyncrl.observe.sinks import open_sinks
-
         for name in (SAMPLES_FILE, METRICS_FILE):
             drop_records_after(self.run_dir / name, kept_step)
         self.sinks = open_sinks(self.recipe, self.run_dir, jsonl=METRICS_FILE, job="trainer")
@@ -147,10 +147,8 @@ class StepRecords:
         ``groups``: a line per sample, and the step's record to every sink: ``stats`` (the
         batch's rewards and advantages), the buffer's ``counters``, staleness, throughput,
         ``train_stats``, ``times`` (``time_<phase>_s``), :func:`batch_stats`, the agent
-        metrics (:func:`~asyncrl.workflows.agent.agent_metrics`) and ``live`` (the fleet's
+        metrics (:func:`agent_metrics`) and ``live`` (the fleet's
         and the drops' numbers). Returns the record's numbers."""
-        from asyncrl.workflows.agent import agent_metrics
-
         samples = [t for g in groups for t in g.samples]
         trained_at = version - 1  # the weights these samples updated
         staleness = []
@@ -200,6 +198,53 @@ class StepRecords:
         }
         self.sinks.log(record, step)
         return {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
+
+
+def agent_metrics(trajectories: Sequence[Trajectory | TrainSample]) -> dict[str, float]:
+    """The ``agent/...`` metrics of a batch of agent trajectories (those whose
+    ``reward_info`` has ``turns``; none: ``{}``), per episode:
+
+    - ``agent/turns``, ``agent/tool_calls``: means per episode;
+    - ``agent/tool_success``: the fraction of calls that succeeded, over the samples that
+      know (agent code that does not report ``tool_success`` is left out; none: absent);
+    - ``agent/tool_errors/<reason>``: counts;
+    - ``agent/tool_latency_s``: mean per call, over the samples that report it;
+    - ``agent/endpoint_added_latency_s``: the endpoint's own time per call (agent code),
+      mean over the calls."""
+    # an episode of several samples (agent code) counts once, by its final sample
+    infos = [
+        t.reward_info
+        for t in trajectories
+        if "turns" in t.reward_info and t.episode_sample == t.episode_samples - 1
+    ]
+    if not infos:
+        return {}
+    metrics = {
+        "agent/turns": sum(i["turns"] for i in infos) / len(infos),
+        "agent/tool_calls": sum(i.get("tool_calls", 0) for i in infos) / len(infos),
+    }
+    known = [i for i in infos if "tool_success" in i]
+    calls = sum(i.get("tool_calls", 0) for i in known)
+    if known:
+        metrics["agent/tool_success"] = (
+            sum(i["tool_success"] for i in known) / calls if calls else 0.0
+        )
+    timed = [i for i in infos if "tool_latency_s" in i]
+    calls = sum(i.get("tool_calls", 0) for i in timed)
+    if timed:
+        metrics["agent/tool_latency_s"] = (
+            sum(i["tool_latency_s"] for i in timed) / calls if calls else 0.0
+        )
+    served = [i for i in infos if "endpoint_added_latency_s" in i]
+    if served:
+        n = sum(i["turns"] for i in served)
+        added = sum(i["endpoint_added_latency_s"] * i["turns"] for i in served)
+        metrics["agent/endpoint_added_latency_s"] = added / n if n else 0.0
+    errors: Counter[str] = Counter()
+    for i in infos:
+        errors.update(i.get("tool_errors") or {})
+    metrics.update({f"agent/tool_errors/{reason}": float(n) for reason, n in errors.items()})
+    return metrics
 
 
 __all__ = ["StepRecords", "batch_stats", "drop_records_after", "token_digest"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,21 +60,22 @@ class TensorBoardSink:
     the record's step, its wall time the record's ``time``."""
 
     def __init__(self, logdir: Path, suffix: str) -> None:
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        # run.tensorboard only: its protobuf modules load when a run asks for them
+        from tensorboard.summary.writer.event_file_writer import (  # noqa: PLC0415 - optional
+            EventFileWriter,
+        )
 
         logdir.mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(logdir), filename_suffix=f".{suffix}")
 
     def log(self, record: dict[str, Any], step: int) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.event_pb2 import Event  # noqa: PLC0415 - as above
+        from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: PLC0415 - as above
 
         values = numeric(record)
         values.pop("step", None)  # the x-axis already
         wall = values.pop("time", None)
         summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-        import time
-
         self._writer.add_event(Event(wall_time=wall or time.time(), step=step, summary=summary))
         self._writer.flush()
 
@@ -85,7 +87,7 @@ class WandbSink:
     """A W&B run in the group named after the asyncrl run."""
 
     def __init__(self, recipe: Recipe, run_dir: Path, job: str) -> None:
-        import wandb
+        import wandb  # noqa: PLC0415 - optional: the wandb extra, for run.wandb only
 
         cfg = recipe.run.wandb
         assert cfg is not None

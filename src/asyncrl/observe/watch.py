@@ -11,7 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.config.recipe import Recipe
+from asyncrl.observe.dashboard import start_dashboard
+from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.loop import run_async
+from asyncrl.runtime.nats_server import nats_info_for_run
 from asyncrl.wire.messages import ActorInfo, Metrics
 from asyncrl.wire.subjects import Subjects
 
@@ -27,11 +31,6 @@ def format_metrics(m: Metrics) -> str:
 
 
 async def _dashboard(run_dir: Path) -> int:
-    from asyncrl.config.recipe import Recipe
-    from asyncrl.launch.up import start_dashboard
-    from asyncrl.runtime.bus import Bus
-    from asyncrl.runtime.nats_server import nats_info_for_run
-
     recipe = Recipe.model_validate(json.loads((run_dir / "recipe.json").read_text()))
     bus = await Bus.connect(nats_info_for_run(run_dir), name="asyncrl-metrics")
     live = await start_dashboard(bus, Subjects(recipe.run.name), recipe)
@@ -44,9 +43,6 @@ async def _dashboard(run_dir: Path) -> int:
 
 
 async def _stream(run_dir: Path, as_json: bool, role: str, count: int) -> int:
-    from asyncrl.runtime.bus import Bus
-    from asyncrl.runtime.nats_server import nats_info_for_run
-
     subjects = Subjects(_run_name(run_dir))
     bus = await Bus.connect(nats_info_for_run(run_dir), name="asyncrl-metrics")
     done = asyncio.Event()
@@ -90,9 +86,6 @@ def stream_metrics(
 
 
 async def _status(run_dir: Path, wait: float) -> dict[str, ActorInfo]:
-    from asyncrl.runtime.bus import Bus
-    from asyncrl.runtime.nats_server import nats_info_for_run
-
     subjects = Subjects(_run_name(run_dir))
     bus = await Bus.connect(nats_info_for_run(run_dir), name="asyncrl-status")
     actors: dict[str, ActorInfo] = {}

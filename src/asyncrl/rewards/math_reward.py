@@ -40,7 +40,7 @@ def answers_match(reference: str, predicted: str) -> bool:
     ref_num, pred_num = to_number(reference), to_number(predicted)
     if ref_num is not None and pred_num is not None:
         return ref_num == pred_num
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # noqa: PLC0415 - loads sympy (seconds): only a reward worker scoring needs it
 
     in_main = threading.current_thread() is threading.main_thread()
     limit = 5 if in_main else None  # signal.alarm exists only in the main thread

@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from asyncrl import __version__
+from asyncrl.config.recipe import Recipe, trace_window
+from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.runtime.trace import Tracer
 from asyncrl.wire.messages import ActorExit, ActorInfo, Control, Message, Metrics
 from asyncrl.wire.subjects import Subjects
 
 if TYPE_CHECKING:
-    from asyncrl.config.recipe import Recipe
-    from asyncrl.runtime.bus import Bus
     from asyncrl.runtime.nats_server import NatsInfo
 
 
@@ -99,8 +99,6 @@ class Actor:
         self.tracer = self._make_tracer()
 
     def _make_tracer(self) -> Tracer:
-        from asyncrl.config.recipe import trace_window
-
         steps = self.recipe.run.trace_steps
         window = trace_window(steps) if steps else None
         return Tracer(self.ctx.run_dir, self.actor_id, self.role, window, lambda: self.version)
@@ -194,8 +192,6 @@ class Actor:
 
     async def main(self) -> int:
         """Runs the actor to its end; returns the process exit code."""
-        from asyncrl.runtime.bus import Bus
-
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:

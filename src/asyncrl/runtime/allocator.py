@@ -24,6 +24,12 @@ import platform
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncrl.launch.cores import is_cpu_device
+
+if TYPE_CHECKING:
+    from asyncrl.train.config import TrainerConfig
 
 REEXEC_ENV = "ASYNCRL_MIMALLOC"
 """Set (to the library's path) in the command that :func:`use_mimalloc` runs again, so
@@ -130,3 +136,13 @@ def use_mimalloc() -> str:
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def system_malloc_reason(trainer: TrainerConfig) -> str | None:
+    """Why a trainer process with these settings keeps the C library's malloc, or None
+    when it runs under mimalloc."""
+    if trainer.allocator == "system":
+        return "the C library's malloc (trainer.allocator = system)"
+    if not is_cpu_device(trainer.device):
+        return "the C library's malloc (the trainer computes on a GPU)"
+    return None

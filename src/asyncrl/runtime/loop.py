@@ -6,12 +6,15 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+try:
+    import uvloop
+except ImportError:  # optional: the dependency is not installed on Windows
+    uvloop = None  # type: ignore[assignment]
+
 T = TypeVar("T")
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
+    if uvloop is None:
         return asyncio.run(coro)
     return uvloop.run(coro)

@@ -1,25 +1,23 @@
-"""AsyncTaskRunner: drives many concurrent episodes under admission control.
+"""AsyncTaskRunner: drives many concurrent episodes, at most ``max_concurrent`` at once.
 
 The runner is an async context manager that owns one ``asyncio.TaskGroup``::
 
-    async with AsyncTaskRunner(max_concurrent=32, capacity=staleness.capacity) as runner:
-        await runner.submit(workflow.arun_episode, engine, item)
-        results = await runner.wait(count=4, timeout=60)
+    async with AsyncTaskRunner(max_concurrent=32) as runner:
+        await runner.submit(workflow.arun_episode, engine, item, tag=item)
+        results = await runner.wait(count=4)
 
 Contract:
 
-- ``submit`` puts a task into a bounded queue (it waits while the queue is full).
-- A queued task starts only when the runner is not paused, fewer than ``max_concurrent``
-  tasks run, and the capacity hook (if any) returns > 0. Tasks start in submission order.
-  Call :meth:`notify` when something the hook reads has changed (a new policy version).
-- ``pause()`` stops new starts; running tasks go on. ``resume()`` lets starts continue.
+- ``submit`` puts a task into a queue bounded by ``max_concurrent`` (it waits while the
+  queue is full).
+- A queued task starts when fewer than ``max_concurrent`` tasks run, in submission order.
 - Every task ends as a :class:`TaskResult`: its value, or the exception it raised. An
   exception is never raised out of the runner and never stops other tasks.
-- ``wait(count, timeout)`` returns ``count`` results in completion order, or raises
-  ``TimeoutError`` leaving whatever had completed for the next call.
+- ``wait(count)`` returns ``count`` results in completion order; a ``wait`` cancelled
+  before they all arrived takes nothing, leaving them for the next call.
 - Leaving the context cancels queued and running tasks; it does not wait for them to finish.
 - ``idle_s`` is the time since entering the context during which no task ran (waiting
-  for work or for the capacity hook): how long the work this runner drives stood still.
+  for work): how long the work this runner drives stood still.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ T = TypeVar("T")
 class TaskResult(Generic[T]):
     """How one task ended. Exactly one of ``value`` (maybe None) and ``error`` is meaningful."""
 
-    task_id: int
     value: T | None = None
     error: BaseException | None = None
     tag: Any = None
@@ -58,40 +55,28 @@ class _Pending:
 
 
 class AsyncTaskRunner(Generic[T]):
-    """Bounded, pausable, capacity-gated execution of coroutine functions."""
+    """Bounded execution of coroutine functions, each ending as a :class:`TaskResult`."""
 
-    def __init__(
-        self,
-        max_concurrent: int,
-        *,
-        max_queue: int | None = None,
-        capacity: Callable[[], int] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        """``max_queue`` defaults to ``max_concurrent``: a submitter may run ahead by at most
-        one full wave of tasks, so a producer never piles up work that admission will refuse.
-        The result queue holds at most ``max_queue + max_concurrent`` results; a task whose
-        result finds it full waits there, keeping its slot, which is the backpressure on a
-        consumer that stopped calling ``wait``. ``clock`` times ``idle_s`` (a test
-        passes its own)."""
+    def __init__(self, max_concurrent: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """The queue of tasks not yet started holds ``max_concurrent``: a submitter may run
+        ahead by at most one full wave of tasks, so a producer never piles up work that
+        admission will refuse. The result queue holds at most ``2 · max_concurrent``
+        results; a task whose result finds it full waits there, keeping its slot, which is
+        the backpressure on a consumer that stopped calling ``wait``. ``clock`` times
+        ``idle_s`` (a test passes its own, to step time by hand)."""
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")
         self.max_concurrent = max_concurrent
-        self.max_queue = max_queue or max_concurrent
-        self._capacity = capacity
-        self._pending: asyncio.Queue[_Pending] = asyncio.Queue(self.max_queue)
+        self._pending: asyncio.Queue[_Pending] = asyncio.Queue(max_concurrent)
         self._results: deque[TaskResult[T]] = deque()
-        self._result_slots = asyncio.Semaphore(self.max_queue + max_concurrent)
+        self._result_slots = asyncio.Semaphore(2 * max_concurrent)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._changed = asyncio.Event()  # set on anything that may let a task start
+        self._slot_freed = asyncio.Event()  # set when a running task ends
         self._arrived = asyncio.Event()  # set when a result is appended
-        self._paused = False
         self._running = 0
         self._ids = itertools.count()
         self._tg: asyncio.TaskGroup | None = None
         self._dispatcher: asyncio.Task[None] | None = None
-        self.started_total = 0
-        self.failed_total = 0
         self._clock = clock
         self._entered_at = 0.0
         self._idle_since: float | None = None  # None while a task runs
@@ -142,83 +127,50 @@ class AsyncTaskRunner(Generic[T]):
         """Seconds since entering the context: ``idle_s / age_s`` is the idle fraction."""
         return self._clock() - self._entered_at
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    async def pause(self) -> None:
-        self._paused = True
-
-    async def resume(self) -> None:
-        self._paused = False
-        await self.notify()
-
-    async def notify(self) -> None:
-        """Re-evaluates the start conditions (call after the capacity hook's inputs change)."""
-        self._changed.set()
-
     # -- work ----------------------------------------------------------------------------------
 
-    async def submit(self, fn: Callable[..., Awaitable[T]], *args: Any, tag: Any = None) -> int:
-        """Queues ``fn(*args)``; waits while the queue is full. Returns the task id."""
+    async def submit(self, fn: Callable[..., Awaitable[T]], *args: Any, tag: Any = None) -> None:
+        """Queues ``fn(*args)``; waits while the queue is full. ``tag`` comes back on the
+        task's :class:`TaskResult`."""
         if self._tg is None:
             raise RuntimeError("submit() outside 'async with AsyncTaskRunner(...)'")
-        task_id = next(self._ids)
-        await self._pending.put(_Pending(task_id, fn, args, tag))
-        return task_id
+        await self._pending.put(_Pending(next(self._ids), fn, args, tag))
 
-    async def wait(
-        self,
-        count: int = 1,
-        timeout: float | None = None,  # noqa: ASYNC109 - the runner's contract: wait(count, timeout)
-    ) -> list[TaskResult[T]]:
+    async def wait(self, count: int = 1) -> list[TaskResult[T]]:
         """The next ``count`` results in completion order.
 
-        On timeout raises ``TimeoutError`` and takes nothing: the results that did arrive
+        Cancelled before they all arrived, it takes nothing: the results that did arrive
         stay for the next call, so none is lost."""
-        try:
-            async with asyncio.timeout(timeout):
-                while len(self._results) < count:
-                    self._arrived.clear()
-                    await self._arrived.wait()
-        except TimeoutError:
-            raise TimeoutError(
-                f"{len(self._results)} of {count} results within {timeout}s"
-            ) from None
+        while len(self._results) < count:
+            self._arrived.clear()
+            await self._arrived.wait()
         got = [self._results.popleft() for _ in range(count)]
         for _ in got:
             self._result_slots.release()
         return got
 
-    def _may_start(self) -> bool:
-        if self._paused or self._running >= self.max_concurrent:
-            return False
-        return self._capacity is None or self._capacity() > 0
-
     async def _dispatch(self) -> None:
         assert self._tg is not None
         while True:
             item = await self._pending.get()
-            while not self._may_start():
-                self._changed.clear()
-                await self._changed.wait()
+            while self._running >= self.max_concurrent:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
             if self._running == 0 and self._idle_since is not None:
                 self._idle_total += self._clock() - self._idle_since
                 self._idle_since = None
             self._running += 1
-            self.started_total += 1
             task = self._tg.create_task(self._run_one(item), name=f"runner-task-{item.task_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _run_one(self, item: _Pending) -> None:
-        result: TaskResult[T] = TaskResult(item.task_id, tag=item.tag)
+        result: TaskResult[T] = TaskResult(tag=item.tag)
         try:
             try:
                 result.value = await item.fn(*item.args)
             except Exception as exc:  # a failing episode is a result, never the runner's death
                 result.error = exc
-                self.failed_total += 1
             await self._result_slots.acquire()
             self._results.append(result)
             self._arrived.set()
@@ -226,4 +178,4 @@ class AsyncTaskRunner(Generic[T]):
             self._running -= 1
             if self._running == 0:
                 self._idle_since = self._clock()
-            self._changed.set()
+            self._slot_freed.set()

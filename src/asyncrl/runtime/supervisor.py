@@ -112,10 +112,6 @@ class _Proc:
     replaced: bool = False
 
 
-class ActorFailed(RuntimeError):
-    pass
-
-
 class Supervisor:
     def __init__(
         self,

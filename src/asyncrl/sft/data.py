@@ -20,8 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from asyncrl.data.gsm8k import gsm8k_final_answer
 from asyncrl.data.loaders import Record, read_hf_dataset, read_jsonl, to_prompt_records
+from asyncrl.train.batch import Sample
+from asyncrl.workflows.base import chat_messages, encode_chat, encode_text
 
 if TYPE_CHECKING:
     from asyncrl.config.recipe import HFData, JsonlData
@@ -111,10 +115,6 @@ def render_example(tokenizer: Any, record: Record, cfg: SftConfig) -> tuple[Samp
     """The training sequence of ``record`` (see the module docstring), cut at
     ``cfg.max_length`` tokens, and whether it was cut; None when the prompt leaves no
     room for an answer token."""
-    import torch
-
-    from asyncrl.train.batch import Sample
-    from asyncrl.workflows.base import chat_messages, encode_chat, encode_text
 
     prompt_ids = encode_chat(tokenizer, chat_messages(record, cfg.system_prompt))
     if tokenizer.eos_token_id is None:

@@ -12,7 +12,12 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from asyncrl.api.inference import GenerateRequest, SamplingParams
 from asyncrl.data.loaders import Record
+from asyncrl.engines.hf import HFEngine
+from asyncrl.models.resolve import ModelConfig
+from asyncrl.rewards import RewardPool
+from asyncrl.workflows.base import chat_messages, encode_chat
 
 
 async def _greedy_accuracy(
@@ -24,11 +29,6 @@ async def _greedy_accuracy(
     dtype: str,
     system_prompt: str | None,
 ) -> dict[str, float]:
-    from asyncrl.api.inference import GenerateRequest, SamplingParams
-    from asyncrl.engines.hf import HFEngine
-    from asyncrl.models.resolve import ModelConfig
-    from asyncrl.rewards import RewardPool
-    from asyncrl.workflows.base import chat_messages, encode_chat
 
     engine = HFEngine(ModelConfig(path=str(model_dir), dtype=dtype))
     await engine.start()

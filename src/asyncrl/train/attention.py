@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "asyncrl_varlen"
 
@@ -39,7 +40,7 @@ def _repeat_kv(states: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def _flash_varlen() -> Any:
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415 - absent before torch 2.9: the fallback is the padded path
     except ImportError:
         return None
     return varlen_attn
@@ -152,7 +153,6 @@ def varlen_causal_attention(
 
 def register() -> None:
     """Makes ``attn_implementation="asyncrl_varlen"`` known to transformers (idempotent)."""
-    from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_causal_attention)
 

@@ -17,13 +17,17 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from transformers import AutoTokenizer
 
 from asyncrl.algo.loss import agg_count, policy_loss
+from asyncrl.config.recipe import Recipe
 from asyncrl.config.schema import resolve_device
 from asyncrl.models.resolve import (
     ModelConfig,
@@ -32,7 +36,8 @@ from asyncrl.models.resolve import (
     resolve_model_path,
     torch_dtype,
 )
-from asyncrl.train import checkpoint as ckpt
+from asyncrl.sft.config import SftRecipe
+from asyncrl.train import dcp, trainer_threads
 from asyncrl.train.attention import register as register_attention
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig
@@ -172,8 +177,6 @@ class TrainEngine:
         )
         module.to(self.device)
         if self.distributed:
-            from torch.distributed.device_mesh import init_device_mesh
-
             mesh = init_device_mesh(self.device.type, (self.world_size,))
             apply_fsdp(
                 module,
@@ -207,7 +210,6 @@ class TrainEngine:
         expose plain full-size views of a buffer that the next collective reuses."""
         if not self.distributed:
             return
-        from torch.distributed.fsdp import FSDPModule
 
         for module in (root or self.module).modules():
             if isinstance(module, FSDPModule):
@@ -574,13 +576,13 @@ class TrainEngine:
             "extra_state": extra_state or {},
         }
         self._reshard()
-        ckpt.save_checkpoint(path, self.module, self.optimizer, state, trainable_only=self.lora)
+        dcp.save_checkpoint(path, self.module, self.optimizer, state, trainable_only=self.lora)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restores everything :meth:`save_checkpoint` saved; returns ``extra_state``.
         Collective; the world size may differ from the saving run's."""
         self._reshard()
-        state = ckpt.load_checkpoint(path, self.module, self.optimizer, trainable_only=self.lora)
+        state = dcp.load_checkpoint(path, self.module, self.optimizer, trainable_only=self.lora)
         self.step = int(state["step"])
         self.version = int(state["version"])
         self.skipped_nonfinite = int(state.get("skipped_nonfinite", 0))
@@ -610,7 +612,7 @@ class TrainEngine:
                 return iter_merged_weights(self.lm, size, dtype=torch_type)
 
             lm = lm.get_base_model()  # its config and generation config
-        ckpt.export_hf(
+        dcp.export_hf(
             path,
             lm,
             dtype=torch_type,
@@ -631,7 +633,7 @@ class TrainEngine:
         torch_type = torch_dtype(dtype or self.dtype_name)
         if self.lora:
             return iter_merged_weights(self.lm, bucket_bytes, dtype=torch_type)
-        return ckpt.iter_full_weights(self.lm, bucket_bytes, dtype=torch_type, copy=copy)
+        return dcp.iter_full_weights(self.lm, bucket_bytes, dtype=torch_type, copy=copy)
 
     @property
     def tokenizer(self) -> Any:
@@ -643,8 +645,6 @@ class TrainEngine:
             if implicit:
                 source = self._source
             if source is not None:
-                from transformers import AutoTokenizer
-
                 gguf = self.model_config.gguf_file
                 kwargs = {"gguf_file": gguf} if gguf else {}
                 try:
@@ -662,3 +662,24 @@ class TrainEngine:
             emb: Any = self.lm.get_input_embeddings()  # type: ignore[operator]
             total -= emb.weight.numel()
         return total
+
+
+Engine = TypeVar("Engine", bound=TrainEngine)
+
+
+@overload
+def build_train_engine(recipe: Recipe | SftRecipe) -> TrainEngine: ...
+@overload
+def build_train_engine(recipe: Recipe | SftRecipe, engine: type[Engine]) -> Engine: ...
+def build_train_engine(recipe: Recipe | SftRecipe, engine: type[TrainEngine] | None = None) -> Any:
+    """The recipe's train engine, an ``engine`` (default :class:`TrainEngine`; the SFT run
+    gives :class:`asyncrl.sft.engine.SFTEngine`) built from its ``trainer`` and ``model``
+    sections and ``run.seed``; joins the torchrun process group first when there is one
+    (NCCL when the trainer's device is CUDA, else gloo). Sets torch's intra-op threads to
+    :func:`trainer_threads`."""
+    torch.set_num_threads(trainer_threads(recipe.trainer.threads))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        cuda = resolve_device(recipe.trainer.device).startswith("cuda")
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return (engine or TrainEngine)(recipe.trainer, recipe.model, seed=recipe.run.seed)

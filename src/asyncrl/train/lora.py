@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
+from safetensors.torch import save_file
 from torch import nn
 
-from asyncrl.train import checkpoint as ckpt
+from asyncrl.train import dcp
 from asyncrl.train.config import LoraConfig
 from asyncrl.weights.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, merged
 
@@ -35,8 +38,6 @@ def apply_lora(lm: nn.Module, config: LoraConfig, *, seed: int = 0) -> nn.Module
     Every rank must pass the same ``seed``: FSDP2 keeps each rank's own slice of the
     tensor it is given, so adapters drawn from per-rank RNG streams would be stitched
     together from different initialisations."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
 
     peft_config = PeftLoraConfig(
         r=config.rank,
@@ -77,14 +78,13 @@ def export_adapter(
     """Writes the adapter of the peft model ``lm`` as peft does (``adapter_config.json``,
     ``adapter_model.safetensors``), in ``dtype`` (default: as trained). Collective: each
     adapter tensor is gathered; rank 0 writes."""
-    from safetensors.torch import save_file
 
-    rank, _ = ckpt._rank_world()
+    rank, _ = dcp._rank_world()
     tensors: dict[str, torch.Tensor] = {}
     for name, param in lm.named_parameters():
         if not is_adapter_param(name):
             continue
-        full = ckpt._full(param.detach())
+        full = dcp._full(param.detach())
         if rank == 0:
             tensors[adapter_key(name)] = full.to("cpu", dtype or full.dtype, copy=True)
     if rank == 0:
@@ -93,7 +93,7 @@ def export_adapter(
         save_file(tensors, str(root / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         peft_lm: Any = lm
         peft_lm.peft_config[ADAPTER_NAME].save_pretrained(str(root))
-    ckpt._barrier()
+    dcp._barrier()
 
 
 def iter_merged_weights(
@@ -111,7 +111,7 @@ def iter_merged_weights(
         float(peft_lm.peft_config[ADAPTER_NAME].lora_alpha) / peft_lm.peft_config[ADAPTER_NAME].r
     )
     waiting: dict[str, dict[str, torch.Tensor]] = {}  # layer prefix -> its gathered parts
-    for bucket in ckpt.iter_full_weights(lm, bucket_bytes, dtype=torch.float32):
+    for bucket in dcp.iter_full_weights(lm, bucket_bytes, dtype=torch.float32):
         out: list[tuple[str, torch.Tensor]] = []
         for name, tensor in bucket:
             if name.endswith(".base_layer.weight") or is_adapter_param(name):

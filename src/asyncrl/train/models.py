@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from asyncrl.algo.truncation import cut_logprobs, kept_mask
@@ -306,7 +307,6 @@ def apply_fsdp(
     ``reduce_dtype`` (bf16 compute with fp32 reduction on GPUs; fp32 on CPU/gloo). Tied
     embeddings stay tied because both ends live in the root group.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(
         param_dtype=None if param_dtype == torch.float32 else param_dtype,

@@ -29,7 +29,7 @@ KEEP = 2
 
 def export_handles(packed: Packed) -> bytes:
     """The IPC handles of ``packed``'s device buckets, with its manifest, as bytes."""
-    from torch.multiprocessing.reductions import reduce_tensor
+    from torch.multiprocessing.reductions import reduce_tensor  # noqa: PLC0415 - the rollout actor of a server engine runs without torch
 
     handles = [reduce_tensor(b) for b in packed.buckets]
     return pickle.dumps(

@@ -149,7 +149,7 @@ async def fetched(bus: Bus, bucket: str, msg: WeightsUpdated) -> AsyncIterator[P
 
 def read_safetensors(folder: Path, dtype: str | None = None) -> NamedTensors:
     """Every tensor of the safetensors files in ``folder`` (cast to ``dtype``)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # noqa: PLC0415 - the rollout actor of a server engine runs without torch
 
     cast = torch_dtype(dtype) if dtype else None
     out: NamedTensors = []

@@ -76,7 +76,7 @@ def adapter_from_tensors(
 
 def read_adapter(path: str | Path) -> LoraAdapter:
     """The adapter in directory ``path`` (as peft writes it), on the CPU."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # noqa: PLC0415 - the rollout actor of a server engine runs without torch
 
     root = Path(path)
     config = json.loads((root / ADAPTER_CONFIG).read_text())
@@ -86,7 +86,7 @@ def read_adapter(path: str | Path) -> LoraAdapter:
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """``weight + scale · b @ a`` computed in float32 on ``weight``'s device, in
     ``weight``'s dtype; a new tensor (``weight`` is not changed)."""
-    import torch
+    import torch  # noqa: PLC0415 - the rollout actor of a server engine runs without torch
 
     delta = b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)
     return (weight.float() + scale * delta).to(weight.dtype)

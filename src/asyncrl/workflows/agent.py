@@ -19,7 +19,7 @@ How the chat template is used (probed once, see :class:`ChatFormat`):
   else one user turn of ``<tool_response>`` blocks.
 
 ``reward_info`` carries the episode's counts: ``turns``, ``tool_calls``, ``tool_success``,
-``tool_errors`` (by reason), ``tool_latency_s``; :func:`agent_metrics` sums a batch of them
+``tool_errors`` (by reason), ``tool_latency_s``; :func:`~asyncrl.observe.records.agent_metrics` sums a batch of them
 into ``agent/...`` metrics.
 """
 
@@ -36,7 +36,7 @@ from asyncrl.tools.base import Tool
 from asyncrl.tools.builtin import BUILTIN_TOOLS
 from asyncrl.tools.calls import get_parser, tools_system_text
 from asyncrl.tools.env import EnvFactory, Environment, RewardEnv, ToolEnv
-from asyncrl.wire.messages import Prompt, TrainSample, Trajectory
+from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.base import (
     TokenTrace,
     encode_text,
@@ -271,50 +271,3 @@ def builtin_tool(name: str) -> Tool:
         return BUILTIN_TOOLS[name]()
     except KeyError:
         raise ValueError(f"unknown built-in tool {name!r}: known {sorted(BUILTIN_TOOLS)}") from None
-
-
-def agent_metrics(trajectories: Sequence[Trajectory | TrainSample]) -> dict[str, float]:
-    """The ``agent/...`` metrics of a batch of agent trajectories (those whose
-    ``reward_info`` has ``turns``; none: ``{}``), per episode:
-
-    - ``agent/turns``, ``agent/tool_calls``: means per episode;
-    - ``agent/tool_success``: the fraction of calls that succeeded, over the samples that
-      know (agent code that does not report ``tool_success`` is left out; none: absent);
-    - ``agent/tool_errors/<reason>``: counts;
-    - ``agent/tool_latency_s``: mean per call, over the samples that report it;
-    - ``agent/endpoint_added_latency_s``: the endpoint's own time per call (agent code),
-      mean over the calls."""
-    # an episode of several samples (agent code) counts once, by its final sample
-    infos = [
-        t.reward_info
-        for t in trajectories
-        if "turns" in t.reward_info and t.episode_sample == t.episode_samples - 1
-    ]
-    if not infos:
-        return {}
-    metrics = {
-        "agent/turns": sum(i["turns"] for i in infos) / len(infos),
-        "agent/tool_calls": sum(i.get("tool_calls", 0) for i in infos) / len(infos),
-    }
-    known = [i for i in infos if "tool_success" in i]
-    calls = sum(i.get("tool_calls", 0) for i in known)
-    if known:
-        metrics["agent/tool_success"] = (
-            sum(i["tool_success"] for i in known) / calls if calls else 0.0
-        )
-    timed = [i for i in infos if "tool_latency_s" in i]
-    calls = sum(i.get("tool_calls", 0) for i in timed)
-    if timed:
-        metrics["agent/tool_latency_s"] = (
-            sum(i["tool_latency_s"] for i in timed) / calls if calls else 0.0
-        )
-    served = [i for i in infos if "endpoint_added_latency_s" in i]
-    if served:
-        n = sum(i["turns"] for i in served)
-        added = sum(i["endpoint_added_latency_s"] * i["turns"] for i in served)
-        metrics["agent/endpoint_added_latency_s"] = added / n if n else 0.0
-    errors: Counter[str] = Counter()
-    for i in infos:
-        errors.update(i.get("tool_errors") or {})
-    metrics.update({f"agent/tool_errors/{reason}": float(n) for reason, n in errors.items()})
-    return metrics

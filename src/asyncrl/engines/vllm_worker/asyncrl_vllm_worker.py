@@ -32,6 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 WIRE_PATH = Path(__file__).resolve().parent.parent.parent / "weights" / "wire.py"
 """asyncrl's wire module, beside this folder in the package."""
 
@@ -66,7 +68,6 @@ class WeightBroadcast:
     carry an ``asyncrl_`` prefix: vLLM refuses an extension whose names its worker has."""
 
     def asyncrl_join(self, where: str) -> dict[str, Any]:
-        import torch.distributed as dist
 
         w = json.loads(where)
         worker: Any = self
