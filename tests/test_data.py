@@ -21,7 +21,7 @@ from asyncrl.data import (
     ShardSampler,
     arithmetic_records,
     gsm8k_final_answer,
-    load_gsm8k,
+    gsm8k_records,
     load_records,
     products_records,
     read_hf_dataset,
@@ -52,7 +52,7 @@ def test_read_jsonl_skips_blank_lines_and_names_bad_ones(tmp_path: Path):
 
 @needs_gsm8k
 def test_gsm8k_records_from_the_offline_copy():
-    records = load_gsm8k(GSM8K_TEST, limit=3)
+    records = gsm8k_records(read_jsonl(GSM8K_TEST, limit=3))
     first = records[0]
     assert first["question"].startswith("Janet")
     assert first["answer"] == "18"

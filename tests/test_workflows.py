@@ -15,6 +15,7 @@ from workflow_kit import workflow_from
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.api.reward import RewardResult
 from asyncrl.config.recipe import RecipeError
+from asyncrl.data import gsm8k_records, read_jsonl
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.rewards import RewardPool
@@ -202,9 +203,7 @@ async def test_workflows_from_names_files_and_modules(engine: HFEngine, tmp_path
 @pytest.mark.slow
 @pytest.mark.skipif(not GSM8K_TEST.is_file(), reason="offline GSM8K copy absent")
 async def test_smollm2_answers_a_gsm8k_question_through_rlvr_with_a_reward():
-    from asyncrl.data import load_gsm8k
-
-    record = load_gsm8k(GSM8K_TEST, limit=1)[0]
+    record = gsm8k_records(read_jsonl(GSM8K_TEST, limit=1))[0]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=48, seed=0)
     async with (
         HFEngine("smollm2-135m-instruct") as eng,

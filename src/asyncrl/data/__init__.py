@@ -7,7 +7,6 @@ from asyncrl.data.gsm8k import (
     BOXED_INSTRUCTION,
     gsm8k_final_answer,
     gsm8k_records,
-    load_gsm8k,
 )
 from asyncrl.data.loaders import (
     MissingFieldError,
@@ -33,7 +32,6 @@ __all__ = [
     "gsm8k_records",
     "held_out_indices",
     "load_eval_records",
-    "load_gsm8k",
     "load_prompt_records",
     "load_records",
     "missing_fields",

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from asyncrl.data.loaders import Record, read_jsonl, to_prompt_records
+from asyncrl.data.loaders import Record, to_prompt_records
 
 BOXED_INSTRUCTION = "Solve the problem step by step, then put the final answer in \\boxed{}."
 """The instruction appended to each question: the final answer in ``\\boxed{}``, as the
@@ -26,10 +24,3 @@ def gsm8k_records(rows: list[Record], instruction: str = BOXED_INSTRUCTION) -> l
     return to_prompt_records(
         with_solution, "question", "answer", instruction=instruction, transform=gsm8k_final_answer
     )
-
-
-def load_gsm8k(
-    path: str | Path, limit: int | None = None, instruction: str = BOXED_INSTRUCTION
-) -> list[Record]:
-    """GSM8K prompt records from a local JSONL file (the format of the HF ``gsm8k`` dataset)."""
-    return gsm8k_records(read_jsonl(path, limit=limit), instruction)

@@ -627,7 +627,7 @@ class TrainEngine:
         ``model.dtype``); rank 0 gets them, other ranks get empty buckets. ``copy=False``:
         tensors that need no cast or gather are the live parameters themselves (for a
         caller done with them before the next step). Collective: every rank must exhaust
-        the iterator. See :func:`asyncrl.train.checkpoint.iter_full_weights`.
+        the iterator. See :func:`asyncrl.train.dcp.iter_full_weights`.
         """
         self._reshard()
         torch_type = torch_dtype(dtype or self.dtype_name)

@@ -99,7 +99,7 @@ def export_adapter(
 def iter_merged_weights(
     lm: nn.Module, bucket_bytes: int, *, dtype: torch.dtype | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """:func:`~asyncrl.train.checkpoint.iter_full_weights` of the peft model ``lm`` with
+    """:func:`~asyncrl.train.dcp.iter_full_weights` of the peft model ``lm`` with
     every adapter merged into its base weight (:func:`asyncrl.weights.lora.merged`, in float32),
     under the base model's HF names. Collective, with the same bucket count on every rank
     (rank 0 gets the tensors).
