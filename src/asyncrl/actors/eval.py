@@ -23,10 +23,11 @@ actor builds it (:func:`asyncrl.actors.generation.build_workflow`) with the eval
 sampling (seeded by the run's seed) and samples per prompt, and offered the eval's reward
 pool: ``rlvr`` replies once, ``multi_turn`` takes its feedback turns, ``agent`` runs its
 tool calls; agent code and ``verifiers`` environments run through an endpoint of the eval's
-own per job, whose default sampling is the job's (agent code that sets its own temperature
-overrides it). A sample its workflow left unscored is scored with ``reward.fn``. When the
-episodes report tool calls (``agent``, agent code), the record adds, over the greedy
-episodes (the sampled ones when ``greedy`` is off):
+own per job (per sample of the ``k``, each seeded apart), whose default sampling is the
+job's (agent code that sets its own temperature overrides it). A sample its workflow left
+unscored is scored with ``reward.fn``. When the episodes report tool calls (``agent``,
+agent code), the record adds, over the greedy episodes (the sampled ones when ``greedy``
+is off):
 
 - ``eval/tool_call_rate``: share of episodes with at least one parsable tool call;
 - ``eval/tool_success``: share of the calls that succeeded;
@@ -60,6 +61,7 @@ from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.train.checkpoint import latest_checkpoint_meta
 from asyncrl.weights.build import build_receiver
 from asyncrl.weights.receiver import EngineWeights
+from asyncrl.workflows.rlvr import sample_seed
 
 EVAL_FILE = "eval.jsonl"
 
@@ -70,11 +72,13 @@ PASS_THRESHOLD = 0.5
 @dataclass
 class EvalJob:
     """One way of scoring every prompt: ``n`` samples each with ``sampling``, through
-    ``workflow``."""
+    ``workflows``, whose samples of a prompt together are its ``n``: one workflow of ``n``
+    samples, or, for a workflow that runs through an endpoint, ``n`` of one sample each
+    (see :meth:`EvalActor.prepare_jobs`)."""
 
     n: int
     sampling: SamplingParams
-    workflow: RolloutWorkflow
+    workflows: list[RolloutWorkflow]
 
 
 @dataclass
@@ -186,23 +190,38 @@ class EvalActor(Actor):
     async def prepare_jobs(self) -> None:
         """One :class:`EvalJob` per way of scoring (greedy, ``k`` samples), each with the
         recipe's workflow built for it: the tools opened once, an endpoint per job for a
-        workflow that runs through one."""
+        workflow that runs through one.
+
+        An endpoint gives every call the one seed of its default sampling, so the ``k``
+        seeded samples of a prompt through one endpoint would be one draw ``k`` times:
+        such a job runs ``k`` workflows of one sample, sample j on an endpoint of its own
+        seeded by the run's seed and j."""
         r, engine = self.recipe.rollout, self._engine
         tools = await r.workflow.open_tools(r, self._resources)
         for n, sampling in eval_samplings(self.recipe):
-            endpoint = None
-            if r.workflow.needs_endpoint:
-                endpoint = await serve_endpoint(self, engine, sampling, self._resources)
-            workflow = build_workflow(
-                self,
-                engine,
-                sampling,
-                n,
-                reward=self.reward_pool,
-                endpoint=endpoint,
-                tools=tools,
-            )
-            self.jobs.append(EvalJob(n, sampling, workflow))
+            shares = [(n, sampling)]
+            if r.workflow.needs_endpoint and n > 1 and sampling.seed is not None:
+                shares = [
+                    (1, sampling.model_copy(update={"seed": sample_seed(sampling.seed, "eval", j)}))
+                    for j in range(n)
+                ]
+            workflows = []
+            for size, share in shares:
+                endpoint = None
+                if r.workflow.needs_endpoint:
+                    endpoint = await serve_endpoint(self, engine, share, self._resources)
+                workflows.append(
+                    build_workflow(
+                        self,
+                        engine,
+                        share,
+                        size,
+                        reward=self.reward_pool,
+                        endpoint=endpoint,
+                        tools=tools,
+                    )
+                )
+            self.jobs.append(EvalJob(n, sampling, workflows))
 
     def _is_due(self, version: int) -> bool:
         return is_due(version, self.recipe.eval.every, self.recipe.trainer.max_steps)
@@ -273,7 +292,7 @@ class EvalActor(Actor):
         async with asyncio.TaskGroup() as tg:
             tasks = [
                 [
-                    tg.create_task(self._episodes(i, rec, job.workflow, job.n))
+                    tg.create_task(self._episodes(i, rec, job.workflows, job.n))
                     for i, rec in enumerate(self.records)
                 ]
                 for job in self.jobs
@@ -303,21 +322,21 @@ class EvalActor(Actor):
         return out
 
     async def _episodes(
-        self, index: int, record: dict[str, Any], workflow: RolloutWorkflow, n: int
+        self, index: int, record: dict[str, Any], workflows: list[RolloutWorkflow], n: int
     ) -> list[Scored]:
-        """The ``n`` samples of one prompt through ``workflow``, as :class:`Scored`: the
+        """The ``n`` samples of one prompt through ``workflows``, as :class:`Scored`: the
         length counts every generated token of an episode, ``info`` is the workflow's
-        ``reward_info``. Sample j of prompt i is seeded by the run's seed, i and j: every
-        version is scored on the same draws, so a change between versions is the
-        policy's. A sample the workflow left unscored is scored here; an episode the
-        engine aborted scores nothing."""
+        ``reward_info``. Sample j of prompt i is seeded by the run's seed, i and j (through
+        an endpoint, by the run's seed and j): every version is scored on the same draws,
+        so a change between versions is the policy's. A sample the workflow left unscored
+        is scored here; an episode the engine aborted scores nothing."""
         assert self.reward_pool is not None
+        item = {**record, "uid": f"eval/{index}"}
         with self.tracer.span("episode", n=n):
-            trajectories = await workflow.arun_episode(
-                self._engine, {**record, "uid": f"eval/{index}"}
-            )
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(w.arun_episode(self._engine, item)) for w in workflows]
         out = []
-        for t in trajectories or []:
+        for t in [t for task in tasks for t in task.result() or []]:
             reward = t.reward
             if reward is None:
                 with self.tracer.span("score"):
