@@ -112,7 +112,7 @@ def three_turn_env(tool: Any, list_tools: bool) -> Any:
     """The environment class of the ``3-turn tool`` workload (see the module docstring)."""
     from asyncrl.tools.base import ToolBox
     from asyncrl.tools.calls import ParsedReply, ToolCall
-    from asyncrl.tools.env import Environment, Reset, Step, first_messages, tool_counts
+    from asyncrl.workflows.tool_env import Environment, Reset, Step, first_messages, tool_counts
 
     class ThreeTurns(Environment):
         def __init__(self) -> None:

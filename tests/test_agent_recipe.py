@@ -18,13 +18,13 @@ from workflow_kit import workflow_from
 
 from asyncrl.config.checks import generation_budget, recipe_problems
 from asyncrl.config.recipe import RecipeError, load_recipe
+from asyncrl.config.workflow import AgentCodeWorkflowConfig, AgentWorkflowConfig, WorkflowParts
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.observe.records import agent_metrics
 from asyncrl.wire.messages import Array, Trajectory
 from asyncrl.workflows.agent import AgentWorkflow
 from asyncrl.workflows.code import FunctionWorkflow
-from asyncrl.workflows.config import AgentCodeWorkflowConfig, AgentWorkflowConfig, WorkflowParts
 from asyncrl.workflows.loader import SpecError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.algo import group_advantages
+from asyncrl.algo.advantages import group_advantages
 
 # Two groups of 4 (a row each): means 0.5 and 0.75; unbiased stds sqrt(1/3) and 0.5.
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])

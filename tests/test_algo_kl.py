@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.algo import policy_loss
-from asyncrl.train.config import LossConfig
+from asyncrl.algo.config import LossConfig
+from asyncrl.algo.loss import policy_loss
 
 F64 = torch.float64  # exact sums: compared to numerical precision
 THETA = torch.tensor([0.3, -1.2, 0.8, 0.1, -0.4], dtype=F64)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.algo import agg_count, aggregate, kl_penalty, policy_loss
-from asyncrl.train.config import LossConfig
+from asyncrl.algo.config import LossConfig
+from asyncrl.algo.loss import agg_count, aggregate, kl_penalty, policy_loss
 
 
 def loss_config(**settings: Any) -> LossConfig:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from asyncrl.algo import overlong_penalty, shape_reward, shaped_rewards
+from asyncrl.algo.shaping import overlong_penalty, shape_reward, shaped_rewards
 
 
 def test_bias_then_scale_then_clip() -> None:

@@ -83,12 +83,12 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
     """Rollout engine (not started: a server engine starts no server), its workflow, the
     reward pool (not started), the prompt and held-out records, and the train engine,
     whose config is the recipe's trainer section itself."""
+    from asyncrl.config.workflow import WorkflowParts
     from asyncrl.data import load_eval_records, load_prompt_records
     from asyncrl.engines import build_engine
     from asyncrl.models.resolve import load_tokenizer
     from asyncrl.rewards import build_reward_pool
     from asyncrl.train.engine import build_train_engine
-    from asyncrl.workflows.config import WorkflowParts
 
     recipe, replaced = offline(path, tmp_path)
     hub = ["model.path", "data.type", "data.path", "eval.data.type", "eval.data.path"]

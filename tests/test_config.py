@@ -146,11 +146,11 @@ def test_role_cpus_must_exist_on_the_machine() -> None:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_pin_cpus_sets_the_affinity_or_names_the_key() -> None:
     code = (
-        "import os; from asyncrl.launch.cores import pin_cpus; "
+        "import os; from asyncrl.runtime.cores import pin_cpus; "
         "pin_cpus('rollout', [0]); print(sorted(os.sched_getaffinity(0)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[0]"
-    bad = "from asyncrl.launch.cores import pin_cpus; pin_cpus('trainer', [4096])"
+    bad = "from asyncrl.runtime.cores import pin_cpus; pin_cpus('trainer', [4096])"
     out = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True)
     assert out.returncode == 1 and "trainer.cpus = [4096]: cannot pin" in out.stderr

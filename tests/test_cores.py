@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config.recipe import load_recipe
-from asyncrl.launch import cores
 from asyncrl.launch.core_placement import (
     CorePlacement,
     auto_placement,
     split_cores,
     why_not_placed,
 )
-from asyncrl.launch.cores import CPUS_ENV, THREADS_ENV
 from asyncrl.launch.up import actor_specs
+from asyncrl.runtime import cores
+from asyncrl.runtime.cores import CPUS_ENV, THREADS_ENV
 from asyncrl.train import trainer_threads
 from asyncrl.train.torchrun import UP_NODE_ENV
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from asyncrl.actors.buffer.admission import invalid_reason
 from asyncrl.api.inference import GenerateRequest, SamplingParams
 from asyncrl.config.recipe import load_recipe
+from asyncrl.config.workflow import WorkflowParts
 from asyncrl.engines import build_engine
 from asyncrl.engines.config import InstantEngineConfig
 from asyncrl.engines.instant import RESPONSE_TOKEN, InstantEngine
-from asyncrl.workflows.config import WorkflowParts
 
 
 async def test_responses_have_the_fixed_length_capped_by_the_budget() -> None:

@@ -24,8 +24,8 @@ from asyncrl.engines.config import VLLMEngineConfig
 from asyncrl.engines.vllm import VLLMEngine
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import ParsedReply, ToolCall, tools_system_text
-from asyncrl.tools.env import Step, ToolEnv
 from asyncrl.workflows.agent import AgentWorkflow
+from asyncrl.workflows.tool_env import Step, ToolEnv
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

@@ -18,12 +18,12 @@ from asyncrl.actors.buffer.admission import (
     invalid_reason,
     raw_rewards,
 )
-from asyncrl.algo import episode_advantages, group_advantages
-from asyncrl.algo.samples import build_samples
+from asyncrl.algo.advantages import episode_advantages, group_advantages
 from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.observe.records import agent_metrics, batch_stats
+from asyncrl.train.batch import build_samples
 from asyncrl.wire.messages import Array, Trajectory
 
 
@@ -80,7 +80,7 @@ def test_the_trainer_batch_of_episodes_of_several_samples() -> None:
     p1 = admitted_group([traj("p1", 0, 1.0), traj("p1", 1, 1.0)], raw_rewards)
     assert [t.uid for t in p0.samples] == ["p0/0/0", "p0/0/1", "p0/1"]
     assert p0.final_positions == [1, 2] and p1.final_positions == [0, 1]
-    samples, _ = build_samples([p0, p1], load_recipe(None, ["rollout.group_size=2"]))
+    samples, _ = build_samples([p0, p1], load_recipe(None, ["rollout.group_size=2"]).trainer.loss)
     s = 2**-0.5 + 1e-6  # the unbiased std of (1, 0)
     expected = [(0.9 - 0.5) / s, (1.0 - 0.5) / s, (0.0 - 0.5) / s, 0.0, 0.0]
     assert [x.advantages for x in samples] == pytest.approx(expected, abs=1e-5)

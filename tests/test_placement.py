@@ -20,7 +20,7 @@ from asyncrl.config.placement import (
     process_gpus,
 )
 from asyncrl.config.recipe import RecipeError, load_recipe
-from asyncrl.launch import cores
+from asyncrl.runtime import cores
 
 CLUSTER = """
 [nodes.gpu-a]

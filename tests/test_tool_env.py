@@ -10,7 +10,7 @@ from asyncrl.api.reward import RewardResult
 from asyncrl.tools.base import function_tool
 from asyncrl.tools.builtin import calculator_tool
 from asyncrl.tools.calls import parse_hermes
-from asyncrl.tools.env import RewardEnv, ToolEnv, tool_counts
+from asyncrl.workflows.tool_env import RewardEnv, ToolEnv, tool_counts
 
 
 class ExactAnswer:

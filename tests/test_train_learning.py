@@ -14,7 +14,7 @@ import pytest
 import torch
 from train_helpers.tiny import one_torch_thread, tiny_config
 
-from asyncrl.algo import group_advantages
+from asyncrl.algo.advantages import group_advantages
 from asyncrl.models.resolve import TINY_NAME, ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
 from asyncrl.train.batch import Sample

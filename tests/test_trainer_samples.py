@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from asyncrl.actors.buffer.admission import admitted_group
-from asyncrl.algo.samples import build_samples
-from asyncrl.algo.shaping import recipe_shaped_rewards
-from asyncrl.config.recipe import Recipe, load_recipe
+from asyncrl.algo.shaping import shaped_sample_rewards
+from asyncrl.config.recipe import Recipe, generation_budget, load_recipe
+from asyncrl.train.batch import build_samples
 from asyncrl.wire.messages import Array, Group, Trajectory
 
 PROMPT = 2
@@ -53,14 +53,17 @@ def advantages(samples: list) -> list[float]:
 def admitted(batch: Sequence[Trajectory], recipe: Recipe) -> list[Group]:
     """The batch's groups of two as the buffer admits them: shaped by the recipe."""
     return [
-        admitted_group(batch[i : i + 2], lambda s: recipe_shaped_rewards(s, recipe))
+        admitted_group(
+            batch[i : i + 2],
+            lambda s: shaped_sample_rewards(s, recipe.trainer.shaping, generation_budget(recipe)),
+        )
         for i in range(0, len(batch), 2)
     ]
 
 
 def train(batch: Sequence[Trajectory], overrides: list[str]) -> tuple[list, dict[str, float]]:
     recipe = load_recipe(None, overrides)
-    return build_samples(admitted(batch, recipe), recipe)
+    return build_samples(admitted(batch, recipe), recipe.trainer.loss)
 
 
 def test_overlong_penalty_and_affine_shaping_before_advantages() -> None:
@@ -69,7 +72,7 @@ def test_overlong_penalty_and_affine_shaping_before_advantages() -> None:
     #                                  b: (0−1−.5)·2 = −3, (0+0−.5)·2 = −1
     groups = admitted(BATCH, load_recipe(None, SHAPING))
     assert [g.shaped_rewards for g in groups] == [[1.0, -0.5], [-3.0, -1.0]]
-    samples, stats = build_samples(groups, load_recipe(None, SHAPING))
+    samples, stats = build_samples(groups, load_recipe(None, SHAPING).trainer.loss)
     assert advantages(samples) == pytest.approx([0.75, -0.75, -1.0, 1.0])
     assert stats["reward_mean"] == pytest.approx(0.5)  # the raw reward, for the metrics
     assert stats["reward_shaped_mean"] == pytest.approx(-0.875)

@@ -8,9 +8,9 @@ from typing import Any
 from asyncrl.api.inference import SamplingParams
 from asyncrl.api.workflow import RolloutWorkflow, Scorer
 from asyncrl.config.recipe import load_recipe
+from asyncrl.config.workflow import WorkflowParts
 from asyncrl.endpoint.server import OpenAIEndpoint
 from asyncrl.tools.base import Tool
-from asyncrl.workflows.config import WorkflowParts
 
 
 def workflow_from(

@@ -1,6 +1,6 @@
 """What the rollout and eval actors share: asking for the latest weights, the order in
 which weights supersede one another, and the recipe's workflow built from its config with
-the tools and the endpoint it needs (:mod:`asyncrl.workflows.config`)."""
+the tools and the endpoint it needs (:mod:`asyncrl.config.workflow`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import secrets
 
 from asyncrl.api.inference import InferenceEngine, SamplingParams
 from asyncrl.api.workflow import RolloutWorkflow, Scorer
+from asyncrl.config.workflow import ENDPOINT_CALLS, WorkflowParts
 from asyncrl.endpoint.server import OpenAIEndpoint
 from asyncrl.runtime.actor import Actor
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.tools.base import Tool
 from asyncrl.wire.messages import WeightsQuery, WeightsUpdated
-from asyncrl.workflows.config import ENDPOINT_CALLS, WorkflowParts
 
 WEIGHTS_QUERY_TIMEOUT = 5.0
 """Seconds to wait for the buffer's answer to "which weights are the latest?"."""

@@ -5,7 +5,7 @@ it fetches each batch from the buffer and leads the other ranks through the engi
 collective commands (:mod:`asyncrl.train.commands`; the other ranks follow). Torch work
 runs in a worker thread so that rank 0 keeps heartbeating while it trains.
 
-Per step: train samples with group advantages (:func:`~asyncrl.algo.samples.build_samples`)
+Per step: train samples with group advantages (:func:`~asyncrl.train.batch.build_samples`)
 → ``train`` (``ppo_minibatches`` optimizer steps; the engine's version + 1) → every
 ``update_every`` steps the weights go out (a shared directory or the NATS object store)
 with ``WeightsUpdated`` → the step's records (:mod:`asyncrl.observe.records`) → a
@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from asyncrl.actors.colocation import Colocation
-from asyncrl.algo.samples import build_samples
 from asyncrl.api.train_engine import TrainEngineProtocol
 from asyncrl.api.weights import WeightPublisher
 from asyncrl.observe.fleet import FleetView
@@ -30,6 +29,7 @@ from asyncrl.observe.records import StepRecords
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.supervisor import RESTART_ENV
+from asyncrl.train.batch import build_samples
 from asyncrl.train.checkpoint import commit_checkpoint, latest_checkpoint_meta
 from asyncrl.train.commands import Leader
 from asyncrl.train.engine import build_train_engine
@@ -152,7 +152,7 @@ class TrainerActor(Actor):
                 batch = await self._fetch_batch(self.step)
             trained = batch.groups
             t_batch = time.monotonic() - t0
-            samples, stats = build_samples(trained, self.recipe)
+            samples, stats = build_samples(trained, self.recipe.trainer.loss)
             if self.colocation is not None:
                 stats.update(await self._take_the_device())
             t1 = time.monotonic()

@@ -12,7 +12,7 @@ from typing import get_args
 
 import torch
 
-from asyncrl.train.config import ImportanceLevel, KLPlacement, KLType, LossAgg, LossConfig
+from asyncrl.algo.config import ImportanceLevel, KLPlacement, KLType, LossAgg, LossConfig
 
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 IMPORTANCE_LEVELS: tuple[str, ...] = get_args(ImportanceLevel)

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from asyncrl.config.recipe import Recipe, generation_budget
-
 if TYPE_CHECKING:
+    from asyncrl.algo.config import ShapingConfig
     from asyncrl.wire.messages import Array
 
 
@@ -95,15 +94,17 @@ class ScoredSample(Protocol):
     def loss_mask(self) -> Array: ...
 
 
-def recipe_shaped_rewards(samples: Sequence[ScoredSample], recipe: Recipe) -> list[float]:
-    """The rewards the trainer's advantages use (``trainer.shaping`` applied to each
-    sample's reward and generated length), computed by the buffer as it admits a group;
-    its dynamic filter judges the group on the same numbers."""
-    s = recipe.trainer.shaping
+def shaped_sample_rewards(
+    samples: Sequence[ScoredSample], s: ShapingConfig, max_len: int
+) -> list[float]:
+    """The rewards the trainer's advantages use: ``trainer.shaping`` (``s``) applied to each
+    sample's reward and generated length, with ``max_len`` the generation budget
+    (:func:`asyncrl.config.recipe.generation_budget`). The buffer computes them as it admits
+    a group; its dynamic filter judges the group on the same numbers."""
     return shaped_rewards(
         [float(t.reward or 0.0) for t in samples],
         [int(t.loss_mask.numpy().sum()) for t in samples],
-        max_len=generation_budget(recipe),
+        max_len=max_len,
         overlong_buffer=s.overlong_buffer,
         overlong_penalty_at_max=s.overlong_penalty,
         scale=s.scale,

@@ -18,11 +18,10 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncrl.train.config import TrainerConfig
-
 if TYPE_CHECKING:
     import torch
 
+    from asyncrl.train.config import TrainerConfig
     from asyncrl.train.shard import TrainShard
 
 

@@ -23,8 +23,8 @@ from asyncrl.config.recipe import HFData, JsonlData, Recipe, RecipeError, path_p
 from asyncrl.config.recipe import generation_budget as generation_budget
 from asyncrl.config.schema import engine_device
 from asyncrl.data import missing_fields, read_jsonl
-from asyncrl.launch.cores import gpu_visible, is_cpu_device, node_gpus
 from asyncrl.models.resolve import SMOLLM2_NAME, TINY_NAME
+from asyncrl.runtime.cores import gpu_visible, is_cpu_device, node_gpus
 from asyncrl.weights.choose import choose as choose_transport
 from asyncrl.weights.choose import transport_problems
 
@@ -207,7 +207,7 @@ def kl_problems(recipe: Recipe) -> list[str]:
 
 def workflow_problems(recipe: Recipe) -> list[str]:
     """A workflow that cannot be built, each line naming its key: the workflow's own checks
-    (:meth:`~asyncrl.workflows.config.WorkflowConfigBase.problems`; they load the recipe's
+    (:meth:`~asyncrl.config.workflow.WorkflowConfigBase.problems`; they load the recipe's
     code)."""
     return recipe.rollout.workflow.problems(recipe.rollout)
 
@@ -329,8 +329,8 @@ CPU_WAY = (
 
 def machine_problems(recipe: Recipe, gpus: list[str], cuda: bool) -> list[str]:
     """Why the recipe cannot run on this machine, which gives its processes the GPUs
-    ``gpus`` (:func:`asyncrl.launch.cores.node_gpus`) and where ``cuda`` says whether any GPU is
-    visible (:func:`asyncrl.launch.cores.gpu_visible`): a role set to a CUDA device (``cuda``,
+    ``gpus`` (:func:`asyncrl.runtime.cores.node_gpus`) and where ``cuda`` says whether any GPU is
+    visible (:func:`asyncrl.runtime.cores.gpu_visible`): a role set to a CUDA device (``cuda``,
     ``cuda:N``) where there is none, or roles that take more GPUs (``<role>.gpus``) than
     the machine has. ``asyncrl up`` refuses these before it starts anything."""
     errors: list[str] = []

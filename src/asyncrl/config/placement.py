@@ -185,7 +185,7 @@ def node_placement_problems(recipe: Any) -> list[str]:
 
 GpuSets = dict[str, list[tuple[int, ...]]]
 """Per role, per process the local launcher starts (in its order), the GPUs the process
-takes as positions in the node's GPU list (:func:`asyncrl.launch.cores.node_gpus`); ``()`` for a
+takes as positions in the node's GPU list (:func:`asyncrl.runtime.cores.node_gpus`); ``()`` for a
 process that takes none and so sees every GPU of the node."""
 
 

@@ -23,6 +23,13 @@ from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_v
 from asyncrl.api.inference import SamplingParams
 from asyncrl.config.placement import NodeSpec, Placement
 from asyncrl.config.schema import CpuList, Section
+from asyncrl.config.workflow import (
+    VERIFIERS_PREFIX,
+    AgentConfig,
+    RLVRWorkflowConfig,
+    WorkflowConfig,
+    workflow_shorthand,
+)
 from asyncrl.data.gsm8k import BOXED_INSTRUCTION
 
 # The sections of other components are theirs: each class is the config its component
@@ -31,13 +38,6 @@ from asyncrl.engines.config import EngineConfig, HFEngineConfig
 from asyncrl.models.resolve import ModelConfig
 from asyncrl.train.config import DERIVED_KEYS, TrainerConfig
 from asyncrl.weights.config import WeightsConfig
-from asyncrl.workflows.config import (
-    VERIFIERS_PREFIX,
-    AgentConfig,
-    RLVRWorkflowConfig,
-    WorkflowConfig,
-    workflow_shorthand,
-)
 
 
 def _importable(name: str) -> bool:
@@ -275,7 +275,7 @@ class RolloutConfig(Placement):
     workflow: Annotated[WorkflowConfig, BeforeValidator(workflow_shorthand)] = Field(
         default_factory=RLVRWorkflowConfig
     )
-    """The workflow, a table on ``type`` (:mod:`asyncrl.workflows.config`): ``rlvr``,
+    """The workflow, a table on ``type`` (:mod:`asyncrl.config.workflow`): ``rlvr``,
     ``multi_turn``, ``agent`` (tool calls; its tools in ``rollout.agent``), ``agent_code``
     (``fn``: ``async def agent(client, data) -> float``, run against this actor's
     endpoint), ``verifiers`` (``env``) or ``episode`` (``fn``: ``async def

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from asyncrl.actors import actor_class
 from asyncrl.config.recipe import Recipe, role_cpus
-from asyncrl.launch.cores import pin_cpus, placed_cpus, placed_threads
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.allocator import system_malloc_reason, use_mimalloc
+from asyncrl.runtime.cores import pin_cpus, placed_cpus, placed_threads
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_server import NatsInfo, nats_info_for_run

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.config.recipe import Recipe, role_cpus
 from asyncrl.config.schema import engine_device, resolve_device
-from asyncrl.launch.cores import CPUS_ENV, THREADS_ENV, gpu_visible
+from asyncrl.runtime.cores import CPUS_ENV, THREADS_ENV, gpu_visible
 
 GEN_SHARE = 0.25
 """Share of the cores generation gets (at least one)."""

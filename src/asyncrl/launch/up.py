@@ -28,12 +28,12 @@ from asyncrl.config.checks import enforce_machine, enforce_recipe
 from asyncrl.config.placement import assign_gpus
 from asyncrl.config.recipe import Recipe, RecipeError, dump_recipe
 from asyncrl.launch.core_placement import CorePlacement, auto_placement
-from asyncrl.launch.cores import VISIBLE_ENV
 from asyncrl.launch.ray_cluster import ray_launch, require_ray
 from asyncrl.observe.dashboard import start_dashboard
 from asyncrl.observe.plot import plot_run
 from asyncrl.runtime.allocator import mimalloc_preload, system_malloc_reason
 from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.cores import VISIBLE_ENV
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_cluster import NatsCluster
@@ -102,7 +102,7 @@ def actor_specs(
     ``run.max_restarts`` times each): rollout, reward and eval actors hold nothing that is
     not also on the stream or in the buffer's leases, the buffer restores its durable
     state, and the trainer its latest checkpoint. With a ``placement``, each process is
-    started on its role's cores; with ``gpus`` (the machine's, :func:`asyncrl.launch.cores.node_gpus`)
+    started on its role's cores; with ``gpus`` (the machine's, :func:`asyncrl.runtime.cores.node_gpus`)
     each process that ``<role>.gpus`` gives GPUs sees only those (``CUDA_VISIBLE_DEVICES``),
     and one of ``gpus = 0`` sees the machine's. A replacement keeps its predecessor's."""
     sets = assign_gpus(recipe)

@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.launch.cores import is_cpu_device
+from asyncrl.runtime.cores import is_cpu_device
 
 if TYPE_CHECKING:
     from asyncrl.train.config import TrainerConfig

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 from asyncrl.data.sampler import ShardSampler
-from asyncrl.launch.cores import pin_cpus
 from asyncrl.runtime.allocator import loaded_mimalloc
+from asyncrl.runtime.cores import pin_cpus
 from asyncrl.sft.config import SftRecipe
 from asyncrl.sft.data import render_records, split_records
 from asyncrl.sft.engine import SFTEngine

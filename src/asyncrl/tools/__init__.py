@@ -1,4 +1,4 @@
-"""Tools and environments for agentic RL: what a model may call, and what answers it.
+"""Tools for agentic RL: what a model may call, and what answers it.
 
 - :mod:`asyncrl.tools.calls`: tool calls as the policy writes them, and the parsers that
   read them out of generated text (Hermes-style ``<tool_call>{json}</tool_call>`` by
@@ -11,5 +11,7 @@
 - :mod:`asyncrl.tools.builtin`: the ``calculator`` and ``python`` tools.
 - :mod:`asyncrl.tools.sandbox`: the limited subprocess the ``python`` tool runs code in.
 - :mod:`asyncrl.tools.mcp`: the tools of an MCP server started over stdio.
-- :mod:`asyncrl.tools.env`: environments (per-episode state: reset, step, reward).
+
+The environments that run them in an episode (reset, step, reward) are
+:mod:`asyncrl.workflows.tool_env`.
 """

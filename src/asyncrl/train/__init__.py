@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from asyncrl.launch.cores import placed_threads
+from asyncrl.runtime.cores import placed_threads
 from asyncrl.train.config import LossConfig, OptimConfig, ShapingConfig, TrainerConfig
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
 def trainer_threads(threads: int = 0) -> int:
     """Torch intra-op threads for one trainer process: ``threads`` (``trainer.threads``)
     when set, else the share ``up``'s automatic placement chose
-    (:func:`asyncrl.launch.cores.placed_threads`), else the CPUs this process may run on (its
+    (:func:`asyncrl.runtime.cores.placed_threads`), else the CPUs this process may run on (its
     affinity, ``trainer.cpus`` when pinned) shared among the trainer processes on this
     machine (``LOCAL_WORLD_SIZE``), at least 1. Never more threads than those cores:
     OpenMP workers beyond them spin and wait on each other."""

@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,6 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoTokenizer
 
 from asyncrl.algo.loss import agg_count, policy_loss
-from asyncrl.config.recipe import Recipe
 from asyncrl.config.schema import resolve_device
 from asyncrl.models.resolve import (
     ModelConfig,
@@ -36,7 +35,6 @@ from asyncrl.models.resolve import (
     resolve_model_path,
     torch_dtype,
 )
-from asyncrl.sft.config import SftRecipe
 from asyncrl.train import dcp, trainer_threads
 from asyncrl.train.attention import register as register_attention
 from asyncrl.train.batch import Batch
@@ -51,6 +49,10 @@ from asyncrl.train.packing import (
 from asyncrl.train.schedule import lr_at
 from asyncrl.train.shard import TrainShard, plan_shards
 from asyncrl.train.step_stats import StepTotals
+
+if TYPE_CHECKING:
+    from asyncrl.config.recipe import Recipe
+    from asyncrl.sft.config import SftRecipe
 
 
 def _fill(batch: Batch, field: str, values: list[torch.Tensor]) -> Batch:

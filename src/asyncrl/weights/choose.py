@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncrl.config.schema import engine_device
-from asyncrl.launch.cores import gpu_visible, is_cpu_device
+from asyncrl.runtime.cores import gpu_visible, is_cpu_device
 
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe

@@ -347,7 +347,7 @@ class Group(Message):
     ``samples`` are every sample of every episode of one prompt, in episode order (by
     ``group_index``, then ``episode_sample``); ``shaped_rewards`` are the rewards the
     advantages use, one per sample, shaped once at admission (``trainer.shaping``, see
-    :func:`~asyncrl.algo.shaping.recipe_shaped_rewards`; the dynamic filter judged the
+    :func:`~asyncrl.algo.shaping.shaped_sample_rewards`; the dynamic filter judged the
     group on them). An episode of several samples (agent code whose calls do not all
     continue one another) has its reward on its final sample (:attr:`final_positions`).
     """

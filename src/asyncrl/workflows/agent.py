@@ -35,7 +35,6 @@ from asyncrl.api.workflow import RolloutWorkflow, Scorer
 from asyncrl.tools.base import Tool
 from asyncrl.tools.builtin import BUILTIN_TOOLS
 from asyncrl.tools.calls import get_parser, tools_system_text
-from asyncrl.tools.env import EnvFactory, Environment, RewardEnv, ToolEnv
 from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.base import (
     TokenTrace,
@@ -45,6 +44,7 @@ from asyncrl.workflows.base import (
 )
 from asyncrl.workflows.multi_turn import turn_texts
 from asyncrl.workflows.rlvr import sample_seed
+from asyncrl.workflows.tool_env import EnvFactory, Environment, RewardEnv, ToolEnv
 
 PROBE_TOOL = {
     "type": "function",
@@ -133,8 +133,8 @@ class AgentWorkflow(RolloutWorkflow):
     """Tool-calling episodes; see the module docstring.
 
     The environment of each sample comes from ``env_factory``; without one, a
-    :class:`~asyncrl.tools.env.ToolEnv` over ``tools`` scored by ``reward`` (a
-    :class:`~asyncrl.tools.env.RewardEnv` when there are no tools). ``tools`` are
+    :class:`~asyncrl.workflows.tool_env.ToolEnv` over ``tools`` scored by ``reward`` (a
+    :class:`~asyncrl.workflows.tool_env.RewardEnv` when there are no tools). ``tools`` are
     :class:`~asyncrl.tools.base.Tool` objects or names of built-in tools
     (:data:`~asyncrl.tools.builtin.BUILTIN_TOOLS`); ``rollout.workflow = "agent"`` gets the
     built-ins ``calculator`` and ``python``."""

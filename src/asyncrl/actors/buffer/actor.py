@@ -28,7 +28,8 @@ from asyncrl.actors.buffer.batching import BLOB_FRACTION, Batcher, as_reference
 from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, restore
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
-from asyncrl.algo.shaping import recipe_shaped_rewards
+from asyncrl.algo.shaping import shaped_sample_rewards
+from asyncrl.config.recipe import generation_budget
 from asyncrl.data import load_prompt_records
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.connection import worth_logging
@@ -79,13 +80,14 @@ class BufferActor(Actor):
             ttl=r.rollout.lease_ttl,
             incarnation=uuid.uuid4().hex[:8],
         )
+        budget = generation_budget(r)
         self.admission = Admission(
             self.staleness,
             self.leases,
             self.journal,
             group_size=r.rollout.group_size,
             dynamic_filter=r.buffer.dynamic_filter,
-            shape=lambda samples: recipe_shaped_rewards(samples, r),
+            shape=lambda samples: shaped_sample_rewards(samples, r.trainer.shaping, budget),
         )
         self.batcher = Batcher(
             self.admission, self.staleness, self.journal, batch_size=r.buffer.batch_size

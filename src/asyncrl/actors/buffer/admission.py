@@ -8,7 +8,7 @@ each with all its samples (``episode_samples``: one, except for agent code whose
 not all continue one another);
 it is admitted if v − h ≤ η (h: its oldest token's version), else rejected without using
 the budget. A whole group's rewards are shaped here, once (the buffer's ``shape``,
-:func:`asyncrl.algo.shaping.recipe_shaped_rewards`): the trainer's advantages use those
+:func:`asyncrl.algo.shaping.shaped_sample_rewards`): the trainer's advantages use those
 numbers, and with the dynamic filter a group whose episodes' shaped rewards are all equal
 is dropped, so a group of equal raw rewards that shaping tells apart keeps its signal.
 

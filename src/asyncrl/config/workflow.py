@@ -94,7 +94,7 @@ class AgentConfig(Section):
     worked example of a tool call here helps a small model find the format. Empty: none."""
     env: str = ""
     """``path/to/file.py:factory`` / ``module:factory``: a function of no arguments that
-    returns a fresh :class:`asyncrl.tools.env.Environment` per sample. It replaces
+    returns a fresh :class:`asyncrl.workflows.tool_env.Environment` per sample. It replaces
     ``tools``, ``mcp`` and ``reward.fn``: the environment gives the tools and the reward."""
     env_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a ``verifiers`` environment's ``load_environment`` (with
