@@ -5,7 +5,6 @@ the workflow is a stub that returns fixed samples (no engine: nothing is generat
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,9 @@ async def published(
     tmp_path: Path, nats: NatsInfo, bus: Bus, samples: list[Trajectory]
 ) -> dict[str, list[tuple[str, Trajectory]]]:
     """Runs one episode of ``samples`` through the real publish path; returns, by stage
-    (``raw``, ``scored``), the (dedup id, sample) pairs that reached the stream's subjects."""
+    (``raw``, ``scored``), the (dedup id, sample) pairs the trajectory stream stored, read
+    back by sequence once the episode returned (each publish returns after the stream's
+    ack, so nothing is waited for)."""
     r = recipe("rollout.group_size=2")
     actor = RolloutActor(context(tmp_path, nats, r, "r0"))
     actor._bus = await Bus.connect(nats, name="r0")
@@ -61,24 +62,19 @@ async def published(
     actor.workflow = FixedWorkflow(samples)
     s = actor.subjects
     await ensure_trajectory_stream(bus, s)
-    seen: dict[str, list[tuple[str, Trajectory]]] = {"raw": [], "scored": []}
-    all_in = asyncio.Event()
-    for stage, subject in (("raw", s.trajectories), ("scored", s.scored)):
-
-        async def on_msg(msg: Any, out: list[tuple[str, Trajectory]] = seen[stage]) -> None:
-            out.append((msg.headers["Nats-Msg-Id"], decode(msg.data, Trajectory)))
-            if sum(map(len, seen.values())) == len(samples):
-                all_in.set()
-
-        await bus.nc.subscribe(subject, cb=on_msg)
-    await bus.nc.flush()
     try:
         prompt = Prompt(uid="e0-7", data={"question": "1+1", "answer": "2"})
         await actor._episode(prompt, "lease-1")
-        await actor.bus.nc.flush()
-        await asyncio.wait_for(all_in.wait(), 10)
     finally:
         await actor.bus.close()
+    seen: dict[str, list[tuple[str, Trajectory]]] = {"raw": [], "scored": []}
+    state = (await bus.js.stream_info(s.stream)).state
+    for seq in range(state.first_seq, state.last_seq + 1):
+        msg = await bus.js.get_msg(s.stream, seq)
+        stage = {s.trajectories: "raw", s.scored: "scored"}[msg.subject]
+        assert msg.headers is not None and msg.data is not None
+        seen[stage].append((msg.headers["Nats-Msg-Id"], decode(msg.data, Trajectory)))
+    assert sum(map(len, seen.values())) == len(samples)
     return seen
 
 
