@@ -21,11 +21,11 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
 from asyncrl.api.inference import SamplingParams
+from asyncrl.config.agent import AgentConfig
 from asyncrl.config.placement import NodeSpec, Placement
 from asyncrl.config.schema import CpuList, Section
 from asyncrl.config.workflow import (
     VERIFIERS_PREFIX,
-    AgentConfig,
     RLVRWorkflowConfig,
     WorkflowConfig,
     workflow_shorthand,
