@@ -310,3 +310,39 @@ def test_entropy_bonus_gradient_step_raises_the_entropy() -> None:
                 hidden, weight - 0.1 * grad, None, torch.tensor([0]), 1.0, top_k=top_k
             )
         assert h_after.item() > h.item()
+
+
+def test_the_kl_and_entropy_terms_stand_on_the_tokens_the_behaviour_cap_keeps() -> None:
+    """Decoupled PPO with cap 5: token 1 has w = e^0.5 (kept), token 2 w = e^2 ≈ 7.39
+    (dropped). Advantage 0 and π = π_old, so only the penalty and the bonus act. k2 at
+    token 1 with d = log π_ref − log π = 0.4 is 0.08; token-mean over the 2 masked tokens:
+
+        KL term:      0.2 · e^0.5 · 0.08 / 2          (weighted by w like the policy term)
+        entropy term: −0.1 · 1.0 / 2                   (token 2's 2.0 is dropped with it)
+    """
+    mask = torch.tensor([[False, True, True]])
+    logp = torch.tensor([[0.0, -1.0, -2.0]], dtype=torch.float64)
+    behav = logp - torch.tensor([[0.0, 0.5, 2.0]], dtype=torch.float64)
+    ref = logp + torch.tensor([[0.0, 0.4, 0.3]], dtype=torch.float64)
+    entropy = torch.tensor([[0.0, 1.0, 2.0]], dtype=torch.float64)
+    adv = torch.zeros(1, dtype=torch.float64)
+    kl_only, _ = policy_loss(
+        logp,
+        logp,
+        adv,
+        mask,
+        loss_config(behav_imp_weight_cap=5.0, kl_coef=0.2, kl_type="k2", kl_in="loss"),
+        behav_logprobs=behav,
+        ref_logprobs=ref,
+    )
+    assert kl_only.item() == pytest.approx(0.2 * math.exp(0.5) * 0.08 / 2, rel=1e-12)
+    entropy_only, _ = policy_loss(
+        logp,
+        logp,
+        adv,
+        mask,
+        loss_config(behav_imp_weight_cap=5.0, entropy_coef=0.1),
+        behav_logprobs=behav,
+        entropy=entropy,
+    )
+    assert entropy_only.item() == pytest.approx(-0.1 * 1.0 / 2, rel=1e-12)

@@ -212,3 +212,27 @@ def test_lora_under_fsdp_on_two_ranks_matches_one_process(
     for name, (a, b) in want.factors.items():
         torch.testing.assert_close(got.factors[name][0], a, rtol=0, atol=1e-5, msg=name)
         torch.testing.assert_close(got.factors[name][1], b, rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_recipe_refuses_adapters_outside_the_decoder_layers() -> None:
+    from asyncrl.config.recipe import RecipeError, load_recipe
+
+    for name in ("lm_head", "embed_tokens"):
+        with pytest.raises(RecipeError, match=rf"trainer\.lora\.target_modules.*{name}"):
+            load_recipe(
+                None, ["trainer.lora.rank=4", f'trainer.lora.target_modules=["q_proj", "{name}"]']
+            )
+
+
+def test_a_target_that_matches_no_decoder_linear_layer_stops_the_trainer_naming_it() -> None:
+    from asyncrl.models.resolve import load_causal_lm
+    from asyncrl.train.lora import apply_lora
+
+    lm = load_causal_lm(TINY_NAME)
+    config = LoraConfig(rank=4, target_modules=["q_proj", "qkv_proj"])
+    with pytest.raises(ValueError, match=r"target_modules: \['qkv_proj'\].*'q_proj'"):
+        apply_lora(lm, config)
+    # what matches is adapted, every decoder layer's
+    adapted = apply_lora(load_causal_lm(TINY_NAME), LoraConfig(rank=4, target_modules=["v_proj"]))
+    names = [n for n, _ in adapted.named_parameters() if ".lora_A." in n]
+    assert names and all(".v_proj." in n for n in names)

@@ -129,8 +129,8 @@ def policy_loss(
         ℓ      = min(ℓ, −c_clip·A)                 where A < 0      (dual clip, c_clip > 1)
         w      = exp(log π_old − log π_behav)                       (decoupled PPO)
         ℓ      = w·ℓ,   and ℓ = 0 where w > behav_imp_weight_cap
-        ℓ     += kl_coef · k_t,  0 where w > cap             (kl_in = "loss", ref given)
-        ℓ     −= entropy_coef · H_t                                 (entropy given)
+        ℓ     += w · kl_coef · k_t,  0 where w > cap         (kl_in = "loss", ref given)
+        ℓ     −= entropy_coef · H_t,  0 where w > cap               (entropy given)
         loss   = aggregate(ℓ, loss_mask, loss_agg)
 
     ``kl_in = "reward"`` treats ``−kl_coef · k_t`` as a per-token reward: each token's
@@ -141,6 +141,13 @@ def policy_loss(
     gradient of the KL, exact for k1 (see :func:`kl_penalty`). ``kl_in = "loss"`` adds the
     estimate to the loss with its gradient (exact for k2; k3 gives the reverse KL's).
     Either way a token the behaviour-weight cap drops carries no KL term either.
+
+    In the loss, ``k_t`` is the estimate at a token the behaviour policy sampled, so it is
+    weighted by ``w`` like the policy term: ``w · k_t`` estimates the proximal policy's
+    expected penalty, which is what the exactness claims above are about. The entropy
+    ``H_t`` is of the whole next-token distribution, which the sampled token does not
+    choose, so it takes no weight; a token the cap drops carries no bonus either, so that
+    every term of the loss stands on the same tokens.
 
     In the decoupled objective (AReaL) ``old_logprobs`` are the *proximal* policy's,
     recomputed by the trainer, and ``behav_logprobs`` those of the policy that sampled the
@@ -251,12 +258,12 @@ def policy_loss(
 
     per_token = pg
     if kl_BT is not None and kl_in == "loss":
-        per_token = per_token + kl_coef * torch.where(keep, kl_BT, zero)
+        per_token = per_token + kl_coef * torch.where(keep, behav_w * kl_BT, zero)
     entropy_mean = zero
     if entropy is not None:
         entropy_mean = _masked_mean(entropy.detach().to(logprobs.dtype), mask)
         if entropy_coef != 0.0:
-            per_token = per_token - entropy_coef * torch.where(mask, entropy, zero)
+            per_token = per_token - entropy_coef * torch.where(keep, entropy, zero)
 
     loss = aggregate(per_token, mask, loss_agg, norm_len=norm_len)
 

@@ -48,6 +48,10 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """The attention and MLP projections of Llama-style models (Llama, Qwen2, SmolLM2)."""
 
 
+OUTSIDE_DECODER_LAYERS = {"lm_head", "embed_tokens", "embed_out", "wte", "wpe"}
+"""Module names of the output head and the embeddings, which take no adapter."""
+
+
 class LoraConfig(Section):
     """Low-rank adapters (LoRA, through ``peft``): the base weights stay frozen, only the
     adapters train, hold optimizer state, are checkpointed and (``publish = "adapter"``)
@@ -61,8 +65,12 @@ class LoraConfig(Section):
     """Dropout on the adapters' input while training (0: none; the rollout engines never
     apply it)."""
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
-    """Names (last component) of the linear layers that get adapters; the default is the
-    attention and MLP projections of Llama-style models."""
+    """Names (last component) of the linear layers of the decoder layers that get adapters;
+    the default is the attention and MLP projections of Llama-style models. ``lm_head`` and
+    ``embed_tokens`` are refused: adapters are exported and loaded by the engines for the
+    decoder layers' linear layers only (one on ``lm_head`` would never reach an engine, and
+    an embedding is no linear layer). A name that matches no linear layer of the model's
+    decoder layers stops the trainer at start, naming it."""
     publish: Literal["adapter", "merged"] = "adapter"
     """What a weight update sends: the adapter alone (``adapter_model.safetensors`` +
     ``adapter_config.json``; the hf engine merges it into its base weights, vLLM and
@@ -74,6 +82,12 @@ class LoraConfig(Section):
         bad = [n for n in value if not n or not n.replace("_", "").isalnum()]
         if bad:
             raise ValueError(f"module names are identifiers like q_proj, not {bad}")
+        outside = sorted(set(value) & OUTSIDE_DECODER_LAYERS)
+        if outside:
+            raise ValueError(
+                f"{outside}: adapters go on the decoder layers' linear layers only (the "
+                "engines load them there); leave the output head and the embeddings frozen"
+            )
         return value
 
     @property

@@ -39,6 +39,15 @@ def apply_lora(lm: nn.Module, config: LoraConfig, *, seed: int = 0) -> nn.Module
     tensor it is given, so adapters drawn from per-rank RNG streams would be stitched
     together from different initialisations."""
 
+    unmatched = [name for name in config.target_modules if not _decoder_linears(lm, name)]
+    if unmatched:
+        present = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if _in_decoder_linear(n, m)}
+        )
+        raise ValueError(
+            f"trainer.lora.target_modules: {unmatched} match no linear layer of the model's "
+            f"decoder layers; its linear layers there are {present}"
+        )
     peft_config = PeftLoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
@@ -54,6 +63,25 @@ def apply_lora(lm: nn.Module, config: LoraConfig, *, seed: int = 0) -> nn.Module
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return get_peft_model(lm, peft_config)  # type: ignore[arg-type,no-any-return]
+
+
+def _in_decoder_linear(name: str, module: nn.Module) -> bool:
+    """Whether ``module`` (named ``name`` in the model) is a linear layer inside one of the
+    numbered decoder layers (``...layers.<i>....``)."""
+    parts = name.split(".")
+    return isinstance(module, nn.Linear) and any(
+        p in ("layers", "h", "blocks") and i + 1 < len(parts) and parts[i + 1].isdigit()
+        for i, p in enumerate(parts)
+    )
+
+
+def _decoder_linears(lm: nn.Module, target: str) -> list[str]:
+    """The decoder layers' linear layers whose last name component is ``target``."""
+    return [
+        n
+        for n, m in lm.named_modules()
+        if n.rsplit(".", 1)[-1] == target and _in_decoder_linear(n, m)
+    ]
 
 
 def is_adapter_param(name: str) -> bool:
