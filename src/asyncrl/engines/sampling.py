@@ -3,7 +3,8 @@
 For row r with temperature T, logits l and vocabulary V:
 
     scaled:     log p(v)  = log_softmax(l / T)(v)
-    kept set:   K = top-k(p) ∩ smallest prefix of p sorted descending whose mass ≥ top_p
+    kept set:   K = smallest prefix, sorted descending, of p renormalised over top-k(p),
+                    whose mass ≥ top_p (top-k first, then top-p on the survivors, as vLLM)
     sampled:    q(v) = p(v) / Σ_{u∈K} p(u) for v ∈ K, else 0;   token ~ q
 
 (``K`` is :func:`asyncrl.algo.truncation.kept_mask`, the trainer's cut too.)
