@@ -103,6 +103,22 @@ def test_stats_of_a_step() -> None:
     assert padded["input_tokens"] > padded["tokens"]
 
 
+def test_mismatch_corrections_reach_the_step_stats() -> None:
+    """IcePop and the sequence mask run in the trainer's own decoupled step (the proximal
+    logprobs of its forward) and report their shares: with bands of 1.000001 nearly every
+    token's and sequence's weight (≈ exp(−4.85 + 4.8), see test_stats_of_a_step) lies
+    outside; CISPO takes a finite step."""
+    batch = random_batch(4)
+    loss = LossConfig(icepop_band=1.000001, seq_mask_band=1.000001)
+    stats = tiny_engine(train_config(loss=loss)).train_step(batch)
+    assert 0.5 < stats["icepop_masked_frac"] <= 1.0
+    assert 0.5 < stats["seq_masked_frac"] <= 1.0
+    plain = tiny_engine(train_config()).train_step(batch)
+    assert plain["icepop_masked_frac"] == 0.0 and plain["seq_masked_frac"] == 0.0
+    cispo = tiny_engine(train_config(loss=LossConfig(policy_objective="cispo"))).train_step(batch)
+    assert math.isfinite(cispo["loss"]) and cispo["grad_norm"] > 0
+
+
 def _constant_lr(**overrides: Any) -> TrainerConfig:
     optim = OptimConfig(lr=3e-2, weight_decay=0.01, warmup_steps=0, schedule="constant")
     return train_config(optim=optim, **overrides)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncrl.config.schema import Section
 
@@ -18,6 +18,9 @@ KLType = Literal["k1", "k2", "k3"]
 """The per-token KL estimator (:func:`asyncrl.algo.loss.kl_penalty`)."""
 KLPlacement = Literal["reward", "loss"]
 """Where the KL penalty acts: a per-token reward, or a term of the loss."""
+PolicyObjective = Literal["ppo", "cispo"]
+"""The per-token surrogate: PPO's clipped ratio, or CISPO's clipped, detached IS weight on
+``log π`` (MiniMax-M1)."""
 
 
 class LossConfig(Section):
@@ -36,6 +39,19 @@ class LossConfig(Section):
     behav_imp_weight_cap: float | None = Field(5.0, gt=0)
     """Decoupled PPO: tokens whose exp(proximal − behaviour) exceeds this are masked;
     None: no cap."""
+    icepop_band: float | None = Field(None, gt=1)
+    """IcePop: tokens whose behaviour weight exp(proximal − behaviour) lies outside
+    [1/icepop_band, icepop_band] carry no loss (> 1, e.g. 2); None: off. Needs
+    ``proximal = "recompute"``."""
+    seq_mask_band: float | None = Field(None, gt=1)
+    """Sequence-masked IS: a sequence whose geometric-mean behaviour weight
+    exp(mean over its tokens of (proximal − behaviour)) lies outside
+    [1/seq_mask_band, seq_mask_band] carries no loss at all (> 1, e.g. 1.5); None: off.
+    Needs ``proximal = "recompute"``."""
+    policy_objective: PolicyObjective = "ppo"
+    """``ppo``: the clipped surrogate (GRPO, DAPO, GSPO, decoupled PPO). ``cispo``
+    (MiniMax-M1): −sg(clip(r, 1 − eps_clip, 1 + eps_clip_high)) · A · log π, which keeps
+    every token's gradient and bounds only its weight; ``c_clip`` does not apply."""
     importance_sampling_level: ImportanceLevel = "token"
     """Token ratios (PPO) or sequence-level ratios (GSPO)."""
     loss_agg: LossAgg = "token-mean"
@@ -77,6 +93,26 @@ class LossConfig(Section):
     """Overlong filtering (DAPO): samples that stopped on the token budget
     (``finish_reason = "length"``) carry no loss; they still count in their group's
     advantage baseline."""
+
+    @model_validator(mode="after")
+    def _combinations(self) -> LossConfig:
+        """Refuses settings that would silently do nothing, naming the keys."""
+        if self.proximal == "behaviour":
+            for key in ("icepop_band", "seq_mask_band"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f'trainer.loss.{key} with trainer.loss.proximal = "behaviour": the '
+                        "band bounds exp(proximal − behaviour), which is 1 when the "
+                        "behaviour logprobs stand in for the proximal ones; set proximal = "
+                        f'"recompute", or leave {key} unset'
+                    )
+        if self.policy_objective == "cispo" and self.c_clip is not None:
+            raise ValueError(
+                f"trainer.loss.c_clip = {self.c_clip:g} with trainer.loss.policy_objective = "
+                '"cispo": the dual clip bounds PPO\'s surrogate, CISPO has none to bound; '
+                "leave c_clip unset"
+            )
+        return self
 
 
 class ShapingConfig(Section):

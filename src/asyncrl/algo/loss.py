@@ -1,5 +1,6 @@
-"""The clipped policy-gradient loss (PPO / GRPO / DAPO / GSPO / decoupled PPO) and the KL
-penalty to a reference policy.
+"""The clipped policy-gradient loss (PPO / GRPO / DAPO / GSPO / decoupled PPO / CISPO), its
+corrections for a rollout–trainer mismatch (behaviour-weight cap, IcePop, sequence masking),
+and the KL penalty to a reference policy.
 
 Every tensor is ``[B, T]``: ``B`` sequences, right-padded to ``T`` tokens, with
 ``loss_mask`` True on the tokens that carry a loss (the generated ones). Values at
@@ -8,16 +9,25 @@ masked-out positions are ignored, whatever they are (even inf or NaN).
 
 from __future__ import annotations
 
+import math
 from typing import get_args
 
 import torch
 
-from asyncrl.algo.config import ImportanceLevel, KLPlacement, KLType, LossAgg, LossConfig
+from asyncrl.algo.config import (
+    ImportanceLevel,
+    KLPlacement,
+    KLType,
+    LossAgg,
+    LossConfig,
+    PolicyObjective,
+)
 
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 IMPORTANCE_LEVELS: tuple[str, ...] = get_args(ImportanceLevel)
 KL_TYPES: tuple[str, ...] = get_args(KLType)
 KL_PLACEMENTS: tuple[str, ...] = get_args(KLPlacement)
+POLICY_OBJECTIVES: tuple[str, ...] = get_args(PolicyObjective)
 
 
 def kl_penalty(
@@ -127,11 +137,28 @@ def policy_loss(
         r      = exp(mean_{t∈seq} (log π − log π_old))              (sequence level, GSPO)
         ℓ      = max(−A·r, −A·clip(r, 1 − eps_clip, 1 + eps_clip_high))   (PPO; DAPO clip-higher)
         ℓ      = min(ℓ, −c_clip·A)                 where A < 0      (dual clip, c_clip > 1)
+        ℓ      = −sg(clip(r, 1 − eps_clip, 1 + eps_clip_high)) · A · log π        (CISPO)
         w      = exp(log π_old − log π_behav)                       (decoupled PPO)
-        ℓ      = w·ℓ,   and ℓ = 0 where w > behav_imp_weight_cap
-        ℓ     += w · kl_coef · k_t,  0 where w > cap         (kl_in = "loss", ref given)
-        ℓ     −= entropy_coef · H_t,  0 where w > cap               (entropy given)
+        keep   = w ≤ behav_imp_weight_cap                                   (token cap)
+               ∧ 1/icepop_band ≤ w ≤ icepop_band                              (IcePop)
+               ∧ 1/seq_mask_band ≤ exp(mean_{s∈seq}(log w_s)) ≤ seq_mask_band
+                                                          (sequence-masked IS, per sequence)
+        ℓ      = w·ℓ where keep, else 0
+        ℓ     += w · kl_coef · k_t,  0 where not keep        (kl_in = "loss", ref given)
+        ℓ     −= entropy_coef · H_t,  0 where not keep              (entropy given)
         loss   = aggregate(ℓ, loss_mask, loss_agg)
+
+    Which correction: the cap (truncated IS) drops single tokens the behaviour policy made
+    far *less* likely than the proximal one, the ones whose weight would blow up; IcePop
+    drops a token whose weight is off either way, so a token the trainer finds much less
+    likely than the sampler did (w ≪ 1) no longer pushes with a tiny, noisy weight;
+    sequence masking drops whole samples whose mismatch is systematic (a sampler bug, a
+    weight-sync gap), where per-token weights cannot repair the context the later tokens
+    stand on. CISPO is no mask: it bounds the size of each token's weight and keeps its
+    gradient, where PPO's clip zeroes the gradient of tokens whose ratio left the clip
+    range (MiniMax-M1 keeps rare "reflection" tokens learning that way). Its value is
+    ``−A·log π`` scaled, not a ratio, so ``pg_loss`` is not comparable with PPO's; its
+    gradient at ``r = 1``, ``−A·∇log π``, is PPO's ``−A·∇r`` there.
 
     ``kl_in = "reward"`` treats ``−kl_coef · k_t`` as a per-token reward: each token's
     advantage takes the KL still to come in its sequence (the return with γ = 1; the
@@ -154,10 +181,12 @@ def policy_loss(
     tokens; ``w`` corrects for the gap and carries no gradient. Tokens over the cap drop out
     of the numerator but still count in the denominator, so that the denominator never
     depends on the policy. At sequence level every token of a sequence shares one ratio
-    (and one clip decision); ``w`` stays per token.
+    (and one clip decision); ``w`` stays per token. Without ``behav_logprobs``, ``w = 1``
+    and none of the three masks drops anything.
 
     The coefficients and choices are the recipe's ``trainer.loss`` section itself
-    (``eps_clip``, ``eps_clip_high``, ``c_clip``, ``behav_imp_weight_cap``,
+    (``policy_objective``, ``eps_clip``, ``eps_clip_high``, ``c_clip``,
+    ``behav_imp_weight_cap``, ``icepop_band``, ``seq_mask_band``,
     ``importance_sampling_level``, ``loss_agg``, ``kl_coef``, ``kl_type``, ``kl_in``,
     ``entropy_coef``); the advantage settings in it play no part here.
 
@@ -179,13 +208,19 @@ def policy_loss(
     Returns:
         ``(loss, stats)``; stats are detached scalars over the masked tokens:
         ``clip_frac_low``/``clip_frac_high``/``clip_frac_dual`` (share of tokens where that
-        clip is active), ``approx_kl`` (k3 estimate of KL(π_old ‖ π)), ``ratio_mean``,
-        ``behav_imp_weight_mean``/``behav_imp_weight_max`` (before the cap),
-        ``behav_masked_frac`` (share dropped by the cap), ``pg_loss``, ``kl_ref``,
+        clip is active; for CISPO, where the weight is clipped below/above, whatever the
+        sign of A), ``approx_kl`` (k3 estimate of KL(π_old ‖ π)), ``ratio_mean``,
+        ``behav_imp_weight_mean``/``behav_imp_weight_max`` (before any mask),
+        ``behav_masked_frac`` (share dropped by the cap), ``icepop_masked_frac`` (share
+        outside the IcePop band), ``seq_masked_frac`` (share in sequences outside the
+        sequence band) and ``seq_masked_seq_frac`` (share of the sequences with a loss token
+        that it drops); a token may count in several of these. ``pg_loss``, ``kl_ref``,
         ``entropy`` (mean over the masked tokens; 0 when none was given).
     """
     eps_clip, eps_clip_high, c_clip = config.eps_clip, config.eps_clip_high, config.c_clip
     behav_imp_weight_cap = config.behav_imp_weight_cap
+    icepop_band, seq_mask_band = config.icepop_band, config.seq_mask_band
+    objective = config.policy_objective
     importance_sampling_level, loss_agg = config.importance_sampling_level, config.loss_agg
     kl_coef, kl_type, kl_in = config.kl_coef, config.kl_type, config.kl_in
     entropy_coef = config.entropy_coef
@@ -196,12 +231,19 @@ def policy_loss(
             f"importance_sampling_level {importance_sampling_level!r}: "
             f"allowed {list(IMPORTANCE_LEVELS)}"
         )
+    if objective not in POLICY_OBJECTIVES:
+        raise ValueError(f"policy_objective {objective!r}: allowed {list(POLICY_OBJECTIVES)}")
     if kl_in not in KL_PLACEMENTS:
         raise ValueError(f"kl_in {kl_in!r}: allowed {list(KL_PLACEMENTS)}")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef is set but no entropy was given")
     if c_clip is not None and c_clip <= 1.0:
         raise ValueError(f"c_clip must be > 1, got {c_clip}")
+    if c_clip is not None and objective == "cispo":
+        raise ValueError('c_clip applies to policy_objective "ppo" only')
+    for key, band in (("icepop_band", icepop_band), ("seq_mask_band", seq_mask_band)):
+        if band is not None and band <= 1.0:
+            raise ValueError(f"{key} must be > 1, got {band}")
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     eps_low = eps_clip
@@ -237,10 +279,16 @@ def policy_loss(
         log_ratio = token_log_ratio
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    pg = torch.maximum(-adv * ratio, -adv * clipped_ratio)
-    with torch.no_grad():
-        clip_low = mask & (adv < 0) & (ratio < 1.0 - eps_low)
-        clip_high = mask & (adv > 0) & (ratio > 1.0 + eps_high)
+    if objective == "cispo":
+        pg = -adv * clipped_ratio.detach() * torch.where(mask, logprobs, zero)
+        with torch.no_grad():
+            clip_low = mask & (ratio < 1.0 - eps_low)
+            clip_high = mask & (ratio > 1.0 + eps_high)
+    else:
+        pg = torch.maximum(-adv * ratio, -adv * clipped_ratio)
+        with torch.no_grad():
+            clip_low = mask & (adv < 0) & (ratio < 1.0 - eps_low)
+            clip_high = mask & (adv > 0) & (ratio > 1.0 + eps_high)
     if c_clip is not None:
         dual_bound = -c_clip * adv
         dual = mask & (adv < 0) & (pg > dual_bound)
@@ -248,9 +296,20 @@ def policy_loss(
     else:
         dual = torch.zeros_like(mask)
 
+    no_token = torch.zeros_like(mask)
+    capped, icepop_out, seq_out = no_token, no_token, no_token
     if behav_logprobs is not None:
-        behav_w = torch.exp(torch.where(mask, old_logprobs - behav_logprobs, zero)).detach()
-        keep = mask if behav_imp_weight_cap is None else mask & (behav_w <= behav_imp_weight_cap)
+        behav_log_w = torch.where(mask, old_logprobs - behav_logprobs, zero).detach()
+        behav_w = torch.exp(behav_log_w)
+        if behav_imp_weight_cap is not None:
+            capped = mask & (behav_w > behav_imp_weight_cap)
+        if icepop_band is not None:
+            icepop_out = mask & ((behav_w < 1.0 / icepop_band) | (behav_w > icepop_band))
+        if seq_mask_band is not None:
+            n_B = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+            seq_log_w = behav_log_w.sum(dim=-1, keepdim=True) / n_B
+            seq_out = mask & (seq_log_w.abs() > math.log(seq_mask_band))
+        keep = mask & ~capped & ~icepop_out & ~seq_out
         pg = torch.where(keep, pg * behav_w, zero)
     else:
         behav_w = torch.ones_like(logprobs)
@@ -280,6 +339,9 @@ def policy_loss(
             "ratio_mean": _masked_mean(ratio.detach(), mask),
             "behav_imp_weight_mean": _masked_mean(behav_w, mask),
             "behav_imp_weight_max": torch.where(mask, behav_w, zero).max() if mask.any() else zero,
-            "behav_masked_frac": (mask & ~keep).sum() / n,
+            "behav_masked_frac": capped.sum() / n,
+            "icepop_masked_frac": icepop_out.sum() / n,
+            "seq_masked_frac": seq_out.sum() / n,
+            "seq_masked_seq_frac": seq_out.any(dim=-1).sum() / mask.any(dim=-1).sum().clamp(min=1),
         }
     return loss, {k: v.detach().to(torch.float32) for k, v in stats.items()}

@@ -16,6 +16,8 @@ MEAN_STATS = (
     "ratio_mean",
     "behav_imp_weight_mean",
     "behav_masked_frac",
+    "icepop_masked_frac",
+    "seq_masked_frac",
     "kl_ref",
 )
 """Per-token statistics of :func:`~asyncrl.algo.policy_loss`, averaged over the loss tokens
