@@ -4,10 +4,59 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from asyncrl.algo.shaping import overlong_penalty, shape_reward, shaped_rewards
+from asyncrl.algo.shaping import (
+    overlong_penalty,
+    replies,
+    shape_reward,
+    shaped_rewards,
+    shaped_sample_rewards,
+)
+from asyncrl.config.recipe import load_recipe, sample_budget
+from asyncrl.wire.messages import Array
+
+
+@dataclass
+class Scored:
+    reward: float
+    loss_mask: Array
+
+
+def calls_sample(*lengths: int) -> Scored:
+    """Reward 1; a prompt of 4 tokens, then one call of each length, two context tokens
+    (the chat template's turn end and the next turn's head) between continued calls."""
+    mask = [False] * 4
+    for i, n in enumerate(lengths):
+        mask += ([False] * 2 if i else []) + [True] * n
+    return Scored(1.0, Array.of(mask, "bool"))
+
+
+def test_a_sample_of_continued_calls_has_a_budget_per_call(tmp_path: Path) -> None:
+    """Agent code, one call's budget 512 (``max_new_tokens``), overlong buffer 128 at
+    penalty 1: three continued calls of 300 tokens (900 generated, 3 replies) have the
+    budget 3 · 512 = 1536, free up to 1408, so no penalty: reward 1. One call of 512 tokens
+    sits at its budget M: (M − B − L)/B = (384 − 512)/128 = −1, the full penalty: 0. One
+    of 448: (384 − 448)/128 = −0.5: 0.5."""
+    code = tmp_path / "agent.py"
+    code.write_text("async def agent(client, data):\n    return 1.0\n")
+    recipe = load_recipe(
+        None,
+        [
+            f"rollout.workflow={code}:agent",
+            "rollout.sampling.max_new_tokens=512",
+            "trainer.shaping.overlong_buffer=128",
+            "trainer.shaping.overlong_penalty=1.0",
+        ],
+    )
+    samples = [calls_sample(300, 300, 300), calls_sample(512), calls_sample(448)]
+    assert [replies(t.loss_mask) for t in samples] == [3, 1, 1]
+    assert sample_budget(recipe, 3) == 1536 and sample_budget(recipe, 1) == 512
+    got = shaped_sample_rewards(samples, recipe.trainer.shaping, lambda n: sample_budget(recipe, n))
+    assert got == pytest.approx([1.0, 0.0, 0.5])
 
 
 def test_bias_then_scale_then_clip() -> None:

@@ -144,22 +144,23 @@ def call(prompt: list[int], completion: list[int], finish: str = "stop") -> Call
     return Call(prompt, completion, [-0.25] * n, [7] * n, finish)
 
 
-def test_episode_samples_merge_extensions_split_the_rest_and_discount_per_call():
+def test_episode_samples_merge_extensions_split_the_rest_and_count_calls_to_go():
     calls = [
         call([1, 2], [3, 4]),
         call([1, 2, 3, 4, 5], [6]),  # extends call 0 by one context token
         call([9], [8, 7]),  # a fresh prompt: a new sample
         call([9, 8], [5]),  # not an extension of [9, 8, 7]: a new sample
     ]
-    samples = episode_samples(calls, 2.0, turn_discount=0.5)
+    samples = episode_samples(calls, 2.0)
     assert [s.calls for s in samples] == [[0, 1], [2], [3]]
     first = samples[0].trace
     assert first.input_ids == [1, 2, 3, 4, 5, 6]
     assert first.loss_mask == [0, 0, 1, 1, 0, 1]
     assert first.logprobs == [0.0, 0.0, -0.25, -0.25, 0.0, -0.25]
     assert first.versions == [-1, -1, 7, 7, -1, 7]
-    # 4 calls: a sample ending at call e gets 2.0 * 0.5 ** (3 - e)
-    assert [s.reward for s in samples] == [2.0 * 0.25, 2.0 * 0.5, 2.0]
+    # 4 calls: every sample has the episode's reward; one ending at call e has 3 − e to go
+    assert [s.reward for s in samples] == [2.0, 2.0, 2.0]
+    assert [s.calls_to_go for s in samples] == [2, 1, 0]
     assert episode_samples([], 1.0) == []
 
 

@@ -21,6 +21,7 @@ from asyncrl.actors.buffer.admission import (
 from asyncrl.algo.advantages import episode_advantages, group_advantages
 from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
+from asyncrl.endpoint.recording import Call, episode_samples
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.observe.records import agent_metrics, batch_stats
 from asyncrl.train.batch import build_samples
@@ -43,51 +44,124 @@ def traj(
         versions=Array.of([-1, 0, 0], "int32"),
         reward=reward,
         finish_reason="stop",
-        reward_info={"turns": 2 if n > 1 else 1, "tool_calls": 0, "tool_errors": {}},
+        reward_info={
+            "turns": 2 if n > 1 else 1,
+            "tool_calls": 0,
+            "tool_errors": {},
+            "turns_to_go": n - 1 - k,
+        },
     )
 
 
 def test_episode_advantages_by_hand() -> None:
-    """One group of 3 episodes, rewards R = (1, 0, 0.5): mean 0.5, unbiased std 0.5.
-    Episode 0 gave two samples (0.9 = 1·γ with γ = 0.9, then 1); the others one each."""
-    sample_r = [torch.tensor([0.9, 1.0, 0.0, 0.5])]
+    """One group of 3 episodes, rewards R = (1, 0, 0.5): mean 0.5, unbiased std 0.5, so
+    GRPO gives A = (1, −1, 0) (÷ (0.5 + eps) · 0.5). Episode 0 gave two samples, the first
+    ending k = 2 calls before the last: with γ = 0.5 it gets γ² · A_0 = 0.25, the second
+    A_0 = 1. Dr.GRPO (no std): A = (0.5, −0.5, 0), so (0.125, 0.5, −0.5, 0). RLOO, no std:
+    episode 0's baseline is the others' mean 0.25, A_0 = 0.75: (0.1875, 0.75, −0.75, 0)."""
     episode_of = [torch.tensor([0, 0, 1, 2])]
+    to_go = [torch.tensor([2, 0, 0, 0])]
     episode_r = torch.tensor([[1.0, 0.0, 0.5]])
     eps = 1e-6
-    (adv,) = episode_advantages(episode_r, sample_r, episode_of, eps=eps)
-    s = 0.5 + eps
-    expected = [(0.9 - 0.5) / s, (1.0 - 0.5) / s, (0.0 - 0.5) / s, 0.0]
-    assert adv.tolist() == pytest.approx(expected, abs=1e-5)
+    (adv,) = episode_advantages(episode_r, episode_of, to_go, turn_discount=0.5, eps=eps)
+    expected = [0.25, 1.0, -1.0, 0.0]
+    assert adv.tolist() == pytest.approx([x * 0.5 / (0.5 + eps) for x in expected], abs=1e-6)
     # one sample per episode: exactly GRPO
-    (single,) = episode_advantages(episode_r, [episode_r[0]], [torch.arange(3)])
+    (single,) = episode_advantages(
+        episode_r, [torch.arange(3)], [torch.zeros(3, dtype=torch.long)], turn_discount=0.5
+    )
     assert single.tolist() == pytest.approx(group_advantages(episode_r)[0].tolist())
-    # RLOO, no std: episode 0's baseline is the others' mean 0.25
-    (loo,) = episode_advantages(episode_r, sample_r, episode_of, std_level=None, leave_one_out=True)
-    assert loo.tolist() == pytest.approx([0.9 - 0.25, 1.0 - 0.25, 0.0 - 0.75, 0.5 - 0.5])
-    # equal episode rewards carry no signal: a discounted sample is not blown up by std 0
+    (dr,) = episode_advantages(episode_r, episode_of, to_go, turn_discount=0.5, std_level=None)
+    assert dr.tolist() == pytest.approx([0.125, 0.5, -0.5, 0.0])
+    (loo,) = episode_advantages(
+        episode_r, episode_of, to_go, turn_discount=0.5, std_level=None, leave_one_out=True
+    )
+    assert loo.tolist() == pytest.approx([0.1875, 0.75, -0.75, 0.0])
+    # equal episode rewards carry no signal: no sample of theirs is pushed either way
     (flat,) = episode_advantages(
-        torch.tensor([[1.0, 1.0]]), [torch.tensor([0.9, 1.0, 1.0])], [torch.tensor([0, 0, 1])]
+        torch.tensor([[1.0, 1.0]]),
+        [torch.tensor([0, 0, 1])],
+        [torch.tensor([1, 0, 0])],
+        turn_discount=0.5,
     )
     assert flat.tolist() == [0.0, 0.0, 0.0]
 
 
 def test_the_trainer_batch_of_episodes_of_several_samples() -> None:
-    """Two groups of 2 episodes: p0 = [e0: 0.9, 1.0 | e1: 0.0], p1 = [e0: 1.0 | e1: 1.0]."""
+    """Two groups of 2 episodes: p0 = [e0: 1.0 (k = 1), 1.0 | e1: 0.0], p1 = [e0: 1.0 |
+    e1: 1.0]. p0's episode rewards (1, 0): mean 0.5, unbiased std 2^−½, A = ±0.5/s; the
+    first sample of e0 ended one call early: γ · A with γ = 0.9. p1 is flat: 0."""
     # p0's samples arrive out of order: the group puts them in episode order
     p0 = admitted_group(
-        [traj("p0", 1, 0.0), traj("p0", 0, 1.0, 1, 2), traj("p0", 0, 0.9, 0, 2)], raw_rewards
+        [traj("p0", 1, 0.0), traj("p0", 0, 1.0, 1, 2), traj("p0", 0, 1.0, 0, 2)], raw_rewards
     )
     p1 = admitted_group([traj("p1", 0, 1.0), traj("p1", 1, 1.0)], raw_rewards)
     assert [t.uid for t in p0.samples] == ["p0/0/0", "p0/0/1", "p0/1"]
     assert p0.final_positions == [1, 2] and p1.final_positions == [0, 1]
-    samples, _ = build_samples([p0, p1], load_recipe(None, ["rollout.group_size=2"]).trainer.loss)
+    loss = load_recipe(None, ["rollout.group_size=2"]).trainer.loss
+    samples, _ = build_samples([p0, p1], loss, turn_discount=0.9)
     s = 2**-0.5 + 1e-6  # the unbiased std of (1, 0)
-    expected = [(0.9 - 0.5) / s, (1.0 - 0.5) / s, (0.0 - 0.5) / s, 0.0, 0.0]
+    expected = [0.9 * 0.5 / s, 0.5 / s, -0.5 / s, 0.0, 0.0]
     assert [x.advantages for x in samples] == pytest.approx(expected, abs=1e-5)
     stats = batch_stats([p0, p1], 256)
     assert stats["reward_groups/all_one"] == 0.5  # p1 only: p0 is told by prompt, not by 2s
     batch = [*p0.samples, *p1.samples]
     assert agent_metrics(batch)["agent/turns"] == pytest.approx((2 + 1 + 1 + 1) / 4)
+
+
+def shift_groups(c: float) -> list:
+    """Two groups of 3 episodes of 1 to 3 samples each, every reward shifted by ``c``; the
+    samples' rewards and calls to go are what :func:`episode_samples` makes of them."""
+    calls_per_sample = {  # episode: the calls of each of its samples (none continue)
+        0: [[0], [1], [2]],
+        1: [[0], [1]],
+        2: [[0]],
+    }
+    groups = []
+    for prompt, rewards in (("a", (1.0, 0.0, 0.5)), ("b", (1.0, 1.0, 0.25))):
+        trajectories = []
+        for episode, reward in enumerate(rewards):
+            calls = [
+                Call([1, 2 + i], [3 + i, 4], [-0.5, -0.5], [0, 0], "stop")
+                for i in range(len(calls_per_sample[episode]))
+            ]
+            made = episode_samples(calls, reward + c)
+            assert [m.calls for m in made] == calls_per_sample[episode]
+            for k, m in enumerate(made):
+                trajectories.append(
+                    m.trace.to_trajectory(
+                        prompt,
+                        episode,
+                        3,
+                        {},
+                        "",
+                        "stop",
+                        reward=m.reward,
+                        reward_info={"turns_to_go": m.calls_to_go},
+                    ).model_copy(update={"episode_sample": k, "episode_samples": len(made)})
+                )
+        groups.append(admitted_group(trajectories, raw_rewards))
+    return groups
+
+
+@pytest.mark.parametrize("std", ["group", "none"])
+def test_a_reward_shift_changes_no_advantage(std: str) -> None:
+    """GRPO and Dr.GRPO with γ = 0.5 and episodes of several samples: adding c = 3 to every
+    reward moves every baseline by c and no advantage. Discounting the rewards instead
+    (r · γ^k) would not: group b's episodes 0 and 1 both score 1, yet a first sample of
+    episode 0 (k = 2) would get 0.25·(1 + c) against a baseline near 1 + c."""
+    loss = load_recipe(
+        None, ["rollout.group_size=3", f"trainer.loss.adv_std_level={std!r}"]
+    ).trainer.loss
+    base, _ = build_samples(shift_groups(0.0), loss, turn_discount=0.5)
+    shifted, _ = build_samples(shift_groups(3.0), loss, turn_discount=0.5)
+    assert len(base) == 2 * (3 + 2 + 1)
+    assert [float(x.advantages) for x in shifted] == pytest.approx(
+        [float(x.advantages) for x in base], abs=1e-5
+    )
+    # the sample of an episode's last call has the episode's advantage; earlier ones γ^k of it
+    a = [float(x.advantages) for x in base[:6]]
+    assert a[0:3] == pytest.approx([0.25 * a[2], 0.5 * a[2], a[2]])
 
 
 def test_a_group_is_whole_with_every_sample_of_every_episode() -> None:
@@ -128,11 +202,12 @@ async def test_an_episode_of_two_chats_trains_both_samples(tmp_path: Path) -> No
     tok = build_tokenizer()
     async with ScriptedEngine(tok, lambda prompt: "ok") as engine:
         async with OpenAIEndpoint(engine, model_name="m", token="t") as ep:
-            wf = OpenAIAgentWorkflow(ep, f"{path}:agent", group_size=2, turn_discount=0.5)
+            wf = OpenAIAgentWorkflow(ep, f"{path}:agent", group_size=2)
             out = await wf.arun_episode(engine, {"uid": "p", "question": "q"})
     assert out is not None
     assert [t.uid for t in out] == ["p/0/0", "p/0/1", "p/1/0", "p/1/1"]
-    assert [t.reward for t in out] == [0.5, 1.0, 0.5, 1.0]  # the first ended a call earlier
+    assert [t.reward for t in out] == [1.0] * 4  # undiscounted: the trainer discounts
+    assert [t.reward_info["turns_to_go"] for t in out] == [1, 0, 1, 0]
     assert [(t.episode_sample, t.episode_samples) for t in out] == [(0, 2), (1, 2)] * 2
     first, second = out[0], out[1]
     assert "first" in tok.decode(first.input_ids.numpy().tolist())
@@ -143,9 +218,9 @@ async def test_an_episode_of_two_chats_trains_both_samples(tmp_path: Path) -> No
 
 
 async def test_the_dynamic_filter_judges_the_episodes_rewards(tmp_path: Path) -> None:
-    """Both episodes scored 1: the discounted first sample (0.9) is no signal."""
+    """Both episodes scored 1: no signal, whatever number of samples each gave."""
     buf = make_buffer(tmp_path, "buffer.dynamic_filter=true")
     uid = (await lease(buf, 1)).prompts[0].uid
-    for t in (traj(uid, 0, 1.0), traj(uid, 1, 0.9, 0, 2), traj(uid, 1, 1.0, 1, 2)):
+    for t in (traj(uid, 0, 1.0), traj(uid, 1, 1.0, 0, 2), traj(uid, 1, 1.0, 1, 2)):
         await buf.on_scored(t)
     assert not buf.admission.ready and buf.counters["filtered_groups"] == 1

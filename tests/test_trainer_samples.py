@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.actors.buffer.admission import admitted_group
 from asyncrl.algo.shaping import shaped_sample_rewards
-from asyncrl.config.recipe import Recipe, generation_budget, load_recipe
+from asyncrl.config.recipe import Recipe, load_recipe, sample_budget
 from asyncrl.train.batch import build_samples
 from asyncrl.wire.messages import Array, Group, Trajectory
 
@@ -55,7 +55,9 @@ def admitted(batch: Sequence[Trajectory], recipe: Recipe) -> list[Group]:
     return [
         admitted_group(
             batch[i : i + 2],
-            lambda s: shaped_sample_rewards(s, recipe.trainer.shaping, generation_budget(recipe)),
+            lambda s: shaped_sample_rewards(
+                s, recipe.trainer.shaping, lambda replies: sample_budget(recipe, replies)
+            ),
         )
         for i in range(0, len(batch), 2)
     ]

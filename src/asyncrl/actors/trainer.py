@@ -152,7 +152,9 @@ class TrainerActor(Actor):
                 batch = await self._fetch_batch(self.step)
             trained = batch.groups
             t_batch = time.monotonic() - t0
-            samples, stats = build_samples(trained, self.recipe.trainer.loss)
+            samples, stats = build_samples(
+                trained, self.recipe.trainer.loss, turn_discount=self.recipe.rollout.turn_discount
+            )
             if self.colocation is not None:
                 stats.update(await self._take_the_device())
             t1 = time.monotonic()

@@ -98,54 +98,51 @@ def group_advantages(
 
 def episode_advantages(
     episode_rewards_NG: torch.Tensor,
-    sample_rewards: Sequence[torch.Tensor],
     sample_episodes: Sequence[torch.Tensor],
+    sample_turns_to_go: Sequence[torch.Tensor],
     *,
+    turn_discount: float = 1.0,
     std_level: StdLevel = "group",
     leave_one_out: bool = False,
     eps: float = 1e-6,
 ) -> list[torch.Tensor]:
     """Advantages of samples that come several to an episode (agent code whose calls do not
-    all continue one another), with the baseline of the episodes.
+    all continue one another), from the advantages of the episodes.
 
-    ``episode_rewards_NG`` are the episodes' rewards, a row per group as in
-    :func:`group_advantages`, which gives each episode ``i`` its advantage
-    ``A_i = (R_i − b_i) / s`` (``s = std + eps`` at ``std_level``, 1 without). Group ``n``'s
-    samples have rewards ``sample_rewards[n]`` (``[S_n]``; the episode's, discounted when
-    the sample ended calls before the last) and episodes ``sample_episodes[n]`` (``[S_n]``
-    column indices into row ``n``). Sample ``j`` of episode ``i`` has advantage
+    ``episode_rewards_NG`` are the episodes' undiscounted rewards, a row per group as in
+    :func:`group_advantages`, which gives each episode ``i`` its advantage ``A_i``. Group
+    ``n``'s samples belong to episodes ``sample_episodes[n]`` (``[S_n]`` column indices
+    into row ``n``) and ended ``sample_turns_to_go[n]`` (``[S_n]``, ``k_j`` ≥ 0) calls
+    before their episode's last. Sample ``j`` of episode ``i`` has advantage
 
-        A_j = (r_j − b_i) / s = A_i + (r_j − R_i) / s
+        A_j = γ^k_j · A_i          (γ = ``turn_discount``)
 
     so the baseline and the scale are the group's episodes', whatever number of samples
-    each gave, and an episode of one sample gets exactly its GRPO advantage. With
-    ``std_level`` set, a group whose episode rewards are all equal carries no signal, as in
-    GRPO: every sample of it gets 0 (dividing a discount by a zero std would not be one).
+    each gave; the sample holding an episode's final call (``k = 0``), and an episode of
+    one sample, get exactly the episode's advantage. The discount acts on the advantage,
+    never on the reward: adding a constant to every reward changes no ``A_i``, hence no
+    ``A_j`` (discounting rewards before the baseline would, e.g. push down the earlier
+    calls of episodes that all succeeded under Dr.GRPO).
 
     Returns:
-        a ``[S_n]`` float32 tensor per group, in the order of ``sample_rewards``.
+        a ``[S_n]`` float32 tensor per group, in the order of ``sample_episodes``.
     """
-    if not len(sample_rewards) == len(sample_episodes) == episode_rewards_NG.shape[0]:
+    if not len(sample_episodes) == len(sample_turns_to_go) == episode_rewards_NG.shape[0]:
         raise ValueError(
-            f"{episode_rewards_NG.shape[0]} groups of episode rewards, {len(sample_rewards)} "
-            f"of sample rewards and {len(sample_episodes)} of sample episodes"
+            f"{episode_rewards_NG.shape[0]} groups of episode rewards, {len(sample_episodes)} "
+            f"of sample episodes and {len(sample_turns_to_go)} of turns to go"
         )
+    if not 0 < turn_discount <= 1:
+        raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
     adv_NG = group_advantages(
         episode_rewards_NG, std_level=std_level, leave_one_out=leave_one_out, eps=eps
     )
-    rewards_NG = episode_rewards_NG.to(torch.float32)
-    if std_level is None:
-        scale_NG = torch.ones_like(rewards_NG)
-        signal_NG = torch.ones_like(rewards_NG, dtype=torch.bool)
-    else:
-        std_NG = _level_std(rewards_NG, std_level, unbiased=True)
-        scale_NG = std_NG + eps
-        signal_NG = std_NG > 0
     out = []
-    for n, (rewards_S, episodes_S) in enumerate(zip(sample_rewards, sample_episodes, strict=True)):
-        idx = episodes_S.to(torch.long)
-        offset = (rewards_S.to(torch.float32) - rewards_NG[n, idx]) / scale_NG[n, idx]
-        out.append(
-            torch.where(signal_NG[n, idx], adv_NG[n, idx] + offset, torch.zeros_like(offset))
-        )
+    for n, (episodes_S, to_go_S) in enumerate(
+        zip(sample_episodes, sample_turns_to_go, strict=True)
+    ):
+        if bool((to_go_S < 0).any()):
+            raise ValueError(f"group {n}: turns to go must be >= 0, got {to_go_S.tolist()}")
+        discount_S = turn_discount ** to_go_S.to(torch.float32)
+        out.append(discount_S * adv_NG[n, episodes_S.to(torch.long)])
     return out

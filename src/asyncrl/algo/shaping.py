@@ -10,7 +10,7 @@ overlong penalty) still carries a signal and is kept.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def shaped_rewards(
     rewards: Sequence[float],
     lengths: Sequence[int],
     *,
-    max_len: int,
+    max_len: int | Sequence[int],
     overlong_buffer: int = 0,
     overlong_penalty_at_max: float = 1.0,
     scale: float = 1.0,
@@ -70,15 +70,17 @@ def shaped_rewards(
         r' = clamp((r + overlong(L) + bias) · scale, −clip, clip)
 
     where ``overlong`` is :func:`overlong_penalty` over the last ``overlong_buffer`` tokens
-    of the generation budget ``max_len`` (0 when the buffer is 0).
+    of the generation budget ``max_len`` (0 when the buffer is 0): one for every sample,
+    or one per sample.
     """
-    if len(rewards) != len(lengths):
-        raise ValueError(f"{len(rewards)} rewards but {len(lengths)} lengths")
+    budgets = [max_len] * len(lengths) if isinstance(max_len, int) else list(max_len)
+    if not len(rewards) == len(lengths) == len(budgets):
+        raise ValueError(f"{len(rewards)} rewards, {len(lengths)} lengths, {len(budgets)} budgets")
     out = []
-    for r, n in zip(rewards, lengths, strict=True):
+    for r, n, m in zip(rewards, lengths, budgets, strict=True):
         if overlong_buffer > 0:
             r = float(r) + overlong_penalty(
-                n, max_len=max_len, buffer_len=overlong_buffer, penalty=overlong_penalty_at_max
+                n, max_len=m, buffer_len=overlong_buffer, penalty=overlong_penalty_at_max
             )
         out.append(shape_reward(r, scale=scale, bias=bias, clip=clip))
     return out
@@ -94,17 +96,27 @@ class ScoredSample(Protocol):
     def loss_mask(self) -> Array: ...
 
 
+def replies(loss_mask: Sequence[bool] | Array) -> int:
+    """The replies a sample holds: the runs of generated tokens in its loss mask (calls
+    that continue one another, and the turns of a multi-turn sample, are separated by
+    context tokens). A reply of no token counts for none; it used none of its budget."""
+    mask = [bool(m) for m in (loss_mask.tolist() if hasattr(loss_mask, "tolist") else loss_mask)]
+    return sum(m and (i == 0 or not mask[i - 1]) for i, m in enumerate(mask))
+
+
 def shaped_sample_rewards(
-    samples: Sequence[ScoredSample], s: ShapingConfig, max_len: int
+    samples: Sequence[ScoredSample], s: ShapingConfig, budget: Callable[[int], int]
 ) -> list[float]:
     """The rewards the trainer's advantages use: ``trainer.shaping`` (``s``) applied to each
-    sample's reward and generated length, with ``max_len`` the generation budget
-    (:func:`asyncrl.config.recipe.generation_budget`). The buffer computes them as it admits
-    a group; its dynamic filter judges the group on the same numbers."""
+    sample's reward and generated length, with ``budget(n)`` the generation budget of a
+    sample of ``n`` :func:`replies` (:func:`asyncrl.config.recipe.sample_budget`): agent
+    code whose consecutive calls continue one another makes one sample of several calls,
+    and one call's budget would penalise it as overlong. The buffer computes them as it
+    admits a group; its dynamic filter judges the group on the same numbers."""
     return shaped_rewards(
         [float(t.reward or 0.0) for t in samples],
         [int(t.loss_mask.numpy().sum()) for t in samples],
-        max_len=max_len,
+        max_len=[budget(max(1, replies(t.loss_mask))) for t in samples],
         overlong_buffer=s.overlong_buffer,
         overlong_penalty_at_max=s.overlong_penalty,
         scale=s.scale,

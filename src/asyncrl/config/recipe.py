@@ -306,9 +306,10 @@ class RolloutConfig(Placement):
     """Turns of the ``multi_turn`` workflow; replies per sample of the ``agent`` workflow
     (the last one is scored as it is). Agent code decides its own turns."""
     turn_discount: float = Field(0.9, gt=0, le=1)
-    """Reward discount per extra turn in ``multi_turn``. For agent code, an episode of
-    several samples (calls that do not all continue one another) discounts a sample's
-    reward per call between its last call and the episode's last: ``reward · γ^k``."""
+    """``γ``. In ``multi_turn``, what a success is worth per feedback turn it needed (the
+    reward is ``r_t · γ^t``). For agent code, an episode of several samples (calls that do
+    not all continue one another) discounts a sample's advantage, not its reward, per call
+    between its last call and the episode's last: ``A_j = γ^k · A_episode``."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters."""
     lease_ttl: float = Field(30.0, gt=0)
@@ -463,6 +464,13 @@ def generation_budget(recipe: Recipe) -> int:
     and ``agent`` (there at most ``rollout.agent.max_total_tokens``). Agent code decides
     its own turns: its budget is counted per call."""
     return recipe.rollout.workflow.generation_budget(recipe.rollout)
+
+
+def sample_budget(recipe: Recipe, replies: int) -> int:
+    """Most tokens a sample of ``replies`` replies can generate: :func:`generation_budget`
+    per call for agent code (a sample may hold several calls that continue one another),
+    the whole budget for the turn-based workflows."""
+    return recipe.rollout.workflow.sample_budget(recipe.rollout, replies)
 
 
 class RecipeError(ValueError):

@@ -120,6 +120,15 @@ class WorkflowConfigBase(Section):
         per_turn = rollout.sampling.max_new_tokens
         return per_turn * rollout.max_turns if self.turns else per_turn
 
+    def sample_budget(self, rollout: RolloutConfig, replies: int) -> int:
+        """Most tokens a sample of ``replies`` replies can generate: the turn-based
+        workflows' :meth:`generation_budget` (their turns are bounded), else ``replies``
+        calls' budgets (agent code whose consecutive calls continue one another makes one
+        sample of several calls)."""
+        if self.turns:
+            return self.generation_budget(rollout)
+        return replies * self.generation_budget(rollout)
+
     def budget_keys(self) -> str:
         """The keys that set :meth:`generation_budget`, for messages."""
         return "rollout.sampling.max_new_tokens" + (" × rollout.max_turns" if self.turns else "")
@@ -278,7 +287,6 @@ class AgentCodeWorkflowConfig(WorkflowConfigBase):
             parts.need_endpoint(repr(self.fn)),
             load_agent(self.fn),
             group_size=parts.group_size,
-            turn_discount=rollout.turn_discount,
             record_path=parts.record_path,
         )
 
@@ -321,7 +329,6 @@ class VerifiersWorkflowConfig(WorkflowConfigBase):
             endpoint=parts.need_endpoint(repr(self.spec())),
             env_args=dict(rollout.agent.env_args),
             group_size=parts.group_size,
-            turn_discount=rollout.turn_discount,
         )
         workflow.record_path = parts.record_path
         return workflow

@@ -85,21 +85,22 @@ class EpisodeRecorder:
 
 @dataclass
 class EpisodeSample:
-    """One training sequence of an episode: ``calls`` are the indices it covers."""
+    """One training sequence of an episode: ``calls`` are the indices it covers;
+    ``calls_to_go`` is how many of the episode's calls came after its last one (0 for the
+    sample that holds the final call)."""
 
     trace: TokenTrace
     reward: float
     calls: list[int]
     finish_reason: str
+    calls_to_go: int = 0
 
 
 def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
     return len(ids) >= len(prefix) and list(ids[: len(prefix)]) == list(prefix)
 
 
-def episode_samples(
-    calls: Sequence[Call], reward: float, *, turn_discount: float = 1.0
-) -> list[EpisodeSample]:
+def episode_samples(calls: Sequence[Call], reward: float) -> list[EpisodeSample]:
     """The episode's calls as token sequences, each with its reward.
 
     Calls are taken in order. A call whose prompt ids start with the previous call's
@@ -108,9 +109,11 @@ def episode_samples(
     engine's logprobs and versions). Any other call starts a new sample. The check is on
     token ids, so it holds whatever way the prompt was built.
 
-    Rewards: with ``n`` calls and a sample whose last call has index ``e``, the sample's
-    reward is ``reward · turn_discount ** (n - 1 - e)``; the sample holding the final call
-    gets ``reward`` itself, and one that ended ``k`` calls earlier gets ``reward · γ^k``.
+    Every sample gets the episode's ``reward`` undiscounted, and ``calls_to_go = n − 1 − e``
+    (``n`` calls, ``e`` the index of the sample's last call): the trainer discounts the
+    episode's advantage by ``γ^calls_to_go``, never the reward, which would make the
+    advantages depend on a constant shift of the reward
+    (:func:`~asyncrl.algo.advantages.episode_advantages`).
     """
     samples: list[EpisodeSample] = []
     previous: list[int] | None = None
@@ -120,7 +123,7 @@ def episode_samples(
             sample.trace.add_context(call.prompt_ids[len(previous) :])
             sample.calls.append(index)
         else:
-            sample = EpisodeSample(TokenTrace(), 0.0, [index], call.finish_reason)
+            sample = EpisodeSample(TokenTrace(), reward, [index], call.finish_reason)
             sample.trace.add_context(call.prompt_ids)
             samples.append(sample)
         sample.trace.add_generated(call.response)
@@ -128,5 +131,5 @@ def episode_samples(
         previous = call.prompt_ids + call.completion_ids
     last = len(calls) - 1
     for sample in samples:
-        sample.reward = reward * turn_discount ** (last - sample.calls[-1])
+        sample.calls_to_go = last - sample.calls[-1]
     return samples

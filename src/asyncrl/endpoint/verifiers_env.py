@@ -266,7 +266,6 @@ class VerifiersWorkflow(OpenAIAgentWorkflow):
         *,
         env_args: Mapping[str, Any] | None = None,
         group_size: int = 1,
-        turn_discount: float = 1.0,
         sampling_args: Mapping[str, Any] | None = None,
         request_timeout_s: float = 600.0,
     ) -> None:
@@ -274,7 +273,6 @@ class VerifiersWorkflow(OpenAIAgentWorkflow):
             endpoint,
             self._rollout,
             group_size=group_size,
-            turn_discount=turn_discount,
             request_timeout_s=request_timeout_s,
         )
         self.vf = import_verifiers()
@@ -328,7 +326,6 @@ def verifiers_workflow(
     endpoint: OpenAIEndpoint,
     env_args: Mapping[str, Any] | None = None,
     group_size: int = 1,
-    turn_discount: float = 1.0,
     sampling_args: Mapping[str, Any] | None = None,
 ) -> VerifiersWorkflow:
     """The workflow of ``rollout.workflow = "verifiers:<spec>"``: ``spec`` is what follows
@@ -338,6 +335,5 @@ def verifiers_workflow(
         spec,
         env_args=env_args,
         group_size=group_size,
-        turn_discount=turn_discount,
         sampling_args=sampling_args,
     )

@@ -63,8 +63,9 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     another is one sample (trajectory ``<prompt>/<i>``); one whose calls do not gives
     several (:func:`episode_samples`; trajectories ``<prompt>/<i>/<k>`` with
     ``episode_sample = k`` of ``episode_samples``), each with the episode's reward
-    discounted by ``turn_discount`` per call between the sample's last call and the
-    episode's last. The trainer takes the baseline of a group from its episodes' rewards
+    undiscounted and ``reward_info['turns_to_go']``, the calls between the sample's last
+    call and the episode's last, by which the trainer discounts the episode's advantage
+    (``γ^turns_to_go``, ``γ = rollout.turn_discount``). The trainer takes the baseline of a group from its episodes' rewards
     (:func:`~asyncrl.algo.advantages.episode_advantages`), so an episode of many samples
     weighs no more in it than one of a single sample. An agent that raises scores 0 with
     the error in ``reward_info['reason']``. An episode that made no call has no tokens to
@@ -84,7 +85,6 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         agent: AgentFn | str,
         *,
         group_size: int = 1,
-        turn_discount: float = 1.0,
         request_timeout_s: float = 600.0,
         record_path: Path | None = None,
     ) -> None:
@@ -93,7 +93,6 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.endpoint = endpoint
         self.agent = load_agent(agent) if isinstance(agent, str) else agent
         self.group_size = group_size
-        self.turn_discount = turn_discount
         self.request_timeout_s = request_timeout_s
         self.record_path = record_path
 
@@ -116,7 +115,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             )
         trajectories: list[Trajectory] = []
         for index, (calls, reward, reason, info, _) in enumerate(episodes):
-            samples = episode_samples(calls, reward, turn_discount=self.turn_discount)
+            samples = episode_samples(calls, reward)
             for k, sample in enumerate(samples):
                 reply = calls[sample.calls[-1]].reply or {}
                 traj = sample.trace.to_trajectory(
@@ -131,6 +130,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                         **info,
                         "samples": len(samples),
                         "sample_calls": sample.calls,
+                        "turns_to_go": sample.calls_to_go,
                         "ok": not reason,
                         "reason": reason,
                     },

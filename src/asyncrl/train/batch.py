@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.algo.advantages import episode_advantages, group_advantages
 from asyncrl.algo.config import LossConfig
-from asyncrl.wire.messages import Group
+from asyncrl.wire.messages import Group, TrainSample
 
 
 def _as_tensor(value: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -99,8 +99,15 @@ Batch = Sequence[Sample]
 """A global training batch: every rank passes the same list, in the same order."""
 
 
+def turns_to_go(sample: TrainSample) -> int:
+    """How many calls of its episode came after this sample's last one:
+    ``reward_info['turns_to_go']`` as the workflow recorded it (agent code whose episode
+    gave several samples), else 0."""
+    return int(sample.reward_info.get("turns_to_go", 0))
+
+
 def build_samples(
-    groups: Sequence[Group], loss_cfg: LossConfig
+    groups: Sequence[Group], loss_cfg: LossConfig, *, turn_discount: float = 1.0
 ) -> tuple[list[Sample], dict[str, float]]:
     """Train samples with group advantages, in the order of ``groups`` and their samples.
 
@@ -115,9 +122,14 @@ def build_samples(
     the generation budget (0 when the buffer is 0). ``reward_mean`` stays the raw reward.
 
     Episodes of several samples (agent code whose calls do not all continue one another)
-    take the baseline and scale of their group's episodes, each episode's reward being its
-    final sample's (:func:`~asyncrl.algo.advantages.episode_advantages`). A group's
-    episodes are its ``group_index`` es 0 … G − 1 (the buffer admits only whole groups).
+    take the advantage of their episode, computed among the group's episodes from each
+    episode's reward (its final sample's, undiscounted), discounted by the calls still to
+    come after the sample (:func:`turns_to_go`)::
+
+        A_j = γ^k_j · A_episode          (γ = ``turn_discount``, ``rollout.turn_discount``)
+
+    (:func:`~asyncrl.algo.advantages.episode_advantages`). A group's episodes are its
+    ``group_index`` es 0 … G − 1 (the buffer admits only whole groups).
 
     With ``trainer.loss.mask_truncated`` (DAPO's overlong filtering), a sample that stopped
     on its token budget (``finish_reason == "length"``) keeps its place in its group's
@@ -140,8 +152,9 @@ def build_samples(
         )
         per_group = episode_advantages(
             episode_NG,
-            [torch.tensor(g.shaped_rewards, dtype=torch.float32) for g in groups],
             [torch.tensor([t.group_index for t in g.samples]) for g in groups],
+            [torch.tensor([turns_to_go(t) for t in g.samples]) for g in groups],
+            turn_discount=turn_discount,
             std_level=std_level,
             leave_one_out=loss_cfg.leave_one_out,
         )

@@ -349,7 +349,10 @@ class Group(Message):
     advantages use, one per sample, shaped once at admission (``trainer.shaping``, see
     :func:`~asyncrl.algo.shaping.shaped_sample_rewards`; the dynamic filter judged the
     group on them). An episode of several samples (agent code whose calls do not all
-    continue one another) has its reward on its final sample (:attr:`final_positions`).
+    continue one another) has its reward, undiscounted, on every sample; the episode's is
+    its final sample's (:attr:`final_positions`), and each sample records in
+    ``reward_info['turns_to_go']`` the calls after its last, by which the trainer
+    discounts the episode's advantage (:func:`~asyncrl.train.batch.build_samples`).
     """
 
     KIND: ClassVar[str] = "group"

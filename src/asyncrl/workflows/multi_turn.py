@@ -8,7 +8,10 @@ its reward is
 
     reward = r_t · γ^t        (t = index of the final turn, γ = ``turn_discount``)
 
-so an answer that needed feedback is worth less than one right away.
+so an answer that needed feedback is worth less than one right away. That is the
+reward's definition (the one sample holds every turn of its episode), not a discount of
+credit across samples: those discount the advantage instead (``reward_info['turns_to_go']``,
+:func:`~asyncrl.algo.advantages.episode_advantages`), and this sample's is 0.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from asyncrl.actors.buffer.durable import DurableState, EncodedParts, capture, r
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.algo.shaping import shaped_sample_rewards
-from asyncrl.config.recipe import generation_budget
+from asyncrl.config.recipe import sample_budget
 from asyncrl.data import load_prompt_records
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.connection import worth_logging
@@ -80,14 +80,15 @@ class BufferActor(Actor):
             ttl=r.rollout.lease_ttl,
             incarnation=uuid.uuid4().hex[:8],
         )
-        budget = generation_budget(r)
         self.admission = Admission(
             self.staleness,
             self.leases,
             self.journal,
             group_size=r.rollout.group_size,
             dynamic_filter=r.buffer.dynamic_filter,
-            shape=lambda samples: shaped_sample_rewards(samples, r.trainer.shaping, budget),
+            shape=lambda samples: shaped_sample_rewards(
+                samples, r.trainer.shaping, lambda replies: sample_budget(r, replies)
+            ),
         )
         self.batcher = Batcher(
             self.admission, self.staleness, self.journal, batch_size=r.buffer.batch_size
