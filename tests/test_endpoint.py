@@ -15,6 +15,7 @@ import openai
 import pytest
 from scripted_engine import ScriptedEngine, SpyHF
 
+from asyncrl.actors.eval import eval_keys
 from asyncrl.api.inference import SamplingParams
 from asyncrl.endpoint import Call, OpenAIAgentWorkflow, OpenAIEndpoint, episode_samples
 from asyncrl.endpoint.chat import ChatRenderer, TemplateTraits, normalize_message
@@ -260,6 +261,97 @@ async def test_a_stop_string_cuts_text_and_tokens():
     assert out.choices[0].text == "hello " and out.choices[0].finish_reason == "stop"
     assert recorded.completion_ids == encode(ep, "hello STOP")
     assert recorded.logprobs == [-0.5] * len("hello STOP")
+
+
+RECIPE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_new_tokens=8)
+"""A recipe's ``rollout.sampling`` as the rollout actor hands it to its endpoint."""
+
+
+async def test_a_call_that_changes_the_sampling_is_refused_before_the_engine():
+    """The trainer scores every token with the recipe's sampling, so a call that samples
+    otherwise would be trained with the wrong behaviour logprobs: logits [2, 1, 0] give
+    π = softmax([2, 1, 0]) = [0.665, 0.245, 0.090] at T = 1 and μ = softmax([2, 1, 0] / 0.7)
+    = [17.41, 4.17, 1] / 22.58 = [0.771, 0.185, 0.044] at T = 0.7, importance weights π/μ =
+    [0.86, 1.33, 2.03] that nothing flags. Each of these calls gets 400 naming the recipe key
+    (greedy, temperature 0, too), and neither the engine nor the episode sees it."""
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"temperature": 0.7}, "rollout.sampling.temperature"),
+        ({"temperature": 0.0}, "rollout.sampling.temperature"),
+        ({"top_p": 0.5}, "rollout.sampling.top_p"),
+        ({"top_p": 1.0}, "rollout.sampling.top_p"),  # no cut, where the recipe cuts at 0.9
+        ({"extra_body": {"top_k": 5}}, "rollout.sampling.top_k"),
+        ({"extra_body": {"top_k": -1}}, "rollout.sampling.top_k"),  # vLLM's "no cut"
+        ({"extra_body": {"min_p": 0.1}}, "min_p"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+    ]
+    user = [{"role": "user", "content": "hi"}]
+    async with scripted(lambda _: "ok") as engine:
+        async with OpenAIEndpoint(
+            engine, model_name="tiny", token=TOKEN, sampling=RECIPE_SAMPLING
+        ) as ep:
+            async with ep.episode() as rec, client(rec.base_url) as c:
+                for kwargs, key in refused:
+                    with pytest.raises(openai.BadRequestError) as chat:
+                        await c.chat.completions.create(model="tiny", messages=user, **kwargs)
+                    with pytest.raises(openai.BadRequestError) as completion:
+                        await c.completions.create(model="tiny", prompt="say", **kwargs)
+                    for err in (chat.value, completion.value):
+                        assert err.status_code == 400 and key in err.message, (kwargs, err)
+                        assert isinstance(err.body, dict), err
+                        assert err.body["type"] == "invalid_request_error"
+                        assert err.body["param"] == key.rsplit(".", 1)[-1]
+                assert engine.requests == [] and rec.calls == []
+
+
+async def test_a_call_at_the_recipes_sampling_or_with_a_seed_is_served():
+    """Values equal to the recipe's are accepted, absent ones take the recipe's, and a seed
+    or a smaller budget (which leave the distribution alone) reach the engine: the four
+    calls sample at temperature 1.0, top_p 0.9, top_k 20, seeds [None, 7, None, None] and
+    budgets [8, 8, 3, 8]."""
+    user = [{"role": "user", "content": "hi"}]
+    async with scripted(lambda _: "ok") as engine:
+        async with OpenAIEndpoint(
+            engine, model_name="tiny", token=TOKEN, sampling=RECIPE_SAMPLING
+        ) as ep:
+            async with ep.episode() as rec, client(rec.base_url) as c:
+                await c.chat.completions.create(model="tiny", messages=user)
+                await c.chat.completions.create(
+                    model="tiny",
+                    messages=user,
+                    temperature=1.0,
+                    top_p=0.9,
+                    seed=7,
+                    extra_body={"top_k": 20, "min_p": 0.0},
+                )
+                await c.completions.create(model="tiny", prompt="say", temperature=1, max_tokens=3)
+                await c.chat.completions.create(model="tiny", messages=user, presence_penalty=0)
+    got = [r.sampling for r in engine.requests]
+    assert [(s.temperature, s.top_p, s.top_k) for s in got] == [(1.0, 0.9, 20)] * 4
+    assert [s.seed for s in got] == [None, 7, None, None]
+    assert [s.max_new_tokens for s in got] == [8, 8, 3, 8]
+    assert len(rec.calls) == 4
+
+
+async def test_an_eval_endpoint_serves_its_greedy_default_and_names_eval_keys():
+    """The eval actor's greedy endpoint samples at temperature 0 by default: a call that
+    leaves the temperature out, or sends 0, is served greedily; one at 0.7 is refused naming
+    ``eval.greedy``, since that is the setting that made this endpoint greedy."""
+    greedy = RECIPE_SAMPLING.model_copy(update={"temperature": 0.0, "top_p": 1.0, "top_k": 0})
+    user = [{"role": "user", "content": "hi"}]
+    async with scripted(lambda _: "ok") as engine:
+        async with OpenAIEndpoint(
+            engine,
+            model_name="tiny",
+            token=TOKEN,
+            sampling=greedy,
+            sampling_keys=eval_keys(greedy),
+        ) as ep:
+            async with client(ep.base_url) as c:
+                await c.chat.completions.create(model="tiny", messages=user)
+                await c.chat.completions.create(model="tiny", messages=user, temperature=0)
+                with pytest.raises(openai.BadRequestError, match=r"eval\.greedy"):
+                    await c.chat.completions.create(model="tiny", messages=user, temperature=0.7)
+    assert [r.sampling.temperature for r in engine.requests] == [0.0, 0.0]
 
 
 AGENT_FILE = """

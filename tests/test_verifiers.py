@@ -6,6 +6,7 @@ and its errors, and the mapping of prompt records."""
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -242,6 +243,23 @@ async def test_a_completion_environment_calls_the_completions_route(endpoint, en
     last = assert_engine_tokens(traj, engine.seen)
     # /v1/completions: the chat's texts joined, no chat template
     assert last.input_ids == encode(ep, f"{SYSTEM}\n\n2+3?")
+
+
+def test_sampling_args_that_change_the_recipes_sampling_are_refused_when_built(endpoint, env_file):
+    """The endpoint samples at the recipe's sampling (here SamplingParams' defaults:
+    temperature 1.0, top_p 1.0, top_k 0) and refuses any call that asks for another, so an
+    environment that sets its own would score 0 on every rollout: the workflow refuses it
+    when built, naming the recipe key; the recipe's own values (and a seed) are accepted."""
+    ep = endpoint
+    for args, key in [
+        ({"temperature": 0.7}, "rollout.sampling.temperature"),
+        ({"top_p": 0.95}, "rollout.sampling.top_p"),
+        ({"extra_body": {"top_k": 50}}, "rollout.sampling.top_k"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(key)):
+            VerifiersWorkflow(ep, str(env_file), sampling_args=args)
+    same = {"temperature": 1.0, "seed": 3, "extra_body": {"top_k": 0}}
+    assert VerifiersWorkflow(ep, str(env_file), sampling_args=same).sampling_args["seed"] == 3
 
 
 @pytest.mark.parametrize(

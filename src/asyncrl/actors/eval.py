@@ -209,7 +209,9 @@ class EvalActor(Actor):
             for size, share in shares:
                 endpoint = None
                 if r.workflow.needs_endpoint:
-                    endpoint = await serve_endpoint(self, engine, share, self._resources)
+                    endpoint = await serve_endpoint(
+                        self, engine, share, self._resources, sampling_keys=eval_keys(share)
+                    )
                 workflows.append(
                     build_workflow(
                         self,
@@ -350,6 +352,19 @@ class EvalActor(Actor):
                 )
             )
         return out
+
+
+def eval_keys(sampling: SamplingParams) -> dict[str, str]:
+    """The recipe key that sets each of an eval job's temperature, top_p and top_k, as its
+    endpoint names them when a call sends another value: ``eval.greedy`` sets all three of
+    the greedy job, ``eval.temperature`` the sampled jobs' temperature."""
+    if sampling.temperature == 0:
+        return dict.fromkeys(("temperature", "top_p", "top_k"), "eval.greedy")
+    return {
+        "temperature": "eval.temperature",
+        "top_p": "rollout.sampling.top_p",
+        "top_k": "rollout.sampling.top_k",
+    }
 
 
 def eval_samplings(recipe: Recipe) -> list[tuple[int, SamplingParams]]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+from collections.abc import Mapping
 
 from asyncrl.api.inference import InferenceEngine, SamplingParams
 from asyncrl.api.workflow import RolloutWorkflow, Scorer
 from asyncrl.config.workflow import ENDPOINT_CALLS, WorkflowParts
+from asyncrl.endpoint.requests import SAMPLING_KEYS
 from asyncrl.endpoint.server import OpenAIEndpoint
 from asyncrl.runtime.actor import Actor
 from asyncrl.runtime.bus import BusTimeout, RemoteError
@@ -49,10 +51,12 @@ async def serve_endpoint(
     resources: contextlib.AsyncExitStack,
     *,
     port: int = 0,
+    sampling_keys: Mapping[str, str] = SAMPLING_KEYS,
 ) -> OpenAIEndpoint:
     """The actor's OpenAI-compatible endpoint on ``engine`` and ``port`` (0: a free one),
-    started, with ``sampling`` as the defaults a request overrides, stopped when
-    ``resources`` closes. Its API key is the run's NATS token, or in a run without one a
+    started, sampling every call with ``sampling`` (a call may change only its budget and
+    seed; a refusal names the recipe key in ``sampling_keys``), stopped when ``resources``
+    closes. Its API key is the run's NATS token, or in a run without one a
     fresh token."""
     recipe = actor.recipe
     endpoint = OpenAIEndpoint(
@@ -62,6 +66,7 @@ async def serve_endpoint(
         port=port,
         parser=recipe.rollout.agent.parser,
         sampling=sampling,
+        sampling_keys=sampling_keys,
     )
     await endpoint.start()
     # the openai client's HTTP library (httpx, or its httpx2 fork) logs every request at

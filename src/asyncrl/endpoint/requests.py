@@ -1,13 +1,39 @@
 """The request bodies the endpoint accepts, validated; OpenAI fields it does not use are
-ignored, fields it cannot honour are refused by name."""
+ignored, fields it cannot honour are refused by name.
+
+A call may not change the distribution it samples from: the trainer scores every token
+with the recipe's sampling (``rollout.sampling``), so a token drawn at another temperature
+or cut would carry a behaviour logprob of another distribution, and a greedy token none
+at all. ``temperature``, ``top_p`` and ``top_k`` are accepted only when absent or equal to
+the endpoint's own (:data:`SAMPLING_KEYS` names the recipe key the refusal points to);
+``min_p``, the penalties and ``logit_bias``, which the engines do not implement, only at
+their neutral values. ``seed`` and the token budget leave the distribution alone."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncrl.api.inference import SamplingParams
+
+SAMPLING_KEYS: Mapping[str, str] = {
+    "temperature": "rollout.sampling.temperature",
+    "top_p": "rollout.sampling.top_p",
+    "top_k": "rollout.sampling.top_k",
+}
+"""The recipe key each setting of an endpoint's sampling comes from, as a refusal names it
+(an eval endpoint's come partly from ``eval``)."""
+
+NEUTRAL: Mapping[str, float] = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+"""Settings (OpenAI's and vLLM's) the engines do not implement, at the value that leaves
+the distribution as it is: the only value a call may send."""
 
 
 class RequestError(ValueError):
@@ -24,6 +50,12 @@ class _Common(BaseModel):
     model: str = ""
     temperature: Annotated[float | None, Field(ge=0, le=2)] = None
     top_p: Annotated[float | None, Field(gt=0, le=1)] = None
+    top_k: Annotated[int | None, Field(ge=-1, description="-1 or 0: no cut (vLLM's)")] = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     max_tokens: Annotated[int | None, Field(ge=1)] = None
     max_completion_tokens: Annotated[int | None, Field(ge=1)] = None
     stop: str | list[str] | None = None
@@ -39,15 +71,45 @@ class _Common(BaseModel):
             raise ValueError("stream is not supported; call without streaming")
         return self
 
-    def sampling(self, defaults: SamplingParams, max_new_tokens_cap: int) -> SamplingParams:
-        """The engine's sampling for this request: the endpoint's defaults, overridden by
-        the request's temperature, top_p, token budget (at most ``max_new_tokens_cap``) and
-        seed."""
+    def sampling(
+        self,
+        defaults: SamplingParams,
+        max_new_tokens_cap: int,
+        keys: Mapping[str, str] = SAMPLING_KEYS,
+    ) -> SamplingParams:
+        """The engine's sampling for this request: the endpoint's ``defaults`` with the
+        request's token budget (at most ``max_new_tokens_cap``, refused above it) and seed.
+
+        Raises :class:`RequestError` naming the setting and its recipe key (``keys``) for a
+        temperature, top_p or top_k that differs from ``defaults`` (see the module
+        docstring), and for a non-neutral min_p, penalty or logit_bias."""
+        for name, key in keys.items():
+            asked = getattr(self, name)
+            if name == "top_k" and asked == -1:
+                asked = 0  # vLLM's "no cut"
+            own = getattr(defaults, name)
+            if asked is not None and asked != own:
+                greedy = " (greedy decoding is not a sample of the policy)" if asked == 0 else ""
+                raise RequestError(
+                    f"{name} {asked}{greedy} differs from {own}, which this endpoint samples "
+                    f"with ({key}): leave {name} out of the call or send {own}. Every token "
+                    "is trained with the logprobs of the endpoint's sampling, so a token "
+                    "drawn otherwise would be trained as a sample of another distribution",
+                    name,
+                )
+        for name, neutral in NEUTRAL.items():
+            asked = getattr(self, name)
+            if asked is not None and asked != neutral:
+                raise RequestError(
+                    f"{name} {asked} is not supported: the engine samples without it "
+                    f"(leave it out or send {neutral})",
+                    name,
+                )
+        if self.logit_bias:
+            raise RequestError(
+                "logit_bias is not supported: the engine samples without it", "logit_bias"
+            )
         update: dict[str, Any] = {}
-        if self.temperature is not None:
-            update["temperature"] = self.temperature
-        if self.top_p is not None:
-            update["top_p"] = self.top_p
         budget = self.max_completion_tokens or self.max_tokens
         if budget is not None:
             if budget > max_new_tokens_cap:

@@ -20,6 +20,10 @@ A reply with a call the parser cannot read is returned whole as plain ``content`
 the prompt is the one an ``auto`` call would get) and returns the text unparsed; other
 choices (``required``, a named function) are refused, since sampling cannot be forced.
 The request's ``model`` is not checked: there is one model, the engine's.
+
+Sampling is the endpoint's: a call may set its token budget and seed, but a temperature,
+top_p or top_k other than the endpoint's is refused (400, naming the recipe key), since the
+trainer scores every token with that sampling (see :mod:`asyncrl.endpoint.requests`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Self
 
@@ -46,7 +50,12 @@ from asyncrl.api.inference import (
 )
 from asyncrl.endpoint.chat import ChatError, ChatRenderer, normalize_message
 from asyncrl.endpoint.recording import Call, EpisodeRecorder
-from asyncrl.endpoint.requests import ChatRequest, CompletionRequest, RequestError
+from asyncrl.endpoint.requests import (
+    SAMPLING_KEYS,
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+)
 from asyncrl.tools.calls import ToolCall, get_parser
 
 log = logging.getLogger(__name__)
@@ -72,9 +81,10 @@ class OpenAIEndpoint:
     """See the module docstring. Lifecycle: ``await start()`` … ``await stop()``, or
     ``async with endpoint:``; :attr:`base_url` is valid once started.
 
-    ``sampling`` holds the defaults a request overrides (temperature, top_p, max_tokens,
-    seed); a request's token budget may not exceed ``max_new_tokens_cap`` (default: the
-    default budget)."""
+    ``sampling`` is how every call samples: a request may change its token budget (at most
+    ``max_new_tokens_cap``, default: ``sampling``'s budget) and seed, and may send its
+    temperature, top_p and top_k only at ``sampling``'s values; a refusal names the recipe
+    key in ``sampling_keys`` (default: ``rollout.sampling``'s) that sets each."""
 
     def __init__(
         self,
@@ -88,6 +98,7 @@ class OpenAIEndpoint:
         parser: str = "hermes",
         sampling: SamplingParams | None = None,
         max_new_tokens_cap: int | None = None,
+        sampling_keys: Mapping[str, str] = SAMPLING_KEYS,
     ) -> None:
         if host != LOCALHOST:
             raise ValueError(f"the endpoint listens on {LOCALHOST} only, not {host!r}")
@@ -102,6 +113,7 @@ class OpenAIEndpoint:
         self.parse = get_parser(parser)
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens_cap = max_new_tokens_cap or self.sampling.max_new_tokens
+        self.sampling_keys = dict(sampling_keys)
         self.renderer = ChatRenderer(self.tokenizer)
         self._episodes: dict[str, EpisodeRecorder] = {}
         self._runner: web.AppRunner | None = None
@@ -311,7 +323,7 @@ class OpenAIEndpoint:
         req = ChatRequest.model_validate(await self._body(request))
         messages = [normalize_message(m) for m in req.messages]
         tools = _check_tools(req.tools)
-        sampling = req.sampling(self.sampling, self.max_new_tokens_cap)
+        sampling = req.sampling(self.sampling, self.max_new_tokens_cap, self.sampling_keys)
         prompt_ids, continued = self._chat_prompt(recorder, messages, tools)
         resp, text, engine_s = await self._generate(
             recorder, prompt_ids, sampling, req.stop_strings()
@@ -372,7 +384,7 @@ class OpenAIEndpoint:
             if any(not 0 <= i < vocab for i in prompt):
                 raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
             prompt_ids = list(prompt)
-        sampling = req.sampling(self.sampling, self.max_new_tokens_cap)
+        sampling = req.sampling(self.sampling, self.max_new_tokens_cap, self.sampling_keys)
         resp, text, engine_s = await self._generate(
             recorder, prompt_ids, sampling, req.stop_strings()
         )

@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from asyncrl.endpoint.requests import CompletionRequest
 from asyncrl.endpoint.server import OpenAIEndpoint
 from asyncrl.endpoint.workflow import OpenAIAgentWorkflow
 from asyncrl.workflows.base import chat_messages
@@ -239,6 +240,20 @@ def _error_text(error: BaseException) -> str:
     return text
 
 
+def check_sampling_args(sampling_args: Mapping[str, Any], endpoint: OpenAIEndpoint) -> None:
+    """Raises ValueError, with the endpoint's reason, where ``sampling_args`` (``extra_body``
+    included, as the client sends it) hold a value the endpoint refuses on every call: an
+    environment that sets its own temperature would otherwise score 0 on every rollout."""
+    body = {k: v for k, v in sampling_args.items() if k not in ("n", "extra_body")}
+    body.update(sampling_args.get("extra_body") or {})
+    try:
+        CompletionRequest.model_validate({**body, "prompt": ""}).sampling(
+            endpoint.sampling, endpoint.max_new_tokens_cap, endpoint.sampling_keys
+        )
+    except ValueError as exc:  # RequestError, or pydantic's ValidationError
+        raise ValueError(f"the verifiers environment's sampling_args: {exc}") from None
+
+
 class VerifiersWorkflow(OpenAIAgentWorkflow):
     """Runs ``group_size`` rollouts of a ``verifiers`` environment per prompt through
     ``endpoint`` and scores the group with the environment's rubric.
@@ -247,7 +262,8 @@ class VerifiersWorkflow(OpenAIAgentWorkflow):
     Each rollout's input is :func:`rollout_input` of the prompt record. Sampling: the
     environment's own ``sampling_args`` updated by ``sampling_args`` (as ``verifiers``
     merges its caller's), sent with every call; what neither sets is the endpoint's default
-    (the recipe's sampling). A chat environment talks to ``/v1/chat/completions``, a
+    (the recipe's sampling). Sampling args the endpoint would refuse on every call (a
+    temperature, top_p or top_k other than the recipe's) are refused here, naming the key. A chat environment talks to ``/v1/chat/completions``, a
     ``message_type="completion"`` one to ``/v1/completions``.
 
     Rewards: the rubric's ``state["reward"]``; its functions' scores (metrics included)
@@ -281,6 +297,7 @@ class VerifiersWorkflow(OpenAIAgentWorkflow):
         if self.env.sampling_args.get("extra_body"):
             merged["extra_body"] = dict(self.env.sampling_args["extra_body"])
         merged.update(sampling_args or {})
+        check_sampling_args(merged, endpoint)
         self.sampling_args = merged
 
     async def arun_episode(self, engine: Any, item: Any) -> Any:
