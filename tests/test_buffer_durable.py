@@ -186,8 +186,7 @@ def test_roll_back_keeps_the_groups_of_the_versions_that_remain(tmp_path: Path) 
     served = [group("e0-5", 1), group("e0-7", 3)]
     # a group in the making, of a lease still out
     a.leases.leased["e0-8"] = a.leases.leased.get("e0-8") or _lease(a, "e0-8", "L9")
-    a.groups["e0-8"] = {"e0-8/0": traj("e0-8", 0, 3, attempt="L9")}
-    a.seen_samples.add("e0-8/0")
+    a.hold(traj("e0-8", 0, 3, attempt="L9"))
     a.staleness.running = 1
 
     dropped = a.roll_back(2, epoch=1, served=served)

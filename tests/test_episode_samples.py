@@ -12,12 +12,14 @@ import torch
 from scripted_engine import ScriptedEngine
 from test_buffer import lease, make_buffer
 
+from asyncrl.actors.buffer import BufferActor
 from asyncrl.actors.buffer.admission import (
     admitted_group,
     group_complete,
     invalid_reason,
     raw_rewards,
 )
+from asyncrl.actors.buffer.durable import capture, restore
 from asyncrl.algo.advantages import episode_advantages, group_advantages
 from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
@@ -25,7 +27,7 @@ from asyncrl.endpoint.recording import Call, episode_samples
 from asyncrl.models.tiny import build_tokenizer
 from asyncrl.observe.records import agent_metrics, batch_stats
 from asyncrl.train.batch import build_samples
-from asyncrl.wire.messages import Array, Trajectory
+from asyncrl.wire.messages import ActorExit, Array, Trajectory
 
 
 def traj(
@@ -224,3 +226,101 @@ async def test_the_dynamic_filter_judges_the_episodes_rewards(tmp_path: Path) ->
     for t in (traj(uid, 0, 1.0), traj(uid, 1, 1.0, 0, 2), traj(uid, 1, 1.0, 1, 2)):
         await buf.on_scored(t)
     assert not buf.admission.ready and buf.counters["filtered_groups"] == 1
+
+
+def by_attempt(prompt: str, episode: int, k: int, n: int, attempt: str, token: int) -> Trajectory:
+    """Sample ``k`` of ``n`` of an episode as the lease ``attempt`` ran it: its generated
+    tokens are ``token`` twice, which tells the attempts' continuations apart."""
+    return traj(prompt, episode, float(k), k, n).model_copy(
+        update={"attempt": attempt, "input_ids": Array.of([1, token, token], "int32")}
+    )
+
+
+async def expired_and_leased_again(buf: BufferActor) -> tuple[str, str, str]:
+    """A prompt leased to r0 (attempt A), whose actor exits, leased again to r1 (attempt
+    B): (prompt uid, A, B)."""
+    first = await lease(buf, 1, actor="r0")
+    await buf.on_exit(ActorExit(role="rollout", actor_id="r0", ok=False))
+    second = await lease(buf, 1, actor="r1")
+    uid = first.prompts[0].uid
+    assert second.prompts[0].uid == uid and second.lease_id != first.lease_id
+    return uid, first.lease_id, second.lease_id
+
+
+def episode_tokens(buf: BufferActor) -> list[tuple[int, int, int]]:
+    """(group index, episode sample, generated token) of the one admitted group."""
+    (group,) = buf.admission.ready
+    return [(t.group_index, t.episode_sample, int(t.input_ids.numpy()[1])) for t in group.samples]
+
+
+async def test_an_episode_is_never_pieced_together_from_two_attempts(tmp_path: Path) -> None:
+    """Attempt A delivers episode 0 whole (token 10) and sample 0 of episode 1's two
+    (token 11); its lease expires. Attempt B delivers episode 1 whole: samples 0 and 1
+    (tokens 20, 21). Episode 1 is B's two samples (not A's 11 with B's 21); episode 0
+    stays A's, a whole episode of the same prompt. A's sample 0 of episode 1 is superseded
+    (1 sample), and A's late sample 1 of it is a duplicate (1)."""
+    buf = make_buffer(tmp_path)
+    uid, a, b = await expired_and_leased_again(buf)
+    for t in (by_attempt(uid, 0, 0, 1, a, 10), by_attempt(uid, 1, 0, 2, a, 11)):
+        assert buf.admission.on_scored(t) == "pending"
+    assert buf.admission.on_scored(by_attempt(uid, 1, 0, 2, b, 20)) == "pending"
+    assert buf.admission.on_scored(by_attempt(uid, 1, 1, 2, b, 21)) == "admitted"
+    assert episode_tokens(buf) == [(0, 0, 10), (1, 0, 20), (1, 1, 21)]
+    assert buf.counters["superseded_partial_samples"] == 1 and buf.counters["duplicates"] == 0
+    assert buf.admission.on_scored(by_attempt(uid, 1, 1, 2, a, 12)) == "duplicate"
+    assert buf.counters["duplicates"] == 1
+
+
+async def test_attempts_that_disagree_on_episode_samples_are_not_mixed(tmp_path: Path) -> None:
+    """A's episode 1 had three samples and delivered only sample 0 (token 11); B's gave
+    two (tokens 20, 21). The episode is B's two samples, each saying 2 of them; a group of
+    A's sample 0 (of 3) and B's sample 1 (of 2) would train a sample of another run as the
+    first of B's episode. Then an episode of one sample from B (token 30) after A's sample
+    0 of 2 (token 31) on episode 0: the episode is B's one sample, not two."""
+    buf = make_buffer(tmp_path)
+    uid, a, b = await expired_and_leased_again(buf)
+    for t in (by_attempt(uid, 1, 0, 3, a, 11), by_attempt(uid, 0, 0, 2, a, 31)):
+        assert buf.admission.on_scored(t) == "pending"
+    assert buf.admission.on_scored(by_attempt(uid, 1, 0, 2, b, 20)) == "pending"
+    assert buf.admission.on_scored(by_attempt(uid, 1, 1, 2, b, 21)) == "pending"
+    assert buf.admission.on_scored(by_attempt(uid, 0, 0, 1, b, 30)) == "admitted"
+    assert episode_tokens(buf) == [(0, 0, 30), (1, 0, 20), (1, 1, 21)]
+    (group,) = buf.admission.ready
+    assert [t.episode_samples for t in group.samples] == [1, 2, 2]
+    assert group.final_positions == [0, 2]
+    assert buf.counters["superseded_partial_samples"] == 2  # A's 11 and A's 31
+
+
+async def test_an_attempt_whose_samples_disagree_on_episode_samples_is_refused(
+    tmp_path: Path,
+) -> None:
+    """One attempt says its episode 1 has 2 samples, then 3: no count makes it whole, so
+    the attempt is refused and the prompt returns to the pool, as for any invalid sample."""
+    buf = make_buffer(tmp_path)
+    uid = (got := await lease(buf, 1)).prompts[0].uid
+    assert buf.admission.on_scored(by_attempt(uid, 1, 0, 2, got.lease_id, 11)) == "pending"
+    assert buf.admission.on_scored(by_attempt(uid, 1, 1, 3, got.lease_id, 12)) == "invalid"
+    assert buf.counters["invalid_episode_samples_mismatch"] == 1
+    assert not buf.admission.groups and uid not in buf.leases.leased
+
+
+async def test_a_restored_buffer_keeps_each_attempts_samples_apart(tmp_path: Path) -> None:
+    """The snapshot holds A's and B's sample 0 of episode 1 (same sample id, tokens 11
+    and 20): a buffer restored from it still tells them apart, and B's sample 1 (21) then
+    completes episode 1 with B's 20, not A's 11."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    buf = make_buffer(tmp_path / "first")
+    uid, a, b = await expired_and_leased_again(buf)
+    for t in (
+        by_attempt(uid, 0, 0, 1, a, 10),
+        by_attempt(uid, 1, 0, 2, a, 11),
+        by_attempt(uid, 1, 0, 2, b, 20),
+    ):
+        buf.admission.on_scored(t)
+    snap = capture(buf.leases, buf.admission, buf.batcher, epoch=0, weights=None)
+    again = make_buffer(tmp_path / "second")
+    restore(snap, again.leases, again.admission, again.batcher, 0.0, run_dir=tmp_path)
+    assert sum(len(g) for g in again.admission.groups.values()) == 3
+    assert again.admission.on_scored(by_attempt(uid, 1, 1, 2, b, 21)) == "admitted"
+    assert episode_tokens(again) == [(0, 0, 10), (1, 0, 20), (1, 1, 21)]

@@ -2,15 +2,31 @@
 
 A sample is first checked for sense (:func:`invalid_reason`); one that makes none is
 refused with a counted reason, its attempt's group is abandoned and the prompt goes back
-to the pool, so a bad message never reaches (and never kills) the trainer. Duplicates (by
-sample id) are dropped. A group is complete when ``group_size`` distinct episodes are in,
-each with all its samples (``episode_samples``: one, except for agent code whose calls do
-not all continue one another);
-it is admitted if v − h ≤ η (h: its oldest token's version), else rejected without using
-the budget. A whole group's rewards are shaped here, once (the buffer's ``shape``,
-:func:`asyncrl.algo.shaping.shaped_sample_rewards`): the trainer's advantages use those
-numbers, and with the dynamic filter a group whose episodes' shaped rewards are all equal
-is dropped, so a group of equal raw rewards that shaping tells apart keeps its signal.
+to the pool, so a bad message never reaches (and never kills) the trainer.
+
+A group is complete when each of its ``group_size`` episodes is *whole*: one attempt (the
+lease it ran under) delivered all of that episode's samples (``episode_samples``: one,
+except for agent code whose calls do not all continue one another). An episode is never
+pieced together from two attempts: a prompt run again after its lease expired may give
+other continuations, versions, even another number of samples. So samples are held by
+(attempt, sample id), and:
+
+- a sample whose (attempt, sample id) is held, or whose episode is already whole (from
+  any attempt), or whose prompt's group is finished, is a duplicate (counted, dropped);
+- when an attempt makes an episode whole, the other attempts' samples of that episode
+  are dropped (counted ``superseded_partial_samples``);
+- an attempt whose samples of one episode disagree on ``episode_samples`` is refused
+  (``invalid_episode_samples_mismatch``).
+
+Different episodes of one group may come from different attempts: each is a whole sample
+of the same prompt, and GRPO's group needs only that its episodes be independent draws.
+
+A complete group is admitted if v − h ≤ η (h: its oldest token's version), else rejected
+without using the budget. A whole group's rewards are shaped here, once (the buffer's
+``shape``, :func:`asyncrl.algo.shaping.shaped_sample_rewards`): the trainer's advantages
+use those numbers, and with the dynamic filter a group whose episodes' shaped rewards are
+all equal is dropped, so a group of equal raw rewards that shaping tells apart keeps its
+signal.
 
 An admitted group is kept as a :class:`~asyncrl.wire.messages.Group`, what training reads
 from here to the loss: the prompt record is the buffer's (by prompt id,
@@ -20,7 +36,7 @@ from here to the loss: the prompt record is the buffer's (by prompt id,
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -86,15 +102,29 @@ def invalid_reason(
     return None
 
 
-def group_complete(samples: Iterable[Trajectory], group_size: int) -> bool:
-    """Whether ``samples`` (distinct) hold every episode of a group, each with all of its
-    ``episode_samples`` samples."""
-    counts: Counter[int] = Counter()
-    expected: dict[int, int] = {}
+def whole_episodes(samples: Iterable[Trajectory]) -> dict[int, str]:
+    """The episodes that one attempt delivered whole among ``samples`` (valid: 0 ≤
+    ``episode_sample`` < ``episode_samples``), as group index → that attempt.
+
+    Attempt a made episode i whole when its samples of episode i all say the same
+    ``episode_samples`` n and hold n distinct ``episode_sample`` values (so 0 … n−1, all of
+    them). Samples of another attempt never fill a gap. Where two attempts both did, the
+    first one met in ``samples`` is named."""
+    parts: dict[tuple[int, str], dict[int, int]] = {}
     for t in samples:
-        counts[t.group_index] += 1
-        expected[t.group_index] = t.episode_samples
-    return len(counts) == group_size and all(counts[i] >= n for i, n in expected.items())
+        parts.setdefault((t.group_index, t.attempt), {})[t.episode_sample] = t.episode_samples
+    whole: dict[int, str] = {}
+    for (index, attempt), got in parts.items():
+        counts = set(got.values())
+        if len(counts) == 1 and len(got) == counts.pop():
+            whole.setdefault(index, attempt)
+    return whole
+
+
+def group_complete(samples: Iterable[Trajectory], group_size: int) -> bool:
+    """Whether every one of the ``group_size`` episodes is whole in ``samples`` (see
+    :func:`whole_episodes`)."""
+    return len(whole_episodes(samples)) == group_size
 
 
 def raw_rewards(samples: Sequence[TrainSample]) -> list[float]:
@@ -131,9 +161,9 @@ class Admission:
         self.group_size = group_size
         self.dynamic_filter = dynamic_filter
         self.shape = shape
-        self.groups: dict[str, dict[str, Trajectory]] = {}
-        self.seen_samples: set[str] = set()
-        """Sample ids of the groups in the making (a finished group is known by its prompt)."""
+        self.groups: dict[str, dict[tuple[str, str], Trajectory]] = {}
+        """The groups in the making: by prompt id, their samples by (attempt, sample id)
+        (:meth:`hold`); a finished group is known by its prompt (``completed``)."""
         self.completed: set[str] = set()
         self.refused: set[tuple[str, str]] = set()
         """(attempt, prompt uid) of groups abandoned for an invalid sample."""
@@ -147,10 +177,20 @@ class Admission:
         """Whether a scored sample of this prompt has arrived (its group is under way)."""
         return prompt_uid in self.groups or prompt_uid in self.completed
 
+    def hold(self, traj: Trajectory) -> None:
+        """Puts ``traj`` in its group in the making, as the sample of its attempt."""
+        self.groups.setdefault(traj.prompt_uid, {})[(traj.attempt, traj.uid)] = traj
+
     def on_scored(self, traj: Trajectory) -> str:
         """Takes one scored sample; returns what became of it: ``duplicate``, ``invalid``,
-        ``pending`` (its group is not complete), ``rejected``, ``filtered`` or ``admitted``."""
-        if traj.uid in self.seen_samples or traj.prompt_uid in self.completed:
+        ``pending`` (its group is not complete), ``rejected``, ``filtered`` or ``admitted``.
+        The rules for samples of several attempts are the module's."""
+        held = self.groups.get(traj.prompt_uid, {})
+        if (
+            traj.prompt_uid in self.completed
+            or (traj.attempt, traj.uid) in held
+            or traj.group_index in whole_episodes(held.values())
+        ):
             self.journal.count("duplicates")
             return "duplicate"
         if (traj.attempt, traj.prompt_uid) in self.refused:
@@ -159,17 +199,25 @@ class Admission:
         reason = invalid_reason(
             traj, group_size=self.group_size, version=self.staleness.version, epoch=self.epoch
         )
+        if reason is None and any(
+            t.attempt == traj.attempt
+            and t.group_index == traj.group_index
+            and t.episode_samples != traj.episode_samples
+            for t in held.values()
+        ):
+            reason = "episode_samples_mismatch"
         if reason is not None:
             self._refuse(traj, reason)
             return "invalid"
-        self.seen_samples.add(traj.uid)
-        group = self.groups.setdefault(traj.prompt_uid, {})
-        group[traj.uid] = traj.past_scoring()  # the record is the buffer's, by prompt id
-        if not group_complete(group.values(), self.group_size):
+        self.hold(traj.past_scoring())  # the record is the buffer's, by prompt id
+        group = self.groups[traj.prompt_uid]
+        whole = whole_episodes(group.values())
+        if whole.get(traj.group_index) == traj.attempt:
+            self._supersede(group, traj)
+        if len(whole) < self.group_size:
             return "pending"
         del self.groups[traj.prompt_uid]
         self.completed.add(traj.prompt_uid)  # from now on the prompt tells duplicates
-        self.seen_samples.difference_update(group)
         self.leases.finish(traj.prompt_uid)
         admitted = admitted_group(group.values(), self.shape)
         head = admitted.head_version
@@ -189,6 +237,26 @@ class Admission:
         self.journal.event("admit", prompt=traj.prompt_uid, head=head, version=version)
         return "admitted"
 
+    def _supersede(self, group: dict[tuple[str, str], Trajectory], traj: Trajectory) -> None:
+        """``traj``'s attempt made its episode whole: drops the other attempts' samples of
+        that episode (counted), so the group holds it from that attempt alone."""
+        stale = [
+            key
+            for key, t in group.items()
+            if t.group_index == traj.group_index and t.attempt != traj.attempt
+        ]
+        for key in stale:
+            del group[key]
+        if stale:
+            self.journal.count("superseded_partial_samples", len(stale))
+            self.journal.event(
+                "supersede",
+                prompt=traj.prompt_uid,
+                episode=traj.group_index,
+                attempt=traj.attempt,
+                dropped=len(stale),
+            )
+
     def _refuse(self, traj: Trajectory, reason: str) -> None:
         """Counts the reason, abandons this attempt's group (its samples may come again
         from the next attempt) and returns the prompt to the pool."""
@@ -199,9 +267,8 @@ class Admission:
         )
         self.refused.add((traj.attempt, traj.prompt_uid))
         group = self.groups.get(traj.prompt_uid, {})
-        for uid in [u for u, t in group.items() if t.attempt == traj.attempt]:
-            del group[uid]
-            self.seen_samples.discard(uid)
+        for key in [k for k, t in group.items() if t.attempt == traj.attempt]:
+            del group[key]
         if not group:
             self.groups.pop(traj.prompt_uid, None)
         self.leases.return_prompt(traj.prompt_uid, f"invalid: {reason}", lease_id=traj.attempt)
@@ -281,7 +348,6 @@ class Admission:
             for attempt in {t.attempt for t in partial.values()}:
                 self.refused.add((attempt, prompt_uid))
                 self.leases.return_prompt(prompt_uid, "rolled back", lease_id=attempt)
-            self.seen_samples.difference_update(partial)
             del self.groups[prompt_uid]
         self.staleness.accepted = version * self.staleness.batch_size + len(keep)
         return dropped

@@ -180,8 +180,7 @@ def restore(
     leases.answers = {a.actor_id: (a.request_id, a.lease) for a in snap.answers}
     admission.groups = {}
     for t in snap.partial:
-        admission.groups.setdefault(t.prompt_uid, {})[t.uid] = t
-    admission.seen_samples = {t.uid for t in snap.partial}
+        admission.hold(t)
     admission.completed = set(snap.completed)
     admission.refused = {(a, p) for a, p in snap.refused}
     admission.ready = deque(ready)
