@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.engines.hf_batch import StepResult, cache_keyword
+from asyncrl.models.resolve import ModelConfig, load_causal_lm
 from asyncrl.models.tiny import tiny_model_dir
+from asyncrl.weights.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merged, read_adapter
 
 LOGPROB_ATOL = 1e-4
 """fp32 tolerance between engine logprobs (left-padded, cached, batched) and a fresh
@@ -375,3 +379,99 @@ async def test_engine_and_trainer_report_the_cut_distribution_that_sampled(
             got, logq.gather(-1, chosen).squeeze(-1), atol=LOGPROB_ATOL, rtol=0
         )
         assert (got > logp.gather(-1, chosen).squeeze(-1) + 1e-3).all()  # not the uncut one
+
+
+def gradient_adapter(model: torch.nn.Module, ids: torch.Tensor, size: float, rank: int = 4):
+    """A peft adapter (``lora_alpha`` = 2·rank: scale 2) on every 2-d decoder weight of
+    ``model``: the top-``rank`` part of the gradient of :func:`sequence_logprob` (``B =
+    U·S``, ``A = Vᵀ``), scaled so the largest merged entry ``|2·B@A|`` is ``size``: the
+    update one ascent step on those tokens makes, as a trainer publishes it."""
+    model.zero_grad()
+    sequence_logprob(model, ids).backward()
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        if ".layers." in name and param.dim() == 2:
+            u, s, vh = torch.linalg.svd(param.grad)
+            factors[name] = (vh[:rank].contiguous(), (u[:, :rank] * s[:rank]).contiguous())
+    peak = max((2 * b @ a).abs().max().item() for a, b in factors.values())
+    tensors = {}
+    for name, (a, b) in factors.items():
+        key = "base_model.model." + name.removesuffix(".weight")
+        tensors[f"{key}.lora_A.weight"] = a
+        tensors[f"{key}.lora_B.weight"] = b * (size / peak)
+    model.zero_grad()
+    return tensors, {"r": rank, "lora_alpha": 2 * rank}
+
+
+def sequence_logprob(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Σ log p(ids[t] | ids[:t]) over the rows of ``ids``, computed in float32 logits."""
+    logp = model(ids).logits.float().log_softmax(-1)[:, :-1]
+    return logp.gather(-1, ids[:, 1:, None]).sum()
+
+
+async def test_a_small_adapter_moves_a_bf16_engine_as_it_moves_the_fp32_model(tmp_path: Path):
+    """A bf16 engine merges an adapter into float32 base weights and rounds once.
+
+    bf16 keeps 8 significant bits: near |W| ≈ 0.02 (in [2⁻⁶, 2⁻⁵)) its grid step is
+    2⁻¹³ ≈ 1.22e-4, so an update of ≤ 5e-5 added to the *rounded* weight never moves it
+    (5e-5 < half a step, 6.1e-5). E.g. W = 0.02006 rounds to 164·2⁻¹³ = 0.0200195;
+    W + 5e-5 = 0.02011 is 9.05e-5 above it, past half a step, so the float32 merge gives
+    165·2⁻¹³ = 0.0201416, while 0.0200195 + 5e-5 rounds back to 0.0200195. Merged from
+    float32, each entry moves with probability ≈ |ΔW|/step, so the expected weight is
+    W + ΔW and a coherent update (one ascent step on a token sequence) moves the
+    sequence's logprob as in float32. Measured: fp32 Δ = 0.051; engine Δ = 0.045 merged
+    from float32, 0.012 (a quarter) added to the rounded weights. Asserted: within 30%.
+    """
+    reference = load_causal_lm(str(tiny_model_dir()), "float32")
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    tensors, config = gradient_adapter(reference, ids, size=5e-5)
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps(config))
+    save_file(tensors, str(tmp_path / ADAPTER_WEIGHTS))
+    adapter = read_adapter(tmp_path)
+    checkpoint = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    with torch.no_grad():
+        fp32_before = sequence_logprob(reference, ids).item()
+        for name, (a, b) in adapter.factors.items():
+            dict(reference.named_parameters())[name].copy_(merged(checkpoint[name], a, b, 2.0))
+        fp32_after = sequence_logprob(reference, ids).item()
+
+    engine = HFEngine(ModelConfig(path=str(tiny_model_dir()), dtype="bfloat16"))
+    async with engine:
+        with torch.no_grad():
+            before = sequence_logprob(engine.model, ids).item()
+            await engine.update_weights(tmp_path, version=1)
+            after = sequence_logprob(engine.model, ids).item()
+            weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+            await engine.update_weights(tmp_path, version=2)  # replaces, never adds up
+            again = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+    fp32_change, engine_change = fp32_after - fp32_before, after - before
+    assert fp32_change > 0.04  # the ascent step raised the sequence's logprob
+    assert abs(engine_change - fp32_change) < 0.3 * fp32_change, (engine_change, fp32_change)
+    for name, (a, b) in adapter.factors.items():
+        want = (checkpoint[name] + 2.0 * b @ a).to(torch.bfloat16)  # rounded once
+        assert weights[name].dtype == torch.bfloat16
+        assert torch.equal(weights[name], want), name
+        assert torch.equal(again[name], want), name
+
+
+async def test_after_a_full_update_a_bf16_engine_merges_into_its_float32_tensors(
+    tmp_path: Path,
+):
+    """A full update becomes the base: the next adapter merges into the update's float32
+    tensors, not into their bf16 copy, so ``W = bf16(W_update + 2·B@A)`` exactly (the
+    same arithmetic as above, with the update's weights for the checkpoint's)."""
+    reference = load_causal_lm(str(tiny_model_dir()), "float32")
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    tensors, config = gradient_adapter(reference, ids, size=5e-5)
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps(config))
+    save_file(tensors, str(tmp_path / ADAPTER_WEIGHTS))
+    adapter = read_adapter(tmp_path)
+    update = dict(perturbed(reference, seed=3))
+    async with HFEngine(ModelConfig(path=str(tiny_model_dir()), dtype="bfloat16")) as engine:
+        await engine.update_weights(tmp_path, version=1)
+        await engine.update_weights(list(update.items()), version=2)
+        await engine.update_weights(tmp_path, version=3)
+        weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    for name, (a, b) in adapter.factors.items():
+        assert torch.equal(weights[name], (update[name] + 2.0 * b @ a).to(torch.bfloat16)), name

@@ -15,12 +15,23 @@ then the top-k/top-p cut, renormalised), as vLLM reports and the trainer recompu
 T = 1 without a cut, exactly a teacher-forced forward pass of the same tokens.
 
 A weight update is full weights (every parameter, HF names) or a LoRA adapter (a peft
-adapter directory, :mod:`asyncrl.weights.lora`): the adapter is merged, in float32, into a copy of
-the base weights of the layers it adapts, kept since the first adapter arrived (the base
-is what the engine loaded, or the last full update), so each adapter replaces the one
-before rather than adding to it and no rounding piles up over updates. The merge is
-staged like a download, while generation goes on; the pause only copies the merged
-weights in.
+adapter directory, :mod:`asyncrl.weights.lora`). The engine keeps a float32 copy of the
+base weights of the layers adapters adapt, made when the first adapter arrives, and
+merges each adapter into it, rounding once to the engine's dtype::
+
+    W_engine = to_dtype(W_base_fp32 + (lora_alpha / r) · B @ A)
+
+so each adapter replaces the one before rather than adding to it, and an update far below
+the dtype's resolution (bf16 keeps 8 significant bits: |ΔW| ≲ 2⁻⁹·|W| would round away
+if added to the bf16 weight) still moves the weights it should, as the float32 rounding
+point crosses bf16's grid. The float32 base is read from the checkpoint the engine loaded
+(its safetensors, at their stored precision), or is the last full update's tensors for
+layers adapted before it; where neither exists (a hub id, a layer first adapted after an
+in-memory full update) it is the live weight upcast. Memory: 4 bytes per entry of the
+adapted layers, on the engine's device (the engine's own copy is 2 in bf16), e.g. 7 linear
+layers of every decoder layer of a 0.5B model ≈ 1.4 GiB. In a float32 engine the copy is
+the live weight, as before. The merge is staged like a download, while generation goes
+on; the pause only copies the merged weights in.
 
 Pausing takes effect between two steps: the running sequences end as ``abort`` with their
 partial tokens and the KV cache is dropped; :class:`~asyncrl.api.inference.InferenceEngine`
@@ -54,7 +65,13 @@ from asyncrl.config.schema import resolve_device
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.sampling import LogprobMode
-from asyncrl.models.resolve import ModelConfig, load_causal_lm, load_tokenizer, resolve_dtype
+from asyncrl.models.resolve import (
+    ModelConfig,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model_path,
+)
 from asyncrl.runtime.log import get_logger
 from asyncrl.weights.lora import LoraAdapter, is_adapter_dir, merged, read_adapter
 
@@ -151,7 +168,10 @@ class HFEngine(InferenceEngine):
         self._interrupted = asyncio.Event()
         self._failure: BaseException | None = None
         self._lora_base: dict[str, torch.Tensor] = {}
-        """The base weights of the layers that adapters adapt (name -> a copy)."""
+        """The base weights of the layers that adapters adapt (name -> a float32 copy)."""
+        self._base_dir: Path | None = None
+        """The checkpoint whose safetensors hold the base weights at full precision (the
+        loaded model's directory); None once an in-memory full update replaced them."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -206,6 +226,8 @@ class HFEngine(InferenceEngine):
                     "the host and emptying the cache instead"
                 )
             self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
+        local = Path(resolve_model_path(self.model_spec))
+        self._base_dir = local if local.is_dir() else None
         self._tokenizer = load_tokenizer(self.model_spec)
         eos = self.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -448,7 +470,13 @@ class HFEngine(InferenceEngine):
             raise KeyError(f"weight update lacks {len(missing)} parameters, e.g. {missing[:3]}")
         for target, tensor in staged:
             target.copy_(tensor)
-        self._lora_base.clear()  # these are the base weights now
+        # These are the base weights now: the adapted layers' float32 bases are taken from
+        # the update at its own precision, not from the engine's rounded copy.
+        by_target = {id(target): tensor for target, tensor in staged}
+        for name in self._lora_base:
+            target = targets[name]
+            self._lora_base[name] = _float32_copy(by_target[id(target)], target.device)
+        self._base_dir = None
 
     @torch.no_grad()
     def _copy_merged(self, weights: _MergedAdapter) -> None:
@@ -472,17 +500,43 @@ class HFEngine(InferenceEngine):
                     f"adapter of {name!r}: B {tuple(b.shape)} @ A {tuple(a.shape)} does not "
                     f"give the model's {tuple(target.shape)}"
                 )
-        for name in adapter.factors:
-            if name not in self._lora_base:  # not adapted yet: the live weight is the base
-                self._lora_base[name] = params[name].detach().clone()
+        new = [name for name in adapter.factors if name not in self._lora_base]
+        self._lora_base.update(self._float32_bases(new, params))
         out = _MergedAdapter()
         for name, base in self._lora_base.items():
+            dtype = params[name].dtype
             if name in adapter.factors:
                 a, b = adapter.factors[name]
-                out.append((name, merged(base, a, b, adapter.scale)))
+                out.append((name, merged(base, a, b, adapter.scale).to(dtype)))
             else:
-                out.append((name, base))
+                out.append((name, base.to(dtype, copy=True)))
         return out
+
+    def _float32_bases(
+        self, names: list[str], params: dict[str, torch.nn.Parameter]
+    ) -> dict[str, torch.Tensor]:
+        """Float32 copies of the base weights ``names`` (not yet adapted, so the live
+        weights are the base rounded to the engine's dtype), on their parameters' device:
+        from the loaded checkpoint's safetensors where it holds them with the same shape,
+        else the live weight upcast (exact in a float32 engine)."""
+        found: dict[str, torch.Tensor] = {}
+        wanted = {n for n in names if params[n].dtype != torch.float32}
+        if wanted and self._base_dir is not None:
+            for file in sorted(self._base_dir.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as f:
+                    for name in wanted.intersection(f.keys()) - found.keys():
+                        tensor = f.get_tensor(name)
+                        if tuple(tensor.shape) == tuple(params[name].shape):
+                            found[name] = _float32_copy(tensor, params[name].device)
+        for name in names:
+            if name not in found:
+                found[name] = _float32_copy(params[name].detach(), params[name].device)
+        return found
+
+
+def _float32_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new float32 tensor on ``device`` holding ``tensor``'s values."""
+    return tensor.detach().to(device=device, dtype=torch.float32, copy=True)
 
 
 def _read_safetensors_dir(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
