@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncrl.algo.config import LossConfig
-from asyncrl.algo.loss import agg_count, aggregate, kl_penalty, policy_loss
+from asyncrl.algo.loss import agg_count, aggregate, episode_tokens, kl_penalty, policy_loss
 
 
 def loss_config(**settings: Any) -> LossConfig:
@@ -180,6 +180,94 @@ def test_parts_weighted_by_agg_count_sum_to_the_whole(loss_agg: str) -> None:
         for s in (slice(0, 2), slice(2, 3), slice(3, 6))
     )
     assert float(parts) == pytest.approx(whole.item(), rel=1e-6)
+
+
+# Rows 0–2 are one episode of three samples (loss tokens 1 2 | 3 4 5 | 6), row 3 another (8).
+EP_VALUES = torch.tensor(
+    [[1.0, 2.0, math.nan], [3.0, 4.0, 5.0], [6.0, math.inf, 0.0], [8.0, 0.0, 0.0]]
+)
+EP_MASK = torch.tensor(
+    [[True, True, False], [True, True, True], [True, False, False], [True, False, False]]
+)
+EP_IDS = torch.tensor([7, 7, 7, 2])
+
+
+@pytest.mark.parametrize(
+    ("loss_agg", "norm_len", "expected"),
+    [
+        ("token-mean", None, 29 / 7),
+        ("seq-mean-token-mean", None, (21 / 6 + 8 / 1) / 2),
+        ("seq-mean-token-sum-norm", 4.0, (21 / 4 + 8 / 4) / 2),
+        ("seq-mean-token-sum-norm", None, (21 / 3 + 8 / 3) / 2),
+    ],
+)
+def test_an_episode_of_several_samples_weighs_once(
+    loss_agg: str, norm_len: float | None, expected: float
+) -> None:
+    """Episode 7 has loss tokens 1..6 over three samples (sum 21, 6 tokens), episode 2 the
+    single token 8 (the default norm_len is the longest sample's span, 3)::
+
+        token-mean               (21 + 8) / 7                  = 29/7
+        seq-mean-token-mean      (21/6 + 8/1) / 2              = 5.75
+        sum-norm, norm_len 4     (21/4 + 8/4) / 2              = 3.625
+        sum-norm, norm_len 3     (21/3 + 8/3) / 2              = 29/6
+
+    Counted per sample instead, seq-mean-token-mean was (1.5 + 4 + 6 + 8)/4 = 4.875 and
+    sum-norm (4) (3 + 12 + 6 + 8)/4/4 = 1.8125: the three-sample episode weighed 3×.
+    """
+    n_e = episode_tokens(EP_MASK, EP_IDS)
+    assert n_e.tolist() == [6, 6, 6, 1]
+    got = aggregate(EP_VALUES, EP_MASK, loss_agg, norm_len=norm_len, episode_tokens=n_e)  # type: ignore[arg-type]
+    assert got.item() == pytest.approx(expected)
+    assert agg_count(EP_MASK, loss_agg, n_e) == pytest.approx(  # type: ignore[arg-type]
+        7 if loss_agg == "token-mean" else 2
+    )
+    # Through policy_loss: r = 1 and A = −v make the per-token loss exactly v.
+    logp = torch.zeros(4, 3, requires_grad=True)
+    loss, stats = policy_loss(
+        logp,
+        torch.zeros(4, 3),
+        -EP_VALUES,
+        EP_MASK,
+        loss_config(loss_agg=loss_agg),
+        norm_len=norm_len,
+        episode_tokens=n_e,
+    )
+    assert loss.item() == pytest.approx(expected)
+    assert stats["pg_loss"].item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_one_sample_per_episode_is_the_per_sample_aggregation(loss_agg: str) -> None:
+    """Distinct ids: ``N_b = n_b`` and ``E`` the samples with a loss token (the fully
+    masked row 2 of VALUES counts in neither), so the result is the per-sample one."""
+    n_e = episode_tokens(MASK, torch.tensor([0, 1, 2]))
+    assert n_e.tolist() == [2, 3, 0]
+    for norm_len in (None, 4.0):
+        with_ids = aggregate(VALUES, MASK, loss_agg, norm_len=norm_len, episode_tokens=n_e)  # type: ignore[arg-type]
+        without = aggregate(VALUES, MASK, loss_agg, norm_len=norm_len)  # type: ignore[arg-type]
+        assert with_ids.item() == pytest.approx(without.item())
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_parts_that_split_an_episode_sum_to_the_whole(loss_agg: str) -> None:
+    """Parts {0}, {1, 3}, {2} cut episode 7 in three; each part's loss times
+    ``agg_count(part) / agg_count(whole)``, with the whole batch's episode counts, sums
+    to the whole. For seq-mean-token-mean the shares of E = 2 are 2/6, 3/6 + 1 and 1/6,
+    and the weighted parts add to 5.75 (a share below 1 is no empty part)."""
+    n_e = episode_tokens(EP_MASK, EP_IDS)
+    whole = aggregate(EP_VALUES, EP_MASK, loss_agg, norm_len=4.0, episode_tokens=n_e)  # type: ignore[arg-type]
+    total = agg_count(EP_MASK, loss_agg, n_e)  # type: ignore[arg-type]
+    assert total == pytest.approx(2.0)
+    parts = 0.0
+    for rows in ([0], [1, 3], [2]):
+        r = torch.tensor(rows)
+        part = aggregate(EP_VALUES[r], EP_MASK[r], loss_agg, norm_len=4.0, episode_tokens=n_e[r])  # type: ignore[arg-type]
+        parts += float(part) * agg_count(EP_MASK[r], loss_agg, n_e[r]) / total  # type: ignore[arg-type]
+    assert parts == pytest.approx(whole.item())
+    assert whole.item() == pytest.approx(5.75 if loss_agg == "seq-mean-token-mean" else 3.625)
 
 
 def test_masked_garbage_never_reaches_loss_or_gradient() -> None:

@@ -22,10 +22,12 @@ from train_helpers.tiny import (
     train_config,
 )
 
+from asyncrl.algo.loss import episode_tokens, policy_loss
 from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
 from asyncrl.train.batch import Sample
-from asyncrl.train.packing import split_minibatches
+from asyncrl.train.packing import build_micro_batch, split_minibatches
 from asyncrl.train.schedule import lr_at
+from asyncrl.train.shard import plan_shards
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +67,59 @@ def test_layout_choices_do_not_change_the_step(variant: dict, loss_agg: str) -> 
     assert stats["grad_norm"] == pytest.approx(base_stats["grad_norm"], rel=1e-5)
     for name, tensor in base_w.items():
         # See test_train_distributed: Adam turns ~0 gradients' float noise into up to lr.
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_an_episode_split_over_micro_batches_weighs_once(loss_agg: str) -> None:
+    """Samples 0 and 2 are one episode, 1 and 4 another (3 and 5 alone): 4 episodes, not 6
+    samples. The step's loss is the per-episode aggregation of the whole batch computed
+    by hand (plain PPO against the behaviour logprobs, of the initial weights'
+    logprobs), although the 24-token micro-batches cut both episodes; one micro-batch
+    gives the same loss and weights; each sample its own episode gives another loss."""
+    ids = [0, 1, 0, 2, 1, 3]
+    batch = [
+        dataclasses.replace(s, episode=e)
+        for s, e in zip(random_batch(3, per_token_adv=True), ids, strict=True)
+    ]
+    loss_cfg = LossConfig(loss_agg=loss_agg, proximal="behaviour", behav_imp_weight_cap=None)  # type: ignore[arg-type]
+    config = train_config(loss=loss_cfg)
+    (shard,) = plan_shards(batch, config, 1)
+    where = {i: k for k, mb in enumerate(shard.minibatches[0]) for i in mb}
+    assert where[0] != where[2] and where[1] != where[4]  # both episodes are cut
+    assert shard.units_total == [4]
+
+    logprobs = tiny_engine(config).compute_logprobs(batch)
+    mb = build_micro_batch(batch, list(range(6)))
+    lp_BT = torch.zeros(mb.loss_mask_BT.shape)
+    for b, lp in enumerate(logprobs):
+        lp_BT[b, : len(lp)] = lp
+    n_e = episode_tokens(mb.loss_mask_BT, torch.tensor(ids))
+    assert n_e.tolist() == [7, 11, 7, 8, 11, 2]  # loss spans 4, 6, 3, 8, 5, 2
+    by_hand = {}
+    for name, counts in (("episodes", n_e), ("samples", None)):
+        loss, _ = policy_loss(
+            lp_BT,
+            mb.behav_logprobs_BT,
+            mb.advantages_BT,
+            mb.loss_mask_BT,
+            loss_cfg,
+            norm_len=8.0,  # the longest loss span of the batch
+            episode_tokens=counts,
+        )
+        by_hand[name] = loss.item()
+
+    stats, weights = _step_and_weights(config, batch)
+    assert stats["micro_batches"] > 1
+    assert stats["loss"] == pytest.approx(by_hand["episodes"], rel=1e-5)
+    assert by_hand["samples"] != pytest.approx(by_hand["episodes"], rel=1e-3)
+    one_stats, one_weights = _step_and_weights(
+        train_config(loss=loss_cfg, max_tokens_per_microbatch=10_000), batch
+    )
+    assert one_stats["micro_batches"] == 1
+    assert one_stats["loss"] == pytest.approx(stats["loss"], rel=1e-5)
+    assert one_stats["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
+    for name, tensor in one_weights.items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 

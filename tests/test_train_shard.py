@@ -50,6 +50,34 @@ def test_global_numbers_are_the_whole_batch() -> None:
     assert fixed[0].norm_len == 512.0
 
 
+def test_episode_counts_span_ranks_and_stay_within_a_minibatch() -> None:
+    """Loss spans 4, 6, 3, 8 (lengths 7, 12, 5, 16); samples 0 and 2 are episode 5, 1 and 3
+    episode 9. One minibatch over 2 ranks: every sample carries its episode's 4 + 3 = 7
+    or 6 + 8 = 14 tokens wherever it lands, and the minibatch counts 2 episodes (for
+    token-mean still 21 tokens). Four minibatches of one sample: an episode's count is
+    only its samples' in that minibatch, each minibatch 1 episode."""
+    batch = random_batch(0, lengths=(7, 12, 5, 16))
+    for s, e in zip(batch, (5, 9, 5, 9), strict=True):
+        s.episode = e
+    spans = {len(s): s.num_loss_tokens for s in batch}
+    assert spans == {7: 4, 12: 6, 5: 3, 16: 8}
+    seq_mean = LossConfig(loss_agg="seq-mean-token-mean")
+    shards = plan_shards(batch, train_config(loss=seq_mean), 2)
+    assert all(shard.samples for shard in shards)
+    got = {
+        len(s): n
+        for shard in shards
+        for s, n in zip(shard.samples, shard.episode_tokens, strict=True)
+    }
+    assert got == {7: 7, 5: 7, 12: 14, 16: 14}
+    assert [s.units_total for s in shards] == [[2], [2]]
+    assert [s.units_total for s in plan_shards(batch, train_config(), 2)] == [[21], [21]]
+    (alone,) = plan_shards(batch, train_config(loss=seq_mean, ppo_minibatches=4), 1)
+    assert alone.episode_tokens == [4, 6, 3, 8] and alone.units_total == [1, 1, 1, 1]
+    for shard in shards:
+        assert TrainShard.from_tensors(*shard.to_tensors()).episode_tokens == shard.episode_tokens
+
+
 def test_tensor_layout_reads_back_the_same_shard() -> None:
     batch = random_batch(3, lengths=(6, 9, 4, 11), per_token_adv=True)
     batch[1].old_logprobs = torch.randn(9)

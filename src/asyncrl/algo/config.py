@@ -55,7 +55,9 @@ class LossConfig(Section):
     importance_sampling_level: ImportanceLevel = "token"
     """Token ratios (PPO) or sequence-level ratios (GSPO)."""
     loss_agg: LossAgg = "token-mean"
-    """How token losses become one number."""
+    """How token losses become one number: the mean over all loss tokens, or the mean over
+    episodes of each episode's token mean (or token sum over ``norm_len``); an episode of
+    several samples (agent code) weighs once (:func:`~asyncrl.algo.loss.aggregate`)."""
     proximal: Literal["recompute", "behaviour"] = "recompute"
     """Decoupled PPO's proximal policy: the weights before the update (with one minibatch,
     the training forward's own logprobs; with several, one forward before the first), or

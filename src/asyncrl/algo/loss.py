@@ -59,21 +59,56 @@ def kl_penalty(
     return torch.expm1(d) - d
 
 
-def agg_count(loss_mask: torch.Tensor, loss_agg: LossAgg) -> int:
-    """How many units ``loss_agg`` averages over: loss tokens for ``token-mean``, sequences
-    with at least one loss token otherwise.
+def episode_tokens(loss_mask: torch.Tensor, episode: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64: for each sequence, the loss tokens of its whole episode, counted over
+    the rows of ``loss_mask [B, T]`` whose ``episode [B]`` id is the same::
+
+        N_b = Σ_{c : episode_c = episode_b} Σ_t m_ct
+
+    An episode of agent code whose calls do not all continue one another gives several
+    sequences; :func:`aggregate` weighs it once through these counts.
+    """
+    if episode.shape != loss_mask.shape[:1]:
+        raise ValueError(
+            f"episode has shape {tuple(episode.shape)}, loss_mask {tuple(loss_mask.shape)}"
+        )
+    n_B = loss_mask.bool().sum(dim=-1)
+    _, inverse = torch.unique(episode, return_inverse=True)
+    per_episode = torch.zeros(
+        int(inverse.max()) + 1 if inverse.numel() else 0, dtype=n_B.dtype, device=n_B.device
+    )
+    per_episode.index_add_(0, inverse, n_B)
+    return per_episode[inverse]
+
+
+def _episode_units(n_B: torch.Tensor, episode_tokens: torch.Tensor | None) -> torch.Tensor:
+    """``[B]`` float64 ``n_b / N_b``: each sequence's share of its episode (1 for a sequence
+    that is its own episode, 0 for one without loss tokens)."""
+    N_B = n_B if episode_tokens is None else episode_tokens.to(n_B.device)
+    if bool((N_B < n_B).any()):
+        raise ValueError("episode_tokens must be at least each sequence's own loss tokens")
+    return n_B.double() / N_B.double().clamp(min=1)
+
+
+def agg_count(
+    loss_mask: torch.Tensor, loss_agg: LossAgg, episode_tokens: torch.Tensor | None = None
+) -> float:
+    """How many units ``loss_agg`` averages over: loss tokens for ``token-mean``, episodes
+    with at least one loss token otherwise, each sequence counting as its share
+    ``n_b / N_b`` of its episode (see :func:`aggregate`; without ``episode_tokens``, every
+    sequence is its own episode and counts 1).
 
     A loss computed on part of a batch, multiplied by ``agg_count(part) / agg_count(batch)``,
-    sums over the parts to the loss of the whole batch (for ``seq-mean-token-sum-norm``
-    when every part uses the batch's ``norm_len``); the train engine splits its micro-batches
-    this way.
+    sums over the parts to the loss of the whole batch when every part gets the batch's
+    ``episode_tokens`` (and, for ``seq-mean-token-sum-norm``, its ``norm_len``); the train
+    engine splits its micro-batches this way, even through an episode.
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg {loss_agg!r}: allowed {list(LOSS_AGGS)}")
-    mask = loss_mask.bool()
+    n_B = loss_mask.bool().sum(dim=-1)
     if loss_agg == "token-mean":
-        return int(mask.sum())
-    return int(mask.any(dim=-1).sum())
+        return float(n_B.sum())
+    return float(_episode_units(n_B, episode_tokens).sum())
 
 
 def aggregate(
@@ -82,13 +117,21 @@ def aggregate(
     loss_agg: LossAgg,
     *,
     norm_len: float | None = None,
+    episode_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduces per-token ``values [B, T]`` to a scalar. With ``m`` the mask, ``n_b = Σ_t m_bt``
-    and ``S`` the sequences with ``n_b > 0``::
+    """Reduces per-token ``values [B, T]`` to a scalar. With ``m`` the mask, ``n_b = Σ_t m_bt``,
+    ``N_b`` the loss tokens of sequence ``b``'s episode (``episode_tokens [B]``, see
+    :func:`episode_tokens`; default ``n_b``: each sequence its own episode) and
+    ``E = Σ_b n_b / N_b`` the number of episodes with a loss token::
 
         token-mean               Σ_bt m·v / Σ_bt m
-        seq-mean-token-mean      (1/|S|) Σ_{b∈S} (Σ_t m·v / n_b)
-        seq-mean-token-sum-norm  (1/|S|) Σ_{b∈S} (Σ_t m·v / norm_len)    (Dr.GRPO)
+        seq-mean-token-mean      (1/E) Σ_b (Σ_t m·v / N_b)
+        seq-mean-token-sum-norm  (1/E) Σ_b (Σ_t m·v / norm_len)    (Dr.GRPO)
+
+    that is, per episode: the mean over episodes of the token-mean over all the episode's
+    loss tokens (across its sequences), or of its token sum over ``norm_len``. An episode
+    of three sequences weighs once, as one of one sequence does; without ``episode_tokens``
+    the sums run over sequences (``E = |{b : n_b > 0}|``).
 
     ``norm_len`` defaults to ``max_b n_b``; pass a constant (the generation budget) to make
     the loss independent of the batch. An empty mask gives 0, still attached to the graph so
@@ -102,14 +145,17 @@ def aggregate(
     n_B = mask.sum(dim=-1)
     if loss_agg == "token-mean":
         return masked.sum() / n_B.sum().clamp(min=1)
-    n_seqs = (n_B > 0).sum().clamp(min=1)
+    units = _episode_units(n_B, episode_tokens).sum()
+    # Not clamp(min=1): part of an episode counts a fraction; only an empty mask has none.
+    units = torch.where(units > 0, units, torch.ones_like(units)).to(values.dtype)
     if loss_agg == "seq-mean-token-mean":
-        return (masked.sum(dim=-1) / n_B.clamp(min=1)).sum() / n_seqs
+        N_B = n_B if episode_tokens is None else episode_tokens.to(n_B.device)
+        return (masked.sum(dim=-1) / N_B.clamp(min=1).to(values.dtype)).sum() / units
     if norm_len is None:
         norm_len = float(n_B.max().clamp(min=1))
     if norm_len <= 0:
         raise ValueError(f"norm_len must be positive, got {norm_len}")
-    return masked.sum() / norm_len / n_seqs
+    return masked.sum() / norm_len / units
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -128,6 +174,7 @@ def policy_loss(
     norm_len: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    episode_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss, to be minimised. Per token, with ``A`` the advantage and
     ``k_t = KL_k(π ‖ π_ref)`` the per-token estimate of :func:`kl_penalty`::
@@ -146,7 +193,7 @@ def policy_loss(
         ℓ      = w·ℓ where keep, else 0
         ℓ     += w · kl_coef · k_t,  0 where not keep        (kl_in = "loss", ref given)
         ℓ     −= entropy_coef · H_t,  0 where not keep              (entropy given)
-        loss   = aggregate(ℓ, loss_mask, loss_agg)
+        loss   = aggregate(ℓ, loss_mask, loss_agg)             (per episode, given episode_tokens)
 
     Which correction: the cap (truncated IS) drops single tokens the behaviour policy made
     far *less* likely than the proximal one, the ones whose weight would blow up; IcePop
@@ -204,6 +251,9 @@ def policy_loss(
             when ``config.kl_coef`` ≠ 0.
         entropy: ``[B, T]`` entropy of the policy's sampled distribution per token, with
             gradient; the bonus needs it when ``entropy_coef`` ≠ 0.
+        episode_tokens: ``[B]`` the loss tokens of each sequence's whole episode, for the
+            seq-mean aggregations (see :func:`aggregate`); None: each sequence is its own
+            episode.
 
     Returns:
         ``(loss, stats)``; stats are detached scalars over the masked tokens:
@@ -324,12 +374,14 @@ def policy_loss(
         if entropy_coef != 0.0:
             per_token = per_token - entropy_coef * torch.where(keep, entropy, zero)
 
-    loss = aggregate(per_token, mask, loss_agg, norm_len=norm_len)
+    loss = aggregate(per_token, mask, loss_agg, norm_len=norm_len, episode_tokens=episode_tokens)
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         stats = {
-            "pg_loss": aggregate(pg.detach(), mask, loss_agg, norm_len=norm_len),
+            "pg_loss": aggregate(
+                pg.detach(), mask, loss_agg, norm_len=norm_len, episode_tokens=episode_tokens
+            ),
             "kl_ref": kl_ref,
             "entropy": entropy_mean,
             "clip_frac_low": clip_low.sum() / n,

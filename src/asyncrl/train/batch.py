@@ -44,6 +44,9 @@ class Sample:
         advantages: a scalar (one per sequence, GRPO) or ``[L]`` float32 per token.
         old_logprobs: ``[L]`` float32 proximal-policy logprobs (decoupled PPO), or None.
         ref_logprobs: ``[L]`` float32 reference-policy logprobs for the KL penalty, or None.
+        episode: the id of its episode within the batch: samples with the same id are one
+            episode, which the seq-mean loss aggregations weigh once
+            (:func:`~asyncrl.algo.loss.aggregate`); None: the sample is its own episode.
     """
 
     input_ids: torch.Tensor
@@ -52,6 +55,7 @@ class Sample:
     advantages: torch.Tensor | float
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    episode: int | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = _as_tensor(self.input_ids, torch.int64)
@@ -134,6 +138,9 @@ def build_samples(
     With ``trainer.loss.mask_truncated`` (DAPO's overlong filtering), a sample that stopped
     on its token budget (``finish_reason == "length"``) keeps its place in its group's
     baseline but carries no loss: its loss mask is cleared.
+
+    Each sample's ``episode`` is the position of its (group, ``group_index``) in the batch,
+    so that the seq-mean loss aggregations weigh an episode of several samples once.
     """
     std_level = None if loss_cfg.adv_std_level == "none" else loss_cfg.adv_std_level
     trained = [t for g in groups for t in g.samples]
@@ -159,9 +166,15 @@ def build_samples(
             leave_one_out=loss_cfg.leave_one_out,
         )
         adv = torch.cat(per_group)
+    episode_of: dict[tuple[int, int], int] = {}
+    episodes = [
+        episode_of.setdefault((k, t.group_index), len(episode_of))
+        for k, g in enumerate(groups)
+        for t in g.samples
+    ]
     samples = []
     masked = 0
-    for t, a in zip(trained, adv.tolist(), strict=True):
+    for t, a, e in zip(trained, adv.tolist(), episodes, strict=True):
         loss_mask = torch.from_numpy(t.loss_mask.numpy().astype(bool))
         if loss_cfg.mask_truncated and t.finish_reason == "length":
             loss_mask = torch.zeros_like(loss_mask)
@@ -172,6 +185,7 @@ def build_samples(
                 loss_mask=loss_mask,
                 behav_logprobs=torch.from_numpy(t.logprobs.numpy().astype("float32")),
                 advantages=float(a),
+                episode=e,
             )
         )
     stats = {

@@ -55,10 +55,15 @@ if TYPE_CHECKING:
     from asyncrl.sft.config import SftRecipe
 
 
+def _field(name: str, value: torch.Tensor) -> dict[str, Any]:
+    # Any: replace() type-checks keyword values against every field of Sample.
+    return {name: value}
+
+
 def _fill(batch: Batch, field: str, values: list[torch.Tensor]) -> Batch:
     """``batch`` with ``field`` set to ``values`` on the samples where it is None."""
     return [
-        s if getattr(s, field) is not None else dataclasses.replace(s, **{field: v})
+        s if getattr(s, field) is not None else dataclasses.replace(s, **_field(field, v))
         for s, v in zip(batch, values, strict=True)
     ]
 
@@ -420,7 +425,13 @@ class TrainEngine:
         grad_norms = []
         for micro, units_total in zip(shard.minibatches, shard.units_total, strict=True):
             grad_norm = self._minibatch_step(
-                samples, micro, units_total, totals, mode=shard.mode, norm_len=shard.norm_len
+                samples,
+                micro,
+                units_total,
+                totals,
+                mode=shard.mode,
+                norm_len=shard.norm_len,
+                episode_tokens=shard.episode_tokens,
             )
             grad_norms.append(grad_norm)
             if not math.isfinite(grad_norm):
@@ -479,17 +490,26 @@ class TrainEngine:
         *,
         mode: str,
         norm_len: float,
+        episode_tokens: list[int],
     ) -> float:
         """Forward and backward over this rank's micro-batches of one minibatch (``micro``:
         indices into ``samples``; ``total_units``: the minibatch's aggregation units over
-        all ranks), then one optimizer step (none if the gradient norm is not finite).
+        all ranks; ``episode_tokens``: per sample, its episode's loss tokens in the
+        minibatch over all ranks, empty for one episode per sample), then one optimizer
+        step (none if the gradient norm is not finite).
         ``mode``: where the proximal logprobs come from (``free``: this forward, detached;
         ``given``: the samples; ``behaviour``: none, plain PPO). Adds to ``totals``;
         returns the gradient norm."""
         loss_cfg = self.config.loss
-        # Aggregation units per sample, counted on the CPU (no device sync per micro-batch).
+        # Aggregation units per sample, counted on the CPU (no device sync per micro-batch):
+        # an episode split over micro-batches or ranks counts once in all.
+        ep_tokens = episode_tokens or [s.num_loss_tokens for s in samples]
         units = {
-            i: agg_count(samples[i].loss_mask[None], loss_cfg.loss_agg) for mb in micro for i in mb
+            i: agg_count(
+                samples[i].loss_mask[None], loss_cfg.loss_agg, torch.tensor([ep_tokens[i]])
+            )
+            for mb in micro
+            for i in mb
         }
         self.optimizer.zero_grad(set_to_none=True)
         t_fb = time.perf_counter()
@@ -512,6 +532,10 @@ class TrainEngine:
                 norm_len=norm_len,
                 ref_logprobs=mb.ref_logprobs_BT,
                 entropy=entropy_BT,
+                episode_tokens=torch.tensor(
+                    [ep_tokens[i] for i in mb.seq_index] if mb.seq_index else [0],
+                    device=self.device,
+                ),
             )
             entropy_sum = entropy_sum + entropy_BT.detach().sum()
             share = sum(units[i] for i in mb.seq_index) / total_units

@@ -4,7 +4,10 @@ micro-batches and the global numbers its loss needs, laid out as four flat tenso
 Rank 0 plans the step (:func:`plan_shards`) and each rank trains on its own
 :class:`TrainShard` alone, with the loss and gradients of the whole batch: a micro-batch's
 loss is weighted by its share of its minibatch's aggregation units, counted over all ranks
-(``units_total``), and ``norm_len`` is the batch's. The split is the one every rank would
+(``units_total``), and ``norm_len`` is the batch's. The seq-mean aggregations count
+episodes: each sample carries the loss tokens of its episode within its minibatch
+(``episode_tokens``), counted over all ranks, so an episode whose samples land in several
+micro-batches or ranks still weighs once. The split is the one every rank would
 derive from the global batch: minibatches by :func:`split_minibatches`, then each
 minibatch's micro-batches by :func:`plan_micro_batches`, every rank getting as many
 micro-batches as the others (FSDP forwards are collective).
@@ -49,6 +52,9 @@ class TrainShard:
         fill_ref: whether samples without ``ref_logprobs`` are scored by the reference
             model first (collective too).
         sequences, tokens, loss_tokens: the global batch's counts (for the statistics).
+        episode_tokens: per sample, the loss tokens of its episode's samples in its
+            minibatch, over all ranks (:func:`~asyncrl.algo.loss.episode_tokens`); empty:
+            every sample is its own episode.
     """
 
     samples: list[Sample]
@@ -61,11 +67,13 @@ class TrainShard:
     sequences: int
     tokens: int
     loss_tokens: int
+    episode_tokens: list[int] = dataclasses.field(default_factory=list)
 
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ints int64, mask uint8, floats float32)``: the shard as three flat CPU
         tensors for point-to-point sends. ``ints`` holds the header (counts, flags, the
-        bits of ``norm_len``), each sample's length and flags, the plan and the token ids;
+        bits of ``norm_len``), each sample's length, flags and episode tokens, the plan and
+        the token ids;
         ``mask`` the loss masks; ``floats`` the behaviour logprobs, the per-token
         advantages and the ``old``/``ref`` logprobs that are set."""
         s = self.samples
@@ -88,7 +96,13 @@ class TrainShard:
             plan += [self.units_total[k], len(micro)]
             for mb in micro:
                 plan += [len(mb), *mb]
-        per_sample = [len(x) for x in s] + [int(f) for f in has_old] + [int(f) for f in has_ref]
+        episode_tokens = self.episode_tokens or [x.num_loss_tokens for x in s]
+        per_sample = (
+            [len(x) for x in s]
+            + [int(f) for f in has_old]
+            + [int(f) for f in has_ref]
+            + episode_tokens
+        )
         ints = torch.cat(
             [
                 torch.tensor(header + per_sample + plan, dtype=torch.int64),
@@ -118,9 +132,10 @@ class TrainShard:
         ].tolist()
         norm_len = float(meta[8:].view(torch.float64))
         pos = _META
-        head = ints[pos : pos + 3 * n].tolist()
-        lengths, has_old, has_ref = head[:n], head[n : 2 * n], head[2 * n :]
-        pos += 3 * n
+        head = ints[pos : pos + 4 * n].tolist()
+        lengths, has_old, has_ref = head[:n], head[n : 2 * n], head[2 * n : 3 * n]
+        episode_tokens = head[3 * n :]
+        pos += 4 * n
         minibatches: list[list[list[int]]] = []
         units_total: list[int] = []
         for _ in range(n_minibatches):
@@ -154,6 +169,7 @@ class TrainShard:
             sequences=sequences,
             tokens=tokens,
             loss_tokens=loss_tokens,
+            episode_tokens=episode_tokens,
         )
 
 
@@ -204,12 +220,26 @@ def plan_shards(batch: Batch, config: TrainerConfig, world_size: int) -> list[Tr
     norm_len = loss_cfg.norm_len or float(max(1, max(s.num_loss_tokens for s in batch)))
 
     lengths = [len(s) for s in batch]
-    units = [agg_count(s.loss_mask[None], loss_cfg.loss_agg) for s in batch]
     # per rank, per minibatch, per micro-batch: global indices
     plans: list[list[list[list[int]]]] = [[] for _ in range(world_size)]
     units_total = []
+    episode_tokens = [0] * len(batch)
     for idx in split_minibatches(lengths, config.ppo_minibatches):
-        units_total.append(max(1, sum(units[i] for i in idx)))
+        # An episode's loss tokens within this minibatch (its loss is this minibatch's own).
+        per_episode: dict[tuple[int, int], int] = {}
+        keys = [(0, i) if (e := batch[i].episode) is None else (1, e) for i in idx]
+        for i, key in zip(idx, keys, strict=True):
+            per_episode[key] = per_episode.get(key, 0) + batch[i].num_loss_tokens
+        for i, key in zip(idx, keys, strict=True):
+            episode_tokens[i] = per_episode[key]
+        # Shares n_b / N_b of whole episodes: an integer up to rounding.
+        units = sum(
+            agg_count(
+                batch[i].loss_mask[None], loss_cfg.loss_agg, torch.tensor([episode_tokens[i]])
+            )
+            for i in idx
+        )
+        units_total.append(max(1, round(units)))
         per_rank = plan_micro_batches(
             [lengths[i] for i in idx],
             config.max_tokens_per_microbatch,
@@ -234,6 +264,7 @@ def plan_shards(batch: Batch, config: TrainerConfig, world_size: int) -> list[Tr
                 sequences=len(batch),
                 tokens=sum(lengths),
                 loss_tokens=sum(s.num_loss_tokens for s in batch),
+                episode_tokens=[episode_tokens[g] for g in mine],
             )
         )
     return shards
