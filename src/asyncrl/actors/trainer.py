@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from asyncrl.actors.colocation import Colocation
+from asyncrl.algo.mismatch import check_mismatch
 from asyncrl.api.train_engine import TrainEngineProtocol
 from asyncrl.api.weights import WeightPublisher
 from asyncrl.observe.fleet import FleetView
@@ -157,10 +158,14 @@ class TrainerActor(Actor):
             )
             if self.colocation is not None:
                 stats.update(await self._take_the_device())
+            # the engines sampled this batch with the weights the trainer scores it with
+            gate = self.version == 0 and all(g.newest_version == 0 for g in trained)
             t1 = time.monotonic()
             with self.tracer.span("train", step=self.step + 1, samples=len(samples)):
                 train_stats = await asyncio.to_thread(self.ranks.train, samples)
             t_train = time.monotonic() - t1
+            if gate:
+                check_mismatch(train_stats, cfg.mismatch_limit)  # raises: the run stops
             t2 = time.monotonic()
             last = self.step == cfg.max_steps
             if self.step % cfg.update_every == 0 or last:
