@@ -18,6 +18,7 @@ from asyncrl.algo.mismatch import (
     MISMATCH_RATIO_OUT,
     MismatchError,
     check_mismatch,
+    gate_applies,
     mismatch_stats,
 )
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
@@ -137,6 +138,13 @@ def test_gate_trips_on_a_wrong_temperature_and_passes_the_right_one(
     for cause in ("dtype", "chat template", "top_k", "temperature", "version"):
         assert cause in message
     check_mismatch(stats, None)  # no gate
+
+
+def test_gate_judges_only_a_batch_sampled_wholly_at_version_0_before_any_update() -> None:
+    assert gate_applies(0, [0, 0, 0])
+    assert not gate_applies(0, [0, 1])  # a group that has tokens of version 1
+    assert not gate_applies(0, [-1])  # no generated token
+    assert not gate_applies(1, [0, 0])  # the trainer has moved on: its weights differ
 
 
 def test_gate_trips_on_nan() -> None:

@@ -8,6 +8,8 @@ weights), and a run trained through it learns from importance weights that are n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 MISMATCH_KL = "mismatch/kl"
@@ -55,6 +57,13 @@ def mismatch_stats(
         MISMATCH_MAX_ABS: d.abs().max() if mask.any() else zero,
         MISMATCH_RATIO_OUT: out.sum() / n,
     }
+
+
+def gate_applies(trainer_version: int, newest_versions: Iterable[int]) -> bool:
+    """Whether a batch is one the version-0 gate judges: the trainer has not updated yet
+    (``trainer_version`` 0), and every group's newest token version is 0, so that every
+    generated token was sampled with the weights the trainer scores it with."""
+    return trainer_version == 0 and all(v == 0 for v in newest_versions)
 
 
 def check_mismatch(stats: dict[str, float], limit: float | None) -> None:
