@@ -22,6 +22,8 @@ from asyncrl.algo.mismatch import (
     mismatch_stats,
 )
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.config.checks import recipe_problems
+from asyncrl.config.recipe import load_recipe
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.models.resolve import ModelConfig
@@ -161,3 +163,11 @@ def test_shipped_recipes_check_with_the_default_limit(recipe: str) -> None:
         check=True,
     )
     assert f"mismatch_limit = {MISMATCH_LIMIT_DEFAULT}" in out.stdout
+
+
+def test_check_warns_that_the_instant_engine_trips_the_gate() -> None:
+    _, warnings = recipe_problems(load_recipe(None, ["rollout.engine.type=instant"]))
+    assert any("trainer.mismatch_limit" in w for w in warnings), warnings
+    off = ["rollout.engine.type=instant", "trainer.mismatch_limit=null"]
+    _, warnings = recipe_problems(load_recipe(None, off))
+    assert not any("trainer.mismatch_limit" in w for w in warnings), warnings
