@@ -322,6 +322,7 @@ def test_plots_of_a_recorded_run_and_a_comparison(tmp_path: Path) -> None:
         "throughput.png",
         "response_length.png",
         "time_split.png",
+        "mismatch.png",
     }
     for p in paths:
         assert p.stat().st_size > 10_000

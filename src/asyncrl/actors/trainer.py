@@ -9,8 +9,11 @@ Per step: train samples with group advantages (:func:`~asyncrl.train.batch.build
 → ``train`` (``ppo_minibatches`` optimizer steps; the engine's version + 1) → every
 ``update_every`` steps the weights go out (a shared directory or the NATS object store)
 with ``WeightsUpdated`` → the step's records (:mod:`asyncrl.observe.records`) → a
-checkpoint every ``checkpoint_every`` steps and at the end. The engine owns the progress
-(step and version), saved with its checkpoint; a restarted trainer goes on from there.
+checkpoint every ``checkpoint_every`` steps and at the end. The first batch sampled wholly
+at version 0 passes the rollout–trainer mismatch gate (``trainer.mismatch_limit``), or the
+trainer fails with a :class:`~asyncrl.algo.mismatch.MismatchError` that names the likely
+causes. The engine owns the progress (step and version), saved with its checkpoint; a
+restarted trainer goes on from there.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 from asyncrl.actors.colocation import Colocation
+from asyncrl.algo.mismatch import check_mismatch, gate_applies
 from asyncrl.api.train_engine import TrainEngineProtocol
 from asyncrl.api.weights import WeightPublisher
 from asyncrl.observe.fleet import FleetView
@@ -157,10 +161,13 @@ class TrainerActor(Actor):
             )
             if self.colocation is not None:
                 stats.update(await self._take_the_device())
+            gate = gate_applies(self.version, (g.newest_version for g in trained))
             t1 = time.monotonic()
             with self.tracer.span("train", step=self.step + 1, samples=len(samples)):
                 train_stats = await asyncio.to_thread(self.ranks.train, samples)
             t_train = time.monotonic() - t1
+            if gate:  # a setup error shows here; raised, it ends the run
+                check_mismatch(train_stats, cfg.mismatch_limit)
             t2 = time.monotonic()
             last = self.step == cfg.max_steps
             if self.step % cfg.update_every == 0 or last:

@@ -137,6 +137,12 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             f'the "{r.engine.type}" rollout engines sample from model.path\'s own weights '
             "until the first weight update"
         )
+    if r.engine.type == "instant" and t.mismatch_limit is not None:
+        warnings.append(
+            'rollout.engine.type = "instant" with trainer.mismatch_limit set: its logprobs '
+            "(-1.0) are no model's, so a real trainer's version-0 gate stops the run; "
+            "trainer.mismatch_limit = null turns the gate off"
+        )
     warnings.extend(listen_warnings(recipe))
     warnings.extend(shared_core_warnings(recipe))
     nats_errors, nats_warnings = nats_problems(recipe)

@@ -256,12 +256,35 @@ def plot_time_split(runs: list[RunData], path: Path) -> Path:
     return _save(fig, path)
 
 
+MISMATCH_PANELS = (
+    ("train/mismatch/kl", "KL(behaviour ‖ trainer), k3 mean"),
+    ("train/mismatch/max_abs_logprob_diff", "max |log π_trainer − log π_behav|"),
+    ("train/mismatch/ratio_out_frac", "share of ratios outside [0.5, 2]"),
+)
+"""The rollout–trainer mismatch per step (:mod:`asyncrl.algo.mismatch`): how far the
+trainer's logprobs of the sampled tokens are from the engine's."""
+
+
+def plot_mismatch(runs: list[RunData], path: Path) -> Path:
+    fig, axes = _figure(len(MISMATCH_PANELS))
+    for ax, (key, title) in zip(axes, MISMATCH_PANELS, strict=True):
+        for run, style in zip(runs, _STYLES, strict=False):
+            ax.plot(*run.series(key), style, label=run.name)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("trainer step (policy version)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("rollout–trainer mismatch")
+    return _save(fig, path)
+
+
 PLOTS = {
     "reward.png": plot_reward,
     "staleness.png": plot_staleness,
     "throughput.png": plot_throughput,
     "response_length.png": plot_response_length,
     "time_split.png": plot_time_split,
+    "mismatch.png": plot_mismatch,
 }
 
 

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoTokenizer
 
 from asyncrl.algo.loss import agg_count, policy_loss
+from asyncrl.algo.mismatch import mismatch_stats
 from asyncrl.config.schema import resolve_device
 from asyncrl.models.resolve import (
     ModelConfig,
@@ -402,6 +403,10 @@ class TrainEngine:
         Statistics: ``loss``, ``pg_loss`` and ``grad_norm`` are means over the minibatches;
         clip fractions, ratio, KLs and importance weights are means over the batch's loss
         tokens; ``optimizer_steps`` counts the steps taken, ``minibatches`` those planned.
+        ``mismatch/*`` (:func:`~asyncrl.algo.mismatch.mismatch_stats`) compare the
+        behaviour logprobs with the proximal ones (plain PPO: with each minibatch's training
+        forward); on a batch sampled at the engine's version, before any update, they
+        measure how far the trainer's view of the sampling policy is from the engine's.
         """
         t_start = time.perf_counter()
         stats: dict[str, float] = {}
@@ -536,6 +541,11 @@ class TrainEngine:
                     [ep_tokens[i] for i in mb.seq_index] if mb.seq_index else [0],
                     device=self.device,
                 ),
+            )
+            # the trainer's view of the policy the loss starts from: the proximal logprobs,
+            # or without them (plain PPO) this forward's
+            mb_stats.update(
+                mismatch_stats(lp_BT if old_BT is None else old_BT, behav_BT, mb.loss_mask_BT)
             )
             entropy_sum = entropy_sum + entropy_BT.detach().sum()
             share = sum(units[i] for i in mb.seq_index) / total_units

@@ -8,6 +8,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from asyncrl.algo.mismatch import MISMATCH_KL, MISMATCH_MAX_ABS, MISMATCH_RATIO_OUT
+
 MEAN_STATS = (
     "clip_frac_low",
     "clip_frac_high",
@@ -19,9 +21,15 @@ MEAN_STATS = (
     "icepop_masked_frac",
     "seq_masked_frac",
     "kl_ref",
+    MISMATCH_KL,
+    MISMATCH_RATIO_OUT,
 )
-"""Per-token statistics of :func:`~asyncrl.algo.policy_loss`, averaged over the loss tokens
-of the whole batch (all minibatches)."""
+"""Per-token statistics of :func:`~asyncrl.algo.policy_loss` and
+:func:`~asyncrl.algo.mismatch.mismatch_stats`, averaged over the loss tokens of the whole
+batch (all minibatches)."""
+
+MAX_STATS = ("behav_imp_weight_max", MISMATCH_MAX_ABS)
+"""Statistics whose step value is their maximum over the micro-batches and ranks."""
 
 
 @dataclasses.dataclass
@@ -30,7 +38,8 @@ class StepTotals:
 
     device: torch.device
     sums: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    stat_max: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
+    stat_max: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(len(MAX_STATS)))
+    """:data:`MAX_STATS`, in that order (all are ≥ 0, so 0 is the identity)."""
     micro_batches: int = 0
     input_tokens: int = 0
     forward_backward_s: float = 0.0
@@ -54,7 +63,8 @@ class StepTotals:
         self._add("pg_loss", stats["pg_loss"] * share)
         for key in MEAN_STATS:
             self._add(key, stats[key] * loss_tokens)
-        self.stat_max = torch.maximum(self.stat_max, stats["behav_imp_weight_max"])
+        maxes = torch.stack([stats[k].to(self.stat_max.device) for k in MAX_STATS])
+        self.stat_max = torch.maximum(self.stat_max, maxes)
         self.micro_batches += 1
         self.input_tokens += input_tokens
 
@@ -69,7 +79,8 @@ class StepTotals:
     def reduce(self, *, loss_tokens: int, minibatches: int) -> dict[str, float]:
         """The step's statistics over all ranks (collective when distributed): ``loss`` and
         ``pg_loss`` as means over ``minibatches``, :data:`MEAN_STATS` over ``loss_tokens``,
-        their sum of clip fractions as ``clip_frac``, and the micro-batch counts."""
+        :data:`MAX_STATS` as maxima, their sum of clip fractions as ``clip_frac``, and the
+        micro-batch counts."""
         keys = sorted(self.sums)
         packed = torch.stack([self.sums[k].to(self.device).float() for k in keys])
         counts = torch.tensor(
@@ -88,7 +99,7 @@ class StepTotals:
             out[key] /= max(1, minibatches)
         # low (A < 0), high (A > 0) and dual (A < 0, ratio above c_clip) are disjoint
         out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"] + out["clip_frac_dual"]
-        out["behav_imp_weight_max"] = float(stat_max)
+        out.update(zip(MAX_STATS, stat_max.tolist(), strict=True))
         out["micro_batches"] = float(counts[0])
         out["input_tokens"] = float(counts[1])
         out["time/forward_backward_s"] = self.forward_backward_s
