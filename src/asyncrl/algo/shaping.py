@@ -13,9 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
+from asyncrl.wire.messages import Array
+
 if TYPE_CHECKING:
     from asyncrl.algo.config import ShapingConfig
-    from asyncrl.wire.messages import Array
 
 
 def shape_reward(
@@ -96,12 +99,14 @@ class ScoredSample(Protocol):
     def loss_mask(self) -> Array: ...
 
 
-def replies(loss_mask: Sequence[bool] | Array) -> int:
+def replies(loss_mask: Sequence[bool] | Array | np.ndarray) -> int:
     """The replies a sample holds: the runs of generated tokens in its loss mask (calls
     that continue one another, and the turns of a multi-turn sample, are separated by
     context tokens). A reply of no token counts for none; it used none of its budget."""
-    mask = [bool(m) for m in (loss_mask.tolist() if hasattr(loss_mask, "tolist") else loss_mask)]
-    return sum(m and (i == 0 or not mask[i - 1]) for i, m in enumerate(mask))
+    mask = np.asarray(loss_mask.numpy() if isinstance(loss_mask, Array) else loss_mask, dtype=bool)
+    if mask.size == 0:
+        return 0
+    return int(mask[0]) + int((mask[1:] & ~mask[:-1]).sum())
 
 
 def shaped_sample_rewards(

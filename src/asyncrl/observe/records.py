@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.algo.shaping import replies
 from asyncrl.observe.sinks import open_sinks
 
 if TYPE_CHECKING:
@@ -37,11 +38,6 @@ def token_digest(ids: list[int]) -> str:
     return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
-def _replies(mask: Any) -> int:
-    """Stretches of generated tokens in a sample's loss mask: its replies."""
-    return int(mask[0]) + int((mask[1:] & ~mask[:-1]).sum())
-
-
 def batch_stats(groups: Sequence[Group], max_new_tokens: int) -> dict[str, float]:
     """Response lengths and per-group reward shape of one training batch.
 
@@ -61,7 +57,7 @@ def batch_stats(groups: Sequence[Group], max_new_tokens: int) -> dict[str, float
     # sample of several replies (multi-turn, agents) is judged by its last reply's finish
     # reason only, since its total length may exceed one reply's budget.
     clipped = [
-        t.finish_reason == "length" or (n >= max_new_tokens and _replies(m) == 1)
+        t.finish_reason == "length" or (n >= max_new_tokens and replies(m) == 1)
         for t, n, m in zip(trajectories, lengths, masks, strict=True)
     ]
     rewards = [[t.reward for t in g.samples] for g in groups]
