@@ -6,26 +6,12 @@ calls, so every number is known beforehand."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from scripted_engine import ScriptedEngine
-from transformers import AutoTokenizer
+from actor_helpers.eval_kit import eval_actor
 
-from asyncrl.actors.eval import EvalActor, tool_metrics
-from asyncrl.api.reward import RewardResult
-from asyncrl.config.recipe import load_recipe
-from asyncrl.models.tiny import tiny_model_dir
-from asyncrl.rewards.math_reward import math_reward
-from asyncrl.runtime.actor import ActorContext
+from asyncrl.actors.eval import tool_metrics
 from asyncrl.runtime.nats_server import NatsInfo
-
-
-class InlineMath:
-    """The ``math`` reward in this process, with the reward pool's ``score``."""
-
-    async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
-        return RewardResult(math_reward(completion, data))
 
 
 def call(expression: str) -> str:
@@ -54,25 +40,7 @@ def reply(prompt_text: str) -> str:
     return '<tool_call>{"name": "calculator", "arguments": {"expression": 7 * 8}}</tool_call>'
 
 
-RECORDS = [
-    {"question": f"What is {a} * {b}?", "prompt": f"What is {a} * {b}?", "answer": str(a * b)}
-    for a, b in ((12, 34), (5, 6), (7, 8))
-]
-
-
 AGENT = ["rollout.workflow=agent", "rollout.max_turns=3", 'rollout.agent.tools=["calculator"]']
-
-
-async def eval_actor(tmp_path: Path, nats: NatsInfo, overrides: list[str]) -> EvalActor:
-    """An eval actor as its setup leaves it, with a scripted engine and the reward in-process."""
-    recipe = load_recipe(None, ["eval.every=4", "trainer.max_steps=8", *overrides])
-    actor = EvalActor(ActorContext(run_name="t", run_dir=tmp_path, nats=nats, recipe=recipe))
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
-    actor.engine = ScriptedEngine(tokenizer, reply)
-    actor.reward_pool = InlineMath()
-    actor.records = [dict(r) for r in RECORDS]
-    await actor.prepare_jobs()
-    return actor
 
 
 def test_tool_metrics_count_parsable_calls_and_successes() -> None:
@@ -95,7 +63,7 @@ def test_tool_metrics_count_parsable_calls_and_successes() -> None:
 async def test_an_agent_run_is_evaluated_in_episodes_of_its_workflow(
     tmp_path: Path, nats_server: NatsInfo
 ) -> None:
-    actor = await eval_actor(tmp_path, nats_server, AGENT)
+    actor = await eval_actor(tmp_path, nats_server, AGENT, reply)
     out = await actor.evaluate()
     assert out["eval/accuracy"] == pytest.approx(2 / 3)
     assert out["eval/tool_call_rate"] == pytest.approx(2 / 3)
@@ -115,7 +83,9 @@ async def test_an_agent_run_is_evaluated_in_episodes_of_its_workflow(
 async def test_sampled_agent_episodes_give_pass_and_mean_at_k(
     tmp_path: Path, nats_server: NatsInfo
 ) -> None:
-    actor = await eval_actor(tmp_path, nats_server, [*AGENT, "eval.greedy=false", "eval.k=2"])
+    actor = await eval_actor(
+        tmp_path, nats_server, [*AGENT, "eval.greedy=false", "eval.k=2"], reply
+    )
     out = await actor.evaluate()
     assert out["eval/mean@2"] == pytest.approx(2 / 3) and out["eval/pass@2"] == pytest.approx(2 / 3)
     assert "eval/accuracy" not in out
@@ -128,7 +98,7 @@ async def test_sampled_agent_episodes_give_pass_and_mean_at_k(
 async def test_an_rlvr_run_is_still_evaluated_single_turn(
     tmp_path: Path, nats_server: NatsInfo
 ) -> None:
-    actor = await eval_actor(tmp_path, nats_server, [])
+    actor = await eval_actor(tmp_path, nats_server, [], reply)
     out = await actor.evaluate()
     # one reply per prompt, no tools shown, no calls run: the 12 * 34 call is scored as it
     # stands (its last number is not the product)

@@ -11,19 +11,12 @@ import asyncio
 import textwrap
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
+from actor_helpers.eval_kit import eval_actor
 from scripted_engine import ScriptedEngine
-from transformers import AutoTokenizer
 
-from asyncrl.actors.eval import EvalActor
-from asyncrl.api.reward import RewardResult
-from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow
-from asyncrl.models.tiny import tiny_model_dir
-from asyncrl.rewards.math_reward import math_reward
-from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.workflows.multi_turn import DEFAULT_FEEDBACK
 
@@ -52,27 +45,6 @@ USER_CODE = textwrap.dedent(
 )
 
 
-class InlineMath:
-    """The ``math`` reward in this process, with the reward pool's ``score`` and
-    ``aclose``; counts its calls."""
-
-    def __init__(self) -> None:
-        self.scored = 0
-
-    async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
-        self.scored += 1
-        return RewardResult(math_reward(completion, data))
-
-    async def aclose(self) -> None:
-        pass
-
-
-RECORDS = [
-    {"question": f"What is {a} * {b}?", "prompt": f"What is {a} * {b}?", "answer": str(a * b)}
-    for a, b in ((12, 34), (5, 6), (7, 8))
-]
-
-
 def reply(prompt_text: str) -> str:
     """Per question, with what the chat holds since it:
 
@@ -96,18 +68,6 @@ def code(tmp_path: Path) -> Path:
     return path
 
 
-async def eval_actor(tmp_path: Path, nats: NatsInfo, overrides: list[str]) -> EvalActor:
-    """An eval actor as its setup leaves it, with a scripted engine and the reward in-process."""
-    recipe = load_recipe(None, ["eval.every=4", "trainer.max_steps=8", *overrides])
-    actor = EvalActor(ActorContext(run_name="t", run_dir=tmp_path, nats=nats, recipe=recipe))
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
-    actor.engine = ScriptedEngine(tokenizer, reply)
-    actor.reward_pool = InlineMath()
-    actor.records = [dict(r) for r in RECORDS]
-    await actor.prepare_jobs()
-    return actor
-
-
 async def refused(port: int) -> bool:
     """Whether nothing listens on ``port`` of localhost any more."""
     try:
@@ -122,7 +82,7 @@ async def refused(port: int) -> bool:
 async def test_agent_code_is_evaluated_through_the_evals_own_endpoint(
     tmp_path: Path, nats_server: NatsInfo, code: Path
 ) -> None:
-    actor = await eval_actor(tmp_path, nats_server, [f"rollout.workflow={code}:agent"])
+    actor = await eval_actor(tmp_path, nats_server, [f"rollout.workflow={code}:agent"], reply)
     (job,) = actor.jobs
     (workflow,) = job.workflows
     assert isinstance(workflow, OpenAIAgentWorkflow)
@@ -151,7 +111,7 @@ async def test_sampled_agent_code_runs_each_sample_on_an_endpoint_seeded_apart(
     """An endpoint gives every call one seed: the k samples of a prompt through one
     endpoint would be one draw k times on a seeded engine."""
     sets = [f"rollout.workflow={code}:agent", "eval.k=2", "eval.temperature=0.7"]
-    actor = await eval_actor(tmp_path, nats_server, sets)
+    actor = await eval_actor(tmp_path, nats_server, sets, reply)
     endpoints = [w.endpoint for job in actor.jobs for w in job.workflows]
     assert [len(job.workflows) for job in actor.jobs] == [1, 2]
     assert len({e.port for e in endpoints}) == 3
@@ -184,6 +144,7 @@ async def test_a_multi_turn_run_is_evaluated_on_whole_episodes(
         tmp_path,
         nats_server,
         ["rollout.workflow=multi_turn", "rollout.max_turns=3", "rollout.turn_discount=0.5"],
+        reply,
     )
     out = await actor.evaluate()
     # 12 * 34 right on the second turn (0.5), 5 * 6 never, 7 * 8 at once
@@ -201,7 +162,7 @@ async def test_sampled_multi_turn_episodes_are_seeded_per_sample_and_turn(
     tmp_path: Path, nats_server: NatsInfo
 ) -> None:
     sets = ["rollout.workflow=multi_turn", "rollout.max_turns=3", "rollout.turn_discount=0.5"]
-    actor = await eval_actor(tmp_path, nats_server, [*sets, "eval.greedy=false", "eval.k=2"])
+    actor = await eval_actor(tmp_path, nats_server, [*sets, "eval.greedy=false", "eval.k=2"], reply)
     out = await actor.evaluate()
     assert out["eval/mean@2"] == pytest.approx(0.5) and out["eval/pass@2"] == pytest.approx(2 / 3)
     requests = actor.engine.requests
@@ -222,6 +183,7 @@ async def test_an_episode_workflow_is_built_with_each_jobs_sampling(
             "eval.k=3",
             "eval.temperature=0.5",
         ],
+        reply,
     )
     out = await actor.evaluate()
     # single replies: 12 * 34 is unboxed (0), 5 * 6 wrong, 7 * 8 right
