@@ -8,6 +8,7 @@ weights), and a run trained through it learns from importance weights that are n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -51,7 +52,7 @@ def mismatch_stats(
     n = mask.sum().clamp(min=1)
     kl = torch.where(mask, torch.expm1(d) - d, zero)
     low, high = RATIO_BAND
-    out = mask & ((d < torch.log(torch.tensor(low))) | (d > torch.log(torch.tensor(high))))
+    out = mask & ((d < math.log(low)) | (d > math.log(high)))
     return {
         MISMATCH_KL: kl.sum() / n,
         MISMATCH_MAX_ABS: d.abs().max() if mask.any() else zero,
