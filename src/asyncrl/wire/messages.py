@@ -200,6 +200,25 @@ class EpisodeAborted(Message):
     lease_id: str = Field(default="", description="the lease the episode ran under")
 
 
+class SampledWith(BaseModel):
+    """The distribution a sample's generated tokens were drawn from, where a call of agent
+    code chose its own (``rollout.endpoint_sampling = "per_call"``): the trainer scores the
+    sample's tokens with this temperature and cut instead of ``rollout.sampling``'s."""
+
+    model_config = ConfigDict(frozen=True)
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @model_validator(mode="after")
+    def _valid(self) -> SampledWith:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature {self.temperature} must be > 0 (greedy is not trained)")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_k {self.top_k} must be >= 0 and top_p {self.top_p} in (0, 1]")
+        return self
+
+
 class Trajectory(Message):
     """One sample: the full token sequence of one episode member.
 
@@ -239,6 +258,11 @@ class Trajectory(Message):
         default="", description="the generated text, decoded by the rollout actor"
     )
     finish_reason: str = ""
+    sampled_with: SampledWith | None = Field(
+        default=None,
+        description="the sampling its calls chose (rollout.endpoint_sampling = 'per_call'); "
+        "None: rollout.sampling",
+    )
     epoch: int = Field(
         default=0,
         description="the trainer epoch (restarts of the trainer) of the weights it was "
@@ -302,6 +326,11 @@ class TrainSample(Message):
     reward: float
     reward_info: dict[str, Any] = Field(default_factory=dict)
     finish_reason: str = ""
+    sampled_with: SampledWith | None = Field(
+        default=None,
+        description="the sampling its calls chose (rollout.endpoint_sampling = 'per_call'); "
+        "None: rollout.sampling",
+    )
 
     @model_validator(mode="after")
     def _same_lengths(self) -> TrainSample:
