@@ -6,6 +6,7 @@ import asyncio
 import math
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from asyncrl.train.batch import Sample
 from asyncrl.train.config import MISMATCH_LIMIT_DEFAULT
 from asyncrl.train.engine import TrainEngine
 from asyncrl.train.step_stats import StepTotals
+from asyncrl.wire.messages import SampledWith
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,17 +85,28 @@ def test_step_totals_weight_means_by_tokens_and_take_the_max() -> None:
     assert out[MISMATCH_MAX_ABS] == pytest.approx(0.5)
 
 
-async def _generate(temperature: float) -> list[GenerateResponse]:
+async def _generate(
+    temperature: float, cuts: Sequence[SampledWith | None] = ()
+) -> list[GenerateResponse]:
+    """Four completions of the tiny model on the hf engine (fp32), one batch: at
+    ``temperature``, or each at its own temperature and cut (``cuts``, None: at
+    ``temperature``)."""
     texts = ["What is 12+7?", "Name a colour.", "What is 3*4?", "Say hello."]
+    cuts = list(cuts) or [None] * len(texts)
     async with HFEngine(str(tiny_model_dir()), HFEngineConfig(max_batch_size=8)) as eng:
         reqs = [
             GenerateRequest(
                 input_ids=list(eng.tokenizer.encode(t, add_special_tokens=False)),
                 sampling=SamplingParams(
-                    temperature=temperature, max_new_tokens=16, stop_token_ids=(), seed=i
+                    temperature=temperature if cut is None else cut.temperature,
+                    top_k=0 if cut is None else cut.top_k,
+                    top_p=1.0 if cut is None else cut.top_p,
+                    max_new_tokens=16,
+                    stop_token_ids=(),
+                    seed=i,
                 ),
             )
-            for i, t in enumerate(texts)
+            for i, (t, cut) in enumerate(zip(texts, cuts, strict=True))
         ]
         return list(await asyncio.gather(*(eng.agenerate(r) for r in reqs)))
 
@@ -140,6 +153,37 @@ def test_gate_trips_on_a_wrong_temperature_and_passes_the_right_one(
     for cause in ("dtype", "chat template", "top_k", "temperature", "version"):
         assert cause in message
     check_mismatch(stats, None)  # no gate
+
+
+def test_each_sample_is_scored_with_the_sampling_its_calls_chose() -> None:
+    """``rollout.endpoint_sampling = "per_call"``: one batch of the hf engine holds
+    completions drawn at T = 0.5 with top_k = 5, at T = 1.3 with top_p = 0.8, at T = 0.9
+    with both, and one at the recipe's T = 0.7. A trainer at 0.7 that scores each sample
+    with its ``sampled_with`` agrees with the engine to rounding; one that scores every
+    sample at 0.7 (what it did before the mode) trips the gate."""
+    cuts = [
+        SampledWith(temperature=0.5, top_k=5),
+        SampledWith(temperature=1.3, top_p=0.8),
+        SampledWith(temperature=0.9, top_k=20, top_p=0.9),
+        None,
+    ]
+    responses = asyncio.run(_generate(0.7, cuts))
+    stats = {}
+    for label, carried in (("own", cuts), ("recipe", [None] * len(cuts))):
+        samples = _samples(responses)
+        for sample, cut in zip(samples, carried, strict=True):
+            sample.sampled_with = cut
+        with one_torch_thread():
+            engine = TrainEngine(
+                train_config(temperature=0.7),
+                ModelConfig(path=str(tiny_model_dir()), dtype="float32"),
+            )
+            stats[label] = engine.train_step(samples)
+    assert stats["own"][MISMATCH_KL] < 1e-9
+    assert stats["own"][MISMATCH_MAX_ABS] < 1e-4
+    check_mismatch(stats["own"], MISMATCH_LIMIT_DEFAULT)
+    with pytest.raises(MismatchError):
+        check_mismatch(stats["recipe"], MISMATCH_LIMIT_DEFAULT)
 
 
 def test_gate_judges_only_a_batch_sampled_wholly_at_version_0_before_any_update() -> None:

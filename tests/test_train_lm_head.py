@@ -143,3 +143,50 @@ def test_one_logits_matmul_per_chunk_unless_recomputed(recompute: bool) -> None:
     a = dict(engines[True][0].lm.named_parameters())
     for name, p in engines[False][0].lm.named_parameters():
         torch.testing.assert_close(p, a[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_per_row_sampling_equals_each_row_scored_alone(grad: bool) -> None:
+    """Rows sampled with different temperatures and cuts (calls that chose their own
+    sampling): the head given one (T, top_k, top_p) per row returns, for every row, what
+    it returns for that row alone with scalars, and so do the gradients of the fused head
+    (chunks of 2 rows: the per-row settings are cut with the rows)."""
+    torch.manual_seed(0)
+    settings = [(0.5, 5, 1.0), (1.3, 0, 0.8), (0.7, 3, 0.6), (1.0, 0, 1.0), (2.0, 10, 0.9)]
+    rows, hidden, vocab = len(settings), 6, 17
+    h = torch.randn(rows, hidden, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, dtype=torch.float64)
+    y = torch.randint(0, vocab, (rows,))
+    temperature = torch.tensor([s[0] for s in settings])
+    top_k = torch.tensor([s[1] for s in settings])
+    top_p = torch.tensor([s[2] for s in settings], dtype=torch.float64)
+
+    def leaves() -> tuple[torch.Tensor, torch.Tensor]:
+        return h.clone().requires_grad_(grad), w.clone().requires_grad_(grad)
+
+    h_all, w_all = leaves()
+    if grad:
+        lp, ent = fused(h_all, w_all, None, y, temperature, top_k, top_p, True, 2)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+    else:
+        lp, ent = chunk_logprobs(h_all, w_all, None, y, temperature, top_k, top_p)
+    for r, (t, k, p) in enumerate(settings):
+        h_one, w_one = leaves()
+        lp_r, ent_r = chunk_logprobs(h_one[r : r + 1], w_one, None, y[r : r + 1], t, k, p)
+        torch.testing.assert_close(lp[r : r + 1], lp_r, rtol=0, atol=1e-6)
+        torch.testing.assert_close(ent[r : r + 1], ent_r, rtol=0, atol=1e-6)
+        if grad:
+            (lp_r.sum() + 0.5 * ent_r.sum()).backward()
+            assert h_all.grad is not None and h_one.grad is not None
+            torch.testing.assert_close(h_all.grad[r], h_one.grad[r], rtol=0, atol=1e-6)
+    if grad:
+        # The weight's gradient is the sum of the rows' own.
+        total = torch.zeros_like(w)
+        for r, (t, k, p) in enumerate(settings):
+            h_one, w_one = leaves()
+            lp_r, ent_r = chunk_logprobs(h_one[r : r + 1], w_one, None, y[r : r + 1], t, k, p)
+            (lp_r.sum() + 0.5 * ent_r.sum()).backward()
+            assert w_one.grad is not None
+            total += w_one.grad
+        assert w_all.grad is not None
+        torch.testing.assert_close(w_all.grad.double(), total, rtol=0, atol=1e-5)

@@ -10,6 +10,7 @@ from train_helpers.tiny import random_batch, train_config
 from asyncrl.train import LossConfig
 from asyncrl.train.batch import Sample
 from asyncrl.train.shard import TrainShard, plan_shards
+from asyncrl.wire.messages import SampledWith
 
 
 def hand_batch() -> list[Sample]:
@@ -83,6 +84,7 @@ def test_tensor_layout_reads_back_the_same_shard() -> None:
     batch[1].old_logprobs = torch.randn(9)
     batch[2].ref_logprobs = torch.randn(4)
     batch[3].advantages = torch.tensor(0.25)  # a per-sequence scalar travels per token
+    batch[0].sampled_with = SampledWith(temperature=0.1 + 0.2, top_k=7, top_p=1 / 3)
     config = train_config(ppo_minibatches=2, loss=LossConfig(norm_len=1 / 3))
     for shard in plan_shards(batch, config, 2):
         back = TrainShard.from_tensors(*shard.to_tensors())
@@ -100,6 +102,7 @@ def test_tensor_layout_reads_back_the_same_shard() -> None:
             assert torch.equal(a.loss_mask, b.loss_mask)
             assert torch.equal(a.behav_logprobs, b.behav_logprobs)
             assert torch.equal(a.advantages_per_token(), b.advantages_per_token())
+            assert a.sampled_with == b.sampled_with  # every bit of 0.1 + 0.2 and 1 / 3
             for name in ("old_logprobs", "ref_logprobs"):
                 x, y = getattr(a, name), getattr(b, name)
                 assert (x is None and y is None) or torch.equal(x, y)

@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.algo.advantages import episode_advantages, group_advantages
 from asyncrl.algo.config import LossConfig
-from asyncrl.wire.messages import Group, TrainSample
+from asyncrl.wire.messages import Group, SampledWith, TrainSample
 
 
 def _as_tensor(value: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -47,6 +47,10 @@ class Sample:
         episode: the id of its episode within the batch: samples with the same id are one
             episode, which the seq-mean loss aggregations weigh once
             (:func:`~asyncrl.algo.loss.aggregate`); None: the sample is its own episode.
+        sampled_with: the temperature and cut its tokens were drawn with, where its calls
+            chose them (``rollout.endpoint_sampling = "per_call"``); None: the trainer's
+            own (``rollout.sampling``). Every logprob of the sample (behaviour, proximal,
+            reference, current) is of that distribution.
     """
 
     input_ids: torch.Tensor
@@ -56,6 +60,7 @@ class Sample:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     episode: int | None = None
+    sampled_with: SampledWith | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = _as_tensor(self.input_ids, torch.int64)
@@ -186,6 +191,7 @@ def build_samples(
                 behav_logprobs=torch.from_numpy(t.logprobs.numpy().astype("float32")),
                 advantages=float(a),
                 episode=e,
+                sampled_with=t.sampled_with,
             )
         )
     stats = {

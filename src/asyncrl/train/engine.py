@@ -41,7 +41,7 @@ from asyncrl.train.attention import register as register_attention
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig
 from asyncrl.train.lora import apply_lora, export_adapter, iter_merged_weights
-from asyncrl.train.models import TokenLogprobs, apply_fsdp, decoder_layers
+from asyncrl.train.models import Setting, TokenLogprobs, apply_fsdp, decoder_layers
 from asyncrl.train.packing import (
     MicroBatch,
     build_micro_batch,
@@ -296,22 +296,40 @@ class TrainEngine:
         """``[B, T]`` float32 logprobs and entropies (0 without ``with_entropy``) of the
         sampled distribution (temperature, then the top-k/top-p cut) at the micro-batch's
         targets, 0 elsewhere; one LM-head pass gives both."""
+        temperature, top_k, top_p = self._sampling_M(mb)
         with self._autocast():
             lp_M, ent_M = (module or self.module)(
                 mb.input_ids,
                 mb.position_ids,
                 mb.attention_mask,
                 mb.target_index,
-                self.config.temperature,
+                temperature,
                 mb.cu_seqlens,
                 max(mb.lengths, default=0),
-                self.config.top_k,
-                self.config.top_p,
+                top_k,
+                top_p,
                 with_entropy,
             )
         out = torch.zeros(mb.loss_mask_BT.shape, dtype=torch.float32, device=self.device)
         index = (mb.target_row, mb.target_col)
         return out.index_put(index, lp_M.float()), out.index_put(index, ent_M.float())
+
+    def _sampling_M(self, mb: MicroBatch) -> tuple[Setting, Setting, Setting]:
+        """The temperature, top_k and top_p the micro-batch's targets were sampled with:
+        the trainer's own (``rollout.sampling``) as scalars, or ``[M]`` tensors, one value
+        per target, when some sequence's calls chose their own (``Sample.sampled_with``)."""
+        cfg = self.config
+        if not mb.sampled_with:
+            return cfg.temperature, cfg.top_k, cfg.top_p
+        own = (cfg.temperature, cfg.top_k, cfg.top_p)
+        rows = [own if s is None else (s.temperature, s.top_k, s.top_p) for s in mb.sampled_with]
+        temperature_B, top_k_B, top_p_B = zip(*rows, strict=True)
+        row_M = mb.target_row
+        return (
+            torch.tensor(temperature_B, dtype=torch.float32, device=self.device)[row_M],
+            torch.tensor(top_k_B, dtype=torch.int64, device=self.device)[row_M],
+            torch.tensor(top_p_B, dtype=torch.float64, device=self.device)[row_M],
+        )
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, all_positions: bool = False) -> list[torch.Tensor]:

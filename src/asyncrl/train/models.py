@@ -20,31 +20,41 @@ from torch.utils.checkpoint import checkpoint
 
 from asyncrl.algo.truncation import cut_logprobs, kept_mask
 
+Setting = float | torch.Tensor
+"""A sampler setting (temperature, top_k or top_p): one value for every row, or a ``[M]``
+tensor with each target's own (samples whose calls chose their sampling,
+``rollout.endpoint_sampling = "per_call"``)."""
+
+
+def rows_of(setting: Setting, start: int, end: int) -> Setting:
+    """Rows ``start:end`` of a per-row setting; a scalar as it is."""
+    return setting[start:end] if isinstance(setting, torch.Tensor) else setting
+
 
 def _chunk_logq(
     hidden_MH: torch.Tensor,
     weight_VH: torch.Tensor,
     bias_V: torch.Tensor | None,
     targets_M: torch.Tensor,
-    temperature: float,
-    top_k: int,
-    top_p: float,
+    temperature: Setting,
+    top_k: Setting,
+    top_p: Setting,
 ) -> torch.Tensor:
     """``[M, V]`` float32 ``log q`` of :func:`chunk_logprobs` (−inf outside the cut)."""
     with torch.autocast(hidden_MH.device.type, enabled=False):
         logits_MV = F.linear(
             hidden_MH.float(), weight_VH.float(), None if bias_V is None else bias_V.float()
         )
-    if temperature != 1.0:
+    rows = logits_MV.shape[0]
+    if isinstance(temperature, torch.Tensor):
+        logits_MV = logits_MV / temperature.to(logits_MV)[:, None]
+    elif temperature != 1.0:
         logits_MV = logits_MV / temperature
     logq_MV = torch.log_softmax(logits_MV, dim=-1)
-    if top_k > 0 or top_p < 1.0:
-        rows = logits_MV.shape[0]
-        keep_MV = kept_mask(
-            logq_MV,
-            torch.full((rows,), top_k, dtype=torch.int64),
-            torch.full((rows,), top_p, dtype=torch.float64),
-        )
+    top_k_M = torch.as_tensor(top_k, dtype=torch.int64, device=logq_MV.device).expand(rows)
+    top_p_M = torch.as_tensor(top_p, dtype=torch.float64, device=logq_MV.device).expand(rows)
+    if bool((top_k_M > 0).any()) or bool((top_p_M < 1.0).any()):
+        keep_MV = kept_mask(logq_MV, top_k_M, top_p_M)
         keep_MV = keep_MV.scatter(-1, targets_M[:, None], True)
         logq_MV = cut_logprobs(logits_MV, keep_MV)
     return logq_MV
@@ -62,9 +72,9 @@ def chunk_logprobs(
     weight_VH: torch.Tensor,
     bias_V: torch.Tensor | None,
     targets_M: torch.Tensor,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: Setting,
+    top_k: Setting = 0,
+    top_p: Setting = 1.0,
     entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target and entropy per row, of the distribution a sampler with these
@@ -75,7 +85,8 @@ def chunk_logprobs(
         log q = log p − logsumexp_{v∈K} log p    on K,  −inf elsewhere
         returns  log q[y],  H(q) = −Σ_{v∈K} q·log q
 
-    Without a cut (``top_k = 0``, ``top_p = 1``), ``q = p``. ``entropy=False`` returns
+    Without a cut (``top_k = 0``, ``top_p = 1``), ``q = p``. Each setting is one value or
+    one per row (:data:`Setting`). ``entropy=False`` returns
     zeros for ``H`` (no pass over the vocabulary for it). The target always belongs to
     ``K``: it was sampled, so the sampler kept it, and a token at the cut's edge that the
     trainer's slightly different logits would drop must not get logprob −inf.
@@ -116,9 +127,9 @@ class FusedLogprobs(torch.autograd.Function):
         weight_VH: torch.Tensor,
         bias_V: torch.Tensor | None,
         targets_M: torch.Tensor,
-        temperature: float,
-        top_k: int,
-        top_p: float,
+        temperature: Setting,
+        top_k: Setting,
+        top_p: Setting,
         entropy: bool,
         chunk_tokens: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +138,8 @@ class FusedLogprobs(torch.autograd.Function):
             end = start + chunk_tokens
             logq_MV = _chunk_logq(
                 hidden_MH[start:end], weight_VH, bias_V, targets_M[start:end],
-                temperature, top_k, top_p,
+                rows_of(temperature, start, end), rows_of(top_k, start, end),
+                rows_of(top_p, start, end),
             )  # fmt: skip
             logprobs.append(logq_MV.gather(-1, targets_M[start:end, None]).squeeze(-1))
             entropies.append(_entropy(logq_MV) if entropy else torch.zeros_like(logprobs[-1]))
@@ -158,10 +170,13 @@ class FusedLogprobs(torch.autograd.Function):
                 # b = −e/T per row: two passes over [chunk, V] without entropy, four with
                 zero_M = torch.zeros(logq_MV.shape[0], device=logq_MV.device)
                 g_M = zero_M if grad_lp_M is None else grad_lp_M[rows].float()
-                g_M = g_M / ctx.temperature
+                temperature = rows_of(ctx.temperature, rows.start, rows.stop)
+                if isinstance(temperature, torch.Tensor):
+                    temperature = temperature.to(g_M)
+                g_M = g_M / temperature
                 grad_MV = logq_MV.exp()
                 if ctx.entropy and grad_ent_M is not None:
-                    b_M = grad_ent_M[rows].float() / -ctx.temperature
+                    b_M = grad_ent_M[rows].float() / -temperature
                     term_MV = torch.nan_to_num(logq_MV, neginf=0.0)  # 0 outside the cut
                     term_MV.add_(ent_M[rows, None]).mul_(b_M[:, None]).sub_(g_M[:, None])
                     grad_MV.mul_(term_MV)
@@ -206,11 +221,11 @@ class TokenLogprobs(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         target_index: torch.Tensor,
-        temperature: float = 1.0,
+        temperature: Setting = 1.0,
         cu_seqlens: torch.Tensor | None = None,
         max_len: int = 0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        top_k: Setting = 0,
+        top_p: Setting = 1.0,
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprob of ``input_ids.flatten()[i]`` given what precedes it, for each ``i`` in
@@ -230,7 +245,8 @@ class TokenLogprobs(nn.Module):
                 attention backends that take boundaries (``asyncrl_varlen``,
                 ``flash_attention_2``); others ignore it and read ``position_ids``.
             max_len: the longest packed sequence.
-            top_k, top_p: the sampler's cut (0 and 1: none).
+            temperature, top_k, top_p: the sampler's temperature and cut (0 and 1: none),
+                one value or one per target (``[M]``, :data:`Setting`).
         """
         decoder: Any = self.lm.get_decoder()  # type: ignore[operator]
         boundaries: dict[str, Any] = {}
@@ -263,14 +279,16 @@ class TokenLogprobs(nn.Module):
         logprobs, entropies = [], []
         for start in range(0, targets_M.numel(), self.chunk_tokens):
             end = start + self.chunk_tokens
-            args = (hidden_MH[start:end], weight_VH, bias_V, targets_M[start:end], temperature)
+            args = (
+                hidden_MH[start:end], weight_VH, bias_V, targets_M[start:end],
+                rows_of(temperature, start, end), rows_of(top_k, start, end),
+                rows_of(top_p, start, end),
+            )  # fmt: skip
             if torch.is_grad_enabled():
                 # Recomputed in backward, so only one chunk of logits is ever alive.
-                lp_M, ent_M = checkpoint(
-                    chunk_logprobs, *args, top_k, top_p, with_entropy, use_reentrant=False
-                )
+                lp_M, ent_M = checkpoint(chunk_logprobs, *args, with_entropy, use_reentrant=False)
             else:
-                lp_M, ent_M = chunk_logprobs(*args, top_k, top_p, with_entropy)
+                lp_M, ent_M = chunk_logprobs(*args, with_entropy)
             logprobs.append(lp_M)
             entropies.append(ent_M)
         if not logprobs:

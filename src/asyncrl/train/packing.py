@@ -17,11 +17,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from asyncrl.train.batch import Sample
+from asyncrl.wire.messages import SampledWith
 
 
 def _deal(bins: list[list[int]], loads: list[int], world_size: int) -> list[list[list[int]]]:
@@ -139,6 +140,8 @@ class MicroBatch:
     old_logprobs_BT: torch.Tensor | None
     ref_logprobs_BT: torch.Tensor | None
     advantages_BT: torch.Tensor  # [B, T] float32
+    sampled_with: list[SampledWith | None] = field(default_factory=list)
+    """Per sequence, the sampling its calls chose (None: the trainer's); empty when none did."""
 
     @property
     def num_tokens(self) -> int:
@@ -169,6 +172,7 @@ class MicroBatch:
             old_logprobs_BT=move(self.old_logprobs_BT),
             ref_logprobs_BT=move(self.ref_logprobs_BT),
             advantages_BT=self.advantages_BT.to(device),
+            sampled_with=self.sampled_with,
         )
 
 
@@ -249,4 +253,9 @@ def build_micro_batch(
         old_logprobs_BT=optional("old_logprobs"),
         ref_logprobs_BT=optional("ref_logprobs"),
         advantages_BT=_pad_stack([s.advantages_per_token() for s in samples], width, 0.0),
+        sampled_with=(
+            [s.sampled_with for s in samples]
+            if any(s.sampled_with is not None for s in samples)
+            else []
+        ),
     )

@@ -25,6 +25,7 @@ from asyncrl.algo.loss import agg_count
 from asyncrl.train.batch import Batch, Sample
 from asyncrl.train.config import TrainerConfig
 from asyncrl.train.packing import plan_micro_batches, split_minibatches
+from asyncrl.wire.messages import SampledWith
 
 ProximalMode = Literal["free", "given", "behaviour"]
 MODES: tuple[ProximalMode, ...] = ("free", "given", "behaviour")
@@ -72,14 +73,13 @@ class TrainShard:
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ints int64, mask uint8, floats float32)``: the shard as three flat CPU
         tensors for point-to-point sends. ``ints`` holds the header (counts, flags, the
-        bits of ``norm_len``), each sample's length, flags and episode tokens, the plan and
-        the token ids;
+        bits of ``norm_len``), each sample's length, flags, episode tokens and sampling, the
+        plan and the token ids;
         ``mask`` the loss masks; ``floats`` the behaviour logprobs, the per-token
         advantages and the ``old``/``ref`` logprobs that are set."""
         s = self.samples
         has_old = [x.old_logprobs is not None for x in s]
         has_ref = [x.ref_logprobs is not None for x in s]
-        norm_bits = int(torch.tensor([self.norm_len], dtype=torch.float64).view(torch.int64))
         header = [
             len(s),
             len(self.minibatches),
@@ -89,7 +89,7 @@ class TrainShard:
             self.sequences,
             self.tokens,
             self.loss_tokens,
-            norm_bits,
+            _bits(self.norm_len),
         ]
         plan: list[int] = []
         for k, micro in enumerate(self.minibatches):
@@ -102,6 +102,7 @@ class TrainShard:
             + [int(f) for f in has_old]
             + [int(f) for f in has_ref]
             + episode_tokens
+            + [v for x in s for v in _sampling_ints(x.sampled_with)]
         )
         ints = torch.cat(
             [
@@ -132,10 +133,11 @@ class TrainShard:
         ].tolist()
         norm_len = float(meta[8:].view(torch.float64))
         pos = _META
-        head = ints[pos : pos + 4 * n].tolist()
+        head = ints[pos : pos + _PER_SAMPLE * n].tolist()
         lengths, has_old, has_ref = head[:n], head[n : 2 * n], head[2 * n : 3 * n]
-        episode_tokens = head[3 * n :]
-        pos += 4 * n
+        episode_tokens = head[3 * n : 4 * n]
+        sampled_with = [_sampling_of(head[4 * n + 4 * i : 4 * n + 4 * i + 4]) for i in range(n)]
+        pos += _PER_SAMPLE * n
         minibatches: list[list[list[int]]] = []
         units_total: list[int] = []
         for _ in range(n_minibatches):
@@ -157,7 +159,10 @@ class TrainShard:
             adv = torch.split(floats[total : 2 * total], lengths)
             old, rest = _take(floats[2 * total :], lengths, has_old)
             ref, _ = _take(rest, lengths, has_ref)
-            samples = [Sample(ids[i], masks[i], behav[i], adv[i], old[i], ref[i]) for i in range(n)]
+            samples = [
+                Sample(ids[i], masks[i], behav[i], adv[i], old[i], ref[i], None, sampled_with[i])
+                for i in range(n)
+            ]
         return cls(
             samples=samples,
             minibatches=minibatches,
@@ -171,6 +176,35 @@ class TrainShard:
             loss_tokens=loss_tokens,
             episode_tokens=episode_tokens,
         )
+
+
+_PER_SAMPLE = 8
+"""int64 fields per sample in a packed shard: length, has old, has ref, episode tokens and
+the four of its sampling (:func:`_sampling_ints`)."""
+
+
+def _bits(value: float) -> int:
+    return int(torch.tensor([value], dtype=torch.float64).view(torch.int64))
+
+
+def _float(bits: int) -> float:
+    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64))
+
+
+def _sampling_ints(sampled_with: SampledWith | None) -> list[int]:
+    """A sample's :class:`~asyncrl.wire.messages.SampledWith` as four int64s (set or not,
+    the temperature's and top_p's float64 bits, top_k): exact, whatever the value."""
+    if sampled_with is None:
+        return [0, 0, 0, 0]
+    s = sampled_with
+    return [1, _bits(s.temperature), s.top_k, _bits(s.top_p)]
+
+
+def _sampling_of(ints: Sequence[int]) -> SampledWith | None:
+    present, temperature, top_k, top_p = ints
+    if not present:
+        return None
+    return SampledWith(temperature=_float(temperature), top_k=top_k, top_p=_float(top_p))
 
 
 def _empty(dtype: torch.dtype) -> torch.Tensor:
