@@ -13,6 +13,7 @@ from actor_helpers.echo_actor import EchoActor
 from asyncrl.config.recipe import Recipe
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.exits import FATAL_EXIT
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.runtime.supervisor import ActorSpec, Supervisor
 from asyncrl.wire.messages import Ack, ActorExit, ActorInfo, Control
@@ -109,6 +110,19 @@ async def test_failing_run_gives_exit_code_1_and_a_failed_exit_message(
     assert exits and not exits[0].ok and "boom on purpose" in exits[0].reason
 
 
+async def test_a_fatal_error_gives_its_exit_code_and_says_fatal(
+    embedded_nats: EmbeddedNats, bus: Bus
+) -> None:
+    exits: list[ActorExit] = []
+    await _collect(bus, SUBJECTS.exited, ActorExit, exits)
+    actor = EchoActor(_ctx(embedded_nats, "a4"), behaviour="fatal")
+    assert await actor.main() == FATAL_EXIT
+    await bus.nc.flush()
+    await asyncio.sleep(0.05)
+    assert exits and exits[0].fatal and not exits[0].ok
+    assert "a setup no restart mends" in exits[0].reason
+
+
 def _spec(run_dir: Path, actor_id: str, behaviour: str, primary: bool = False) -> ActorSpec:
     return ActorSpec(
         "echo", actor_id, [sys.executable, HELPER, str(run_dir), actor_id, behaviour], primary
@@ -140,6 +154,23 @@ async def test_supervisor_names_the_actor_that_died(embedded_nats: EmbeddedNats,
     assert await sup.run() == 1
     assert "bad" in sup.reason and "bad.log" in sup.reason
     assert all(p.exit_code is not None for p in sup.procs.values())
+
+
+async def test_supervisor_does_not_restart_a_fatal_error(
+    embedded_nats: EmbeddedNats, bus: Bus
+) -> None:
+    """An actor with restarts left fails fatally once the run is up: it is not replaced
+    (a crash would be), and its reason ends the run."""
+    run_dir = embedded_nats.run_dir
+    fatal = _spec(run_dir, "f", "fatal")
+    fatal.restarts, fatal.backoff = 3, 0.5
+    specs = [_spec(run_dir, "p", "serve", primary=True), fatal]
+    sup = Supervisor(bus, SUBJECTS, run_dir, specs, startup_timeout=60, grace=10)
+    assert await sup.run() == 1
+    assert "actor f (echo)" in sup.reason and "fatal: not restarted" in sup.reason
+    assert "a setup no restart mends" in sup.reason
+    assert list(sup.procs) == ["p", "f"]
+    assert sup.procs["f"].exit_code == FATAL_EXIT
 
 
 async def test_supervisor_fails_on_an_actor_that_never_starts(

@@ -419,3 +419,21 @@ async def test_a_bad_recipe_fails_before_anything_starts(
     assert code == 2
     assert named in out
     assert not (tmp_path / "bad").exists(), "a run folder was created for a bad recipe"
+
+
+async def test_the_version_0_gate_ends_the_run_without_restarting_the_trainer(
+    tmp_path: Path,
+) -> None:
+    """A limit no engine meets (1e-30: fp32 engine and trainer differ by ~1e-14) stands
+    for a broken setup. The first batch sampled at version 0 trips the gate: ``up`` exits 1
+    naming the gate and the likely causes, the trainer exits fatally and, though
+    ``run.max_restarts`` allows 3 replacements, none is started."""
+    code, out = await run(up_args(tmp_path, "gate", "trainer.mismatch_limit=1e-30"), limit=240)
+    assert code == 1, out
+    assert "fatal: not restarted" in out and "exceeds trainer.mismatch_limit = 1e-30" in out
+    assert "temperature" in out and "dtype" in out
+    logs = sorted(p.name for p in (tmp_path / "gate" / "logs").glob("trainer*.log"))
+    assert logs == ["trainer-0.log"], logs
+    assert not (tmp_path / "gate" / "metrics.jsonl").exists() or not read_jsonl(
+        tmp_path / "gate" / "metrics.jsonl"
+    ), "no step is recorded past a tripped gate"

@@ -3,7 +3,8 @@
     python tests/actor_helpers/echo_actor.py RUN_DIR ACTOR_ID BEHAVIOUR
 
 BEHAVIOUR: ``serve`` (answers echo requests until stopped), ``finish`` (returns after
-its first echo request), ``crash`` (raises after start), ``die`` (exits before start).
+its first echo request), ``crash`` (raises after start), ``fatal`` (raises a
+:class:`~asyncrl.runtime.exits.FatalError` after start), ``die`` (exits before start).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from asyncrl.config.recipe import Recipe
 from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.exits import FatalError
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_server import nats_info_for_run
 from asyncrl.wire.messages import Ack
@@ -41,6 +43,8 @@ class EchoActor(Actor):
     async def run(self) -> None:
         if self.behaviour == "crash":
             raise RuntimeError("boom on purpose")
+        if self.behaviour == "fatal":
+            raise FatalError("a setup no restart mends")
         if self.behaviour == "finish":
             await self.finished.wait()
             return
@@ -53,7 +57,7 @@ class EchoActor(Actor):
 def main() -> int:
     run_dir, actor_id, behaviour = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     if behaviour == "die":
-        return 3
+        return 2
     ctx = ActorContext(
         run_name="t",
         run_dir=run_dir,

@@ -11,8 +11,9 @@ Per step: train samples with group advantages (:func:`~asyncrl.train.batch.build
 with ``WeightsUpdated`` → the step's records (:mod:`asyncrl.observe.records`) → a
 checkpoint every ``checkpoint_every`` steps and at the end. The first batch sampled wholly
 at version 0 passes the rollout–trainer mismatch gate (``trainer.mismatch_limit``), or the
-trainer fails with a :class:`~asyncrl.algo.mismatch.MismatchError` that names the likely
-causes. The engine owns the progress (step and version), saved with its checkpoint; a
+trainer fails with the :class:`~asyncrl.algo.mismatch.MismatchError` message that names
+the likely causes, fatally (:mod:`asyncrl.runtime.exits`: a replacement would trip it
+again, so the run ends instead of restarting the trainer). The engine owns the progress (step and version), saved with its checkpoint; a
 restarted trainer goes on from there.
 """
 
@@ -25,13 +26,14 @@ import time
 from pathlib import Path
 
 from asyncrl.actors.colocation import Colocation
-from asyncrl.algo.mismatch import check_mismatch, gate_applies
+from asyncrl.algo.mismatch import MismatchError, check_mismatch, gate_applies
 from asyncrl.api.train_engine import TrainEngineProtocol
 from asyncrl.api.weights import WeightPublisher
 from asyncrl.observe.fleet import FleetView
 from asyncrl.observe.records import StepRecords
 from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
+from asyncrl.runtime.exits import FatalError
 from asyncrl.runtime.supervisor import RESTART_ENV
 from asyncrl.train.batch import build_samples
 from asyncrl.train.checkpoint import commit_checkpoint, latest_checkpoint_meta
@@ -166,8 +168,11 @@ class TrainerActor(Actor):
             with self.tracer.span("train", step=self.step + 1, samples=len(samples)):
                 train_stats = await asyncio.to_thread(self.ranks.train, samples)
             t_train = time.monotonic() - t1
-            if gate:  # a setup error shows here; raised, it ends the run
-                check_mismatch(train_stats, cfg.mismatch_limit)
+            if gate:  # a setup error shows here; it ends the run, which no restart mends
+                try:
+                    check_mismatch(train_stats, cfg.mismatch_limit)
+                except MismatchError as exc:
+                    raise FatalError(str(exc)) from exc
             t2 = time.monotonic()
             last = self.step == cfg.max_steps
             if self.step % cfg.update_every == 0 or last:

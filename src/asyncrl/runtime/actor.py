@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from asyncrl import __version__
 from asyncrl.config.recipe import Recipe, trace_window
 from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.exits import FATAL_EXIT, FatalError
 from asyncrl.runtime.log import get_logger
 from asyncrl.runtime.trace import Tracer
 from asyncrl.wire.messages import ActorExit, ActorInfo, Control, Message, Metrics
@@ -191,7 +192,9 @@ class Actor:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def main(self) -> int:
-        """Runs the actor to its end; returns the process exit code."""
+        """Runs the actor to its end; returns the process exit code: 0, 1 for a failure,
+        :data:`~asyncrl.runtime.exits.FATAL_EXIT` for a :class:`~asyncrl.runtime.exits.FatalError`
+        (the supervisor does not start it again)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -199,7 +202,7 @@ class Actor:
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
         self._bus = await Bus.connect(self.ctx.nats, name=self.actor_id)
-        ok, reason = True, ""
+        ok, reason, fatal = True, "", False
         try:
             async with asyncio.TaskGroup() as tg:
                 await self.bus.subscribe(self.subjects.control, Control, self._on_control)
@@ -216,7 +219,7 @@ class Actor:
         except* _StopRequested:
             reason = self._stop_reason
         except* Exception as group:
-            ok = False
+            ok, fatal = False, group.subgroup(FatalError) is not None
             reason = "; ".join(f"{type(e).__name__}: {e}" for e in group.exceptions)
             self.log.error("actor failed", error=reason, exc_info=group.exceptions[0])
         self.status = "stopping"
@@ -227,7 +230,9 @@ class Actor:
             self.log.error("teardown failed", exc_info=exc)
         self.tracer.close()
         try:
-            exit_msg = ActorExit(role=self.role, actor_id=self.actor_id, ok=ok, reason=reason)
+            exit_msg = ActorExit(
+                role=self.role, actor_id=self.actor_id, ok=ok, reason=reason, fatal=fatal
+            )
             await self.bus.publish(self.subjects.exited, exit_msg)
             await self.bus.close()
         except Exception as exc:  # the server may already be gone at the end of a run
@@ -235,8 +240,8 @@ class Actor:
         self._stopped = True
         if self._stall_watch is not None:
             self._stall_watch.cancel()
-        self.log.info("stopped", ok=ok, reason=reason)
-        return 0 if ok else 1
+        self.log.info("stopped", ok=ok, reason=reason, fatal=fatal)
+        return 0 if ok else FATAL_EXIT if fatal else 1
 
     async def _run_then_stop(self) -> None:
         await self.run()

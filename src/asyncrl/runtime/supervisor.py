@@ -10,7 +10,8 @@ It spawns one OS process per actor, waits until every actor has said ``started``
   naming the actor and its log file; except that an actor with ``restarts`` left (the
   stateless roles: rollout, reward) that dies after the run is up is started again under
   a new id (``<id>-r<n>``), so the buffer sees a new actor and returns the dead one's
-  leases. Each role has ``run.max_restarts`` replacements, each after a back-off that
+  leases; never one that failed fatally (:mod:`.exits`: a setup the run refuses, which
+  a replacement would meet again), whose reason ends the run. Each role has ``run.max_restarts`` replacements, each after a back-off that
   doubles (``run.restart_backoff``): the buffer restores its durable state, the trainer
   its latest checkpoint (its replacement's ``ASYNCRL_RESTART`` makes it a new epoch),
   the other roles hold nothing of their own;
@@ -41,6 +42,7 @@ from typing import Any
 
 from asyncrl.runtime import lineage
 from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.exits import FATAL_EXIT
 from asyncrl.runtime.log import get_logger
 from asyncrl.wire.messages import ActorExit, ActorInfo, Control
 from asyncrl.wire.subjects import Subjects
@@ -110,6 +112,8 @@ class _Proc:
     started: bool = False
     exit_code: int | None = None
     replaced: bool = False
+    fatal: bool = False
+    """It failed in a way a restart cannot mend (its exit code, or its exit message)."""
 
 
 class Supervisor:
@@ -133,6 +137,7 @@ class Supervisor:
         self.on_started = on_started
         self.log = get_logger(role="supervisor", run=subjects.run)
         self.procs: dict[str, _Proc] = {}
+        self._fatal_ids: set[str] = set()
         self.reason = ""
         self._all_started = asyncio.Event()
         self._stopping = False
@@ -221,8 +226,20 @@ class Supervisor:
                 self._event.set()
 
     async def _on_exit_msg(self, msg: ActorExit) -> None:
-        if not msg.ok and self._members(msg.actor_id) and not self.reason:
+        if msg.fatal:
+            # the message may come after the exit, once a replacement is scheduled
+            for p in self.procs.values():
+                if msg.actor_id in (p.spec.actor_id, p.spec.gang) and p.exit_code is not None:
+                    p.fatal = True
+            self._fatal_ids.add(msg.actor_id)
+            self._event.set()
+        if not msg.ok and (self._members(msg.actor_id) or msg.fatal) and not self.reason:
             self.reason = f"actor {msg.actor_id} ({msg.role}) failed: {msg.reason}"
+
+    def _is_fatal(self, p: _Proc) -> bool:
+        if p.exit_code == FATAL_EXIT or p.spec.actor_id in self._fatal_ids:
+            p.fatal = True
+        return p.fatal
 
     def _crashed(self, p: _Proc) -> bool:
         if p.exit_code is None or p.replaced or self._stopping:
@@ -235,7 +252,7 @@ class Supervisor:
         if not self._all_started.is_set():
             return  # a death during start-up is a broken set-up, not bad luck
         for p in list(self.procs.values()):
-            if self._crashed(p) and p.spec.restarts > 0:
+            if self._crashed(p) and p.spec.restarts > 0 and not self._is_fatal(p):
                 # a gang goes as a whole: its other members cannot go on without this one
                 gang = self._members(p.spec.gang) if p.spec.gang else [p]
                 self.restarts += 1
@@ -266,7 +283,10 @@ class Supervisor:
             if left:
                 self.log.error("processes of a dead actor outlived SIGKILL", pids=left)
             await asyncio.sleep(spec.delay())
-            if not self._stopping and not self._stop_request.is_set():
+            if self._is_fatal(dead):
+                # its fatal exit message came after the exit: no replacement, the run fails
+                dead.replaced = False
+            elif not self._stopping and not self._stop_request.is_set():
                 await self._spawn(spec)
         finally:
             self._pending -= 1
@@ -284,6 +304,7 @@ class Supervisor:
                     f"actor {p.spec.actor_id} ({p.spec.role}) exited with code {p.exit_code}"
                     f"{' before it started' if not p.started else ''}"
                     f"{f' after {gen} restarts' if gen and self._all_started.is_set() else ''}"
+                    f"{' (fatal: not restarted)' if self._is_fatal(p) else ''}"
                     f"{': ' + detail if detail else ''}; see {p.log_path}"
                 )
         return None

@@ -129,6 +129,9 @@ class ActorExit(Message):
     actor_id: str
     ok: bool
     reason: str = ""
+    fatal: bool = Field(
+        default=False, description="failed in a way a restart cannot mend: not started again"
+    )
 
 
 class Metrics(Message):
