@@ -1,20 +1,33 @@
 """``rollout.endpoint_sampling = "per_call"``: the endpoint serves a call's own temperature,
 top_p and top_k and records them; greedy calls are context, a change of sampling starts a
-new sample, each sample says what it was drawn with (``sampled_with``). (The ``recipe``
-mode's refusals: tests/test_endpoint.py.)"""
+new sample, each sample says what it was drawn with (``sampled_with``); the trajectory a
+rollout actor publishes carries it; ``asyncrl check`` refuses the key where no call goes
+through the endpoint. (The ``recipe`` mode's refusals: tests/test_endpoint.py.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import openai
 import pytest
-from scripted_engine import ScriptedEngine
+from actor_helpers.buffer_kit import context, recipe
+from scripted_engine import ScriptedEngine, SpyHF
 
 from asyncrl.actors.eval import eval_keys
+from asyncrl.actors.generation import build_workflow
+from asyncrl.actors.rollout import RolloutActor
 from asyncrl.api.inference import SamplingParams
+from asyncrl.config.checks import recipe_problems
+from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIEndpoint
 from asyncrl.endpoint.recording import Call, episode_samples
-from asyncrl.models.tiny import build_tokenizer
-from asyncrl.wire.messages import SampledWith
+from asyncrl.launch.up import ensure_trajectory_stream
+from asyncrl.models.tiny import build_tokenizer, tiny_model_dir
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.nats_server import NatsInfo
+from asyncrl.wire.codec import decode
+from asyncrl.wire.messages import Prompt, SampledWith, Trajectory
 
 TOKEN = "test-token"
 RECIPE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_new_tokens=8)
@@ -161,3 +174,110 @@ def test_the_endpoints_own_sampling_is_no_sampled_with() -> None:
     greedy = SamplingParams(temperature=0.0)
     (evaluated,) = episode_samples([call([1, 2], [3, 4], 0.0)], 1.0, greedy)
     assert evaluated.trace.loss_mask == [0, 0, 1, 1] and evaluated.sampled_with is None
+
+
+PER_CALL_AGENT = """
+async def agent(client, data):
+    messages = [{"role": "user", "content": data["question"]}]
+    first = await client.chat.completions.create(
+        model="m", messages=messages, temperature=0.5, seed=1, extra_body={"top_k": 5}
+    )
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "again"},
+    ]
+    await client.chat.completions.create(model="m", messages=messages, temperature=0)
+    return 1.0
+"""
+
+
+async def test_a_rollout_actor_publishes_the_sampling_its_agent_chose(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus
+) -> None:
+    """Agent code on the tiny model through a rollout actor's endpoint (per_call): a call
+    at 0.5 / top-k 5, then a greedy one continuing it. The engine sampled each call as it
+    asked; the scored trajectories on the stream carry (0.5, 5, 1.0), and the greedy
+    call's tokens are context."""
+    path = tmp_path / "agent.py"
+    path.write_text(PER_CALL_AGENT)
+    r = recipe(
+        f"rollout.workflow={path}:agent",
+        'rollout.endpoint_sampling="per_call"',
+        "rollout.sampling.max_new_tokens=6",
+    )
+    actor = RolloutActor(context(tmp_path, nats_server, r, "r0"))
+    actor._bus = await Bus.connect(nats_server, name="r0")
+    engine = actor.engine = SpyHF(str(tiny_model_dir()))
+    await engine.start()
+    await ensure_trajectory_stream(bus, actor.subjects)
+    try:
+        await actor._serve_endpoint(engine)
+        actor.workflow = build_workflow(
+            actor,
+            engine,
+            r.rollout.sampling.params(),
+            2,
+            reward=None,
+            endpoint=actor.endpoint,
+            tools=None,
+        )
+        await actor._episode(Prompt(uid="e0-1", data={"question": "2+3"}), "lease-1")
+    finally:
+        await actor.bus.close()
+        await actor.teardown()
+    served = [(q.sampling.temperature, q.sampling.top_k) for q in engine.requests]
+    assert sorted(served) == [(0.0, 0), (0.0, 0), (0.5, 5), (0.5, 5)]
+    published = await scored(bus, actor)
+    # one sample per episode: the greedy call continued the first, as its context
+    assert sorted(t.uid for t in published) == ["e0-1/0", "e0-1/1"]
+    for t in published:
+        assert t.sampled_with == SampledWith(temperature=0.5, top_k=5, top_p=1.0)
+        ids, mask = t.input_ids.numpy().tolist(), t.loss_mask.numpy().astype(bool)
+        # the engine's calls whose prompt and output the sequence begins with (both
+        # episodes make the same seeded first call)
+        made = {
+            q.sampling.temperature: resp
+            for q, resp in zip(engine.requests, engine.seen, strict=True)
+            if ids[: len(resp.input_ids) + len(resp.output_ids)] == resp.input_ids + resp.output_ids
+        }
+        first, greedy = made[0.5], made[0.0]
+        assert ids == greedy.input_ids + greedy.output_ids
+        assert [i for i, m in zip(ids, mask, strict=True) if m] == first.output_ids
+        assert not mask[len(greedy.input_ids) :].any()
+
+
+async def scored(bus: Bus, actor: RolloutActor) -> list[Trajectory]:
+    """The scored trajectories on the run's stream."""
+    s = actor.subjects
+    state = (await bus.js.stream_info(s.stream)).state
+    out = []
+    for seq in range(state.first_seq, state.last_seq + 1):
+        msg = await bus.js.get_msg(s.stream, seq)
+        assert msg.subject == s.scored and msg.data is not None
+        out.append(decode(msg.data, Trajectory))
+    return out
+
+
+def test_check_refuses_per_call_where_no_call_goes_through_the_endpoint(
+    tmp_path: Path,
+) -> None:
+    per_call = 'rollout.endpoint_sampling="per_call"'
+    for workflow in ("rlvr", "multi_turn", "agent"):
+        errors, _ = recipe_problems(load_recipe(None, [f"rollout.workflow={workflow}", per_call]))
+        assert len(errors) == 1, errors
+        assert "rollout.endpoint_sampling" in errors[0] and repr(workflow) in errors[0]
+    agent = tmp_path / "agent.py"
+    agent.write_text("async def agent(client, data):\n    return 1.0\n")
+    episode = tmp_path / "episode.py"
+    episode.write_text("async def episode(engine, item):\n    return []\n")
+    fine: list[Any] = [
+        [f"rollout.workflow={agent}:agent"],
+        [f"rollout.workflow={episode}:episode", "rollout.endpoint=true"],
+    ]
+    for sets in fine:
+        assert recipe_problems(load_recipe(None, [*sets, per_call]))[0] == [], sets
+    (err,) = recipe_problems(load_recipe(None, [f"rollout.workflow={episode}:episode", per_call]))[
+        0
+    ]
+    assert "rollout.endpoint_sampling" in err
+    assert load_recipe(None).rollout.endpoint_sampling == "recipe"
