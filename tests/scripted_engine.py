@@ -84,13 +84,15 @@ class ScriptedEngine(InferenceEngine):
 
 
 class SpyHF(HFEngine):
-    """The hf engine, keeping every response it returns."""
+    """The hf engine, keeping every request it is given and every response it returns."""
 
     def __init__(self, model: str) -> None:
         super().__init__(model)
+        self.requests: list[GenerateRequest] = []
         self.seen: list[GenerateResponse] = []
 
     async def agenerate(self, request: GenerateRequest) -> GenerateResponse:
+        self.requests.append(request)
         resp = await super().agenerate(request)
         self.seen.append(resp)
         return resp

@@ -48,7 +48,13 @@ def test_a_sensible_sample_passes() -> None:
         ({"group_index": -1}, "group_index_out_of_range"),
         ({"reward": None}, "missing_reward"),
         ({"reward": float("nan")}, "nonfinite_reward"),
-        ({"loss_mask": Array.of([0, 0, 0, 0, 0], "bool")}, "no_generated_token"),
+        (
+            {
+                k: Array.of([], "float32")
+                for k in ("input_ids", "loss_mask", "logprobs", "versions")
+            },
+            "no_token",
+        ),
         ({"loss_mask": Array.of([0, 1, 1, 1, 1], "bool")}, "loss_on_prompt_token"),
         ({"loss_mask": Array.of([1, 0, 0, 0, 0], "bool")}, "loss_on_prompt_token"),
         ({"versions": Array.of([-1, -1, 1, 2, 2], "int32")}, "future_version"),
@@ -59,6 +65,19 @@ def test_a_sensible_sample_passes() -> None:
 )
 def test_each_reason(changes: dict[str, Any], expected: str) -> None:
     assert reason(traj(**changes)) == expected
+
+
+def test_a_sample_without_a_generated_token_passes() -> None:
+    """An episode of greedy calls only (``rollout.endpoint_sampling = "per_call"``): every
+    token is context, version -1, logprob 0. It trains nothing but keeps its place in its
+    group's baseline."""
+    context = traj(
+        loss_mask=Array.of([0, 0, 0, 0, 0], "bool"),
+        logprobs=Array.of([0, 0, 0, 0, 0], "float32"),
+        versions=Array.of([-1, -1, -1, -1, -1], "int32"),
+    )
+    assert reason(context) is None
+    assert context.head_version == -1
 
 
 def test_a_version_is_from_the_future_only_beyond_the_buffers() -> None:

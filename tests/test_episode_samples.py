@@ -5,12 +5,14 @@ and the endpoint workflow that makes them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from scripted_engine import ScriptedEngine
 from test_buffer import lease, make_buffer
+from train_helpers.tiny import tiny_engine, train_config
 
 from asyncrl.actors.buffer import BufferActor
 from asyncrl.actors.buffer.admission import (
@@ -25,7 +27,8 @@ from asyncrl.config.recipe import load_recipe
 from asyncrl.endpoint import OpenAIAgentWorkflow, OpenAIEndpoint
 from asyncrl.endpoint.recording import Call, episode_samples
 from asyncrl.models.tiny import build_tokenizer
-from asyncrl.observe.records import agent_metrics, batch_stats
+from asyncrl.observe.records import SAMPLES_FILE, StepRecords, agent_metrics, batch_stats
+from asyncrl.train import LossConfig
 from asyncrl.train.batch import build_samples
 from asyncrl.wire.messages import ActorExit, Array, Trajectory
 
@@ -326,3 +329,45 @@ async def test_a_restored_buffer_keeps_each_attempts_samples_apart(tmp_path: Pat
     assert sum(len(g) for g in again.admission.groups.values()) == 3
     assert again.admission.on_scored(by_attempt(uid, 1, 1, 2, b, 21)) == "admitted"
     assert episode_tokens(again) == [(0, 0, 10), (1, 0, 20), (1, 1, 21)]
+
+
+async def test_an_episode_of_greedy_calls_stays_in_its_groups_baseline(tmp_path: Path) -> None:
+    """Episode 0's calls were all greedy (per_call sampling): no generated token, every
+    version −1. The buffer at version 1 with η = 1 admits the group on episode 1's version
+    0 (its −1 is no version: 1 − (−1) would be stale); the trainer gives episode 0 its
+    place in the baseline, rewards (0, 1) → A = (−s, s), and no loss: the step is the step
+    of episode 1 alone. Its records count no staleness for it."""
+    buf = make_buffer(tmp_path)
+    uid = (await lease(buf, 1)).prompts[0].uid
+    buf.admission.staleness.version = 1
+    greedy = [
+        Call([1, 2], [3, 4], [-0.5, -0.5], [0, 0], "stop", temperature=0.0),
+        Call([1, 2, 3, 4, 5], [6], [-0.5], [0], "stop", temperature=0.0),
+    ]
+    (untrained,) = episode_samples(greedy, 0.0)
+    assert untrained.trace.loss_mask == [0] * 6 and untrained.sampled_with is None
+    zero = untrained.trace.to_trajectory(uid, 0, 2, {}, "", "stop", reward=0.0)
+    assert invalid_reason(zero, group_size=2, version=1) is None
+    await buf.on_scored(zero)
+    await buf.on_scored(traj(uid, 1, 1.0))
+    (group,) = buf.admission.ready
+    assert group.head_version == 0
+    assert buf.admission.staleness.admissible(-1)  # a group of no generated token at all
+    loss = load_recipe(None, ["rollout.group_size=2"]).trainer.loss
+    samples, _ = build_samples([group], loss)
+    assert [int(x.loss_mask.sum()) for x in samples] == [0, 2]
+    s = 2**-0.5 + 1e-6  # the unbiased std of (0, 1)
+    assert [float(x.advantages) for x in samples] == pytest.approx([-0.5 / s, 0.5 / s])
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        config = train_config(loss=LossConfig(loss_agg=agg, behav_imp_weight_cap=None))
+        both = tiny_engine(config).train_step(samples)
+        alone = tiny_engine(config).train_step(samples[1:])
+        assert both["loss"] == pytest.approx(alone["loss"], rel=1e-5), agg
+        assert both["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5), agg
+    records = StepRecords(load_recipe(None, ["rollout.group_size=2"]), tmp_path)
+    records.open(0)
+    record = records.step(2, 3, [group], {}, {}, {}, {}, {})  # trained at 2: episode 1 is 2 old
+    records.close()
+    assert (record["staleness_mean"], record["staleness_max"], record["staleness/2"]) == (2, 2, 1)
+    lines = [json.loads(x) for x in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
+    assert [x["staleness"] for x in lines] == [None, 2]

@@ -212,7 +212,7 @@ def test_a_train_sample_holds_what_training_reads_and_nothing_else() -> None:
     assert set(TrainSample.model_fields) == {
         *("uid", "prompt_uid", "group_index", "episode_sample", "episode_samples"),
         *("actor_id", "input_ids", "loss_mask", "logprobs", "versions"),
-        *("reward", "reward_info", "finish_reason"),
+        *("reward", "reward_info", "finish_reason", "sampled_with"),
     }
     assert "data_state" not in TrainBatchRef.model_fields
     t = Trajectory(

@@ -260,6 +260,12 @@ def test_sampling_args_that_change_the_recipes_sampling_are_refused_when_built(e
             VerifiersWorkflow(ep, str(env_file), sampling_args=args)
     same = {"temperature": 1.0, "seed": 3, "extra_body": {"top_k": 0}}
     assert VerifiersWorkflow(ep, str(env_file), sampling_args=same).sampling_args["seed"] == 3
+    # an endpoint that serves each call its own sampling takes them; a penalty it cannot
+    ep.sampling_mode = "per_call"
+    own = {"temperature": 0.7, "top_p": 0.95, "extra_body": {"top_k": 50}}
+    assert VerifiersWorkflow(ep, str(env_file), sampling_args=own).sampling_args == own
+    with pytest.raises(ValueError, match="presence_penalty"):
+        VerifiersWorkflow(ep, str(env_file), sampling_args={"presence_penalty": 0.5})
 
 
 @pytest.mark.parametrize(

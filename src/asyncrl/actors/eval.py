@@ -23,8 +23,10 @@ actor builds it (:func:`asyncrl.actors.generation.build_workflow`) with the eval
 sampling (seeded by the run's seed) and samples per prompt, and offered the eval's reward
 pool: ``rlvr`` replies once, ``multi_turn`` takes its feedback turns, ``agent`` runs its
 tool calls; agent code and ``verifiers`` environments run through an endpoint of the eval's
-own per job (per sample of the ``k``, each seeded apart), whose default sampling is the
-job's (agent code that sets its own temperature overrides it). A sample its workflow left
+own per job (per sample of the ``k``, each seeded apart), whose sampling is the job's;
+with ``rollout.endpoint_sampling = "per_call"`` a call that sends its own temperature,
+top_p or top_k is served with them (nothing is trained from an eval), the job's being
+the default of calls that send none. A sample its workflow left
 unscored is scored with ``reward.fn``. When the episodes report tool calls (``agent``,
 agent code), the record adds, over the greedy episodes (the sampled ones when ``greedy``
 is off):

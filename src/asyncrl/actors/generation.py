@@ -54,10 +54,11 @@ async def serve_endpoint(
     sampling_keys: Mapping[str, str] = SAMPLING_KEYS,
 ) -> OpenAIEndpoint:
     """The actor's OpenAI-compatible endpoint on ``engine`` and ``port`` (0: a free one),
-    started, sampling every call with ``sampling`` (a call may change only its budget and
-    seed; a refusal names the recipe key in ``sampling_keys``), stopped when ``resources``
-    closes. Its API key is the run's NATS token, or in a run without one a
-    fresh token."""
+    started, sampling every call with ``sampling`` (with ``rollout.endpoint_sampling =
+    "recipe"`` a call may change only its budget and seed, and a refusal names the recipe
+    key in ``sampling_keys``; with ``"per_call"`` a call's own temperature, top_p and top_k
+    are served), stopped when ``resources`` closes. Its API key is the run's NATS token,
+    or in a run without one a fresh token."""
     recipe = actor.recipe
     endpoint = OpenAIEndpoint(
         engine,
@@ -67,6 +68,7 @@ async def serve_endpoint(
         parser=recipe.rollout.agent.parser,
         sampling=sampling,
         sampling_keys=sampling_keys,
+        sampling_mode=recipe.rollout.endpoint_sampling,
     )
     await endpoint.start()
     # the openai client's HTTP library (httpx, or its httpx2 fork) logs every request at

@@ -107,6 +107,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
     errors.extend(kl_problems(recipe))
     errors.extend(lora_problems(recipe))
     errors.extend(workflow_problems(recipe))
+    errors.extend(endpoint_sampling_problems(recipe))
     loss = t.loss
     if loss.kl_coef > 0 and loss.kl_type == "k3" and loss.kl_in == "loss":
         warnings.append(
@@ -216,6 +217,22 @@ def workflow_problems(recipe: Recipe) -> list[str]:
     (:meth:`~asyncrl.config.workflow.WorkflowConfigBase.problems`; they load the recipe's
     code)."""
     return recipe.rollout.workflow.problems(recipe.rollout)
+
+
+def endpoint_sampling_problems(recipe: Recipe) -> list[str]:
+    """``rollout.endpoint_sampling = "per_call"`` with a workflow whose samples never come
+    from the endpoint's calls: the key would do nothing there, which is a mistake about
+    what the workflow does."""
+    r = recipe.rollout
+    if r.endpoint_sampling != "per_call" or r.workflow.calls_endpoint(r):
+        return []
+    return [
+        f'rollout.endpoint_sampling = "per_call" with rollout.workflow = {r.workflow.spec()!r}: '
+        "this workflow samples on the engine with rollout.sampling, never through the "
+        'endpoint, so no call chooses its sampling; leave the key out ("recipe"). It is '
+        "for agent code, verifiers environments, and an episode workflow handed the "
+        "endpoint (rollout.endpoint = true)"
+    ]
 
 
 def data_problems(recipe: Recipe) -> list[str]:

@@ -31,6 +31,7 @@ from asyncrl.config.workflow import (
     workflow_shorthand,
 )
 from asyncrl.data.gsm8k import BOXED_INSTRUCTION
+from asyncrl.endpoint.requests import SamplingMode
 
 # The sections of other components are theirs: each class is the config its component
 # is built from, so that what this schema accepts, the component accepts.
@@ -298,6 +299,16 @@ class RolloutConfig(Placement):
     """Append every call agent code makes through the endpoint (prompt and completion token
     ids, versions) to ``<run>/endpoint_calls.jsonl``, per episode with its sample's uid:
     to check what was trained against what was sampled. About a prompt of JSON per call."""
+    endpoint_sampling: SamplingMode = "recipe"
+    """How the endpoint's calls sample. ``recipe``: every call with ``rollout.sampling``,
+    which the trainer scores every token with (a call that sends another temperature,
+    top_p or top_k gets a 400 naming the key). ``per_call``: each call with the
+    temperature, top_p and top_k it sends (what it leaves out is ``rollout.sampling``'s):
+    greedy calls (temperature 0) are served but never trained, a change of sampling
+    within an episode starts a new sample, and the trainer scores each sample with its
+    own temperature and cut. Only for a workflow whose episodes call the endpoint (agent
+    code, a verifiers environment, an episode workflow handed the endpoint); the eval's
+    endpoints serve calls the same way."""
     group_size: int = Field(4, ge=1)
     """Samples per prompt (one GRPO group)."""
     max_concurrent: int = Field(16, ge=1)

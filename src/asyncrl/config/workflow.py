@@ -114,6 +114,12 @@ class WorkflowConfigBase(Section):
         workflow that scores its samples itself with the recipe's ``reward.fn``."""
         return False
 
+    def calls_endpoint(self, rollout: RolloutConfig) -> bool:
+        """Whether its episodes may sample through the actor's endpoint, whose calls
+        ``rollout.endpoint_sampling`` governs: agent code and verifiers environments do;
+        the built-in workflows sample with ``rollout.sampling`` on the engine itself."""
+        return self.needs_endpoint
+
     def generation_budget(self, rollout: RolloutConfig) -> int:
         """Most tokens one sample can generate. Agent code decides its own turns: its
         budget is counted per call."""
@@ -395,6 +401,11 @@ class EpisodeWorkflowConfig(WorkflowConfigBase):
 
     def scores_inline(self, rollout: RolloutConfig) -> bool:
         return True
+
+    def calls_endpoint(self, rollout: RolloutConfig) -> bool:
+        """Whether it is handed the endpoint (``rollout.endpoint = true``), which it may
+        run agent code through."""
+        return rollout.serves_endpoint
 
     def spec(self) -> str:
         return self.fn

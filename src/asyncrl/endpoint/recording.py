@@ -1,8 +1,9 @@
 """What the endpoint records of an episode's calls, and how the calls become samples.
 
 An episode is the stretch of agent code run for one prompt; every call it makes through
-its episode URL is a :class:`Call` holding the exact token ids the engine saw and made.
-:func:`episode_samples` turns the calls into training sequences.
+its episode URL is a :class:`Call` holding the exact token ids the engine saw and made,
+and the sampling it was served with. :func:`episode_samples` turns the calls into
+training sequences.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.api.inference import GenerateResponse
+from asyncrl.api.inference import GenerateResponse, SamplingParams
+from asyncrl.wire.messages import SampledWith
 from asyncrl.workflows.base import TokenTrace
+
+Drawn = tuple[float, int, float]
+"""``(temperature, top_k, top_p)``: the settings that make a call's distribution."""
 
 
 @dataclass
@@ -22,7 +27,9 @@ class Call:
     ``messages``/``tools`` are the normalized chat request (None for ``/v1/completions``),
     ``reply`` the assistant message returned (normalized), ``continued_from`` the index of
     the call whose tokens this prompt extends (None: rendered fresh). ``handling_s`` is the
-    request's time in the endpoint, ``engine_s`` the part spent in the engine."""
+    request's time in the endpoint, ``engine_s`` the part spent in the engine.
+    ``temperature``, ``top_k`` and ``top_p`` are the sampling the engine served it with
+    (the endpoint's, or the call's own in ``per_call`` mode); 0 is greedy."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -37,6 +44,13 @@ class Call:
     malformed_tool_calls: int = 0
     handling_s: float = 0.0
     engine_s: float = 0.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def drawn(self) -> Drawn:
+        return (self.temperature, self.top_k, self.top_p)
 
     @property
     def added_latency_s(self) -> float:
@@ -87,20 +101,25 @@ class EpisodeRecorder:
 class EpisodeSample:
     """One training sequence of an episode: ``calls`` are the indices it covers;
     ``calls_to_go`` is how many of the episode's calls came after its last one (0 for the
-    sample that holds the final call)."""
+    sample that holds the final call). ``sampled_with`` is the sampling its generated
+    tokens were drawn with where its calls chose their own; None where that is the
+    endpoint's (or it has no generated token)."""
 
     trace: TokenTrace
     reward: float
     calls: list[int]
     finish_reason: str
     calls_to_go: int = 0
+    sampled_with: SampledWith | None = None
 
 
 def _extends(ids: Sequence[int], prefix: Sequence[int]) -> bool:
     return len(ids) >= len(prefix) and list(ids[: len(prefix)]) == list(prefix)
 
 
-def episode_samples(calls: Sequence[Call], reward: float) -> list[EpisodeSample]:
+def episode_samples(
+    calls: Sequence[Call], reward: float, default: SamplingParams | None = None
+) -> list[EpisodeSample]:
     """The episode's calls as token sequences, each with its reward.
 
     Calls are taken in order. A call whose prompt ids start with the previous call's
@@ -109,16 +128,36 @@ def episode_samples(calls: Sequence[Call], reward: float) -> list[EpisodeSample]
     engine's logprobs and versions). Any other call starts a new sample. The check is on
     token ids, so it holds whatever way the prompt was built.
 
+    Sampling (``default`` is the endpoint's; None: :class:`SamplingParams`'s defaults): a
+    call served with its own sampling (``per_call`` mode) is either greedy (temperature 0),
+    and then never trained: its completion tokens join the sample as context, like
+    environment text, since a greedy token is no sample of the policy that an importance
+    weight could correct; or it sampled, and a sample's generated tokens must all come from one distribution, the one
+    the trainer scores them with: a continuing call whose ``(temperature, top_k, top_p)``
+    differs from that of the sample's generated tokens starts a new sample instead of
+    joining (its whole prompt is that sample's context). A sample's ``sampled_with`` is its
+    calls' sampling, or None where it is ``default``'s, so that calls that send no sampling
+    give the very samples they did before there was a choice. A call served with
+    ``default`` is generated even when greedy (an eval's greedy endpoint).
+
     Every sample gets the episode's ``reward`` undiscounted, and ``calls_to_go = n − 1 − e``
     (``n`` calls, ``e`` the index of the sample's last call): the trainer discounts the
     episode's advantage by ``γ^calls_to_go``, never the reward, which would make the
     advantages depend on a constant shift of the reward
     (:func:`~asyncrl.algo.advantages.episode_advantages`).
     """
+    d = default or SamplingParams()
+    own: Drawn = (d.temperature, d.top_k, d.top_p)
     samples: list[EpisodeSample] = []
-    previous: list[int] | None = None
+    drawn: list[Drawn | None] = []  # per sample, the sampling of its generated tokens
+    previous: list[int] = []
     for index, call in enumerate(calls):
-        if previous is not None and samples and _extends(call.prompt_ids, previous):
+        greedy = call.temperature == 0 and call.drawn != own
+        if (
+            samples
+            and _extends(call.prompt_ids, previous)
+            and (greedy or drawn[-1] in (None, call.drawn))
+        ):
             sample = samples[-1]
             sample.trace.add_context(call.prompt_ids[len(previous) :])
             sample.calls.append(index)
@@ -126,10 +165,18 @@ def episode_samples(calls: Sequence[Call], reward: float) -> list[EpisodeSample]
             sample = EpisodeSample(TokenTrace(), reward, [index], call.finish_reason)
             sample.trace.add_context(call.prompt_ids)
             samples.append(sample)
-        sample.trace.add_generated(call.response)
+            drawn.append(None)
+        if greedy:
+            sample.trace.add_context(call.completion_ids)
+        else:
+            sample.trace.add_generated(call.response)
+            drawn[-1] = call.drawn
         sample.finish_reason = call.finish_reason
         previous = call.prompt_ids + call.completion_ids
     last = len(calls) - 1
-    for sample in samples:
+    for sample, chosen in zip(samples, drawn, strict=True):
         sample.calls_to_go = last - sample.calls[-1]
+        if chosen is not None and chosen != own:
+            temperature, top_k, top_p = chosen
+            sample.sampled_with = SampledWith(temperature=temperature, top_k=top_k, top_p=top_p)
     return samples

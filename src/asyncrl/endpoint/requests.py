@@ -1,13 +1,25 @@
 """The request bodies the endpoint accepts, validated; OpenAI fields it does not use are
 ignored, fields it cannot honour are refused by name.
 
-A call may not change the distribution it samples from: the trainer scores every token
-with the recipe's sampling (``rollout.sampling``), so a token drawn at another temperature
-or cut would carry a behaviour logprob of another distribution, and a greedy token none
-at all. ``temperature``, ``top_p`` and ``top_k`` are accepted only when absent or equal to
-the endpoint's own (:data:`SAMPLING_KEYS` names the recipe key the refusal points to);
-``min_p``, the penalties and ``logit_bias``, which the engines do not implement, only at
-their neutral values. ``seed`` and the token budget leave the distribution alone."""
+How a call may sample depends on the endpoint's :data:`SamplingMode`
+(``rollout.endpoint_sampling``):
+
+- ``"recipe"``: a call may not change the distribution it samples from. The trainer then
+  scores every token with the recipe's sampling (``rollout.sampling``), so a token drawn
+  at another temperature or cut would carry a behaviour logprob of another distribution,
+  and a greedy token none at all. ``temperature``, ``top_p`` and ``top_k`` are accepted
+  only when absent or equal to the endpoint's own (:data:`SAMPLING_KEYS` names the recipe
+  key the refusal points to).
+- ``"per_call"``: a call's ``temperature``, ``top_p`` and ``top_k`` (``-1``: vLLM's "no
+  cut", 0 here) replace the endpoint's for that call, ``temperature = 0`` (greedy)
+  included; what a call leaves out stays the endpoint's. The endpoint records the sampling
+  each call was served with, greedy calls are never trained, and each sample is trained
+  with the temperature and cut its calls chose
+  (:func:`~asyncrl.endpoint.recording.episode_samples`).
+
+In both, ``min_p``, the penalties and ``logit_bias``, which the engines do not implement,
+are accepted only at their neutral values. ``seed`` and the token budget leave the
+distribution alone."""
 
 from __future__ import annotations
 
@@ -17,6 +29,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncrl.api.inference import SamplingParams
+
+SamplingMode = Literal["recipe", "per_call"]
+"""Whether a call samples as the endpoint does (``recipe``) or as it asks (``per_call``);
+see the module docstring."""
 
 SAMPLING_KEYS: Mapping[str, str] = {
     "temperature": "rollout.sampling.temperature",
@@ -76,27 +92,36 @@ class _Common(BaseModel):
         defaults: SamplingParams,
         max_new_tokens_cap: int,
         keys: Mapping[str, str] = SAMPLING_KEYS,
+        mode: SamplingMode = "recipe",
     ) -> SamplingParams:
         """The engine's sampling for this request: the endpoint's ``defaults`` with the
-        request's token budget (at most ``max_new_tokens_cap``, refused above it) and seed.
+        request's token budget (at most ``max_new_tokens_cap``, refused above it) and seed,
+        and in ``per_call`` ``mode`` its temperature, top_p and top_k.
 
         Raises :class:`RequestError` naming the setting and its recipe key (``keys``) for a
-        temperature, top_p or top_k that differs from ``defaults`` (see the module
-        docstring), and for a non-neutral min_p, penalty or logit_bias."""
+        temperature, top_p or top_k that differs from ``defaults`` in ``recipe`` mode (see
+        the module docstring), and for a non-neutral min_p, penalty or logit_bias."""
+        update: dict[str, Any] = {}
         for name, key in keys.items():
             asked = getattr(self, name)
             if name == "top_k" and asked == -1:
                 asked = 0  # vLLM's "no cut"
             own = getattr(defaults, name)
-            if asked is not None and asked != own:
-                greedy = " (greedy decoding is not a sample of the policy)" if asked == 0 else ""
-                raise RequestError(
-                    f"{name} {asked}{greedy} differs from {own}, which this endpoint samples "
-                    f"with ({key}): leave {name} out of the call or send {own}. Every token "
-                    "is trained with the logprobs of the endpoint's sampling, so a token "
-                    "drawn otherwise would be trained as a sample of another distribution",
-                    name,
-                )
+            if asked is None or asked == own:
+                continue
+            if mode == "per_call":
+                update[name] = asked
+                continue
+            greedy = " (greedy decoding is not a sample of the policy)" if asked == 0 else ""
+            raise RequestError(
+                f"{name} {asked}{greedy} differs from {own}, which this endpoint samples "
+                f"with ({key}): leave {name} out of the call or send {own}, or set "
+                'rollout.endpoint_sampling = "per_call" to train each sample with its '
+                "calls' own sampling. Every token is trained with the logprobs of the "
+                "endpoint's sampling, so a token drawn otherwise would be trained as a "
+                "sample of another distribution",
+                name,
+            )
         for name, neutral in NEUTRAL.items():
             asked = getattr(self, name)
             if asked is not None and asked != neutral:
@@ -109,7 +134,6 @@ class _Common(BaseModel):
             raise RequestError(
                 "logit_bias is not supported: the engine samples without it", "logit_bias"
             )
-        update: dict[str, Any] = {}
         budget = self.max_completion_tokens or self.max_tokens
         if budget is not None:
             if budget > max_new_tokens_cap:

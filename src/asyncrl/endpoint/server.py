@@ -23,7 +23,9 @@ The request's ``model`` is not checked: there is one model, the engine's.
 
 Sampling is the endpoint's: a call may set its token budget and seed, but a temperature,
 top_p or top_k other than the endpoint's is refused (400, naming the recipe key), since the
-trainer scores every token with that sampling (see :mod:`asyncrl.endpoint.requests`).
+trainer scores every token with that sampling; in ``per_call`` mode
+(``rollout.endpoint_sampling``) a call's own temperature, top_p and top_k are served and
+recorded with it instead (see :mod:`asyncrl.endpoint.requests`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from asyncrl.endpoint.requests import (
     ChatRequest,
     CompletionRequest,
     RequestError,
+    SamplingMode,
 )
 from asyncrl.tools.calls import ToolCall, get_parser
 
@@ -84,7 +87,10 @@ class OpenAIEndpoint:
     ``sampling`` is how every call samples: a request may change its token budget (at most
     ``max_new_tokens_cap``, default: ``sampling``'s budget) and seed, and may send its
     temperature, top_p and top_k only at ``sampling``'s values; a refusal names the recipe
-    key in ``sampling_keys`` (default: ``rollout.sampling``'s) that sets each."""
+    key in ``sampling_keys`` (default: ``rollout.sampling``'s) that sets each. With
+    ``sampling_mode = "per_call"`` a request's temperature, top_p and top_k replace
+    ``sampling``'s, which then is only the default of calls that send none; each
+    :class:`Call` records what it was served with."""
 
     def __init__(
         self,
@@ -99,6 +105,7 @@ class OpenAIEndpoint:
         sampling: SamplingParams | None = None,
         max_new_tokens_cap: int | None = None,
         sampling_keys: Mapping[str, str] = SAMPLING_KEYS,
+        sampling_mode: SamplingMode = "recipe",
     ) -> None:
         if host != LOCALHOST:
             raise ValueError(f"the endpoint listens on {LOCALHOST} only, not {host!r}")
@@ -114,6 +121,7 @@ class OpenAIEndpoint:
         self.sampling = sampling or SamplingParams()
         self.max_new_tokens_cap = max_new_tokens_cap or self.sampling.max_new_tokens
         self.sampling_keys = dict(sampling_keys)
+        self.sampling_mode: SamplingMode = sampling_mode
         self.renderer = ChatRenderer(self.tokenizer)
         self._episodes: dict[str, EpisodeRecorder] = {}
         self._runner: web.AppRunner | None = None
@@ -286,6 +294,11 @@ class OpenAIEndpoint:
         )
         return kept, text[:cut]
 
+    def _sampling(self, req: ChatRequest | CompletionRequest) -> SamplingParams:
+        return req.sampling(
+            self.sampling, self.max_new_tokens_cap, self.sampling_keys, self.sampling_mode
+        )
+
     def _chat_prompt(
         self,
         recorder: EpisodeRecorder | None,
@@ -323,7 +336,7 @@ class OpenAIEndpoint:
         req = ChatRequest.model_validate(await self._body(request))
         messages = [normalize_message(m) for m in req.messages]
         tools = _check_tools(req.tools)
-        sampling = req.sampling(self.sampling, self.max_new_tokens_cap, self.sampling_keys)
+        sampling = self._sampling(req)
         prompt_ids, continued = self._chat_prompt(recorder, messages, tools)
         resp, text, engine_s = await self._generate(
             recorder, prompt_ids, sampling, req.stop_strings()
@@ -358,6 +371,7 @@ class OpenAIEndpoint:
                     malformed_tool_calls=malformed,
                     handling_s=time.perf_counter() - started,
                     engine_s=engine_s,
+                    **_drawn(sampling),
                 )
             )
         body = {
@@ -384,7 +398,7 @@ class OpenAIEndpoint:
             if any(not 0 <= i < vocab for i in prompt):
                 raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
             prompt_ids = list(prompt)
-        sampling = req.sampling(self.sampling, self.max_new_tokens_cap, self.sampling_keys)
+        sampling = self._sampling(req)
         resp, text, engine_s = await self._generate(
             recorder, prompt_ids, sampling, req.stop_strings()
         )
@@ -398,6 +412,7 @@ class OpenAIEndpoint:
                     finish_reason=resp.finish_reason,
                     handling_s=time.perf_counter() - started,
                     engine_s=engine_s,
+                    **_drawn(sampling),
                 )
             )
         body = {
@@ -420,6 +435,12 @@ def _usage(prompt_ids: list[int], resp: GenerateResponse) -> dict[str, int]:
         "completion_tokens": n_out,
         "total_tokens": len(prompt_ids) + n_out,
     }
+
+
+def _drawn(sampling: SamplingParams) -> dict[str, Any]:
+    """The settings of ``sampling`` that shape the distribution, as a :class:`Call` records
+    them."""
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
 
 
 def _check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -243,12 +243,16 @@ def _error_text(error: BaseException) -> str:
 def check_sampling_args(sampling_args: Mapping[str, Any], endpoint: OpenAIEndpoint) -> None:
     """Raises ValueError, with the endpoint's reason, where ``sampling_args`` (``extra_body``
     included, as the client sends it) hold a value the endpoint refuses on every call: an
-    environment that sets its own temperature would otherwise score 0 on every rollout."""
+    environment that sets its own temperature would otherwise score 0 on every rollout
+    (unless the endpoint serves each call its own sampling, ``per_call``)."""
     body = {k: v for k, v in sampling_args.items() if k not in ("n", "extra_body")}
     body.update(sampling_args.get("extra_body") or {})
     try:
         CompletionRequest.model_validate({**body, "prompt": ""}).sampling(
-            endpoint.sampling, endpoint.max_new_tokens_cap, endpoint.sampling_keys
+            endpoint.sampling,
+            endpoint.max_new_tokens_cap,
+            endpoint.sampling_keys,
+            endpoint.sampling_mode,
         )
     except ValueError as exc:  # RequestError, or pydantic's ValidationError
         raise ValueError(f"the verifiers environment's sampling_args: {exc}") from None
@@ -263,8 +267,10 @@ class VerifiersWorkflow(OpenAIAgentWorkflow):
     environment's own ``sampling_args`` updated by ``sampling_args`` (as ``verifiers``
     merges its caller's), sent with every call; what neither sets is the endpoint's default
     (the recipe's sampling). Sampling args the endpoint would refuse on every call (a
-    temperature, top_p or top_k other than the recipe's) are refused here, naming the key. A chat environment talks to ``/v1/chat/completions``, a
-    ``message_type="completion"`` one to ``/v1/completions``.
+    temperature, top_p or top_k other than the recipe's, unless ``rollout.endpoint_sampling
+    = "per_call"``; a non-neutral penalty) are refused here, naming the key. A chat
+    environment talks to ``/v1/chat/completions``, a ``message_type="completion"`` one to
+    ``/v1/completions``.
 
     Rewards: the rubric's ``state["reward"]``; its functions' scores (metrics included)
     are in ``reward_info["rubric_metrics"]``. A rollout that raises, that stops on an

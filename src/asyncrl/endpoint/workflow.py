@@ -65,16 +65,20 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
     ``episode_sample = k`` of ``episode_samples``), each with the episode's reward
     undiscounted and ``reward_info['turns_to_go']``, the calls between the sample's last
     call and the episode's last, by which the trainer discounts the episode's advantage
-    (``γ^turns_to_go``, ``γ = rollout.turn_discount``). The trainer takes the baseline of a group from its episodes' rewards
+    (``γ^turns_to_go``, ``γ = rollout.turn_discount``). The trainer takes the baseline of
+    a group from its episodes' rewards
     (:func:`~asyncrl.algo.advantages.episode_advantages`), so an episode of many samples
-    weighs no more in it than one of a single sample. An agent that raises scores 0 with
+    weighs no more in it than one of a single sample. Where the endpoint serves each call
+    its own sampling (``per_call``), a sample's trajectory carries it in ``sampled_with``
+    (None: the endpoint's), greedy calls are context, and a change of sampling starts a new
+    sample (:func:`episode_samples`). An agent that raises scores 0 with
     the error in ``reward_info['reason']``. An episode that made no call has no tokens to
     train on, and a group is trained only whole: the episode raises ``RuntimeError``
     naming why (the prompt goes back to the pool). Any call aborted by a stopping engine
     drops the group (None), as in the other workflows: the prompt goes back to the pool.
 
     ``record_path``: a JSON-lines file to which every finished episode appends its
-    samples' uids and its calls' token ids, versions and finish reasons.
+    samples' uids and its calls' token ids, versions, finish reasons and sampling.
 
     The ``engine`` passed to :meth:`arun_episode` is not used: the endpoint holds its own.
     """
@@ -115,7 +119,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             )
         trajectories: list[Trajectory] = []
         for index, (calls, reward, reason, info, _) in enumerate(episodes):
-            samples = episode_samples(calls, reward)
+            samples = episode_samples(calls, reward, self.endpoint.sampling)
             for k, sample in enumerate(samples):
                 reply = calls[sample.calls[-1]].reply or {}
                 traj = sample.trace.to_trajectory(
@@ -134,6 +138,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                         "ok": not reason,
                         "reason": reason,
                     },
+                    sampled_with=sample.sampled_with,
                 )
                 if len(samples) > 1:
                     traj = traj.model_copy(
@@ -160,6 +165,11 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                             "versions": c.versions,
                             "finish_reason": c.finish_reason,
                             "continued_from": c.continued_from,
+                            "sampling": {
+                                "temperature": c.temperature,
+                                "top_k": c.top_k,
+                                "top_p": c.top_p,
+                            },
                         }
                         for c in calls
                     ],

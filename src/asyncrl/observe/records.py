@@ -151,8 +151,10 @@ class StepRecords:
         n_tokens = 0
         with open(self.run_dir / SAMPLES_FILE, "a") as f:
             for t in samples:
-                s = trained_at - t.head_version
-                staleness.append(s)
+                # a sample without a generated token (greedy calls only) trained nothing
+                s = trained_at - t.head_version if t.head_version >= 0 else None
+                if s is not None:
+                    staleness.append(s)
                 response_tokens = int(t.loss_mask.numpy().sum())
                 n_tokens += response_tokens
                 line = {

@@ -63,8 +63,9 @@ class StalenessManager:
         return max(0, min(by_concurrency, by_staleness))
 
     def admissible(self, head_version: int) -> bool:
-        """v − h ≤ η, at the current version v."""
-        return self.version - head_version <= self.max_head_offpolicyness
+        """v − h ≤ η, at the current version v. A head of -1 (no generated token: an
+        episode of greedy calls only) trains nothing, so it is never stale."""
+        return head_version < 0 or self.version - head_version <= self.max_head_offpolicyness
 
     def on_start(self, n: int = 1) -> None:
         self.running += n

@@ -416,8 +416,10 @@ class Group(Message):
 
     @property
     def head_version(self) -> int:
-        """The oldest policy version that produced a token of the group (-1 if none)."""
-        return min((t.head_version for t in self.samples), default=-1)
+        """The oldest policy version that produced a token of the group (-1 if none). A
+        sample without a generated token (greedy calls only, ``per_call``) has none to
+        count: its -1 is not the group's."""
+        return min((h for t in self.samples if (h := t.head_version) >= 0), default=-1)
 
     @property
     def newest_version(self) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.api.inference import GenerateResponse
-from asyncrl.wire.messages import Array, Prompt, Trajectory
+from asyncrl.wire.messages import Array, Prompt, SampledWith, Trajectory
 
 
 def split_item(item: dict[str, Any] | Prompt) -> tuple[str, dict[str, Any]]:
@@ -99,6 +99,7 @@ class TokenTrace:
         finish_reason: str,
         reward: float | None = None,
         reward_info: dict[str, Any] | None = None,
+        sampled_with: SampledWith | None = None,
     ) -> Trajectory:
         return Trajectory(
             uid=f"{prompt_uid}/{index}",
@@ -114,4 +115,5 @@ class TokenTrace:
             data=data,
             completion=completion,
             finish_reason=finish_reason,
+            sampled_with=sampled_with,
         )

@@ -21,8 +21,8 @@ other continuations, versions, even another number of samples. So samples are he
 Different episodes of one group may come from different attempts: each is a whole sample
 of the same prompt, and GRPO's group needs only that its episodes be independent draws.
 
-A complete group is admitted if v − h ≤ η (h: its oldest token's version), else rejected
-without using the budget. A whole group's rewards are shaped here, once (the buffer's
+A complete group is admitted if v − h ≤ η (h: its oldest generated token's version; a
+group without one is never stale), else rejected without using the budget. A whole group's rewards are shaped here, once (the buffer's
 ``shape``, :func:`asyncrl.algo.shaping.shaped_sample_rewards`): the trainer's advantages
 use those numbers, and with the dynamic filter a group whose episodes' shaped rewards are
 all equal is dropped, so a group of equal raw rewards that shaping tells apart keeps its
@@ -60,7 +60,7 @@ def invalid_reason(
     - ``group_index_out_of_range``: not 0 ≤ group_index < group_size;
     - ``episode_sample_out_of_range``: not 0 ≤ episode_sample < episode_samples;
     - ``missing_reward`` / ``nonfinite_reward``: unscored, or NaN/inf;
-    - ``no_generated_token``: an empty loss mask;
+    - ``no_token``: no token at all;
     - ``loss_on_prompt_token``: the loss mask covers the first token or a token that no
       policy produced (version −1: prompt or environment tokens);
     - ``old_epoch`` / ``future_epoch``: generated with weights of another trainer epoch
@@ -85,8 +85,10 @@ def invalid_reason(
         return "nonfinite_reward"
     mask = traj.loss_mask.numpy().astype(bool)
     versions = traj.versions.numpy()
-    if not mask.any():
-        return "no_generated_token"
+    # an empty loss mask is allowed: agent code's greedy calls (per_call sampling) are
+    # context, and an episode of them keeps its place in its group's baseline, untrained
+    if not mask.size:
+        return "no_token"
     if mask[0] or bool((versions[mask] < 0).any()):
         return "loss_on_prompt_token"
     if traj.epoch != epoch:
