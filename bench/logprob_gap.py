@@ -4,14 +4,17 @@
     python bench/logprob_gap.py --engines vllm --temperature 1.0 --prompts 64
     python bench/logprob_gap.py --engines hf --top-k 5 --top-p 0.9
     python bench/logprob_gap.py --engines sglang --prompts 8  # SGLang on the CPU (make sglang)
+    python bench/logprob_gap.py --dtype bfloat16           # engines and trainer in bf16
 
 Each engine samples ``--new`` tokens for ``--prompts`` GSM8K questions (chat template) at
 ``--temperature``, cut by ``--top-k``/``--top-p`` (default: no cut); the train engine
 (:class:`asyncrl.train.TrainEngine`, fp32, same temperature and cut) then scores prompt +
-completion in one forward pass. Engines and trainer report the same distribution: the
-sampled one (temperature, then the cut, renormalised). Printed per
-engine: the mean and maximum absolute difference |engine − trainer| over all generated
-tokens, and the mean signed difference. The behaviour/proximal importance ratio of a token
+completion in one forward pass, in ``--dtype`` like the engine. Engines and trainer report
+the same distribution: the sampled one (temperature, then the cut, renormalised). Printed
+per engine: the mean and maximum absolute difference |engine − trainer| over all generated
+tokens, the mean signed difference, and ``mismatch/kl`` as the trainer's version-0 gate
+computes it (mean k3, :func:`asyncrl.algo.mismatch.mismatch_stats`; the gate's default
+limit, ``trainer.mismatch_limit``, is chosen from these). The behaviour/proximal importance ratio of a token
 is exp(trainer − engine), so these bound how far from 1 it drifts on unchanged weights.
 """
 
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import chat_prompts
 
 
-def build(kind: str, model: str) -> Any:
+def build(kind: str, model: Any) -> Any:
     if kind == "sglang":
         from asyncrl.engines.config import SGLangEngineConfig
         from asyncrl.engines.sglang import SGLangEngine
@@ -57,7 +60,9 @@ async def generate(kind: str, args: argparse.Namespace) -> list[Any]:
         max_new_tokens=args.new,
         seed=None,
     )
-    async with build(kind, args.model) as engine:
+    from asyncrl.models.resolve import ModelConfig
+
+    async with build(kind, ModelConfig(path=args.model, dtype=args.dtype)) as engine:
         prompts = chat_prompts(engine.tokenizer, args.prompts)
         return list(
             await asyncio.gather(
@@ -66,9 +71,10 @@ async def generate(kind: str, args: argparse.Namespace) -> list[Any]:
         )
 
 
-def gap(outs: list[Any], trainer: Any) -> tuple[float, float, float, int]:
+def gap(outs: list[Any], trainer: Any) -> tuple[float, float, float, int, float]:
     import torch
 
+    from asyncrl.algo.mismatch import MISMATCH_KL, mismatch_stats
     from asyncrl.train.batch import Sample
 
     samples = []
@@ -83,11 +89,13 @@ def gap(outs: list[Any], trainer: Any) -> tuple[float, float, float, int]:
     diffs = torch.cat(
         [(s.behav_logprobs - r)[s.loss_mask] for s, r in zip(samples, recomputed, strict=True)]
     )
+    kl = mismatch_stats(-diffs, torch.zeros_like(diffs), torch.ones_like(diffs, dtype=torch.bool))
     return (
         float(diffs.abs().mean()),
         float(diffs.abs().max()),
         float(diffs.mean()),
         int(diffs.numel()),
+        float(kl[MISMATCH_KL]),
     )
 
 
@@ -100,6 +108,7 @@ async def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
     ap.add_argument("--top-p", type=float, default=1.0, help="1: no top-p cut")
+    ap.add_argument("--dtype", default="float32", help="engines' and trainer's: float32, bfloat16")
     args = ap.parse_args()
 
     from asyncrl.models.resolve import ModelConfig, resolve_model_path
@@ -114,17 +123,18 @@ async def main() -> None:
             top_k=args.top_k,
             top_p=args.top_p,
         ),
-        ModelConfig(path=resolve_model_path(args.model)),
+        ModelConfig(path=resolve_model_path(args.model), dtype=args.dtype),
     )
     print(
-        f"# {args.model} fp32, T={args.temperature}, top_k={args.top_k}, top_p={args.top_p}, "
+        f"# {args.model} {args.dtype}, T={args.temperature}, top_k={args.top_k}, top_p={args.top_p}, "
         f"{args.prompts} GSM8K prompts, "
-        f"<= {args.new} new tokens; trainer: TrainEngine.compute_logprobs (fp32)"
+        f"<= {args.new} new tokens; trainer: TrainEngine.compute_logprobs ({args.dtype})"
     )
-    print(f"{'engine':>8} {'tokens':>7} {'mean |d|':>10} {'max |d|':>10} {'mean d':>10}")
+    head = f"{'engine':>8} {'tokens':>7} {'mean |d|':>10} {'max |d|':>10} {'mean d':>10}"
+    print(f"{head} {'mismatch/kl':>12}")
     for kind, outs in outputs.items():
-        mean_abs, max_abs, mean, n = gap(outs, trainer)
-        print(f"{kind:>8} {n:>7} {mean_abs:>10.2e} {max_abs:>10.2e} {mean:>10.2e}")
+        mean_abs, max_abs, mean, n, kl = gap(outs, trainer)
+        print(f"{kind:>8} {n:>7} {mean_abs:>10.2e} {max_abs:>10.2e} {mean:>10.2e} {kl:>12.2e}")
 
 
 if __name__ == "__main__":

@@ -190,6 +190,7 @@ def test_gate_judges_only_a_batch_sampled_wholly_at_version_0_before_any_update(
     assert gate_applies(0, [0, 0, 0])
     assert not gate_applies(0, [0, 1])  # a group that has tokens of version 1
     assert not gate_applies(0, [-1])  # no generated token
+    assert gate_applies(0, [0, -1])  # a group without one neither blocks nor is judged
     assert not gate_applies(1, [0, 0])  # the trainer has moved on: its weights differ
 
 

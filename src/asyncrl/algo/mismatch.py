@@ -63,8 +63,11 @@ def mismatch_stats(
 def gate_applies(trainer_version: int, newest_versions: Iterable[int]) -> bool:
     """Whether a batch is one the version-0 gate judges: the trainer has not updated yet
     (``trainer_version`` 0), and every group's newest token version is 0, so that every
-    generated token was sampled with the weights the trainer scores it with."""
-    return trainer_version == 0 and all(v == 0 for v in newest_versions)
+    generated token was sampled with the weights the trainer scores it with. A group
+    without a generated token (-1: its calls were all greedy, so it trains nothing)
+    neither blocks the gate nor is judged; a batch of only such groups is not judged."""
+    versions = [v for v in newest_versions if v >= 0]
+    return trainer_version == 0 and bool(versions) and all(v == 0 for v in versions)
 
 
 def check_mismatch(stats: dict[str, float], limit: float | None) -> None:
