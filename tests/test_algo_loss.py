@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncrl.algo.config import LossConfig
-from asyncrl.algo.loss import agg_count, aggregate, episode_tokens, kl_penalty, policy_loss
+from asyncrl.algo.loss import agg_count, aggregate, kl_penalty, policy_loss, tokens_per_episode
 
 
 def loss_config(**settings: Any) -> LossConfig:
@@ -215,7 +215,7 @@ def test_an_episode_of_several_samples_weighs_once(
     Counted per sample instead, seq-mean-token-mean was (1.5 + 4 + 6 + 8)/4 = 4.875 and
     sum-norm (4) (3 + 12 + 6 + 8)/4/4 = 1.8125: the three-sample episode weighed 3×.
     """
-    n_e = episode_tokens(EP_MASK, EP_IDS)
+    n_e = tokens_per_episode(EP_MASK, EP_IDS)
     assert n_e.tolist() == [6, 6, 6, 1]
     got = aggregate(EP_VALUES, EP_MASK, loss_agg, norm_len=norm_len, episode_tokens=n_e)  # type: ignore[arg-type]
     assert got.item() == pytest.approx(expected)
@@ -243,7 +243,7 @@ def test_an_episode_of_several_samples_weighs_once(
 def test_one_sample_per_episode_is_the_per_sample_aggregation(loss_agg: str) -> None:
     """Distinct ids: ``N_b = n_b`` and ``E`` the samples with a loss token (the fully
     masked row 2 of VALUES counts in neither), so the result is the per-sample one."""
-    n_e = episode_tokens(MASK, torch.tensor([0, 1, 2]))
+    n_e = tokens_per_episode(MASK, torch.tensor([0, 1, 2]))
     assert n_e.tolist() == [2, 3, 0]
     for norm_len in (None, 4.0):
         with_ids = aggregate(VALUES, MASK, loss_agg, norm_len=norm_len, episode_tokens=n_e)  # type: ignore[arg-type]
@@ -257,7 +257,7 @@ def test_parts_that_split_an_episode_sum_to_the_whole(loss_agg: str) -> None:
     ``agg_count(part) / agg_count(whole)``, with the whole batch's episode counts, sums
     to the whole. For seq-mean-token-mean the shares of E = 2 are 2/6, 3/6 + 1 and 1/6,
     and the weighted parts add to 5.75 (a share below 1 is no empty part)."""
-    n_e = episode_tokens(EP_MASK, EP_IDS)
+    n_e = tokens_per_episode(EP_MASK, EP_IDS)
     whole = aggregate(EP_VALUES, EP_MASK, loss_agg, norm_len=4.0, episode_tokens=n_e)  # type: ignore[arg-type]
     total = agg_count(EP_MASK, loss_agg, n_e)  # type: ignore[arg-type]
     assert total == pytest.approx(2.0)

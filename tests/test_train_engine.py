@@ -22,7 +22,7 @@ from train_helpers.tiny import (
     train_config,
 )
 
-from asyncrl.algo.loss import episode_tokens, policy_loss
+from asyncrl.algo.loss import policy_loss, tokens_per_episode
 from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
 from asyncrl.train.batch import Sample
 from asyncrl.train.packing import build_micro_batch, split_minibatches
@@ -94,7 +94,7 @@ def test_an_episode_split_over_micro_batches_weighs_once(loss_agg: str) -> None:
     lp_BT = torch.zeros(mb.loss_mask_BT.shape)
     for b, lp in enumerate(logprobs):
         lp_BT[b, : len(lp)] = lp
-    n_e = episode_tokens(mb.loss_mask_BT, torch.tensor(ids))
+    n_e = tokens_per_episode(mb.loss_mask_BT, torch.tensor(ids))
     assert n_e.tolist() == [7, 11, 7, 8, 11, 2]  # loss spans 4, 6, 3, 8, 5, 2
     by_hand = {}
     for name, counts in (("episodes", n_e), ("samples", None)):

@@ -59,7 +59,7 @@ def kl_penalty(
     return torch.expm1(d) - d
 
 
-def episode_tokens(loss_mask: torch.Tensor, episode: torch.Tensor) -> torch.Tensor:
+def tokens_per_episode(loss_mask: torch.Tensor, episode: torch.Tensor) -> torch.Tensor:
     """``[B]`` int64: for each sequence, the loss tokens of its whole episode, counted over
     the rows of ``loss_mask [B, T]`` whose ``episode [B]`` id is the same::
 
@@ -121,7 +121,7 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduces per-token ``values [B, T]`` to a scalar. With ``m`` the mask, ``n_b = Σ_t m_bt``,
     ``N_b`` the loss tokens of sequence ``b``'s episode (``episode_tokens [B]``, see
-    :func:`episode_tokens`; default ``n_b``: each sequence its own episode) and
+    :func:`tokens_per_episode`; default ``n_b``: each sequence its own episode) and
     ``E = Σ_b n_b / N_b`` the number of episodes with a loss token::
 
         token-mean               Σ_bt m·v / Σ_bt m

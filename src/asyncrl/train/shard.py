@@ -54,7 +54,7 @@ class TrainShard:
             model first (collective too).
         sequences, tokens, loss_tokens: the global batch's counts (for the statistics).
         episode_tokens: per sample, the loss tokens of its episode's samples in its
-            minibatch, over all ranks (:func:`~asyncrl.algo.loss.episode_tokens`); empty:
+            minibatch, over all ranks (:func:`~asyncrl.algo.loss.tokens_per_episode`); empty:
             every sample is its own episode.
     """
 
