@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -96,6 +97,62 @@ def tiny_engine(
         ModelConfig(path=TINY_NAME, dtype=dtype),
         architecture=architecture if architecture is not None else tiny_config(),
     )
+
+
+def _rms_norm_float64(self: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm without its float32 upcast (which rounds every gradient that
+    passes a norm to float32)."""
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+class Float64Engine(TrainEngine):
+    """A train engine whose model computes in float64: weights, activations, norms, the LM
+    head and the gradients' sum over ranks. For exactness tests, where float32 rounding
+    would hide a difference of 1e-10."""
+
+    def _load_lm(self) -> Any:
+        self.reduce_dtype = torch.float64
+        lm = super()._load_lm().double()
+        for module in lm.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.forward = types.MethodType(_rms_norm_float64, module)
+        return lm
+
+
+def float64_engine(config: TrainerConfig | None = None, *, architecture: Any = None) -> TrainEngine:
+    """:func:`tiny_engine` in float64 (:class:`Float64Engine`)."""
+    return Float64Engine(
+        config or train_config(),
+        ModelConfig(path=TINY_NAME, dtype="float32"),
+        architecture=architecture if architecture is not None else tiny_config(),
+    )
+
+
+def step_gradients(
+    engine: TrainEngine, step: Callable[[], dict[str, float]]
+) -> tuple[dict[str, float], list[dict[str, torch.Tensor]]]:
+    """Runs ``step`` (a train step of ``engine``) without changing a weight: returns its
+    stats and, for each optimizer step (one per minibatch), the full gradients it was
+    given, by parameter name (collective: every rank must run it). Every minibatch's
+    gradients are taken at the same weights."""
+    grads: list[dict[str, torch.Tensor]] = []
+
+    def capture(*args: Any, **kwargs: Any) -> None:
+        got = {}
+        for name, param in engine.module.named_parameters():
+            if param.grad is not None:
+                grad: Any = param.grad
+                got[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+        grads.append(got)
+
+    optimizer_step = engine.optimizer.step
+    engine.optimizer.step = capture  # type: ignore[method-assign]
+    try:
+        stats = step()
+    finally:
+        engine.optimizer.step = optimizer_step  # type: ignore[method-assign]
+    return stats, grads
 
 
 def full_weights(engine: Any) -> dict[str, torch.Tensor]:

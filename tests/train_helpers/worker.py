@@ -1,7 +1,8 @@
 """Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on),
 ``fsdp`` (under torchrun, any world size; the first step through the ranks' command
 protocol, as the trainer actor runs it; with ``--lora``, then the same with LoRA
-adapters). Results go to ``--out`` via torch.save."""
+adapters), ``invariance`` (under torchrun: the two-rank gradient-invariance cases).
+Results go to ``--out`` via torch.save."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.train.commands import Leader, follow
 from asyncrl.train.torchrun import rank_main
+from train_helpers.invariance import OffsetEngine, run_case, world2_cases
 from train_helpers.tiny import (
     fsdp_engine,
     full_weights,
@@ -80,16 +82,37 @@ def lora(folder: Path) -> None:
         torch.save(result, folder / "out.pt")
 
 
+def lead_or_follow(engine: OffsetEngine, batch: list) -> dict[str, float]:
+    """One train step the trainer actor's way: rank 0 plans it and sends each rank its
+    shard; rank 0 returns the step's stats, the others nothing."""
+    if dist.get_rank() == 0:
+        leader = Leader(engine)
+        stats = leader.train(batch)
+        leader.stop()
+        return stats
+    follow(engine)
+    return {}
+
+
+def invariance(args: argparse.Namespace) -> None:
+    """Every two-rank case of :func:`~train_helpers.invariance.world2_cases`, one process
+    group for all: each case's loss and gradients, by case id."""
+    dist.init_process_group("gloo")
+    out = {case.id: run_case(case, lead_or_follow) for case in world2_cases()}
+    if dist.get_rank() == 0:
+        torch.save(out, args.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["resume", "fsdp"])
+    parser.add_argument("mode", choices=["resume", "fsdp", "invariance"])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--ckpt", default="")
     parser.add_argument("--export", default="")
     parser.add_argument("--lora", default="", help="fsdp: then LoRA steps, results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    {"resume": resume, "fsdp": fsdp}[args.mode](args)
+    {"resume": resume, "fsdp": fsdp, "invariance": invariance}[args.mode](args)
 
 
 if __name__ == "__main__":

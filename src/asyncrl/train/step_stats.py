@@ -82,7 +82,7 @@ class StepTotals:
         :data:`MAX_STATS` as maxima, their sum of clip fractions as ``clip_frac``, and the
         micro-batch counts."""
         keys = sorted(self.sums)
-        packed = torch.stack([self.sums[k].to(self.device).float() for k in keys])
+        packed = torch.stack([self.sums[k].to(self.device).double() for k in keys])
         counts = torch.tensor(
             [float(self.micro_batches), float(self.input_tokens)], device=self.device
         )
