@@ -305,7 +305,7 @@ class TokenLogprobs(nn.Module):
             # Keep the graph connected to every parameter group: an idle rank must still
             # run a backward that reduce-scatters (zero) gradients like the others.
             zero = weight_VH.sum() * 0.0 + (0.0 if bias_V is None else bias_V.sum() * 0.0)
-            empty = hidden_MH.sum(dim=-1).float() * 0.0 + zero
+            empty = hidden_MH.sum(dim=-1).to(head_dtype(hidden_MH)) * 0.0 + zero
             return empty, empty
         return torch.cat(logprobs), torch.cat(entropies)
 
