@@ -240,7 +240,7 @@ class Actor:
         self._stopped = True
         if self._stall_watch is not None:
             self._stall_watch.cancel()
-        self.log.info("stopped", ok=ok, reason=reason, fatal=fatal)
+        self.log.info("stopped", ok=ok, reason=reason, **({"fatal": True} if fatal else {}))
         return 0 if ok else FATAL_EXIT if fatal else 1
 
     async def _run_then_stop(self) -> None:
