@@ -132,10 +132,10 @@ def episode_samples(
     call served with its own sampling (``per_call`` mode) is either greedy (temperature 0),
     and then never trained: its completion tokens join the sample as context, like
     environment text, since a greedy token is no sample of the policy that an importance
-    weight could correct; or it sampled, and a sample's generated tokens must all come from one distribution, the one
-    the trainer scores them with: a continuing call whose ``(temperature, top_k, top_p)``
-    differs from that of the sample's generated tokens starts a new sample instead of
-    joining (its whole prompt is that sample's context). A sample's ``sampled_with`` is its
+    weight could correct; or it sampled, and a sample's generated tokens must all come
+    from one distribution, the one the trainer scores them with: a continuing call whose
+    ``(temperature, top_k, top_p)`` differs from that of the sample's generated tokens
+    starts a new sample instead of joining (its whole prompt is that sample's context). A sample's ``sampled_with`` is its
     calls' sampling, or None where it is ``default``'s, so that calls that send no sampling
     give the very samples they did before there was a choice. A call served with
     ``default`` is generated even when greedy (an eval's greedy endpoint).

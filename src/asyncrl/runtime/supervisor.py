@@ -11,8 +11,8 @@ It spawns one OS process per actor, waits until every actor has said ``started``
   stateless roles: rollout, reward) that dies after the run is up is started again under
   a new id (``<id>-r<n>``), so the buffer sees a new actor and returns the dead one's
   leases; never one that failed fatally (:mod:`.exits`: a setup the run refuses, which
-  a replacement would meet again), whose reason ends the run. Each role has ``run.max_restarts`` replacements, each after a back-off that
-  doubles (``run.restart_backoff``): the buffer restores its durable state, the trainer
+  a replacement would meet again), whose reason ends the run. Each role has
+  ``run.max_restarts`` replacements, each after a back-off that doubles (``run.restart_backoff``): the buffer restores its durable state, the trainer
   its latest checkpoint (its replacement's ``ASYNCRL_RESTART`` makes it a new epoch),
   the other roles hold nothing of their own;
 - a *gang* (the torchrun processes of a trainer across nodes, :attr:`ActorSpec.gang`) is
@@ -112,8 +112,6 @@ class _Proc:
     started: bool = False
     exit_code: int | None = None
     replaced: bool = False
-    fatal: bool = False
-    """It failed in a way a restart cannot mend (its exit code, or its exit message)."""
 
 
 class Supervisor:
@@ -138,6 +136,7 @@ class Supervisor:
         self.log = get_logger(role="supervisor", run=subjects.run)
         self.procs: dict[str, _Proc] = {}
         self._fatal_ids: set[str] = set()
+        """Actors (or gangs) whose exit message said fatal: it may come after the exit."""
         self.reason = ""
         self._all_started = asyncio.Event()
         self._stopping = False
@@ -227,19 +226,16 @@ class Supervisor:
 
     async def _on_exit_msg(self, msg: ActorExit) -> None:
         if msg.fatal:
-            # the message may come after the exit, once a replacement is scheduled
-            for p in self.procs.values():
-                if msg.actor_id in (p.spec.actor_id, p.spec.gang) and p.exit_code is not None:
-                    p.fatal = True
             self._fatal_ids.add(msg.actor_id)
             self._event.set()
         if not msg.ok and (self._members(msg.actor_id) or msg.fatal) and not self.reason:
             self.reason = f"actor {msg.actor_id} ({msg.role}) failed: {msg.reason}"
 
     def _is_fatal(self, p: _Proc) -> bool:
-        if p.exit_code == FATAL_EXIT or p.spec.actor_id in self._fatal_ids:
-            p.fatal = True
-        return p.fatal
+        """Whether ``p`` failed in a way a restart cannot mend: its exit code, or the exit
+        message of it or its gang."""
+        named = p.spec.actor_id in self._fatal_ids or p.spec.gang in self._fatal_ids
+        return p.exit_code == FATAL_EXIT or (p.exit_code is not None and named)
 
     def _crashed(self, p: _Proc) -> bool:
         if p.exit_code is None or p.replaced or self._stopping:
