@@ -131,7 +131,7 @@ class TrainShard:
         n, n_minibatches, mode, fill_prox, fill_ref, sequences, tokens, loss_tokens = meta[
             :8
         ].tolist()
-        norm_len = float(meta[8:].view(torch.float64))
+        norm_len = _float(int(meta[8]))
         pos = _META
         head = ints[pos : pos + _PER_SAMPLE * n].tolist()
         lengths, has_old, has_ref = head[:n], head[n : 2 * n], head[2 * n : 3 * n]
@@ -160,7 +160,15 @@ class TrainShard:
             old, rest = _take(floats[2 * total :], lengths, has_old)
             ref, _ = _take(rest, lengths, has_ref)
             samples = [
-                Sample(ids[i], masks[i], behav[i], adv[i], old[i], ref[i], None, sampled_with[i])
+                Sample(
+                    ids[i],
+                    masks[i],
+                    behav[i],
+                    adv[i],
+                    old[i],
+                    ref[i],
+                    sampled_with=sampled_with[i],
+                )
                 for i in range(n)
             ]
         return cls(
