@@ -37,6 +37,17 @@ def head_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, torch.float32)
 
 
+def _cuts(top_k: Setting, top_p: Setting) -> bool:
+    """Whether any row has a top-k or top-p cut. Scalars are judged in Python, so the
+    common case (the recipe's one setting) adds no tensor work and no device sync per
+    chunk."""
+    if isinstance(top_k, torch.Tensor) or isinstance(top_p, torch.Tensor):
+        return bool((torch.as_tensor(top_k) > 0).any()) or bool(
+            (torch.as_tensor(top_p) < 1.0).any()
+        )
+    return top_k > 0 or top_p < 1.0
+
+
 def _chunk_logq(
     hidden_MH: torch.Tensor,
     weight_VH: torch.Tensor,
@@ -59,9 +70,9 @@ def _chunk_logq(
     elif temperature != 1.0:
         logits_MV = logits_MV / temperature
     logq_MV = torch.log_softmax(logits_MV, dim=-1)
-    top_k_M = torch.as_tensor(top_k, dtype=torch.int64, device=logq_MV.device).expand(rows)
-    top_p_M = torch.as_tensor(top_p, dtype=torch.float64, device=logq_MV.device).expand(rows)
-    if bool((top_k_M > 0).any()) or bool((top_p_M < 1.0).any()):
+    if _cuts(top_k, top_p):
+        top_k_M = torch.as_tensor(top_k, dtype=torch.int64, device=logq_MV.device).expand(rows)
+        top_p_M = torch.as_tensor(top_p, dtype=torch.float64, device=logq_MV.device).expand(rows)
         keep_MV = kept_mask(logq_MV, top_k_M, top_p_M)
         keep_MV = keep_MV.scatter(-1, targets_M[:, None], True)
         logq_MV = cut_logprobs(logits_MV, keep_MV)
