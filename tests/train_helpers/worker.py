@@ -1,7 +1,8 @@
 """Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on),
 ``fsdp`` (under torchrun, any world size; the first step through the ranks' command
 protocol, as the trainer actor runs it; with ``--lora``, then the same with LoRA
-adapters). Results go to ``--out`` via torch.save."""
+adapters), ``prefix`` (under torchrun: float64 steps with and without shared prefixes).
+Results go to ``--out`` via torch.save."""
 
 from __future__ import annotations
 
@@ -17,11 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.train.commands import Leader, follow
 from asyncrl.train.torchrun import rank_main
 from train_helpers.tiny import (
+    float64_engine,
     fsdp_engine,
     full_weights,
     lora_fsdp_engine,
+    prefix_batch,
+    prefix_config,
     random_batch,
     resume_engine,
+    step_gradients,
 )
 
 
@@ -80,16 +85,46 @@ def lora(folder: Path) -> None:
         torch.save(result, folder / "out.pt")
 
 
+def prefix(args: argparse.Namespace) -> None:
+    """The shared-prefix step (:func:`prefix_batch`, :func:`prefix_config`) in float64
+    without and with ``trainer.share_prefix``, through the ranks' command protocol (rank
+    0 plans, every other rank receives its shard as tensors, groups included): each run's
+    stats, gradients and logprobs."""
+    dist.init_process_group("gloo")
+    batch = prefix_batch()
+    out = {}
+    for share in (False, True):
+        engine = float64_engine(prefix_config(share_prefix=share))
+        if dist.get_rank() == 0:
+            leader = Leader(engine)
+
+            def step(leader: Leader = leader) -> dict[str, float]:
+                stats = leader.train(batch)
+                leader.stop()
+                return stats
+        else:
+
+            def step(engine: object = engine) -> dict[str, float]:
+                follow(engine)  # type: ignore[arg-type]
+                return {}
+
+        stats, grads = step_gradients(engine, step)
+        logprobs = engine.compute_logprobs(batch)
+        out[share] = {"stats": stats, "grads": grads, "logprobs": logprobs}
+    if dist.get_rank() == 0:
+        torch.save(out, args.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["resume", "fsdp"])
+    parser.add_argument("mode", choices=["resume", "fsdp", "prefix"])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--ckpt", default="")
     parser.add_argument("--export", default="")
     parser.add_argument("--lora", default="", help="fsdp: then LoRA steps, results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    {"resume": resume, "fsdp": fsdp}[args.mode](args)
+    {"resume": resume, "fsdp": fsdp, "prefix": prefix}[args.mode](args)
 
 
 if __name__ == "__main__":

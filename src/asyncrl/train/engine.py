@@ -46,6 +46,7 @@ from asyncrl.train.packing import (
     MicroBatch,
     build_micro_batch,
     plan_micro_batches,
+    sharing_sets,
 )
 from asyncrl.train.schedule import lr_at
 from asyncrl.train.shard import TrainShard, plan_shards
@@ -119,6 +120,8 @@ class TrainEngine:
             torch.cuda.set_device(self.device)
         self.dtype_name = resolve_dtype(model.dtype, self.device.type)
         self.param_dtype = torch_dtype(self.dtype_name)
+        # what FSDP sums gradients over ranks in (trainer.reduce_dtype)
+        self.reduce_dtype = torch_dtype(config.reduce_dtype)
         self.step = 0
         self.version = 0
         self.skipped_nonfinite = 0
@@ -190,7 +193,7 @@ class TrainEngine:
                 module,
                 mesh,
                 param_dtype=self.param_dtype,
-                reduce_dtype=torch_dtype(self.config.reduce_dtype),
+                reduce_dtype=self.reduce_dtype,
                 reshard_after_forward=self.config.reshard_after_forward,
             )
         return module
@@ -266,11 +269,13 @@ class TrainEngine:
     # --- forward ----------------------------------------------------------------------------
 
     def _plan(self, batch: Batch) -> list[list[int]]:
+        max_tokens = self.config.max_tokens_per_microbatch
         plan = plan_micro_batches(
             [len(s) for s in batch],
-            self.config.max_tokens_per_microbatch,
+            max_tokens,
             self.world_size,
             padded=not self.config.packing,
+            shared=sharing_sets(batch, max_tokens) if self.config.shares_prefix else (),
         )
         return plan[self.rank]
 
@@ -281,6 +286,7 @@ class TrainEngine:
                 idx,
                 packed=self.config.packing,
                 all_positions=all_positions,
+                share_prefix=self.config.shares_prefix,
             )
             yield mb.to(self.device)
 
@@ -295,7 +301,8 @@ class TrainEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T]`` float32 logprobs and entropies (0 without ``with_entropy``) of the
         sampled distribution (temperature, then the top-k/top-p cut) at the micro-batch's
-        targets, 0 elsewhere; one LM-head pass gives both."""
+        targets, 0 elsewhere; one LM-head pass gives both. (float64 for a float64 model,
+        as the LM head computes them: :func:`~asyncrl.train.models.head_dtype`.)"""
         temperature, top_k, top_p = self._sampling_M(mb)
         with self._autocast():
             lp_M, ent_M = (module or self.module)(
@@ -305,14 +312,19 @@ class TrainEngine:
                 mb.target_index,
                 temperature,
                 mb.cu_seqlens,
-                max(mb.lengths, default=0),
+                mb.max_len_q,
                 top_k,
                 top_p,
                 with_entropy,
+                source_index=mb.source_index,
+                key_index=mb.key_index,
+                cu_seqlens_k=mb.cu_seqlens_k,
+                max_len_k=mb.max_len_k,
             )
-        out = torch.zeros(mb.loss_mask_BT.shape, dtype=torch.float32, device=self.device)
+        dtype = torch.promote_types(lp_M.dtype, torch.float32)
+        out = torch.zeros(mb.loss_mask_BT.shape, dtype=dtype, device=self.device)
         index = (mb.target_row, mb.target_col)
-        return out.index_put(index, lp_M.float()), out.index_put(index, ent_M.float())
+        return out.index_put(index, lp_M.to(dtype)), out.index_put(index, ent_M.to(dtype))
 
     def _sampling_M(self, mb: MicroBatch) -> tuple[Setting, Setting, Setting]:
         """The temperature, top_k and top_p the micro-batch's targets were sampled with:
@@ -334,9 +346,10 @@ class TrainEngine:
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, all_positions: bool = False) -> list[torch.Tensor]:
         """Logprobs of every sequence under the current weights, in the :mod:`batch
-        <asyncrl.train.batch>` alignment: ``[L]`` float32 on the CPU, value at ``t`` =
-        ``log p(token_t | tokens_<t)`` of the temperature-scaled distribution, at the
-        ``loss_mask`` positions (every position but 0 with ``all_positions``), 0 elsewhere.
+        <asyncrl.train.batch>` alignment: ``[L]`` float32 (float64 for a float64 model) on
+        the CPU, value at ``t`` = ``log p(token_t | tokens_<t)`` of the temperature-scaled
+        distribution, at the ``loss_mask`` positions (every position but 0 with
+        ``all_positions``), 0 elsewhere.
 
         These are the proximal logprobs of decoupled PPO. Collective; every rank returns the
         whole batch's logprobs.
@@ -369,12 +382,15 @@ class TrainEngine:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
+        flat: torch.Tensor | None = None
         for mb in self._micro_batches(batch, all_positions=all_positions):
             lp_BT = self._logprobs_BT(mb, module)
+            if flat is None:  # float32, or float64 for a float64 model
+                flat = torch.zeros(offsets[-1], dtype=lp_BT.dtype, device=self.device)
             for row, i in enumerate(mb.seq_index):
                 flat[offsets[i] : offsets[i + 1]] = lp_BT[row, : lengths[i]]
         self._reshard(module)
+        assert flat is not None, "every rank runs at least one micro-batch"
         if self.distributed:
             # Each sequence was computed on exactly one rank and is 0 on the others.
             dist.all_reduce(flat)
@@ -486,7 +502,12 @@ class TrainEngine:
         return stats
 
     def _shard_micro_batch(self, samples: Batch, idx: list[int]) -> MicroBatch:
-        mb = build_micro_batch([samples[i] for i in idx], idx, packed=self.config.packing)
+        mb = build_micro_batch(
+            [samples[i] for i in idx],
+            idx,
+            packed=self.config.packing,
+            share_prefix=self.config.shares_prefix,
+        )
         return mb.to(self.device)
 
     @torch.no_grad()

@@ -31,6 +31,12 @@ def rows_of(setting: Setting, start: int, end: int) -> Setting:
     return setting[start:end] if isinstance(setting, torch.Tensor) else setting
 
 
+def head_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The LM head's compute dtype: float32, or float64 for a float64 model (exactness
+    tests compare float64 forwards to 1e-10, which float32 logits would round away)."""
+    return torch.promote_types(hidden.dtype, torch.float32)
+
+
 def _chunk_logq(
     hidden_MH: torch.Tensor,
     weight_VH: torch.Tensor,
@@ -40,10 +46,12 @@ def _chunk_logq(
     top_k: Setting,
     top_p: Setting,
 ) -> torch.Tensor:
-    """``[M, V]`` float32 ``log q`` of :func:`chunk_logprobs` (−inf outside the cut)."""
+    """``[M, V]`` ``log q`` of :func:`chunk_logprobs` (−inf outside the cut), in
+    :func:`head_dtype`."""
+    dtype = head_dtype(hidden_MH)
     with torch.autocast(hidden_MH.device.type, enabled=False):
         logits_MV = F.linear(
-            hidden_MH.float(), weight_VH.float(), None if bias_V is None else bias_V.float()
+            hidden_MH.to(dtype), weight_VH.to(dtype), None if bias_V is None else bias_V.to(dtype)
         )
     rows = logits_MV.shape[0]
     if isinstance(temperature, torch.Tensor):
@@ -92,8 +100,8 @@ def chunk_logprobs(
     trainer's slightly different logits would drop must not get logprob −inf.
 
     The matmul runs in float32 whatever the compute dtype (hidden states and a bf16-gathered
-    weight are upcast, autocast is off): logits rounded to bf16 before the softmax would
-    err by up to ~1e-2 in every logprob.
+    weight are upcast, autocast is off; a float64 model keeps float64): logits rounded to
+    bf16 before the softmax would err by up to ~1e-2 in every logprob.
     """
     logq_MV = _chunk_logq(hidden_MH, weight_VH, bias_V, targets_M, temperature, top_k, top_p)
     picked_M = logq_MV.gather(-1, targets_M[:, None]).squeeze(-1)
@@ -114,7 +122,8 @@ class FusedLogprobs(torch.autograd.Function):
         ∂ H / ∂s_v        = −q_v · (log q_v + H)          (v ∈ K; 0 outside)
         ∂L/∂z = (g · (1_y − q) − e · q ⊙ (log q + H)) / T
 
-    then ``∂L/∂h = ∂L/∂z · W`` and ``∂L/∂W = ∂L/∂zᵀ · h`` per chunk, in float32. The kept set
+    then ``∂L/∂h = ∂L/∂z · W`` and ``∂L/∂W = ∂L/∂zᵀ · h`` per chunk, in float32 (float64
+    for a float64 model, :func:`head_dtype`). The kept set
     carries no gradient, as in :func:`chunk_logprobs`, whose autograd gives the same values.
     Memory: ``rows · V`` floats live from forward to backward (the checkpointed form holds
     one chunk's logits, computing them twice).
@@ -155,11 +164,12 @@ class FusedLogprobs(torch.autograd.Function):
     ) -> tuple[Any, ...]:
         hidden_MH, weight_VH, bias_V, targets_M, ent_M, *logqs = ctx.saved_tensors
         step = ctx.chunk_tokens
-        h_MH, w_VH = hidden_MH.float(), weight_VH.float()
+        dtype = head_dtype(hidden_MH)
+        h_MH, w_VH = hidden_MH.to(dtype), weight_VH.to(dtype)
         grad_h = torch.zeros_like(h_MH) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(w_VH) if ctx.needs_input_grad[1] else None
         grad_b = (
-            torch.zeros(w_VH.shape[0], dtype=torch.float32, device=w_VH.device)
+            torch.zeros(w_VH.shape[0], dtype=dtype, device=w_VH.device)
             if bias_V is not None and ctx.needs_input_grad[2]
             else None
         )
@@ -168,15 +178,15 @@ class FusedLogprobs(torch.autograd.Function):
                 rows = slice(i * step, i * step + logq_MV.shape[0])
                 # ∂L/∂z = q ⊙ (a + b·(log q + H)) + g/T at the target, with a = −g/T and
                 # b = −e/T per row: two passes over [chunk, V] without entropy, four with
-                zero_M = torch.zeros(logq_MV.shape[0], device=logq_MV.device)
-                g_M = zero_M if grad_lp_M is None else grad_lp_M[rows].float()
+                zero_M = torch.zeros(logq_MV.shape[0], dtype=dtype, device=logq_MV.device)
+                g_M = zero_M if grad_lp_M is None else grad_lp_M[rows].to(dtype)
                 temperature = rows_of(ctx.temperature, rows.start, rows.stop)
                 if isinstance(temperature, torch.Tensor):
                     temperature = temperature.to(g_M)
                 g_M = g_M / temperature
                 grad_MV = logq_MV.exp()
                 if ctx.entropy and grad_ent_M is not None:
-                    b_M = grad_ent_M[rows].float() / -temperature
+                    b_M = grad_ent_M[rows].to(dtype) / -temperature
                     term_MV = torch.nan_to_num(logq_MV, neginf=0.0)  # 0 outside the cut
                     term_MV.add_(ent_M[rows, None]).mul_(b_M[:, None]).sub_(g_M[:, None])
                     grad_MV.mul_(term_MV)
@@ -227,10 +237,15 @@ class TokenLogprobs(nn.Module):
         top_k: Setting = 0,
         top_p: Setting = 1.0,
         with_entropy: bool = False,
+        source_index: torch.Tensor | None = None,
+        key_index: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_len_k: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprob of ``input_ids.flatten()[i]`` given what precedes it, for each ``i`` in
         ``target_index`` (flat indices, never the first token of a sequence), under the
-        sampled distribution of :func:`chunk_logprobs`.
+        sampled distribution of :func:`chunk_logprobs`, predicted from the hidden state at
+        the matching ``source_index`` (default: ``target_index − 1``, the token before).
 
         Returns ``(logprobs [M], entropy [M])``; the entropy is zeros unless
         ``with_entropy``. Both come from the same logits, so the entropy (a statistic, or a
@@ -244,9 +259,14 @@ class TokenLogprobs(nn.Module):
             cu_seqlens: ``[n + 1]`` int32 cumulative lengths of the packed sequences, for
                 attention backends that take boundaries (``asyncrl_varlen``,
                 ``flash_attention_2``); others ignore it and read ``position_ids``.
-            max_len: the longest packed sequence.
+            max_len: the longest packed sequence (segment).
             temperature, top_k, top_p: the sampler's temperature and cut (0 and 1: none),
                 one value or one per target (``[M]``, :data:`Setting`).
+            source_index: ``[M]`` int64, where the token before each target is: a sample's
+                first token after a shared prefix is predicted by the prefix's last.
+            key_index, cu_seqlens_k, max_len_k: with shared prefixes, the row positions
+                whose keys each segment attends, cut per segment, and the most of them
+                (``asyncrl_varlen``, :mod:`asyncrl.train.attention`).
         """
         decoder: Any = self.lm.get_decoder()  # type: ignore[operator]
         boundaries: dict[str, Any] = {}
@@ -257,6 +277,10 @@ class TokenLogprobs(nn.Module):
                 "max_length_q": max_len,
                 "max_length_k": max_len,
             }
+        if key_index is not None:
+            boundaries.update(
+                key_index=key_index, cu_seq_lens_k=cu_seqlens_k, max_length_k=max_len_k
+            )
         out = decoder(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -265,8 +289,9 @@ class TokenLogprobs(nn.Module):
             **boundaries,
         )
         hidden_NH = out.last_hidden_state.flatten(0, 1)
-        # The logits that predict token i come from the hidden state at i − 1.
-        hidden_MH = hidden_NH.index_select(0, target_index - 1)
+        if source_index is None:
+            source_index = target_index - 1
+        hidden_MH = hidden_NH.index_select(0, source_index)
         targets_M = input_ids.flatten().index_select(0, target_index)
         head: Any = self.lm.get_output_embeddings()  # type: ignore[operator]
         weight_VH, bias_V = head.weight, getattr(head, "bias", None)
