@@ -356,8 +356,9 @@ def test_a_shared_train_step_gives_the_gradients_of_an_unshared_one() -> None:
 
 def test_a_shared_lora_step_gives_the_gradients_of_an_unshared_one() -> None:
     """The same with LoRA adapters, whose reference forward is the base model (the
-    adapters disabled)."""
-    config, batch = prefix_config(lora=LoraConfig(rank=4, alpha=8)), prefix_batch()
+    adapters disabled), and with each decoder layer recomputed in backward."""
+    lora = LoraConfig(rank=4, alpha=8)
+    config, batch = prefix_config(lora=lora, gradient_checkpointing=True), prefix_batch()
     _assert_same_step(_step(config, batch, share=True), _step(config, batch, share=False))
 
 

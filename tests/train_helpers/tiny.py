@@ -118,8 +118,11 @@ def multi_turn_group(seed: int, group: int, *, episodes: int = 2) -> list[Sample
         first, tool, second = (
             torch.randint(0, VOCAB, (n,), generator=g) for n in (6 + e, 4, 5 + 2 * e)
         )
-        spans = [(prompt, False), (first, True)]
-        calls = [spans, [(prompt, False), (first, False), (tool, False), (second, True)]]
+        # (tokens, whether they carry a loss) of each sample
+        calls = [
+            [(prompt, False), (first, True)],
+            [(prompt, False), (first, False), (tool, False), (second, True)],
+        ]
         if e == episodes - 1:
             calls.append([(prompt, False), (first, True), (tool, False), (second, True)])
         for parts in calls:
