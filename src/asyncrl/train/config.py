@@ -143,8 +143,9 @@ class TrainerConfig(Placement):
     """Where the trainer runs: ``auto`` (CUDA when there is a device, else the CPU),
     ``cpu``, ``cuda`` (each rank on ``cuda:LOCAL_RANK``) or ``cuda:N`` (one process)."""
     max_tokens_per_microbatch: int = Field(4096, ge=1)
-    """Token budget of one packed micro-batch (padding included when ``packing`` is off); a
-    longer single sequence gets a micro-batch of its own."""
+    """Token budget of one packed micro-batch (padding included when ``packing`` is off, a
+    shared prefix counted once with ``share_prefix``); a longer single sequence gets a
+    micro-batch of its own."""
     packing: bool = True
     """Pack sequences end to end without padding; false: right-pad each micro-batch."""
     share_prefix: bool | Literal["auto"] = "auto"
