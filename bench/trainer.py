@@ -13,6 +13,8 @@ batch hand-off between trainer ranks.
         --resp-sigma 0 --max-new 64 --steps 2               # full fine-tuning against LoRA
     python bench/trainer.py --shape smollm2-135m --seqs 32 --resp-median 64 --resp-sigma 0 \
         --max-new 64 --steps 4 --in-thread --compare-malloc # glibc against mimalloc
+    python bench/trainer.py --shape smollm2-135m --modes share_prefix --max-tokens 2048 \
+        --steps 2                                           # a group's prompt once, or per sample
 
 The model is randomly initialised at the chosen shape (no download). Every step trains on
 a GRPO-like batch with GSM8K-like lengths: prompt lengths from the GSM8K questions
@@ -60,6 +62,15 @@ handed back lazily);
 times. ``--in-thread`` runs the steps in a worker thread, as the trainer actor does
 (``asyncio.to_thread``): a thread's glibc arena maps any block over 64 MB afresh whatever
 the setting, so ``keep-freed`` does not reach the trainer; mimalloc does.
+
+Mode ``share_prefix`` trains GRPO groups of two recipes' shapes, each with
+``trainer.share_prefix`` off and on, interleaved on one engine (alternating which goes
+first): the quickstart's (8 prompts × 8 samples, prompts of ~60 tokens, answers of ~20)
+and the tools recipe's (8 × 4, ~340 and ~70). A group's samples share its prompt's tokens
+(random, as are the answers'; each prompt's length within ±20% of the shape's, each
+answer's within ±50%). It prints, per shape, the tokens the model computed without and
+with sharing, their ratio, the step times and their ratio; ``--seqs`` and the response
+options do not apply to it.
 
 Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
 rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
@@ -368,6 +379,70 @@ def run_head(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str,
     return {"once_s": once, "recompute_s": again, "flops": flops}
 
 
+PREFIX_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "quickstart 8x8": (8, 8, 60, 20),
+    "tools 8x4": (8, 4, 340, 70),
+}
+"""Mode ``share_prefix``'s workloads: (prompts, samples per prompt, prompt tokens, answer
+tokens), from recipes/quickstart.toml and recipes/tools.toml."""
+
+
+def group_batch(shape: tuple[int, int, int, int], vocab: int, g: torch.Generator) -> list[Sample]:
+    """A GRPO batch of ``shape`` (:data:`PREFIX_SHAPES`): each prompt's samples share its
+    tokens (``group`` set as :func:`~asyncrl.train.batch.build_samples` sets it), each
+    with an answer of its own, the loss on the answer."""
+    prompts, per_prompt, prompt_len, answer_len = shape
+    batch = []
+    for k in range(prompts):
+        p = max(1, round(prompt_len * (0.8 + 0.4 * float(torch.rand((), generator=g)))))
+        head = torch.randint(vocab, (p,), generator=g)
+        for _ in range(per_prompt):
+            n = max(1, round(answer_len * (0.5 + float(torch.rand((), generator=g)))))
+            ids = torch.cat([head, torch.randint(vocab, (n,), generator=g)])
+            mask = torch.arange(p + n) >= p
+            adv = 1.0 if torch.rand((), generator=g) < 0.5 else -1.0
+            batch.append(Sample(ids, mask, torch.where(mask, -1.0, 0.0), adv, group=k))
+    return batch
+
+
+def run_share_prefix(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Per :data:`PREFIX_SHAPES` workload, packed steps with ``trainer.share_prefix`` off
+    and on, interleaved on one engine (alternating which goes first) so that both see the
+    same batches, warm caches and machine load: median step times and tokens computed."""
+    out = {}
+    vocab = SHAPES[args.shape]["vocab_size"]
+    for name, shape in PREFIX_SHAPES.items():
+        g = torch.Generator().manual_seed(args.seed)
+        batches = [group_batch(shape, vocab, g) for _ in range(args.warmup + args.steps)]
+        engine = build_engine(args, True, batches)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        computed: dict[bool, list[float]] = {False: [], True: []}
+        for i, batch in enumerate(batches):
+            for share in (False, True) if i % 2 == 0 else (True, False):
+                engine.config.share_prefix = share
+                t0 = time.perf_counter()
+                stats = engine.train_step(batch)
+                seconds = time.perf_counter() - t0
+                note = " (warm-up, not counted)" if i < args.warmup else ""
+                print(
+                    f"  {name} step {i} {'shared' if share else 'plain '}: {seconds:.2f} s,"
+                    f" {stats['input_tokens']:.0f} tokens computed{note}",
+                    flush=True,
+                )
+                if i >= args.warmup:
+                    times[share].append(seconds)
+                    computed[share].append(stats["input_tokens"])
+        del engine
+        out[name] = {
+            "tokens": statistics.mean(sum(len(s) for s in b) for b in batches[args.warmup :]),
+            "plain_tokens": statistics.mean(computed[False]),
+            "shared_tokens": statistics.mean(computed[True]),
+            "plain_s": statistics.median(times[False]),
+            "shared_s": statistics.median(times[True]),
+        }
+    return out
+
+
 def run_mode(
     args: argparse.Namespace, packing: bool, batches: list[list[Sample]]
 ) -> dict[str, float]:
@@ -542,7 +617,7 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="packed,padded,proximal",
-        help="comma list of packed, padded, proximal, head, handoff, lora",
+        help="comma list of packed, padded, proximal, head, handoff, lora, compile, share_prefix",
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="adapter rank of mode lora")
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
@@ -630,7 +705,7 @@ def main() -> None:
             + f" ({args.peak_size}² matmuls, {torch.get_num_threads()} threads)"
         )
     modes = args.modes.split(",")
-    allowed = {"packed", "padded", "proximal", "head", "handoff", "lora", "compile"}
+    allowed = {"packed", "padded", "proximal", "head", "handoff", "lora", "compile", "share_prefix"}
     if set(modes) - allowed:
         parser.error(f"--modes {args.modes!r}: allowed {', '.join(sorted(allowed))}")
     head = run_head(args, batches) if "head" in modes else None
@@ -722,6 +797,23 @@ def main() -> None:
                 " fp32 peak"
             )
         print(line)
+    if "share_prefix" in modes:
+        shared = run_share_prefix(args)
+        print(
+            f"share_prefix, {args.shape}, {args.max_tokens}-token micro-batches, median of"
+            f" {args.steps} steps:"
+        )
+        print(
+            f"{'workload':15} {'tokens':>7} {'computed plain':>15} {'shared':>7} {'ratio':>6}"
+            f" {'step plain':>11} {'shared':>8} {'speedup':>8}"
+        )
+        for name, r in shared.items():
+            print(
+                f"{name:15} {r['tokens']:7.0f} {r['plain_tokens']:15.0f}"
+                f" {r['shared_tokens']:7.0f} {r['shared_tokens'] / r['plain_tokens']:6.2f}"
+                f" {r['plain_s']:10.2f}s {r['shared_s']:7.2f}s"
+                f" {r['plain_s'] / r['shared_s']:7.2f}x"
+            )
     if "proximal" in modes:
         r = run_proximal(args, batches)
         print(

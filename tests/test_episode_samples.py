@@ -110,6 +110,8 @@ def test_the_trainer_batch_of_episodes_of_several_samples() -> None:
     assert [x.advantages for x in samples] == pytest.approx(expected, abs=1e-5)
     # One id per (group, episode): p0's e0 (two samples), p0's e1, p1's e0, p1's e1.
     assert [x.episode for x in samples] == [0, 0, 1, 2, 3]
+    # and one per group, whose prompt the trainer may forward once (trainer.share_prefix)
+    assert [x.group for x in samples] == [0, 0, 0, 1, 1]
     stats = batch_stats([p0, p1], 256)
     assert stats["reward_groups/all_one"] == 0.5  # p1 only: p0 is told by prompt, not by 2s
     batch = [*p0.samples, *p1.samples]

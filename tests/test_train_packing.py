@@ -187,7 +187,7 @@ def test_flash_varlen_plumbing(monkeypatch: pytest.MonkeyPatch, params: set[str]
     expected, _ = attention.varlen_causal_attention(
         module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu
     )
-    got = attention._varlen_cuda(q, k, v, cu, 7, 0.3)
+    got = attention._varlen_cuda(q, k, v, (cu, cu), (7, 7), 0.3)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 

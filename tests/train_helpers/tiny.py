@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from asyncrl.models.resolve import TINY_NAME, ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
 from asyncrl.train.batch import Sample
 from asyncrl.train.engine import TrainEngine
+from asyncrl.wire.messages import SampledWith
 
 VOCAB = 128
 
@@ -69,6 +71,108 @@ def random_batch(
         )
         batch.append(Sample(ids, mask, behav, adv))
     return batch
+
+
+def group_batch(
+    seed: int,
+    sizes: list[int] | tuple[int, ...] = (4, 1, 8),
+    *,
+    prompt: tuple[int, int] = (18, 30),
+    answer: tuple[int, int] = (2, 12),
+) -> list[Sample]:
+    """GRPO groups as :func:`~asyncrl.train.batch.build_samples` gives them: group ``k``
+    is ``sizes[k]`` consecutive samples (``group = k``, each its own episode) of one random
+    prompt (length drawn from ``prompt``) and each its own answer (from ``answer``), the
+    loss on the answer."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(bounds: tuple[int, int]) -> int:
+        return int(torch.randint(bounds[0], bounds[1] + 1, (1,), generator=g))
+
+    batch = []
+    for k, size in enumerate(sizes):
+        head = torch.randint(0, VOCAB, (draw(prompt),), generator=g)
+        for _ in range(size):
+            tail = torch.randint(0, VOCAB, (draw(answer),), generator=g)
+            mask = torch.cat(
+                [torch.zeros(len(head), dtype=torch.bool), torch.ones(len(tail), dtype=torch.bool)]
+            )
+            behav = torch.where(mask, -4.8 + 0.3 * torch.randn(len(mask), generator=g), 0.0)
+            adv = float(torch.randn(1, generator=g))
+            batch.append(
+                Sample(torch.cat([head, tail]), mask, behav, adv, episode=len(batch), group=k)
+            )
+    return batch
+
+
+def multi_turn_group(seed: int, group: int, *, episodes: int = 2) -> list[Sample]:
+    """One group of agent episodes of two calls each, as separate samples: the first
+    call's sample (prompt, answer 1; loss on answer 1) and the second's (prompt, answer 1,
+    a tool reply, answer 2; loss on answer 2 only: answer 1 is its context), and for the
+    last episode also the two calls as one continued sample (loss on both answers).
+    Episodes differ after the prompt; an episode's samples share its first answer."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (20,), generator=g)
+    batch = []
+    for e in range(episodes):
+        first, tool, second = (
+            torch.randint(0, VOCAB, (n,), generator=g) for n in (6 + e, 4, 5 + 2 * e)
+        )
+        # (tokens, whether they carry a loss) of each sample
+        calls = [
+            [(prompt, False), (first, True)],
+            [(prompt, False), (first, False), (tool, False), (second, True)],
+        ]
+        if e == episodes - 1:
+            calls.append([(prompt, False), (first, True), (tool, False), (second, True)])
+        for parts in calls:
+            ids = torch.cat([t for t, _ in parts])
+            mask = torch.cat([torch.full((len(t),), on) for t, on in parts])
+            behav = torch.where(mask, -4.8 + 0.3 * torch.randn(len(ids), generator=g), 0.0)
+            adv = float(torch.randn(1, generator=g))
+            batch.append(Sample(ids, mask, behav, adv, episode=100 * group + e, group=group))
+    return batch
+
+
+def per_sample_sampling(batch: list[Sample]) -> list[Sample]:
+    """``batch`` with some samples drawn at their own temperature and cut (per call)."""
+    settings = [
+        SampledWith(temperature=0.7),
+        None,
+        SampledWith(temperature=1.3, top_k=20, top_p=0.9),
+    ]
+    return [
+        dataclasses.replace(s, sampled_with=settings[i % len(settings)])
+        for i, s in enumerate(batch)
+    ]
+
+
+def prefix_batch() -> list[Sample]:
+    """Groups of 4, 1 and 8 and two multi-turn groups (:func:`multi_turn_group`), some
+    samples at their own sampling: the shared-prefix steps' batch."""
+    return per_sample_sampling(
+        group_batch(7, (4, 1, 8)) + multi_turn_group(8, 3) + multi_turn_group(9, 4, episodes=1)
+    )
+
+
+def prefix_config(**overrides: Any) -> TrainerConfig:
+    """The shared-prefix steps' trainer: several 48-token micro-batches, two PPO
+    minibatches (so a separate proximal forward), a KL penalty (a reference forward), an
+    entropy bonus and per-episode weights; no gradient clipping (gradients are compared
+    as they are)."""
+    fields: dict[str, Any] = dict(
+        max_tokens_per_microbatch=48,
+        ppo_minibatches=2,
+        optim=OptimConfig(lr=1e-3, grad_clip=None),
+        loss=LossConfig(
+            loss_agg="seq-mean-token-mean",
+            kl_coef=0.1,
+            entropy_coef=0.01,
+            behav_imp_weight_cap=None,
+        ),
+    )
+    fields.update(overrides)
+    return train_config(**fields)
 
 
 def train_config(**overrides: Any) -> TrainerConfig:

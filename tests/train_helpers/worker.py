@@ -1,7 +1,8 @@
 """Runs train-engine steps in a process of its own: ``resume`` (load a checkpoint, go on),
 ``fsdp`` (under torchrun, any world size; the first step through the ranks' command
 protocol, as the trainer actor runs it; with ``--lora``, then the same with LoRA
-adapters), ``invariance`` (under torchrun: the two-rank gradient-invariance cases).
+adapters), ``invariance`` (under torchrun: the two-rank gradient-invariance cases),
+``prefix`` (under torchrun: float64 steps with and without shared prefixes).
 Results go to ``--out`` via torch.save."""
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ from asyncrl.train.commands import Leader, follow
 from asyncrl.train.torchrun import rank_main
 from train_helpers.invariance import OffsetEngine, run_case, world2_cases
 from train_helpers.tiny import (
+    float64_engine,
     fsdp_engine,
     full_weights,
     lora_fsdp_engine,
+    prefix_batch,
+    prefix_config,
     random_batch,
     resume_engine,
+    step_gradients,
 )
 
 
@@ -103,16 +108,33 @@ def invariance(args: argparse.Namespace) -> None:
         torch.save(out, args.out)
 
 
+def prefix(args: argparse.Namespace) -> None:
+    """The shared-prefix step (:func:`prefix_batch`, :func:`prefix_config`) in float64
+    without and with ``trainer.share_prefix``, through the ranks' command protocol (rank
+    0 plans, every other rank receives its shard as tensors, groups included): each run's
+    stats, gradients and logprobs."""
+    dist.init_process_group("gloo")
+    batch = prefix_batch()
+    out = {}
+    for share in (False, True):
+        engine = float64_engine(prefix_config(share_prefix=share))
+        stats, grads = step_gradients(engine, lambda e=engine: lead_or_follow(e, batch))
+        logprobs = engine.compute_logprobs(batch)
+        out[share] = {"stats": stats, "grads": grads, "logprobs": logprobs}
+    if dist.get_rank() == 0:
+        torch.save(out, args.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["resume", "fsdp", "invariance"])
+    parser.add_argument("mode", choices=["resume", "fsdp", "invariance", "prefix"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", default="")
     parser.add_argument("--export", default="")
     parser.add_argument("--lora", default="", help="fsdp: then LoRA steps, results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    {"resume": resume, "fsdp": fsdp, "invariance": invariance}[args.mode](args)
+    {"resume": resume, "fsdp": fsdp, "invariance": invariance, "prefix": prefix}[args.mode](args)
 
 
 if __name__ == "__main__":

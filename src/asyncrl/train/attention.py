@@ -16,6 +16,14 @@ Without boundaries it is plain causal attention per row, which is exact for the 
 tokens of right-padded rows (a real token only sees earlier, real tokens); padded
 positions get garbage that the engine never reads.
 
+Shared prefixes (``trainer.share_prefix``): a segment may attend to more keys than it has
+queries. ``key_index`` lists the row positions whose keys and values the segments attend
+(segment after segment: a shared prefix's, then the segment's own) and ``cu_seq_lens_k``
+cuts it per segment. Each segment's ``L`` queries attend its ``K ≥ L`` keys causally from
+the bottom-right corner: query ``i`` sees keys ``0 … i + K − L``, so all of the prefix and
+its own tokens up to itself. The CPU path gives sdpa that mask explicitly; flash varlen
+aligns its causal mask to the same corner when keys outnumber queries.
+
 Registered with transformers as ``asyncrl_varlen`` on import of this module.
 """
 
@@ -55,11 +63,12 @@ def _varlen_cuda(
     q_BHTD: torch.Tensor,
     k_BHTD: torch.Tensor,
     v_BHTD: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_len: int,
+    cu_seqlens: tuple[torch.Tensor, torch.Tensor],
+    max_len: tuple[int, int],
     scale: float | None,
 ) -> torch.Tensor:
-    """Flash varlen on one packed row; returns ``[1, T, H, D]``."""
+    """Flash varlen on one packed row, ``cu_seqlens`` and ``max_len`` for the queries and
+    the keys; returns ``[1, T, H, D]``."""
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q_BHTD, k_BHTD, v_BHTD))  # [T, H, D]
     kwargs: dict[str, Any] = {}
     if scale is not None:
@@ -76,9 +85,25 @@ def _varlen_cuda(
         kwargs["window_size"] = (-1, 0)
     else:
         kwargs["is_causal"] = True
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    out = _VARLEN(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    cu_q, cu_k = (cu.to(device=q.device, dtype=torch.int32) for cu in cu_seqlens)
+    out = _VARLEN(q, k, v, cu_q, cu_k, *max_len, **kwargs)
     return out[None]  # type: ignore[no-any-return]
+
+
+def _flash_applies(query: torch.Tensor, dropout_p: float) -> bool:
+    """Whether the flash varlen kernel takes the call: a torch that has it, CUDA, bf16 or
+    fp16, no dropout."""
+    return (
+        _VARLEN is not None
+        and query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and dropout_p == 0.0
+    )
+
+
+def _bottom_right_causal(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
+    """``[n_q, n_k]`` bool: query ``i`` sees keys ``0 … i + n_k − n_q``."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)
 
 
 def varlen_causal_attention(
@@ -95,9 +120,10 @@ def varlen_causal_attention(
     ``[B, Hkv, T, D]`` → ``([B, T, Hq, D], None)``.
 
     Packed rows (``B = 1``) carry their boundaries in ``cu_seq_lens_q`` (``[n + 1]``
-    cumulative lengths) and ``max_length_q``. Refuses attention variants it does not
-    implement (sliding windows, logit soft-capping, attention sinks) rather than silently
-    computing plain attention for them.
+    cumulative lengths) and ``max_length_q``; with shared prefixes, also ``key_index``,
+    ``cu_seq_lens_k`` and ``max_length_k`` (the module docstring). Refuses attention
+    variants it does not implement (sliding windows, logit soft-capping, attention sinks)
+    rather than silently computing plain attention for them.
     """
     if (
         getattr(module, "sliding_window", None)
@@ -123,19 +149,26 @@ def varlen_causal_attention(
         return out.transpose(1, 2).contiguous(), None
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one row, got batch {query.shape[0]}")
-    if (
-        _VARLEN is not None
-        and query.is_cuda
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and dropout_p == 0.0
-    ):
-        max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
-        return _varlen_cuda(query, key, value, cu_seqlens, max_len, scaling).contiguous(), None
+    key_index = kwargs.get("key_index")
+    cu_seqlens_k = cu_seqlens
+    if key_index is not None:
+        # one gather per layer; its backward adds each copy's gradient back to its position
+        key, value = key.index_select(2, key_index), value.index_select(2, key_index)
+        cu_seqlens_k = kwargs["cu_seq_lens_k"]
+    if _flash_applies(query, dropout_p):
+        max_q = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+        max_k = int(kwargs.get("max_length_k") or max_q) if key_index is not None else max_q
+        out = _varlen_cuda(query, key, value, (cu_seqlens, cu_seqlens_k), (max_q, max_k), scaling)
+        return out.contiguous(), None
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     bounds = cu_seqlens.tolist()
     sizes = [e - s for s, e in itertools.pairwise(bounds)]
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds} does not cover the row of {query.shape[2]}")
+    bounds_k = bounds if key_index is None else cu_seqlens_k.tolist()
+    sizes_k = [e - s for s, e in itertools.pairwise(bounds_k)]
+    if len(sizes_k) != len(sizes) or bounds_k[-1] != key.shape[2]:
+        raise ValueError(f"cu_seq_lens_k {bounds_k} does not match the keys of {bounds}")
     # split(), not one slice per sequence: a slice's backward writes its gradient into a
     # zero tensor of the whole row, so n slices cost n full-row fills and adds per tensor
     # per layer; split's backward is one concatenation
@@ -143,9 +176,14 @@ def varlen_causal_attention(
         F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=dropout_p, scale=scaling
         )
-        for q, k, v in zip(
-            query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2),
-            strict=True,
+        if n_q == n_k
+        else F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_bottom_right_causal(n_q, n_k, q.device),
+            dropout_p=dropout_p, scale=scaling,
+        )
+        for q, k, v, n_q, n_k in zip(
+            query.split(sizes, dim=2), key.split(sizes_k, dim=2), value.split(sizes_k, dim=2),
+            sizes, sizes_k, strict=True,
         )
     ]  # fmt: skip
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None

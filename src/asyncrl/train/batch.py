@@ -51,6 +51,9 @@ class Sample:
             chose them (``rollout.endpoint_sampling = "per_call"``); None: the trainer's
             own (``rollout.sampling``). Every logprob of the sample (behaviour, proximal,
             reference, current) is of that distribution.
+        group: the position of its group in the batch: a group's samples start with the
+            same prompt, which the trainer forwards once for those of them that share a
+            micro-batch (``trainer.share_prefix``); None: it shares with no sample.
     """
 
     input_ids: torch.Tensor
@@ -61,6 +64,7 @@ class Sample:
     ref_logprobs: torch.Tensor | None = None
     episode: int | None = None
     sampled_with: SampledWith | None = None
+    group: int | None = None
 
     def __post_init__(self) -> None:
         self.input_ids = _as_tensor(self.input_ids, torch.int64)
@@ -145,7 +149,9 @@ def build_samples(
     baseline but carries no loss: its loss mask is cleared.
 
     Each sample's ``episode`` is the position of its (group, ``group_index``) in the batch,
-    so that the seq-mean loss aggregations weigh an episode of several samples once.
+    so that the seq-mean loss aggregations weigh an episode of several samples once, and
+    its ``group`` the position of its group, whose prompt the trainer may forward once
+    (``trainer.share_prefix``).
     """
     std_level = None if loss_cfg.adv_std_level == "none" else loss_cfg.adv_std_level
     trained = [t for g in groups for t in g.samples]
@@ -177,9 +183,10 @@ def build_samples(
         for k, g in enumerate(groups)
         for t in g.samples
     ]
+    group_of = [k for k, g in enumerate(groups) for _ in g.samples]
     samples = []
     masked = 0
-    for t, a, e in zip(trained, adv.tolist(), episodes, strict=True):
+    for t, a, e, k in zip(trained, adv.tolist(), episodes, group_of, strict=True):
         loss_mask = torch.from_numpy(t.loss_mask.numpy().astype(bool))
         if loss_cfg.mask_truncated and t.finish_reason == "length":
             loss_mask = torch.zeros_like(loss_mask)
@@ -192,6 +199,7 @@ def build_samples(
                 advantages=float(a),
                 episode=e,
                 sampled_with=t.sampled_with,
+                group=k,
             )
         )
     stats = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncrl.algo.config import LossConfig, ShapingConfig
 from asyncrl.config.placement import Placement
@@ -145,10 +145,20 @@ class TrainerConfig(Placement):
     """Where the trainer runs: ``auto`` (CUDA when there is a device, else the CPU),
     ``cpu``, ``cuda`` (each rank on ``cuda:LOCAL_RANK``) or ``cuda:N`` (one process)."""
     max_tokens_per_microbatch: int = Field(4096, ge=1)
-    """Token budget of one packed micro-batch (padding included when ``packing`` is off); a
-    longer single sequence gets a micro-batch of its own."""
+    """Token budget of one packed micro-batch (padding included when ``packing`` is off, a
+    shared prefix counted once with ``share_prefix``); a longer single sequence gets a
+    micro-batch of its own."""
     packing: bool = True
     """Pack sequences end to end without padding; false: right-pad each micro-batch."""
+    share_prefix: bool | Literal["auto"] = "auto"
+    """Forward the common prefix of a group's samples once per micro-batch instead of once
+    per sample: the samples of one group (a prompt's completions, or an agent's calls)
+    that land in one micro-batch attend to one copy of their longest common token prefix,
+    and its gradient gathers all of theirs. Exact (the same logprobs and gradients as
+    without, up to float summation order); it pays where prompts are long against their
+    answers. ``auto``: on where it applies, which is packed micro-batches
+    (``packing = true``) with the ``asyncrl_varlen`` attention; off elsewhere. ``true``: on,
+    refused where it cannot apply; ``false``: off."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in backward: trade compute for memory."""
     attn_implementation: Literal[
@@ -209,6 +219,28 @@ class TrainerConfig(Placement):
     loss tokens, :func:`~asyncrl.algo.mismatch.mismatch_stats`) above this. There both
     sides score the same weights, so only a setup error (engine dtype, chat template,
     sampling cut, temperature, weights version) gives more than rounding. None: no gate."""
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether the train engine forwards a group's common prefix once
+        (``share_prefix``, resolved)."""
+        if self.share_prefix == "auto":
+            return self.packing and self.attn_implementation == "asyncrl_varlen"
+        return self.share_prefix
+
+    @model_validator(mode="after")
+    def _prefix_sharing_applies(self) -> TrainerConfig:
+        if self.share_prefix is True and not (
+            self.packing and self.attn_implementation == "asyncrl_varlen"
+        ):
+            raise ValueError(
+                "trainer.share_prefix = true needs trainer.packing = true and "
+                'trainer.attn_implementation = "asyncrl_varlen" (got packing = '
+                f"{str(self.packing).lower()}, attn_implementation = "
+                f'"{self.attn_implementation}"): only that backend lets a sample attend to a '
+                'prefix forwarded once; set share_prefix = "auto" or false'
+            )
+        return self
 
     @field_validator("rendezvous")
     @classmethod

@@ -46,6 +46,7 @@ from asyncrl.train.packing import (
     MicroBatch,
     build_micro_batch,
     plan_micro_batches,
+    sharing_sets,
 )
 from asyncrl.train.schedule import lr_at
 from asyncrl.train.shard import TrainShard, plan_shards
@@ -268,11 +269,13 @@ class TrainEngine:
     # --- forward ----------------------------------------------------------------------------
 
     def _plan(self, batch: Batch) -> list[list[int]]:
+        max_tokens = self.config.max_tokens_per_microbatch
         plan = plan_micro_batches(
             [len(s) for s in batch],
-            self.config.max_tokens_per_microbatch,
+            max_tokens,
             self.world_size,
             padded=not self.config.packing,
+            shared=sharing_sets(batch, max_tokens) if self.config.shares_prefix else (),
         )
         return plan[self.rank]
 
@@ -283,6 +286,7 @@ class TrainEngine:
                 idx,
                 packed=self.config.packing,
                 all_positions=all_positions,
+                share_prefix=self.config.shares_prefix,
             )
             yield mb.to(self.device)
 
@@ -308,10 +312,14 @@ class TrainEngine:
                 mb.target_index,
                 temperature,
                 mb.cu_seqlens,
-                max(mb.lengths, default=0),
+                mb.max_len_q,
                 top_k,
                 top_p,
                 with_entropy,
+                source_index=mb.source_index,
+                key_index=mb.key_index,
+                cu_seqlens_k=mb.cu_seqlens_k,
+                max_len_k=mb.max_len_k,
             )
         dtype = torch.promote_types(lp_M.dtype, torch.float32)
         out = torch.zeros(mb.loss_mask_BT.shape, dtype=dtype, device=self.device)
@@ -494,7 +502,12 @@ class TrainEngine:
         return stats
 
     def _shard_micro_batch(self, samples: Batch, idx: list[int]) -> MicroBatch:
-        mb = build_micro_batch([samples[i] for i in idx], idx, packed=self.config.packing)
+        mb = build_micro_batch(
+            [samples[i] for i in idx],
+            idx,
+            packed=self.config.packing,
+            share_prefix=self.config.shares_prefix,
+        )
         return mb.to(self.device)
 
     @torch.no_grad()

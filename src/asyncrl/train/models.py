@@ -248,10 +248,15 @@ class TokenLogprobs(nn.Module):
         top_k: Setting = 0,
         top_p: Setting = 1.0,
         with_entropy: bool = False,
+        source_index: torch.Tensor | None = None,
+        key_index: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_len_k: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprob of ``input_ids.flatten()[i]`` given what precedes it, for each ``i`` in
         ``target_index`` (flat indices, never the first token of a sequence), under the
-        sampled distribution of :func:`chunk_logprobs`.
+        sampled distribution of :func:`chunk_logprobs`, predicted from the hidden state at
+        the matching ``source_index`` (default: ``target_index − 1``, the token before).
 
         Returns ``(logprobs [M], entropy [M])``; the entropy is zeros unless
         ``with_entropy``. Both come from the same logits, so the entropy (a statistic, or a
@@ -265,9 +270,14 @@ class TokenLogprobs(nn.Module):
             cu_seqlens: ``[n + 1]`` int32 cumulative lengths of the packed sequences, for
                 attention backends that take boundaries (``asyncrl_varlen``,
                 ``flash_attention_2``); others ignore it and read ``position_ids``.
-            max_len: the longest packed sequence.
+            max_len: the longest packed sequence (segment).
             temperature, top_k, top_p: the sampler's temperature and cut (0 and 1: none),
                 one value or one per target (``[M]``, :data:`Setting`).
+            source_index: ``[M]`` int64, where the token before each target is: a sample's
+                first token after a shared prefix is predicted by the prefix's last.
+            key_index, cu_seqlens_k, max_len_k: with shared prefixes, the row positions
+                whose keys each segment attends, cut per segment, and the most of them
+                (``asyncrl_varlen``, :mod:`asyncrl.train.attention`).
         """
         decoder: Any = self.lm.get_decoder()  # type: ignore[operator]
         boundaries: dict[str, Any] = {}
@@ -278,6 +288,10 @@ class TokenLogprobs(nn.Module):
                 "max_length_q": max_len,
                 "max_length_k": max_len,
             }
+        if key_index is not None:
+            boundaries.update(
+                key_index=key_index, cu_seq_lens_k=cu_seqlens_k, max_length_k=max_len_k
+            )
         out = decoder(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -286,8 +300,9 @@ class TokenLogprobs(nn.Module):
             **boundaries,
         )
         hidden_NH = out.last_hidden_state.flatten(0, 1)
-        # The logits that predict token i come from the hidden state at i − 1.
-        hidden_MH = hidden_NH.index_select(0, target_index - 1)
+        if source_index is None:
+            source_index = target_index - 1
+        hidden_MH = hidden_NH.index_select(0, source_index)
         targets_M = input_ids.flatten().index_select(0, target_index)
         head: Any = self.lm.get_output_embeddings()  # type: ignore[operator]
         weight_VH, bias_V = head.weight, getattr(head, "bias", None)

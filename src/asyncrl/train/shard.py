@@ -10,7 +10,10 @@ episodes: each sample carries the loss tokens of its episode within its minibatc
 micro-batches or ranks still weighs once. The split is the one every rank would
 derive from the global batch: minibatches by :func:`split_minibatches`, then each
 minibatch's micro-batches by :func:`plan_micro_batches`, every rank getting as many
-micro-batches as the others (FSDP forwards are collective).
+micro-batches as the others (FSDP forwards are collective). With ``trainer.share_prefix``
+the samples of a group that share a prompt are planned together
+(:func:`~asyncrl.train.packing.sharing_sets`), and each sample carries its group, so that
+the rank that trains them forwards that prompt once.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from asyncrl.algo.loss import agg_count
 from asyncrl.train.batch import Batch, Sample
 from asyncrl.train.config import TrainerConfig
-from asyncrl.train.packing import plan_micro_batches, split_minibatches
+from asyncrl.train.packing import plan_micro_batches, sharing_sets, split_minibatches
 from asyncrl.wire.messages import SampledWith
 
 ProximalMode = Literal["free", "given", "behaviour"]
@@ -73,8 +76,8 @@ class TrainShard:
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ints int64, mask uint8, floats float32)``: the shard as three flat CPU
         tensors for point-to-point sends. ``ints`` holds the header (counts, flags, the
-        bits of ``norm_len``), each sample's length, flags, episode tokens and sampling, the
-        plan and the token ids;
+        bits of ``norm_len``), each sample's length, flags, episode tokens, sampling and
+        group (−1: none), the plan and the token ids;
         ``mask`` the loss masks; ``floats`` the behaviour logprobs, the per-token
         advantages and the ``old``/``ref`` logprobs that are set."""
         s = self.samples
@@ -103,6 +106,7 @@ class TrainShard:
             + [int(f) for f in has_ref]
             + episode_tokens
             + [v for x in s for v in _sampling_ints(x.sampled_with)]
+            + [-1 if x.group is None else x.group for x in s]
         )
         ints = torch.cat(
             [
@@ -137,6 +141,7 @@ class TrainShard:
         lengths, has_old, has_ref = head[:n], head[n : 2 * n], head[2 * n : 3 * n]
         episode_tokens = head[3 * n : 4 * n]
         sampled_with = [_sampling_of(head[4 * n + 4 * i : 4 * n + 4 * i + 4]) for i in range(n)]
+        groups = [None if g < 0 else g for g in head[8 * n : 9 * n]]
         pos += _PER_SAMPLE * n
         minibatches: list[list[list[int]]] = []
         units_total: list[int] = []
@@ -168,6 +173,7 @@ class TrainShard:
                     old[i],
                     ref[i],
                     sampled_with=sampled_with[i],
+                    group=groups[i],
                 )
                 for i in range(n)
             ]
@@ -186,9 +192,9 @@ class TrainShard:
         )
 
 
-_PER_SAMPLE = 8
-"""int64 fields per sample in a packed shard: length, has old, has ref, episode tokens and
-the four of its sampling (:func:`_sampling_ints`)."""
+_PER_SAMPLE = 9
+"""int64 fields per sample in a packed shard: length, has old, has ref, episode tokens,
+the four of its sampling (:func:`_sampling_ints`) and its group."""
 
 
 def _bits(value: float) -> int:
@@ -282,11 +288,15 @@ def plan_shards(batch: Batch, config: TrainerConfig, world_size: int) -> list[Tr
             for i in idx
         )
         units_total.append(max(1, round(units)))
+        max_tokens = config.max_tokens_per_microbatch
         per_rank = plan_micro_batches(
             [lengths[i] for i in idx],
-            config.max_tokens_per_microbatch,
+            max_tokens,
             world_size,
             padded=not config.packing,
+            shared=(
+                sharing_sets([batch[i] for i in idx], max_tokens) if config.shares_prefix else ()
+            ),
         )
         for rank, micro in enumerate(per_rank):
             plans[rank].append([[idx[j] for j in mb] for mb in micro])
