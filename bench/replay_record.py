@@ -12,6 +12,7 @@ and the milliseconds to pack one record (what the trainer spends a step).
 from __future__ import annotations
 
 import argparse
+import json
 import lzma
 import statistics
 import time
@@ -20,6 +21,8 @@ from pathlib import Path
 
 from asyncrl.train.replay_log import pack, read_record, record_path, recorded_steps
 from asyncrl.wire.codec import encode
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def measure(run_dir: Path) -> dict[str, float]:
@@ -59,13 +62,22 @@ def main() -> None:
         f"{'run':<24}{'steps':>6}{'samples':>9}{'tokens':>8}{'file B':>9}{'codec B':>9}"
         f"{'zlib9 B':>9}{'lzma B':>9}{'pack ms':>9}"
     )
+    results = {}
     for run_dir in args.runs:
-        m = measure(run_dir)
+        m = results[str(run_dir)] = measure(run_dir)
         print(
             f"{run_dir.name:<24}{m['steps']:>6.0f}{m['samples']:>9.0f}{m['tokens']:>8.0f}"
             f"{m['file']:>9.0f}{m['raw']:>9.0f}{m['zlib9']:>9.0f}{m['lzma']:>9.0f}"
             f"{m['pack_ms']:>9.2f}"
         )
+    summary = ", ".join(
+        f"{Path(r).name} {m['file'] / 1e3:.1f} KB a step" for r, m in results.items()
+    )
+    print(f"replay records: {summary}")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"replay_record-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"runs": results, "summary": summary}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

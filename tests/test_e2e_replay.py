@@ -106,3 +106,27 @@ async def test_replay_proves_a_run_and_finds_the_step_of_a_tampered_record(
     record_path(run_dir, 5).unlink()
     code, out = await run(cli("replay", str(run_dir), "--from", "4"))
     assert code == 1 and "step 5 has no record" in out, out
+
+
+async def test_a_run_of_two_trainer_ranks_is_replayed_by_two(tmp_path: Path) -> None:
+    """FSDP over two gloo ranks: the replay starts two ranks through torchrun, rank 0
+    leading the other as the run's trainer did, and the reduce-scatters add in the same
+    order."""
+    code, out = await run(
+        up_args(
+            tmp_path,
+            "ranks",
+            "trainer.max_steps=4",
+            f"trainer.checkpoint_every={EVERY}",
+            "trainer.nproc=2",
+            "buffer.max_head_offpolicyness=2",
+        )
+    )
+    assert code == 0, out
+    record = read_record(tmp_path / "ranks", 1)
+    assert record is not None and record.world_size == 2
+    code, out = await run(cli("replay", str(tmp_path / "ranks")))
+    assert code == 0, out
+    assert "trainer: 2 rank(s)" in out, out
+    assert checkpoint_lines(out) == {2: "= checkpoint", 4: "= checkpoint"}, out
+    assert "2 of 2 checkpoints identical" in out, out

@@ -218,6 +218,8 @@ def test_the_plan_takes_the_records_and_checkpoints_in_range(tmp_path: Path) -> 
     assert (plan.start, plan.until, list(plan.checkpoints), plan.first.step) == (2, 4, [2, 4], 3)
     plan = plan_replay(run_dir, str(run_dir / "checkpoints" / "step_000004"))
     assert (plan.start, plan.start_checkpoint) == (4, run_dir / "checkpoints" / "step_000004")
+    record_path(run_dir, 6).unlink()  # through the last checkpoint all the same: step 6 fails
+    assert plan_replay(run_dir).until == 6
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,13 @@ Per step: train samples with group advantages (:func:`~asyncrl.train.batch.build
 ``update_every`` steps the weights go out (a shared directory or the NATS object store)
 with ``WeightsUpdated`` → the step's records (:mod:`asyncrl.observe.records`, and the
 batch itself for ``asyncrl replay``, :mod:`asyncrl.train.replay_log`) → a checkpoint
-every ``checkpoint_every`` steps and at the end, with the SHA-256 of its weights. The first batch sampled wholly
-at version 0 passes the rollout–trainer mismatch gate (``trainer.mismatch_limit``), or the
-trainer fails with the :class:`~asyncrl.algo.mismatch.MismatchError` message that names
-the likely causes, fatally (:mod:`asyncrl.runtime.exits`: a replacement would trip it
-again, so the run ends instead of restarting the trainer). The engine owns the progress (step and version), saved with its checkpoint; a
-restarted trainer goes on from there.
+every ``checkpoint_every`` steps and at the end, with the SHA-256 of its weights. The
+first batch sampled wholly at version 0 passes the rollout–trainer mismatch gate
+(``trainer.mismatch_limit``), or the trainer fails with the
+:class:`~asyncrl.algo.mismatch.MismatchError` message that names the likely causes,
+fatally (:mod:`asyncrl.runtime.exits`: a replacement would trip it again, so the run ends
+instead of restarting the trainer). The engine owns the progress (step and version),
+saved with its checkpoint; a restarted trainer goes on from there.
 """
 
 from __future__ import annotations

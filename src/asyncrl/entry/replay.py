@@ -10,8 +10,8 @@ and the world size (a run of N trainer ranks is replayed by N ranks, started her
 torchrun, which run this module). What each record says the trainer had is what the
 replay takes (:class:`~asyncrl.wire.messages.TrainedBatch`).
 
-Exit status: 0 when every checkpoint in the range matched, 1 when one differs, a record
-is missing or the replay cannot start.
+Exit status: 0 when every checkpoint in the range and every step's statistics matched, 1
+when one differs, a record is missing or the replay cannot start.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import TextIO
 
 import torch
 
+from asyncrl.config.schema import resolve_device
 from asyncrl.runtime.allocator import loaded_mimalloc
 from asyncrl.train.batch import build_samples
 from asyncrl.train.checkpoint import checkpoint_weights_sha256
@@ -35,9 +36,15 @@ _Say = Callable[[str], None]
 
 def replay_rank(plan: ReplayPlan, out: TextIO, export: str | None = None) -> int:
     """This rank's part of the replay: rank 0 trains through ``plan`` and reports to
-    ``out`` (0: every checkpoint matched; 1: one differs, or a record is missing); the
-    other ranks follow it. ``export``: a folder for the replayed weights at the last step
+    ``out`` (0: every checkpoint and every step's statistics matched; 1: one differs, or a
+    record is missing); the other ranks follow it. ``export``: a folder for the replayed weights at the last step
     (HF, as the run published them)."""
+    if resolve_device(plan.recipe.trainer.device) == "cpu":
+        # The trainer's CPU kernels give the same bits with this as without (runs trained
+        # without it replay bit for bit with it); here it is a guard: an op torch knows to
+        # be nondeterministic raises, and memory a kernel reads unwritten comes back NaN.
+        # Not on CUDA, where it would pick other kernels than the run had.
+        torch.use_deterministic_algorithms(True)
     engine = build_train_engine(plan.recipe)
     torch.set_num_threads(plan.first.threads)  # the run's, whatever the recipe says now
     if int(os.environ.get("RANK", "0")) > 0:
@@ -62,6 +69,8 @@ def _replay(ranks: Leader, plan: ReplayPlan, out: TextIO) -> int:
     here = (ranks.world_size, torch.get_num_threads(), _allocator(), torch.__version__)
     run = (first.world_size, first.threads, first.allocator, first.torch_version)
     say(f"  trainer: {_describe(*here)}; the run's: {_describe(*run)}")
+    if torch.are_deterministic_algorithms_enabled():
+        say("  torch.use_deterministic_algorithms(True), unwritten memory read as NaN")
     differing: list[int] = []
     matched: list[int] = []
     if plan.start_checkpoint is not None:
@@ -83,7 +92,10 @@ def _replay(ranks: Leader, plan: ReplayPlan, out: TextIO) -> int:
             record.groups, recipe.trainer.loss, turn_discount=recipe.rollout.turn_discount
         )
         stats = outcome(ranks.train(samples))
-        others = sorted(k for k in record.stats if not _same(stats.get(k), record.stats[k]))
+        others = sorted(
+            (k for k in record.stats if not _same(stats.get(k), record.stats[k])),
+            key=lambda k: (k not in SHOWN, k),  # the shown ones first
+        )
         if others and parted is None:
             parted = step
         shown = "  ".join(f"{k} {stats[k]:.6g}" for k in SHOWN if k in stats)
@@ -94,7 +106,7 @@ def _replay(ranks: Leader, plan: ReplayPlan, out: TextIO) -> int:
             (matched if same else differing).append(step)
     for line in _summary(matched, differing, parted, plan):
         say(line)
-    return 1 if differing else 0
+    return 1 if differing or parted is not None else 0
 
 
 def _check(ranks: Leader, checkpoint: Path, step: int, say: _Say) -> bool:
@@ -118,13 +130,12 @@ def _summary(
 ) -> list[str]:
     checked = len(matched) + len(differing)
     if not differing:
-        where = ", ".join(map(str, matched)) or "none in range"
-        lines = [f"replay: {checked} of {checked} checkpoints identical (steps {where})"]
-        if parted is not None:  # weights alike, statistics not: a stat computed differently
+        steps = f" (steps {', '.join(map(str, matched))})" if matched else ""
+        lines = [f"replay: {checked} of {checked} checkpoints identical{steps}"]
+        if parted is not None:  # no checkpoint after the step, or a statistic alone parts
             lines.append(f"replay: the step statistics part from the run's at step {parted}")
         return lines
-    before = [s for s in matched if s < differing[0]]
-    since = max(before, default=plan.start)
+    since = max((s for s in matched if s < differing[0]), default=plan.start)
     lines = [
         f"replay: {len(differing)} of {checked} checkpoints differ; first at step {differing[0]} "
         f"(identical through step {since})"

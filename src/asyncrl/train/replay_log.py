@@ -45,9 +45,9 @@ REPLAY_DIR = "replay"
 """The run folder's sub-folder of step records."""
 
 ZLIB_LEVEL = 6
-"""zlib's default level: on the ci and quickstart batches levels 7-9 save under 1 % more,
-lzma about 10 % for 5-10x the time (token ids and logprobs are mostly incompressible
-noise; the prompt shared by a group's samples is what compresses)."""
+"""zlib's default level: the ci and quickstart records shrink 20x and 10x (the prompt a
+group's samples share is what compresses); level 9 saves 6-8 % more and lzma 12-20 %, for
+several times the time (``bench/replay_record.py``)."""
 
 NOT_SETTINGS = frozenset(
     {"node", "gpus", "ray_cpus", "cpus", "rendezvous", "checkpoint_every", "update_every"}
@@ -219,7 +219,8 @@ def plan_replay(
 ) -> ReplayPlan:
     """The replay of the run at ``run_dir`` from the checkpoint ``start_from`` names (its
     folder, or its step; None: the initial weights) through step ``until`` (None: the
-    last recorded step). Raises :class:`ReplayError` naming what is missing."""
+    last recorded step, or the last checkpoint if that is later). Raises
+    :class:`ReplayError` naming what is missing."""
     recipe_path = run_dir / "recipe.json"
     if not recipe_path.is_file():
         raise ReplayError(f"{run_dir} is not a run folder (no recipe.json)")
@@ -235,7 +236,8 @@ def plan_replay(
     if start_from is not None:
         start_checkpoint = _checkpoint_named(start_from, checkpoints)
         start = int(json.loads((start_checkpoint / STATE_FILE).read_text())["step"])
-    last = until if until is not None else steps[-1]
+    # by default through the last checkpoint too: a record missing before it fails
+    last = until if until is not None else max([steps[-1], *checkpoints])
     if last <= start:
         raise ReplayError(f"nothing to replay: --until {last} is not after step {start}")
     first = read_record(run_dir, start + 1)
