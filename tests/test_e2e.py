@@ -324,6 +324,11 @@ async def test_resume_continues_version_and_accounting(tmp_path: Path) -> None:
     assert "resumed" in (run_dir / "logs" / "buffer-0.log").read_text()
     trained = check_staleness_and_uniqueness(run_dir, eta=1)
     assert {t["step"] for t in trained} == set(range(1, 11))
+    # the two trainers' steps replay as one: steps 1-6 under max_steps 6 (which the
+    # constant learning rate does not see), then the resumed 7-10, across the restore
+    code, out = await run(cli("replay", str(run_dir)))
+    assert code == 0 and "4 of 4 checkpoints identical (steps 3, 6, 9, 10)" in out, out
+    assert "step 1: trained under other settings" in out, out
 
 
 async def test_a_trainer_across_two_torchrun_nodes_and_weights_through_the_object_store(

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_kit import running_up
+from e2e_kit import cli, run, running_up
 from test_e2e import RUN_TIMEOUT, connect, read_jsonl
 
+from asyncrl.train.replay_log import read_record
 from asyncrl.weights.files import KEEP_VERSIONS
 from asyncrl.wire.messages import ActorInfo, Metrics
 from asyncrl.wire.subjects import Subjects
@@ -137,6 +138,15 @@ async def test_kill_9_in_mid_run_and_the_run_finishes(
             assert len(exported) <= KEEP_VERSIONS and f"e1-v{STEPS:06d}" in exported, exported
         else:  # the engines joined the restarted trainer's broadcast
             assert published[-1]["sent_to"] == ["rollout-0"], published[-1]
+        # the step records are the final lineage: the steps after the checkpoint are the
+        # restarted trainer's (epoch 1), and training them again from the initial weights
+        # gives every checkpoint's weights bit for bit, across the restore
+        records = [read_record(run_dir, step) for step in range(1, STEPS + 1)]
+        assert [r.epoch if r else None for r in records] == [
+            int(step > kept) for step in range(1, STEPS + 1)
+        ]
+        code, out = await run(cli("replay", str(run_dir)))
+        assert code == 0 and "2 of 2 checkpoints identical" in out, out
     if role == "buffer":
         restored = (run_dir / "logs" / "buffer-0-r1.log").read_text()
         assert "restored" in restored, "the replacement buffer started empty"

@@ -8,13 +8,15 @@ runs in a worker thread so that rank 0 keeps heartbeating while it trains.
 Per step: train samples with group advantages (:func:`~asyncrl.train.batch.build_samples`)
 → ``train`` (``ppo_minibatches`` optimizer steps; the engine's version + 1) → every
 ``update_every`` steps the weights go out (a shared directory or the NATS object store)
-with ``WeightsUpdated`` → the step's records (:mod:`asyncrl.observe.records`) → a
-checkpoint every ``checkpoint_every`` steps and at the end. The first batch sampled wholly
-at version 0 passes the rollout–trainer mismatch gate (``trainer.mismatch_limit``), or the
-trainer fails with the :class:`~asyncrl.algo.mismatch.MismatchError` message that names
-the likely causes, fatally (:mod:`asyncrl.runtime.exits`: a replacement would trip it
-again, so the run ends instead of restarting the trainer). The engine owns the progress (step and version), saved with its checkpoint; a
-restarted trainer goes on from there.
+with ``WeightsUpdated`` → the step's records (:mod:`asyncrl.observe.records`, and the
+batch itself for ``asyncrl replay``, :mod:`asyncrl.train.replay_log`) → a checkpoint
+every ``checkpoint_every`` steps and at the end, with the SHA-256 of its weights. The
+first batch sampled wholly at version 0 passes the rollout–trainer mismatch gate
+(``trainer.mismatch_limit``), or the trainer fails with the
+:class:`~asyncrl.algo.mismatch.MismatchError` message that names the likely causes,
+fatally (:mod:`asyncrl.runtime.exits`: a replacement would trip it again, so the run ends
+instead of restarting the trainer). The engine owns the progress (step and version),
+saved with its checkpoint; a restarted trainer goes on from there.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.runtime.exits import FatalError
 from asyncrl.runtime.supervisor import RESTART_ENV
+from asyncrl.train import trainer_threads
 from asyncrl.train.batch import build_samples
-from asyncrl.train.checkpoint import commit_checkpoint, latest_checkpoint_meta
+from asyncrl.train.checkpoint import WEIGHTS_SHA256, commit_checkpoint, latest_checkpoint_meta
 from asyncrl.train.commands import Leader
 from asyncrl.train.engine import build_train_engine
+from asyncrl.train.replay_log import ReplayLog
 from asyncrl.weights.build import build_publisher
 from asyncrl.weights.choose import choose
 from asyncrl.weights.files import export_name, link_export
@@ -77,6 +81,7 @@ class TrainerActor(Actor):
         self.last_export: Path | None = None  # the newest published export on disk
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self.records = StepRecords(self.recipe, ctx.run_dir)
+        self.replay_log = ReplayLog(ctx.run_dir, self.recipe)
         self.fleet = FleetView(self.recipe.trainer.nodes * self.recipe.trainer.nproc)
         self.colocation: Colocation | None = None
 
@@ -117,6 +122,11 @@ class TrainerActor(Actor):
             await self.colocation.subscribe()
         self.engine = await asyncio.to_thread(build_train_engine, self.recipe)
         self._ranks = Leader(self.engine)
+        self.replay_log.open(
+            int(meta["step"]) if meta is not None else 0,
+            world_size=self.ranks.world_size,
+            threads=trainer_threads(self.recipe.trainer.threads),  # as the engine set them
+        )
         kind, why = choose(self.recipe)
         self.transport = build_publisher(
             self.recipe, kind, self.bus, self.subjects, self.weights_dir, self.ctx.nats.url
@@ -173,6 +183,9 @@ class TrainerActor(Actor):
                     check_mismatch(train_stats, cfg.mismatch_limit)
                 except MismatchError as exc:
                     raise FatalError(str(exc)) from exc
+            await asyncio.to_thread(
+                self.replay_log.write, self.step, self.epoch, trained, train_stats
+            )
             t2 = time.monotonic()
             last = self.step == cfg.max_steps
             if self.step % cfg.update_every == 0 or last:
@@ -301,7 +314,8 @@ class TrainerActor(Actor):
         published = self.last_export if self.published_version == self.version else None
 
         def write(folder: Path) -> None:
-            self.ranks.save(folder)
+            # what asyncrl replay checks its own weights against at this step
+            self.ranks.save(folder, {WEIGHTS_SHA256: self.ranks.weights_sha256()})
             # the policy of this checkpoint as plain HF weights: what rollout actors load
             # on --resume, before the trainer has published anything
             if published is not None and published.is_dir():

@@ -16,6 +16,7 @@ from pathlib import Path
 from asyncrl import __version__
 from asyncrl.config.checks import check_report, enforce_recipe
 from asyncrl.config.recipe import RecipeError, dump_recipe, load_recipe, path_problems
+from asyncrl.entry.replay import add_replay_args, replay
 from asyncrl.launch.slurm import slurm_job_problems, write_and_submit
 from asyncrl.observe.plot import plot_run
 from asyncrl.sft.config import is_sft_data, load_sft_recipe, read_recipe_data
@@ -158,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--vs", type=Path, default=None, help="a second run on the same axes")
     plot.add_argument("--out", type=Path, default=None, help="folder for the PNGs (<run>/plots)")
 
+    replay_cmd = sub.add_parser(
+        "replay",
+        help="train a run again from its step records; check its checkpoints' weights bit for bit",
+    )
+    add_replay_args(replay_cmd)
+
     status = sub.add_parser("status", help="list a run's live actors from their heartbeats")
     status.add_argument("--run", type=Path, required=True, help="the run folder")
     status.add_argument("--wait", type=float, default=2.5, help="seconds to listen")
@@ -260,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             for path in paths:
                 print(path)
             return 0
+        if args.command == "replay":
+            return replay(args.run, args.start_from, args.until, args.export)
         if args.command == "status":
             from asyncrl.observe.watch import show_status  # noqa: PLC0415 - loads NATS
 

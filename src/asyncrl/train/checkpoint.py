@@ -8,6 +8,8 @@ A checkpoint directory holds::
                          (a checkpoint saved on N ranks loads on M)
     rng/rank<r>.pt       each rank's torch RNG state(s)
     trainer_state.json   the engine's progress (step, version) and the caller's extra_state
+                         (a run's checkpoints: ``weights_sha256``, the digest of the
+                         weights that ``asyncrl replay`` checks, :data:`WEIGHTS_SHA256`)
     hf/                  (a run's checkpoints) the policy as plain HF weights
 
 A run's checkpoints live in ``<run>/checkpoints/step_<step>/``, and ``latest.json`` there
@@ -34,6 +36,9 @@ from typing import Any
 STATE_FILE = "trainer_state.json"
 CHECKPOINT_POINTER = "latest.json"
 """The file in ``<run>/checkpoints`` that names the newest complete checkpoint."""
+WEIGHTS_SHA256 = "weights_sha256"
+"""The key, in a run checkpoint's ``extra_state``, of the SHA-256 of its weights
+(:func:`asyncrl.train.dcp.weights_sha256`)."""
 
 
 def latest_checkpoint_meta(run_dir: Path) -> dict[str, Any] | None:
@@ -45,6 +50,24 @@ def latest_checkpoint_meta(run_dir: Path) -> dict[str, Any] | None:
     path = Path(json.loads(pointer.read_text())["path"])
     state = json.loads((path / STATE_FILE).read_text())
     return {"path": str(path), "step": int(state["step"]), "version": int(state["version"])}
+
+
+def run_checkpoints(run_dir: Path) -> dict[int, Path]:
+    """The run's complete checkpoints by step, oldest first: the ``step_*`` folders with
+    their state file (a ``.partial`` folder, or one a crash left without it, is none)."""
+    found = {}
+    for path in (run_dir / "checkpoints").glob("step_*"):
+        if path.is_dir() and path.name[5:].isdigit() and (path / STATE_FILE).is_file():
+            found[int(path.name[5:])] = path
+    return dict(sorted(found.items()))
+
+
+def checkpoint_weights_sha256(path: Path) -> str | None:
+    """The SHA-256 of the weights the checkpoint at ``path`` recorded, or None (a
+    checkpoint from before they were recorded)."""
+    state = json.loads((path / STATE_FILE).read_text())
+    digest = state.get("extra_state", {}).get(WEIGHTS_SHA256)
+    return str(digest) if digest else None
 
 
 def write_checkpoint_meta(run_dir: Path, path: Path) -> None:

@@ -15,14 +15,21 @@ from __future__ import annotations
 import enum
 import os
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.api.train_engine import TrainEngineProtocol
+from asyncrl.train import dcp
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig
 from asyncrl.train.shard import TrainShard, plan_shards
+
+MASTER_DTYPE = "float32"
+"""The dtype of the train engine's master weights (it loads every model in float32), in
+which their digest is taken: the bits the optimizer updates, whatever ``model.dtype`` the
+rollouts get."""
 
 
 class Command(enum.IntEnum):
@@ -103,6 +110,17 @@ class Leader:
             buckets = self.engine.iter_weights(dtype=dtype, copy=False)
             return [pair for bucket in buckets for pair in bucket]
 
+    def weights_sha256(self) -> str:
+        """The SHA-256 of the full weights (:func:`~asyncrl.train.dcp.weights_sha256`), on
+        rank 0: what a run's checkpoint records and ``asyncrl replay`` compares. The
+        weights in float32, the dtype the engine keeps its master weights in, gathered
+        bucket by bucket as :meth:`gather` does (the other ranks run that command) and
+        hashed as they come."""
+        with self._one_at_a_time:
+            self._path_command(Command.GATHER, MASTER_DTYPE)
+            buckets = self.engine.iter_weights(dtype=MASTER_DTYPE, copy=False)
+            return dcp.weights_sha256(pair for bucket in buckets for pair in bucket)
+
     def offload(self) -> tuple[int, float]:
         """Every rank moves its parameters and optimizer state to host memory
         (colocation); rank 0's (device bytes freed, seconds)."""
@@ -118,11 +136,13 @@ class Leader:
                 self._header(Command.ONLOAD)
             return self.engine.onload()
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """A resumable checkpoint (model, optimizer, RNG, step, version) at ``path``."""
+    def save(self, path: str | os.PathLike[str], extra_state: dict[str, Any] | None = None) -> None:
+        """A resumable checkpoint (model, optimizer, RNG, step, version) at ``path``, with
+        ``extra_state`` in its state file (rank 0 writes that file: the other ranks need
+        none)."""
         with self._one_at_a_time:
             self._path_command(Command.SAVE, path)
-            self.engine.save_checkpoint(path)
+            self.engine.save_checkpoint(path, extra_state)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Restores the checkpoint at ``path`` on every rank."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,27 @@ def iter_full_weights(
         del full
     if bucket:
         yield bucket if rank == 0 else []
+
+
+def weights_sha256(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The SHA-256 that identifies a model's weights bit for bit (hex): over the tensors'
+    names in sorted order, each with its dtype, shape and the digest of its bytes::
+
+        sha256( for each name, sorted:  "<name> <dtype> <shape> <sha256(bytes)>\\n" )
+
+    Each tensor's bytes are hashed as it comes, so a stream of buckets
+    (:func:`iter_full_weights`) is hashed without holding the model twice; the order the
+    tensors come in does not matter. Two models with the same digest have the same names,
+    dtypes, shapes and bytes."""
+    lines: dict[str, str] = {}
+    for name, tensor in named:
+        if name in lines:
+            raise ValueError(f"weights_sha256: the tensor {name} came twice")
+        flat = tensor.detach().contiguous().reshape(-1).cpu()
+        digest = hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        lines[name] = f"{name} {dtype} {list(tensor.shape)} {digest}\n"
+    return hashlib.sha256("".join(lines[n] for n in sorted(lines)).encode()).hexdigest()
 
 
 def export_hf(

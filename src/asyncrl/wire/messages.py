@@ -624,6 +624,31 @@ class BufferSnapshot(Message):
     weights: WeightsUpdated | None = None
 
 
+class TrainedBatch(Message):
+    """What one trainer step consumed, kept so that ``asyncrl replay`` can train it again:
+    the batch as the buffer served it (its groups, in batch order, with their samples and
+    shaped rewards) and what else the step's result depends on. One per step in
+    ``<run>/replay/`` (:mod:`asyncrl.train.replay_log`); a step that a restarted trainer
+    takes again replaces its record, so the folder holds the run's final lineage.
+
+    ``stats`` are the step's own outcome (its train statistics without timings): the
+    first step whose replay gives other numbers is where a replay and the run part."""
+
+    KIND: ClassVar[str] = "trained_batch"
+    step: int = Field(description="the step this batch made: the engine's step after it")
+    epoch: int = Field(description="the trainer's epoch (its restarts in this run)")
+    groups: list[Group]
+    world_size: int = Field(description="trainer ranks the step was split over")
+    threads: int = Field(description="torch intra-op threads of each trainer rank")
+    allocator: str = Field(description="the trainer's malloc: mimalloc or system")
+    torch_version: str
+    settings_sha256: str = Field(
+        description="digest of the recipe's settings the step depends on "
+        "(asyncrl.train.replay_log.settings_digest)"
+    )
+    stats: dict[str, float] = Field(default_factory=dict)
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     m.KIND: m
     for m in (
@@ -644,5 +669,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         WeightsUpdated,
         MemoryControl,
         MemoryReleased,
+        TrainedBatch,
     )
 }
