@@ -24,19 +24,31 @@ STEPS = 6
 EVERY = 2
 
 
-def tampered(record: TrainedBatch, *, logprob: float = 0.0, shaped: float = 0.0) -> TrainedBatch:
-    """``record`` with its first sample's first behaviour logprob on a loss token moved by
-    ``logprob``, and its first group's first shaped reward by ``shaped``."""
-    group = record.groups[0]
-    sample = group.samples[0]
+def tampered(
+    record: TrainedBatch, *, logprob: float = 0.0, shaped: float = 0.0, group: int = 0
+) -> TrainedBatch:
+    """``record`` with group ``group``'s first sample's first behaviour logprob on a loss
+    token moved by ``logprob``, and that group's first shaped reward by ``shaped``."""
+    chosen = record.groups[group]
+    sample = chosen.samples[0]
     logprobs = sample.logprobs.numpy().copy()
     logprobs[int(np.flatnonzero(sample.loss_mask.numpy())[0])] += logprob
     sample = sample.model_copy(update={"logprobs": Array.of(logprobs)})
-    shaped_rewards = [group.shaped_rewards[0] + shaped, *group.shaped_rewards[1:]]
-    group = group.model_copy(
-        update={"samples": [sample, *group.samples[1:]], "shaped_rewards": shaped_rewards}
+    shaped_rewards = [chosen.shaped_rewards[0] + shaped, *chosen.shaped_rewards[1:]]
+    chosen = chosen.model_copy(
+        update={"samples": [sample, *chosen.samples[1:]], "shaped_rewards": shaped_rewards}
     )
-    return record.model_copy(update={"groups": [group, *record.groups[1:]]})
+    groups = list(record.groups)
+    groups[group] = chosen
+    return record.model_copy(update={"groups": groups})
+
+
+def with_advantage(record: TrainedBatch | None) -> int | None:
+    """The first group of ``record`` whose shaped rewards differ, so that its samples'
+    advantages are not zero and a moved behaviour logprob moves the gradient; None when
+    every group's rewards are equal."""
+    assert record is not None
+    return next((i for i, g in enumerate(record.groups) if len(set(g.shaped_rewards)) > 1), None)
 
 
 def checkpoint_lines(out: str) -> dict[int, str]:
@@ -74,11 +86,15 @@ async def test_replay_proves_a_run_and_finds_the_step_of_a_tampered_record(
     assert "3 of 3 checkpoints identical" in out, out
     assert out.count("as recorded") == STEPS, out  # every step's statistics, bit for bit
 
-    # one behaviour logprob of step 3 moved: the step's statistics and every later
-    # checkpoint part from the run's
-    original = read_record(run_dir, 3)
+    # one behaviour logprob of step 3 or 4 moved, in a group whose advantages are not
+    # zero (a token with no advantage has no gradient to move): the step's statistics and
+    # every later checkpoint part from the run's
+    step, group = next(
+        (s, g) for s in (3, 4) if (g := with_advantage(read_record(run_dir, s))) is not None
+    )
+    original = read_record(run_dir, step)
     assert original is not None
-    write_record(run_dir, tampered(original, logprob=-0.5))
+    write_record(run_dir, tampered(original, logprob=-0.5, group=group))
     code, out = await run(cli("replay", str(run_dir), "--from", "2"))
     print(out)
     assert code == 1, out
@@ -87,9 +103,9 @@ async def test_replay_proves_a_run_and_finds_the_step_of_a_tampered_record(
         4: f"DIFFERS from the checkpoint's {checkpoint_weights_sha256(checkpoints[4])}",
         6: f"DIFFERS from the checkpoint's {checkpoint_weights_sha256(checkpoints[6])}",
     }
-    assert re.search(r"^step\s+3\s.*differs: ", out, re.M), out
+    assert re.search(rf"^step\s+{step}\s.*differs: ", out, re.M), out
     assert "2 of 3 checkpoints differ; first at step 4 (identical through step 2)" in out
-    assert "part at step 3" in out
+    assert f"part at step {step}" in out
     write_record(run_dir, original)
 
     # one shaped reward of step 5 (what the advantages are computed from), replayed from
