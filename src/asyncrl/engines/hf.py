@@ -7,7 +7,10 @@ batch to the model thread for one step (prefill of the newcomers, then one decod
 for every row: see :mod:`asyncrl.engines.hf_batch`), and resolves the futures of the
 sequences that finished. Concurrent ``agenerate`` calls therefore share decode steps; the
 sizes of the batches actually run are counted in :attr:`HFEngine.stats`. Requests that
-join together with the same prompt (a GRPO group) share one prefill.
+join together with the same prompt (a GRPO group) share one prefill, and a prompt that
+extends a finished sequence (an agent's next turn) reuses its keys and values from the
+prefix cache (:mod:`asyncrl.engines.hf_prefix`, ``prefix_cache_mb``), which every weight
+load and memory release empties.
 
 Logprobs follow :mod:`asyncrl.engines.sampling`: by default (``logprob_mode="processed"``)
 the logprob of the sampled token under the distribution that sampled it (temperature,
@@ -86,11 +89,15 @@ class EngineStats:
     """Counters of the work the engine ran. ``decode_batch_sizes[n]`` counts decode steps
     that advanced ``n`` sequences together; ``prefill_batch_sizes`` likewise for joins;
     ``prefill_tokens`` counts prompt tokens actually computed (a prompt shared by several
-    requests joining together is computed once)."""
+    requests joining together is computed once); ``prefix_cache_hit_tokens`` the prompt
+    tokens taken from the prefix cache instead; ``prefix_cache_bytes`` is what the cache
+    holds after the last step."""
 
     steps: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_bytes: int = 0
     relayouts: int = 0
     decode_batch_sizes: Counter[int] = field(default_factory=Counter)
     prefill_batch_sizes: Counter[int] = field(default_factory=Counter)
@@ -237,7 +244,10 @@ class HFEngine(InferenceEngine):
         cfg = self.model.config.get_text_config()
         self._max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 20))
         self._batch = DecodeBatch(
-            self.model, max_positions=self._max_positions, logprob_mode=self.logprob_mode
+            self.model,
+            max_positions=self._max_positions,
+            logprob_mode=self.logprob_mode,
+            prefix_cache_bytes=self.config.prefix_cache_mb << 20,
         )
 
     async def _in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -308,6 +318,8 @@ class HFEngine(InferenceEngine):
         st.steps += 1
         st.generated_tokens += result.tokens
         st.prefill_tokens += result.prefill_tokens
+        st.prefix_cache_hit_tokens += result.prefix_hit_tokens
+        st.prefix_cache_bytes = self._batch.prefix.nbytes
         st.relayouts += result.relayouts
         if result.decode_rows:
             st.decode_batch_sizes[result.decode_rows] += 1
@@ -396,9 +408,10 @@ class HFEngine(InferenceEngine):
         await self._in_model_thread(self._take_memory)
 
     def _free_memory(self) -> int:
-        """The KV cache is gone already (the pause dropped it); frees the weights' device
-        memory and returns the bytes the CUDA allocator gave back (0 on the CPU, where
-        there is nothing to share)."""
+        """The KV cache is gone already (the pause dropped it); empties the prefix cache,
+        frees the weights' device memory and returns the bytes the CUDA allocator gave back
+        (0 on the CPU, where there is nothing to share)."""
+        self._forget_prefixes()
         if not self.device.startswith("cuda"):
             return 0
         before = torch.cuda.memory_reserved(self.device)
@@ -470,6 +483,7 @@ class HFEngine(InferenceEngine):
             raise KeyError(f"weight update lacks {len(missing)} parameters, e.g. {missing[:3]}")
         for target, tensor in staged:
             target.copy_(tensor)
+        self._forget_prefixes()
         # These are the base weights now: the adapted layers' float32 bases are taken from
         # the update at its own precision, not from the engine's rounded copy.
         by_target = {id(target): tensor for target, tensor in staged}
@@ -483,6 +497,13 @@ class HFEngine(InferenceEngine):
         params = dict(self.model.named_parameters())
         for name, tensor in weights:
             params[name].copy_(tensor)
+        self._forget_prefixes()
+
+    def _forget_prefixes(self) -> None:
+        """Empties the prefix cache: its keys and values belong to the weights before."""
+        if self._batch is not None:
+            self._batch.prefix.clear()
+        self.stats.prefix_cache_bytes = 0
 
     @torch.no_grad()
     def _merge_adapter(self, adapter: LoraAdapter) -> _MergedAdapter:
