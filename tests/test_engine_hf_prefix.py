@@ -265,6 +265,32 @@ async def test_the_cap_holds_and_the_least_recently_used_go_first():
         assert engine.stats.prefix_cache_hit_tokens == before
 
 
+async def test_the_prefill_budget_counts_only_the_tokens_to_compute():
+    config = HFEngineConfig(max_batch_size=4, max_prefill_tokens=120)
+    async with HFEngine(str(tiny_model_dir()), config) as engine:
+        firsts = [ids(engine, f"Episode {i}: " + "go on. " * 12) for i in range(2)]
+        assert all(60 < len(p) <= 120 for p in firsts)  # two of them are over the budget
+        outs = await asyncio.gather(
+            *(engine.agenerate(request(p, 8, seed=i)) for i, p in enumerate(firsts))
+        )
+        assert engine.stats.prefill_batch_sizes == {1: 2}
+        # the next turns are longer than the budget, but most of each is cached
+        seconds = [
+            p + o.output_ids + ids(engine, " and then some more")
+            for p, o in zip(firsts, outs, strict=True)
+        ]
+        assert all(len(p) > 120 for p in seconds)
+        await asyncio.gather(*(engine.agenerate(request(p, 4, seed=0)) for p in seconds))
+        assert engine.stats.prefill_batch_sizes == {1: 2, 2: 1}
+        # three new prompts over the budget together, but sharing 4 blocks: the first
+        # costs all its tokens, the others their last 18
+        system = ids(engine, "Rules: " + "be kind. " * 8)
+        burst = [system + ids(engine, f"Q{i}?") for i in range(3)]
+        assert [len(p) for p in burst] == [82] * 3
+        await asyncio.gather(*(engine.agenerate(request(p, 4, seed=0)) for p in burst))
+        assert engine.stats.prefill_batch_sizes == {1: 2, 2: 1, 3: 1}
+
+
 # --- the cache alone ------------------------------------------------------------------------
 
 
@@ -341,3 +367,16 @@ def test_the_cache_is_off_at_zero_and_cleared_for_another_version():
     assert cache.lookup([*a, 1])[0] == 2 * BLOCK_TOKENS
     cache.at_version(1)
     assert cache.lookup([*a, 1]) == (0, None)
+
+
+def test_held_tokens_probes_without_making_anything_recent():
+    cache = PrefixCache(4 * block_bytes(), block_bytes())
+    a, b = seq(0, 2), seq(1000, 2)
+    cache.insert(a, fake_kv(a))
+    cache.insert(b, fake_kv(b))
+    assert cache.held_tokens([*a, 1]) == 2 * BLOCK_TOKENS
+    assert cache.held_tokens(a) == 2 * BLOCK_TOKENS - 1  # the last token is left to compute
+    c = seq(2000, 1)
+    cache.insert(c, fake_kv(c))
+    assert cache.held_tokens([*a, 1]) == BLOCK_TOKENS  # a was still the least recent
+    assert cache.held_tokens([*b, 1]) == 2 * BLOCK_TOKENS

@@ -67,6 +67,7 @@ from asyncrl.api.inference import (
 from asyncrl.config.schema import resolve_device
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
+from asyncrl.engines.hf_prefix import BLOCK_TOKENS, common_blocks
 from asyncrl.engines.sampling import LogprobMode
 from asyncrl.models.resolve import (
     ModelConfig,
@@ -330,17 +331,30 @@ class HFEngine(InferenceEngine):
 
     def _take_waiting(self) -> list[_Pending]:
         """Waiting requests that join now: up to the free batch slots, and up to the prefill
-        token budget (always at least one, however long)."""
+        token budget (always at least one, however long). A prompt costs the tokens it will
+        compute: not those the prefix cache holds, nor those an earlier prompt of the same
+        join shares with it (the batch prefills those once). The cache is read here, on the
+        event loop, only between two steps, when the model thread (which alone changes it)
+        is idle."""
+        assert self._batch is not None
         admit: list[_Pending] = []
         budget = self.config.max_prefill_tokens
+        firsts: dict[tuple[int, ...], list[int]] = {}
         while self._waiting and len(self._running) < self.config.max_batch_size:
             p = self._waiting[0]
             if p.future.done():  # its caller went away before it started
                 self._waiting.popleft()
                 continue
-            if admit and len(p.seq.prompt) > budget:
+            prompt = p.seq.prompt
+            held = self._batch.prefix.held_tokens(prompt)
+            if self._batch.prefix.enabled and len(prompt) > BLOCK_TOKENS:
+                earlier = firsts.setdefault(tuple(prompt[:BLOCK_TOKENS]), prompt)
+                if earlier is not prompt:
+                    held = max(held, min(common_blocks(prompt, earlier), len(prompt) - 1))
+            cost = len(prompt) - held
+            if admit and cost > budget:
                 break
-            budget -= len(p.seq.prompt)
+            budget -= cost
             admit.append(self._waiting.popleft())
             self._running[p.seq.key] = p
         return admit
@@ -481,9 +495,9 @@ class HFEngine(InferenceEngine):
         missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
         if missing:
             raise KeyError(f"weight update lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        self._forget_prefixes()
         for target, tensor in staged:
             target.copy_(tensor)
-        self._forget_prefixes()
         # These are the base weights now: the adapted layers' float32 bases are taken from
         # the update at its own precision, not from the engine's rounded copy.
         by_target = {id(target): tensor for target, tensor in staged}
@@ -495,9 +509,9 @@ class HFEngine(InferenceEngine):
     @torch.no_grad()
     def _copy_merged(self, weights: _MergedAdapter) -> None:
         params = dict(self.model.named_parameters())
+        self._forget_prefixes()
         for name, tensor in weights:
             params[name].copy_(tensor)
-        self._forget_prefixes()
 
     def _forget_prefixes(self) -> None:
         """Empties the prefix cache: its keys and values belong to the weights before."""

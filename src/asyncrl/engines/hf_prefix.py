@@ -50,6 +50,17 @@ _ROOT = 0
 """The parent id of a sequence's first block."""
 
 
+def common_blocks(a: list[int], b: list[int]) -> int:
+    """Tokens of the whole blocks that ``a`` and ``b`` begin with in common."""
+    n = 0
+    while (
+        n + BLOCK_TOKENS <= min(len(a), len(b))
+        and a[n : n + BLOCK_TOKENS] == b[n : n + BLOCK_TOKENS]
+    ):
+        n += BLOCK_TOKENS
+    return n
+
+
 @dataclass(eq=False)
 class _Block:
     id: int
@@ -109,6 +120,13 @@ class PrefixCache:
         """Marks a chain most recently used, its first block last (see Eviction)."""
         for key in reversed(keys):
             self.blocks.move_to_end(key)
+
+    def held_tokens(self, prompt: list[int]) -> int:
+        """How many leading tokens of ``prompt`` :meth:`lookup` would give now; changes
+        nothing (no recency), so that a scheduler may size a prefill with it."""
+        if not self.enabled:
+            return 0
+        return max(0, min(len(self._held(prompt)) * BLOCK_TOKENS, len(prompt) - 1))
 
     def lookup(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
         """``(n, kv)``: the first ``n`` tokens of ``prompt`` are cached, ``kv`` their keys and
