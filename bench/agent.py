@@ -519,8 +519,8 @@ async def main() -> None:
     cache_sizes: list[int | None] = (
         args.prefix_cache_mb if args.engine == "hf" and args.prefix_cache_mb else [None]
     )
-    levels: dict[tuple[int | None, str, int], Level] = {}
-    for cache_mb in cache_sizes:
+    levels: dict[tuple[int, str, int], Level] = {}  # by (run, workload, concurrency)
+    for run, cache_mb in enumerate(cache_sizes):
         engine, where = build_engine(args, cache_mb)
         t0 = time.perf_counter()
         async with engine:
@@ -544,10 +544,10 @@ async def main() -> None:
             for c in args.concurrency:
                 for name, wf in (("single-turn", single), ("3-turn tool", agent)):
                     level = await run_level(engine, wf, name, records, c, args.rounds)
-                    levels[cache_mb, name, c] = level
+                    levels[run, name, c] = level
                     print_level(level)
             print()
-            if cache_mb != cache_sizes[-1] or not args.latency_requests:
+            if run < len(cache_sizes) - 1 or not args.latency_requests:
                 continue
             print(await per_turn_work(tok, tool))
             latencies = await endpoint_latency(engine, tool if list_tools else None, records, args)
@@ -564,10 +564,10 @@ async def main() -> None:
         print_latencies(
             floor, f"the same on the instant engine (no model, {args.latency_new} tokens)"
         )
-    for cache_mb in cache_sizes:
+    for run, cache_mb in enumerate(cache_sizes):
         label = "" if cache_mb is None else f"prefix cache {cache_mb} MiB, "
         for c in args.concurrency:
-            s, a = levels[cache_mb, "single-turn", c], levels[cache_mb, "3-turn tool", c]
+            s, a = levels[run, "single-turn", c], levels[run, "3-turn tool", c]
             print(
                 f"# {label}concurrency {c}: 3-turn tool episodes at "
                 f"{a.tokens_per_s / s.tokens_per_s:.2f}x the single-turn tokens/s, "
