@@ -4,6 +4,8 @@
     python bench/agent.py --threads 1          # the same on a machine other jobs share
     python bench/agent.py --engine vllm        # the same on a vLLM server (`make vllm`)
     python bench/agent.py --quick              # the tiny random model, seconds (a smoke run)
+    python bench/agent.py --threads 1 --prefix-cache-mb 0 512 --latency-requests 0
+                                               # the hf engine's prefix cache off, then on
 
 **Episodes.** Both workloads run on one engine, ``--concurrency`` episodes in flight (as a
 rollout actor keeps them), each client running ``--rounds`` episodes one after another; a
@@ -27,10 +29,12 @@ engine and at any concurrency, so the figures compare like for like. Everything 
 3-turn episode is real and timed: the workflow's loop, the calculator called through the
 tool box (validation, timeout), the parser on the model's text, the end of the assistant
 turn and the observation rendered through the chat template and encoded, and above all
-the growing context: turn 2 and 3 send the whole episode so far back to the engine. The
-``hf`` engine has no prefix cache across requests and computes that context again (the
-``prefill/ep`` column counts the prompt tokens it computed); vLLM's prefix cache can reuse
-it (``cache hit`` is the share of prompt tokens its server found cached). ``host ms/ep``
+the growing context: turn 2 and 3 send the whole episode so far back to the engine. Both
+engines' prefix caches can reuse it: ``prefill/ep`` counts the prompt tokens the ``hf``
+engine computed, ``cache hit`` is the share of prompt tokens the engine found cached (the
+``hf`` engine's ``prefix_cache_hit_tokens``, vLLM's server metrics).
+``--prefix-cache-mb`` runs the workloads once per size of the ``hf`` engine's cache (0:
+off), each on a fresh engine. ``host ms/ep``
 (median) is an episode's wall time outside the engine's ``agenerate``: the tool, template,
 encoding, parsing and scoring, and waiting for the event loop (and the interpreter lock)
 that the other episodes and the hf engine's model thread share; the line under the table
@@ -218,6 +222,7 @@ async def run_level(
     level = Level(workload, concurrency)
     stats = getattr(engine, "stats", None)  # the hf engine counts the prompt tokens it computes
     prefill0 = stats.prefill_tokens if stats is not None else 0
+    hit0 = stats.prefix_cache_hit_tokens if stats is not None else 0
     queries0, hits0 = await vllm_prefix_counters(engine)
 
     async def client(i: int) -> None:
@@ -245,6 +250,7 @@ async def run_level(
     level.prompt_tokens = timed.prompt_tokens
     if stats is not None:
         level.prefill_tokens = stats.prefill_tokens - prefill0
+        level.cache_hit = (stats.prefix_cache_hit_tokens - hit0) / level.prompt_tokens
     queries1, hits1 = await vllm_prefix_counters(engine)
     if queries1 > queries0:
         level.cache_hit = (hits1 - hits0) / (queries1 - queries0)
@@ -372,8 +378,9 @@ async def endpoint_latency(
     return out
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
-    """An unstarted engine and a line saying where it runs."""
+def build_engine(args: argparse.Namespace, cache_mb: int | None) -> tuple[Any, str]:
+    """An unstarted engine and a line saying where it runs; ``cache_mb`` sizes the hf
+    engine's prefix cache (None: its default)."""
     import platform
 
     import torch
@@ -393,11 +400,14 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     from asyncrl.engines.hf import HFEngine
     from asyncrl.models.resolve import ModelConfig
 
-    engine = HFEngine(
-        ModelConfig(path=args.model, dtype=args.dtype),
-        HFEngineConfig(max_batch_size=max(args.concurrency)),
+    config = HFEngineConfig(max_batch_size=max(args.concurrency))
+    if cache_mb is not None:
+        config = config.model_copy(update={"prefix_cache_mb": cache_mb})
+    engine = HFEngine(ModelConfig(path=args.model, dtype=args.dtype), config)
+    return engine, (
+        f"hf in process, {platform.processor() or 'cpu'} x{torch.get_num_threads()}, "
+        f"prefix cache {config.prefix_cache_mb} MiB"
     )
-    return engine, f"hf in process, {platform.processor() or 'cpu'} x{torch.get_num_threads()}"
 
 
 def print_header() -> None:
@@ -452,7 +462,9 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--rounds", type=int, default=1, help="episodes per client, in sequence")
     ap.add_argument("--new", type=int, default=64, help="tokens per reply")
-    ap.add_argument("--latency-requests", type=int, default=32, help="per path and level")
+    ap.add_argument(
+        "--latency-requests", type=int, default=32, help="per path and level; 0: no latency rows"
+    )
     ap.add_argument("--latency-concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--latency-new", type=int, default=32)
     ap.add_argument(
@@ -461,6 +473,14 @@ async def main() -> None:
         default=0,
         help="torch threads of the hf engine (0: torch's default); 1 on a machine that other "
         "jobs share, where threads spinning for cores they do not get slow every step",
+    )
+    ap.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        nargs="+",
+        default=None,
+        help="hf: MiB of the engine's prefix cache (rollout.engine.prefix_cache_mb; 0: off); "
+        "several values run the workloads once per value, on a fresh engine each",
     )
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     ap.add_argument("--vllm-kvcache-gib", type=int, default=2)
@@ -495,50 +515,64 @@ async def main() -> None:
         torch.set_num_threads(args.threads)
     tool = calculator_tool()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new, stop_token_ids=())
-    engine, where = build_engine(args)
-    t0 = time.perf_counter()
-    async with engine:
-        print(
-            f"# {args.engine}: {args.model} {args.dtype}, {where}; up in {time.perf_counter() - t0:.1f}s"
+    records = make_records(max(args.concurrency) * args.rounds)
+    cache_sizes: list[int | None] = (
+        args.prefix_cache_mb if args.engine == "hf" and args.prefix_cache_mb else [None]
+    )
+    levels: dict[tuple[int, str, int], Level] = {}  # by (run, workload, concurrency)
+    for run, cache_mb in enumerate(cache_sizes):
+        engine, where = build_engine(args, cache_mb)
+        t0 = time.perf_counter()
+        async with engine:
+            print(
+                f"# {args.engine}: {args.model} {args.dtype}, {where}; "
+                f"up in {time.perf_counter() - t0:.1f}s"
+            )
+            tok = engine.tokenizer
+            single = RLVRWorkflow(tok, sampling, reward=AnswerIn())
+            agent = AgentWorkflow(
+                tok, sampling, env_factory=three_turn_env(tool, list_tools), max_turns=3
+            )
+            print(
+                f"# {args.new} tokens per reply, end-of-sequence ignored, T=1; "
+                f"{'tool listing and a worked example' if list_tools else 'no tool listing'} "
+                "in the 3-turn prompt"
+            )
+            await run_level(engine, single, "warm-up", records, 1, 1)
+            print()
+            print_header()
+            for c in args.concurrency:
+                for name, wf in (("single-turn", single), ("3-turn tool", agent)):
+                    level = await run_level(engine, wf, name, records, c, args.rounds)
+                    levels[run, name, c] = level
+                    print_level(level)
+            print()
+            if run < len(cache_sizes) - 1 or not args.latency_requests:
+                continue
+            print(await per_turn_work(tok, tool))
+            latencies = await endpoint_latency(engine, tool if list_tools else None, records, args)
+            print_latencies(latencies, f"latency per chat call, {args.latency_new} new tokens")
+    if args.latency_requests:
+        # The same path with no model behind it: the client's, HTTP's and the endpoint's
+        # cost alone, without waiting for a model thread or other episodes.
+        floor_args = argparse.Namespace(**{**vars(args), "latency_concurrency": [1]})
+        floor_args.latency_requests = 50
+        async with InstantEngine(
+            config=InstantEngineConfig(response_tokens=args.latency_new)
+        ) as instant:
+            floor = await endpoint_latency(instant, tool, records, floor_args)
+        print_latencies(
+            floor, f"the same on the instant engine (no model, {args.latency_new} tokens)"
         )
-        tok = engine.tokenizer
-        records = make_records(max(args.concurrency) * args.rounds)
-        single = RLVRWorkflow(tok, sampling, reward=AnswerIn())
-        agent = AgentWorkflow(
-            tok, sampling, env_factory=three_turn_env(tool, list_tools), max_turns=3
-        )
-        print(
-            f"# {args.new} tokens per reply, end-of-sequence ignored, T=1; "
-            f"{'tool listing and a worked example' if list_tools else 'no tool listing'} "
-            "in the 3-turn prompt"
-        )
-        await run_level(engine, single, "warm-up", records, 1, 1)
-        print()
-        print_header()
-        levels = []
+    for run, cache_mb in enumerate(cache_sizes):
+        label = "" if cache_mb is None else f"prefix cache {cache_mb} MiB, "
         for c in args.concurrency:
-            for name, wf in (("single-turn", single), ("3-turn tool", agent)):
-                levels.append(await run_level(engine, wf, name, records, c, args.rounds))
-                print_level(levels[-1])
-        print(await per_turn_work(tok, tool))
-        latencies = await endpoint_latency(engine, tool if list_tools else None, records, args)
-        print_latencies(latencies, f"latency per chat call, {args.latency_new} new tokens")
-    # The same path with no model behind it: the client's, HTTP's and the endpoint's cost
-    # alone, without waiting for a model thread or other episodes.
-    floor_args = argparse.Namespace(**{**vars(args), "latency_concurrency": [1]})
-    floor_args.latency_requests = 50
-    async with InstantEngine(
-        config=InstantEngineConfig(response_tokens=args.latency_new)
-    ) as instant:
-        floor = await endpoint_latency(instant, tool, records, floor_args)
-    print_latencies(floor, f"the same on the instant engine (no model, {args.latency_new} tokens)")
-    by = {(lv.workload, lv.concurrency): lv for lv in levels}
-    for c in args.concurrency:
-        s, a = by["single-turn", c], by["3-turn tool", c]
-        print(
-            f"# concurrency {c}: 3-turn tool episodes at {a.tokens_per_s / s.tokens_per_s:.2f}x "
-            f"the single-turn tokens/s, {a.episodes_per_s / s.episodes_per_s:.2f}x its episodes/s"
-        )
+            s, a = levels[run, "single-turn", c], levels[run, "3-turn tool", c]
+            print(
+                f"# {label}concurrency {c}: 3-turn tool episodes at "
+                f"{a.tokens_per_s / s.tokens_per_s:.2f}x the single-turn tokens/s, "
+                f"{a.episodes_per_s / s.episodes_per_s:.2f}x its episodes/s"
+            )
 
 
 if __name__ == "__main__":

@@ -154,6 +154,7 @@ ENGINES: dict[str, dict[str, st.SearchStrategy[Any]]] = {
     "hf": {
         "max_batch_size": st.integers(-1, 64),
         "max_prefill_tokens": st.integers(-1, 9000),
+        "prefix_cache_mb": st.integers(-1, 1024),
         "device": st.sampled_from(["cpu", "auto", "gpu"]),
     },
     "instant": {"response_tokens": st.integers(-1, 32)},

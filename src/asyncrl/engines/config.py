@@ -21,7 +21,13 @@ class HFEngineConfig(Section):
     """``auto`` (the first CUDA device when there is one, else the CPU), ``cpu``, ``cuda``
     or ``cuda:N``: rollout and trainer may share a GPU or sit on different ones."""
     max_prefill_tokens: int = Field(8192, ge=1)
-    """Most prompt tokens prefilled in one forward when requests join the batch."""
+    """Most prompt tokens prefilled in one forward when requests join the batch (those
+    the prefix cache holds are not counted)."""
+    prefix_cache_mb: int = Field(512, ge=0)
+    """MiB of the engine's device memory that keep the keys and values of finished
+    sequences, so that a prompt extending one (an agent's next turn, a shared system
+    prompt) prefills only its new tail; least recently used blocks go first, and all of
+    it at every weight update. 0 turns the cache off."""
 
 
 class ServerEngineConfig(Section):

@@ -7,7 +7,10 @@ batch to the model thread for one step (prefill of the newcomers, then one decod
 for every row: see :mod:`asyncrl.engines.hf_batch`), and resolves the futures of the
 sequences that finished. Concurrent ``agenerate`` calls therefore share decode steps; the
 sizes of the batches actually run are counted in :attr:`HFEngine.stats`. Requests that
-join together with the same prompt (a GRPO group) share one prefill.
+join together with the same prompt (a GRPO group) share one prefill, and a prompt that
+extends a finished sequence (an agent's next turn) reuses its keys and values from the
+prefix cache (:mod:`asyncrl.engines.hf_prefix`, ``prefix_cache_mb``), which every weight
+load and memory release empties.
 
 Logprobs follow :mod:`asyncrl.engines.sampling`: by default (``logprob_mode="processed"``)
 the logprob of the sampled token under the distribution that sampled it (temperature,
@@ -64,6 +67,7 @@ from asyncrl.api.inference import (
 from asyncrl.config.schema import resolve_device
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
+from asyncrl.engines.hf_prefix import BLOCK_TOKENS, common_blocks
 from asyncrl.engines.sampling import LogprobMode
 from asyncrl.models.resolve import (
     ModelConfig,
@@ -86,11 +90,15 @@ class EngineStats:
     """Counters of the work the engine ran. ``decode_batch_sizes[n]`` counts decode steps
     that advanced ``n`` sequences together; ``prefill_batch_sizes`` likewise for joins;
     ``prefill_tokens`` counts prompt tokens actually computed (a prompt shared by several
-    requests joining together is computed once)."""
+    requests joining together is computed once); ``prefix_cache_hit_tokens`` the prompt
+    tokens taken from the prefix cache instead; ``prefix_cache_bytes`` is what the cache
+    holds after the last step."""
 
     steps: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_bytes: int = 0
     relayouts: int = 0
     decode_batch_sizes: Counter[int] = field(default_factory=Counter)
     prefill_batch_sizes: Counter[int] = field(default_factory=Counter)
@@ -237,7 +245,10 @@ class HFEngine(InferenceEngine):
         cfg = self.model.config.get_text_config()
         self._max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 20))
         self._batch = DecodeBatch(
-            self.model, max_positions=self._max_positions, logprob_mode=self.logprob_mode
+            self.model,
+            max_positions=self._max_positions,
+            logprob_mode=self.logprob_mode,
+            prefix_cache_bytes=self.config.prefix_cache_mb << 20,
         )
 
     async def _in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -308,6 +319,8 @@ class HFEngine(InferenceEngine):
         st.steps += 1
         st.generated_tokens += result.tokens
         st.prefill_tokens += result.prefill_tokens
+        st.prefix_cache_hit_tokens += result.prefix_hit_tokens
+        st.prefix_cache_bytes = self._batch.prefix.nbytes
         st.relayouts += result.relayouts
         if result.decode_rows:
             st.decode_batch_sizes[result.decode_rows] += 1
@@ -318,17 +331,30 @@ class HFEngine(InferenceEngine):
 
     def _take_waiting(self) -> list[_Pending]:
         """Waiting requests that join now: up to the free batch slots, and up to the prefill
-        token budget (always at least one, however long)."""
+        token budget (always at least one, however long). A prompt costs the tokens it will
+        compute: not those the prefix cache holds, nor those an earlier prompt of the same
+        join shares with it (the batch prefills those once). The cache is read here, on the
+        event loop, only between two steps, when the model thread (which alone changes it)
+        is idle."""
+        assert self._batch is not None
         admit: list[_Pending] = []
         budget = self.config.max_prefill_tokens
+        firsts: dict[tuple[int, ...], list[int]] = {}
         while self._waiting and len(self._running) < self.config.max_batch_size:
             p = self._waiting[0]
             if p.future.done():  # its caller went away before it started
                 self._waiting.popleft()
                 continue
-            if admit and len(p.seq.prompt) > budget:
+            prompt = p.seq.prompt
+            held = self._batch.prefix.held_tokens(prompt)
+            if self._batch.prefix.enabled and len(prompt) > BLOCK_TOKENS:
+                earlier = firsts.setdefault(tuple(prompt[:BLOCK_TOKENS]), prompt)
+                if earlier is not prompt:
+                    held = max(held, min(common_blocks(prompt, earlier), len(prompt) - 1))
+            cost = len(prompt) - held
+            if admit and cost > budget:
                 break
-            budget -= len(p.seq.prompt)
+            budget -= cost
             admit.append(self._waiting.popleft())
             self._running[p.seq.key] = p
         return admit
@@ -396,9 +422,10 @@ class HFEngine(InferenceEngine):
         await self._in_model_thread(self._take_memory)
 
     def _free_memory(self) -> int:
-        """The KV cache is gone already (the pause dropped it); frees the weights' device
-        memory and returns the bytes the CUDA allocator gave back (0 on the CPU, where
-        there is nothing to share)."""
+        """The KV cache is gone already (the pause dropped it); empties the prefix cache,
+        frees the weights' device memory and returns the bytes the CUDA allocator gave back
+        (0 on the CPU, where there is nothing to share)."""
+        self._forget_prefixes()
         if not self.device.startswith("cuda"):
             return 0
         before = torch.cuda.memory_reserved(self.device)
@@ -468,6 +495,7 @@ class HFEngine(InferenceEngine):
         missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
         if missing:
             raise KeyError(f"weight update lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        self._forget_prefixes()
         for target, tensor in staged:
             target.copy_(tensor)
         # These are the base weights now: the adapted layers' float32 bases are taken from
@@ -481,8 +509,15 @@ class HFEngine(InferenceEngine):
     @torch.no_grad()
     def _copy_merged(self, weights: _MergedAdapter) -> None:
         params = dict(self.model.named_parameters())
+        self._forget_prefixes()
         for name, tensor in weights:
             params[name].copy_(tensor)
+
+    def _forget_prefixes(self) -> None:
+        """Empties the prefix cache: its keys and values belong to the weights before."""
+        if self._batch is not None:
+            self._batch.prefix.clear()
+        self.stats.prefix_cache_bytes = 0
 
     @torch.no_grad()
     def _merge_adapter(self, adapter: LoraAdapter) -> _MergedAdapter:

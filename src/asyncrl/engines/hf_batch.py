@@ -14,6 +14,14 @@ prompts are prefilled once and their rows copied. When there are too few rows or
 columns to the left of ``L``, the buffers are rebuilt (:meth:`DecodeBatch._relayout`),
 dropping free rows and the columns no row uses any more.
 
+Reuse. A sequence that finishes (``stop`` or ``length``) leaves the keys and values of its
+tokens in the :class:`~asyncrl.engines.hf_prefix.PrefixCache`. A joining prompt that
+begins with cached blocks (an agent's next turn; a prompt with a shared system prompt) has
+that prefix copied into its row's first columns, and only its tail is prefilled: the
+tail's queries attend to the whole row (:class:`_WriteThroughPast`). Rows with a cached
+prefix are bucketed by tail length, apart from the rows prefilled from scratch, which run
+exactly as without the cache.
+
 Masks are passed to the model as 4-D boolean tensors, so transformers' mask builders and
 cache classes are bypassed. A padding query attends to itself: a fully masked row would
 make SDPA return NaN, which would then poison the cache. Buffers are zeroed before use for
@@ -36,6 +44,7 @@ from typing import Any
 import torch
 
 from asyncrl.api.inference import SamplingParams
+from asyncrl.engines.hf_prefix import BLOCK_TOKENS, PrefixCache
 from asyncrl.engines.sampling import LogprobMode, sample_next
 
 COLUMN_SLACK = 64
@@ -48,15 +57,13 @@ MAX_PREFILL_PADDING = 0.25
 when padding would exceed this share of its real tokens (compute spent on padding)."""
 
 
-def _length_buckets(
-    items: list[tuple[int, Sequence]], max_padding: float
-) -> list[list[tuple[int, Sequence]]]:
-    """``items`` grouped by prompt length (shortest first) so that each group's padding
-    stays within ``max_padding`` of its real tokens."""
-    buckets: list[list[tuple[int, Sequence]]] = []
+def _length_buckets(items: list[_Join], max_padding: float) -> list[list[_Join]]:
+    """``items`` grouped by the length of the tail they prefill (shortest first) so that
+    each group's padding stays within ``max_padding`` of its real tokens."""
+    buckets: list[list[_Join]] = []
     real = 0
-    for item in sorted(items, key=lambda rs: len(rs[1].prompt)):
-        n = len(item[1].prompt)
+    for item in sorted(items, key=lambda j: j.tail):
+        n = item.tail
         bucket = buckets[-1] if buckets else None
         if bucket is not None and (len(bucket) + 1) * n <= (1 + max_padding) * (real + n):
             bucket.append(item)
@@ -94,10 +101,27 @@ class Sequence:
 
 
 @dataclass
+class _Join:
+    """A sequence joining the batch in ``row``, its first ``cached`` prompt tokens taken
+    from the prefix cache (``kv``, ``[layers, 2, kv heads, cached, head dim]``)."""
+
+    row: int
+    seq: Sequence
+    cached: int = 0
+    kv: torch.Tensor | None = None
+
+    @property
+    def tail(self) -> int:
+        """Prompt tokens the prefill computes."""
+        return len(self.seq.prompt) - self.cached
+
+
+@dataclass
 class StepResult:
     finished: list[Sequence]
     prefill_rows: int = 0
     prefill_tokens: int = 0
+    prefix_hit_tokens: int = 0
     decode_rows: int = 0
     padded_rows: int = 0
     tokens: int = 0
@@ -119,6 +143,40 @@ class _WriteThrough:
         self.batch.keys[layer_idx][self.rows_N, :, self.start : self.end] = key
         self.batch.values[layer_idx][self.rows_N, :, self.start : self.end] = value
         return key, value
+
+
+class _WriteThroughPast:
+    """A cache object for prefilling tails after cached prefixes: the queries are columns
+    ``[end - T, end)``, the keys ``[end - P, end)`` (the prefix already in the rows). Each
+    layer's new keys/values are written into the rows except at padding queries, whose
+    columns may hold a shorter tail's prefix; returns the rows' keys/values of all ``P``
+    columns."""
+
+    is_compileable = False
+
+    def __init__(
+        self,
+        batch: DecodeBatch,
+        rows_N: torch.Tensor,
+        end: int,
+        keys: int,
+        query_N1T1: torch.Tensor,
+    ) -> None:
+        self.batch, self.rows_N, self.end, self.keys = batch, rows_N, end, keys
+        self.query_N1T1 = query_N1T1
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t = key.shape[2]
+        out = []
+        for buf, new in ((self.batch.keys[layer_idx], key), (self.batch.values[layer_idx], value)):
+            rows_NHPD = buf[self.rows_N, :, self.end - self.keys : self.end]
+            tail_NHTD = rows_NHPD[:, :, -t:]
+            tail_NHTD.copy_(torch.where(self.query_N1T1, new, tail_NHTD))
+            buf[self.rows_N, :, self.end - t : self.end] = tail_NHTD
+            out.append(rows_NHPD)
+        return out[0], out[1]
 
 
 class _InPlace:
@@ -156,6 +214,7 @@ class DecodeBatch:
         max_positions: int,
         logprob_mode: LogprobMode = "processed",
         max_prefill_padding: float = MAX_PREFILL_PADDING,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         cfg = model.config.get_text_config()
         layer_types = getattr(cfg, "layer_types", None) or []
@@ -174,6 +233,15 @@ class DecodeBatch:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        block_bytes = (
+            self.n_layers
+            * 2
+            * self.n_kv_heads
+            * BLOCK_TOKENS
+            * self.head_dim
+            * param.element_size()
+        )
+        self.prefix = PrefixCache(prefix_cache_bytes, block_bytes)
         self.rows: list[Sequence | None] = []
         self.length = 0  # L: the column the next decode step writes
         self._reset_buffers(0, 0)
@@ -245,6 +313,7 @@ class DecodeBatch:
         """Drops the sequences keyed in ``drop``, prefills ``admit``, then decodes one token
         for every running row. Returns the sequences that finished."""
         result = StepResult(finished=[])
+        self.prefix.at_version(version)
         for r, s in enumerate(self.rows):
             if s is not None and s.key in drop:
                 self._free(r)
@@ -269,7 +338,28 @@ class DecodeBatch:
         for r, s in enumerate(self.rows):
             if s is not None and s.finish is not None:
                 result.finished.append(s)
+                if s.finish != "abort":
+                    # the last token was sampled and never fed: its keys were not computed
+                    self._offer(r, s.prompt + s.out_ids[:-1])
                 self._free(r)
+
+    def _offer(self, row: int, tokens: list[int]) -> None:
+        """Offers the prefix cache the keys and values of ``tokens``, which ``row`` holds
+        in the columns just left of ``L``."""
+        if not self.prefix.enabled:
+            return
+        start = self.length - len(tokens)
+
+        def read(a: int, b: int) -> torch.Tensor:
+            cols = slice(start + a, start + b)
+            layers = [
+                buf[layer][row, :, cols]
+                for layer in range(self.n_layers)
+                for buf in (self.keys, self.values)
+            ]
+            return torch.stack(layers).unflatten(0, (self.n_layers, 2))
+
+        self.prefix.insert(tokens, read)
 
     def _admit(self, admit: list[Sequence], version: int, result: StepResult) -> None:
         active = self.active
@@ -289,18 +379,43 @@ class DecodeBatch:
         # A GRPO group sends one prompt n times: prefill it once and copy its cache.
         source: dict[tuple[int, ...], int] = {}
         copies: list[tuple[int, int]] = []
-        unique: list[tuple[int, Sequence]] = []
+        cold: list[_Join] = []
+        warm: list[_Join] = []
+        # A prompt that misses the cache but begins with the same block as another one
+        # joining now (a shared system prompt, say after a weight update emptied the cache)
+        # waits for that one's prefill, which is then offered to the cache, and looks again.
+        leaders: dict[tuple[int, ...], _Join] = {}
+        followed: dict[int, _Join] = {}
+        waiting: list[_Join] = []
         for r, s in zip(rows, admit, strict=True):
             key = tuple(s.prompt)
             if key in source:
                 copies.append((r, source[key]))
+                continue
+            source[key] = r
+            join = _Join(r, s, *self.prefix.lookup(s.prompt))
+            first = key[:BLOCK_TOKENS] if self.prefix.enabled and len(key) > BLOCK_TOKENS else ()
+            if join.cached:
+                warm.append(join)
+            elif first in leaders:
+                followed[leaders[first].row] = leaders[first]
+                waiting.append(join)
             else:
-                source[key] = r
-                unique.append((r, s))
+                if first:
+                    leaders[first] = join
+                cold.append(join)
         logits_by_row: dict[int, torch.Tensor] = {}
-        for bucket in _length_buckets(unique, self.max_prefill_padding):
-            for r, logits_V in zip((r for r, _ in bucket), self._prefill(bucket), strict=True):
-                logits_by_row[r] = logits_V
+        self._prefill_joins(cold, logits_by_row)
+        for leader in followed.values():
+            self._offer(leader.row, leader.seq.prompt)
+        late: list[_Join] = []
+        for join in waiting:
+            join.cached, join.kv = self.prefix.lookup(join.seq.prompt)
+            (warm if join.cached else late).append(join)
+        for join in warm:
+            self._fill_prefix(join)
+        self._prefill_joins(late, logits_by_row)
+        self._prefill_joins(warm, logits_by_row)
         if copies:
             dst = torch.tensor([d for d, _ in copies], device=self.device)
             src = torch.tensor([c for _, c in copies], device=self.device)
@@ -316,36 +431,64 @@ class DecodeBatch:
         rows_N = torch.tensor(rows, device=self.device)
         result.tokens += self._sample(logits_NV, admit, rows_N, version)
         result.prefill_rows = len(admit)
-        result.prefill_tokens = sum(len(s.prompt) for _, s in unique)
+        result.prefill_tokens = sum(j.tail for j in cold + late + warm)
+        result.prefix_hit_tokens = sum(j.cached for j in warm)
 
-    def _prefill(self, bucket: list[tuple[int, Sequence]]) -> torch.Tensor:
-        """One forward pass over the prompts of ``bucket`` (left-padded to the longest),
-        writing their cache into their rows, right-aligned at ``L``; returns the logits
-        of each prompt's last position, ``[n, V]``."""
-        longest = max(len(s.prompt) for _, s in bucket)
-        end = self.length
-        ids_NP = torch.zeros(len(bucket), longest, dtype=torch.long)
-        valid_NP = torch.zeros(len(bucket), longest, dtype=torch.bool)
-        for i, (_, s) in enumerate(bucket):
-            n = len(s.prompt)
-            ids_NP[i, longest - n :] = torch.tensor(s.prompt, dtype=torch.long)
-            valid_NP[i, longest - n :] = True
-        ids_NP, valid_NP = ids_NP.to(self.device), valid_NP.to(self.device)
-        pos_NP = (valid_NP.long().cumsum(-1) - 1).clamp(min=0)
-        causal_PP = torch.ones(longest, longest, dtype=torch.bool, device=self.device).tril()
-        eye_PP = torch.eye(longest, dtype=torch.bool, device=self.device)
-        mask_N1PP = (causal_PP[None] & (valid_NP[:, None, :] | eye_PP[None]))[:, None]
-        rows_N = torch.tensor([r for r, _ in bucket], device=self.device)
+    def _fill_prefix(self, join: _Join) -> None:
+        """Copies the cached prefix of ``join``'s prompt into the first columns of its row,
+        which ends at ``L``."""
+        assert join.kv is not None
+        cols = slice(self.length - len(join.seq.prompt), self.length - join.tail)
+        for layer in range(self.n_layers):
+            self.keys[layer][join.row, :, cols] = join.kv[layer, 0]
+            self.values[layer][join.row, :, cols] = join.kv[layer, 1]
+        join.kv = None
+
+    def _prefill_joins(self, joins: list[_Join], logits_by_row: dict[int, torch.Tensor]) -> None:
+        """Prefills ``joins`` in length buckets; records each row's last logits."""
+        for bucket in _length_buckets(joins, self.max_prefill_padding):
+            for join, logits_V in zip(bucket, self._prefill(bucket), strict=True):
+                logits_by_row[join.row] = logits_V
+
+    def _prefill(self, bucket: list[_Join]) -> torch.Tensor:
+        """One forward pass over the tails of ``bucket``'s prompts (left-padded to the
+        longest, ``T`` tokens), writing their cache into their rows, right-aligned at ``L``;
+        returns the logits of each prompt's last position, ``[n, V]``. The keys span the
+        longest whole prompt, ``P`` columns: a row's cached prefix is in place already."""
+        tail = max(j.tail for j in bucket)
+        whole = max(len(j.seq.prompt) for j in bucket)
+        end, dev = self.length, self.device
+        ids_NT = torch.zeros(len(bucket), tail, dtype=torch.long)
+        query_NT = torch.zeros(len(bucket), tail, dtype=torch.bool)
+        key_NP = torch.zeros(len(bucket), whole, dtype=torch.bool)
+        cached_N1 = torch.tensor([[j.cached] for j in bucket], dtype=torch.long)
+        for i, j in enumerate(bucket):
+            ids_NT[i, tail - j.tail :] = torch.tensor(j.seq.prompt[j.cached :], dtype=torch.long)
+            query_NT[i, tail - j.tail :] = True
+            key_NP[i, whole - len(j.seq.prompt) :] = True
+        pos_NT = (cached_N1 + query_NT.long().cumsum(-1) - 1).clamp(min=0)
+        ids_NT, query_NT, key_NP, pos_NT = (t.to(dev) for t in (ids_NT, query_NT, key_NP, pos_NT))
+        # query i sits in key column whole - tail + i; a padding query attends to itself
+        query_col_T1 = torch.arange(whole - tail, whole, device=dev)[:, None]
+        key_col_1P = torch.arange(whole, device=dev)[None, :]
+        causal_TP, self_TP = key_col_1P <= query_col_T1, key_col_1P == query_col_T1
+        mask_N1TP = (causal_TP[None] & (key_NP[:, None, :] | self_TP[None]))[:, None]
+        rows_N = torch.tensor([j.row for j in bucket], device=dev)
+        cache: _WriteThrough | _WriteThroughPast
+        if whole == tail:  # nothing cached: the tails are the whole prompts
+            cache = _WriteThrough(self, rows_N, end - tail, end)
+        else:
+            cache = _WriteThroughPast(self, rows_N, end, whole, query_NT[:, None, :, None])
         out = self.model(
-            input_ids=ids_NP,
-            attention_mask=mask_N1PP,
-            position_ids=pos_NP,
-            **{self.cache_kw: _WriteThrough(self, rows_N, end - longest, end)},
+            input_ids=ids_NT,
+            attention_mask=mask_N1TP,
+            position_ids=pos_NT,
+            **{self.cache_kw: cache},
             use_cache=True,
             logits_to_keep=1,
         )
-        self.valid_RC[rows_N, end - longest : end] = valid_NP
-        self.pos_R[rows_N] = valid_NP.sum(-1)
+        self.valid_RC[rows_N, end - whole : end] = key_NP
+        self.pos_R[rows_N] = torch.tensor([len(j.seq.prompt) for j in bucket], device=dev)
         return out.logits[:, -1]
 
     def _decode(self, active: list[int], version: int, result: StepResult) -> None:
