@@ -18,6 +18,7 @@ from asyncrl.config.checks import check_report, enforce_recipe
 from asyncrl.config.recipe import RecipeError, dump_recipe, load_recipe, path_problems
 from asyncrl.entry.replay import add_replay_args, replay
 from asyncrl.launch.slurm import slurm_job_problems, write_and_submit
+from asyncrl.observe.audit import audit
 from asyncrl.observe.plot import plot_run
 from asyncrl.sft.config import is_sft_data, load_sft_recipe, read_recipe_data
 from asyncrl.sft.run import sft
@@ -165,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_replay_args(replay_cmd)
 
+    audit_cmd = sub.add_parser(
+        "audit",
+        help="check a finished run lost nothing, trained nothing twice and kept its staleness bound",
+    )
+    audit_cmd.add_argument("run", type=Path, help="the run folder")
+
     status = sub.add_parser("status", help="list a run's live actors from their heartbeats")
     status.add_argument("--run", type=Path, required=True, help="the run folder")
     status.add_argument("--wait", type=float, default=2.5, help="seconds to listen")
@@ -269,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "replay":
             return replay(args.run, args.start_from, args.until, args.export)
+        if args.command == "audit":
+            return audit(args.run)
         if args.command == "status":
             from asyncrl.observe.watch import show_status  # noqa: PLC0415 - loads NATS
 
