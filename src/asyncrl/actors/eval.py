@@ -49,10 +49,12 @@ import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.generation import build_workflow, latest_weights, serve_endpoint
 from asyncrl.api.inference import InferenceEngine, SamplingParams
+from asyncrl.api.weights import NothingAnnounced
 from asyncrl.api.workflow import RolloutWorkflow
 from asyncrl.config.recipe import Recipe
 from asyncrl.data import load_eval_records
@@ -68,6 +70,10 @@ from asyncrl.workflows.rlvr import sample_seed
 EVAL_FILE = "eval.jsonl"
 
 PASS_THRESHOLD = 0.5
+
+FINAL_CHECK_EVERY = 5.0
+"""Seconds without a due version after which the eval actor looks for the trainer's final
+checkpoint (:meth:`EvalActor._evaluate_final_checkpoint`)."""
 """A sample with at least this reward counts as solved for pass@k."""
 
 
@@ -249,13 +255,16 @@ class EvalActor(Actor):
             await self._evaluate_and_record(int(engine.version))
         while not self.evaluated or self.evaluated[-1] < last:
             try:
-                async with self.receiver.receive() as got:
+                async with self.receiver.receive(idle=FINAL_CHECK_EVERY) as got:
                     # versions only, across trainer epochs: what was evaluated stays so
                     if self.evaluated and got.version <= self.evaluated[-1]:
                         continue
                     if got.version != engine.version:
                         with self.tracer.span("load weights", to_version=got.version):
                             await engine.update_weights(got.source, got.version)
+            except NothingAnnounced:
+                await self._evaluate_final_checkpoint()
+                continue
             except (FileNotFoundError, OSError) as exc:
                 # the trainer keeps only a few versions: this one is already gone
                 self.counters["skipped"] += 1
@@ -263,6 +272,25 @@ class EvalActor(Actor):
                 continue
             self.version = got.version
             await self._evaluate_and_record(got.version, got.epoch)
+
+    async def _evaluate_final_checkpoint(self) -> None:
+        """The last version from the trainer's final checkpoint, once the trainer wrote it
+        and no announcement brought it: an eval actor that started (a replacement of one
+        that died) after the trainer announced its last weights and left, when no one is
+        left to send them (a broadcast, or a fallback copy the trainer makes on request).
+        The checkpoint's export is those weights, as the trainer published them."""
+        last = self.recipe.trainer.max_steps
+        meta = latest_checkpoint_meta(self.ctx.run_dir)
+        if meta is None or meta["version"] < last:
+            return  # the trainer is still training, and will announce what it reaches
+        if self.evaluated and self.evaluated[-1] >= meta["version"]:
+            return
+        engine = self._engine
+        folder = Path(meta["path"]) / "hf"
+        self.log.info("final weights from the checkpoint", version=meta["version"], path=folder)
+        with self.tracer.span("load weights", to_version=meta["version"]):
+            await engine.update_weights(await engine.stage_weights(folder), meta["version"])
+        await self._evaluate_and_record(meta["version"], meta.get("epoch", 0))
 
     async def _evaluate_and_record(self, version: int, epoch: int = 0) -> None:
         """Scores ``version`` and appends its record to ``eval.jsonl``. Versions are

@@ -125,13 +125,28 @@ class WeightReceiver(ABC):
         it even where the receiver would skip its version."""
 
     @abstractmethod
-    def receive(self) -> contextlib.AbstractAsyncContextManager[Received]:
+    def receive(
+        self, idle: float | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Received]:
         """Waits for weights newer than any returned before; yields them staged. Whatever
-        staging holds (a temporary folder) lives until the context ends."""
+        staging holds (a temporary folder) lives until the context ends. ``idle``: raise
+        :class:`NothingAnnounced` when that many seconds pass with no announcement to take
+        (a transfer under way is never cut short); None waits for as long as it takes."""
 
     async def close(self) -> None:
         """Ends what the receiver started."""
         return None
 
 
-__all__ = ["NamedTensors", "Received", "WeightPublisher", "WeightReceiver", "Weights"]
+class NothingAnnounced(Exception):
+    """:meth:`WeightReceiver.receive` waited its ``idle`` seconds and no weights came."""
+
+
+__all__ = [
+    "NamedTensors",
+    "NothingAnnounced",
+    "Received",
+    "WeightPublisher",
+    "WeightReceiver",
+    "Weights",
+]

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.api.weights import NamedTensors, Received, WeightReceiver
+from asyncrl.api.weights import NamedTensors, NothingAnnounced, Received, WeightReceiver
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.weights.cuda_ipc import open_handles
@@ -154,11 +154,15 @@ class EngineWeights(WeightReceiver):
             shutil.rmtree(self._fallback_dir, ignore_errors=True)
 
     @contextlib.asynccontextmanager
-    async def receive(self) -> AsyncIterator[Received]:
+    async def receive(self, idle: float | None = None) -> AsyncIterator[Received]:
         while True:
             while not self._pending:
                 self._arrived.clear()
-                await self._arrived.wait()
+                try:
+                    async with asyncio.timeout(idle):
+                        await self._arrived.wait()
+                except TimeoutError:
+                    raise NothingAnnounced(f"no weights announced in {idle} s") from None
             t0 = time.monotonic()
             best: tuple[WeightsUpdated, Any, str, Callable[[], None] | None] | None = None
 
