@@ -57,6 +57,7 @@ from typing import BinaryIO
 
 from asyncrl.observe.audit import KINDS, audit_run, read_jsonl
 from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.log import configure_logging
 from asyncrl.runtime.nats_server import nats_info_for_run
 from asyncrl.wire.messages import ActorInfo, Metrics
 from asyncrl.wire.subjects import Subjects
@@ -418,4 +419,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
+    configure_logging("ERROR")  # the watcher's connection sees each run's servers go
     sys.exit(asyncio.run(main(parse_args())))

@@ -84,7 +84,7 @@ async def kill_in_mid_run(
     ("role", "after_step"),
     [
         # before the first checkpoint: for all but the trainer a checkpoint changes nothing
-        ("rollout", 2),
+        # (a rollout actor: tests/faults/test_chaos_smoke.py)
         ("reward", 2),
         ("buffer", 2),
         # restarts from the initial weights, as version 0 of epoch 1, while the dead
