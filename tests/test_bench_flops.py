@@ -5,6 +5,7 @@ timing is asserted."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -128,3 +129,42 @@ def test_trainer_bench_groups_its_batch() -> None:
         flops.Group(3, (2, 3), (2, 3)),
         flops.Group(2, (2,), (2,)),
     ]
+
+
+def test_vs_trl_floors_from_each_systems_records(tmp_path: Path) -> None:
+    vs_trl = load("vs_trl")
+    samples = [
+        {"step": 1, "prompt_uid": "a", "tokens": 5, "response_tokens": 2},
+        {"step": 1, "prompt_uid": "b", "tokens": 4, "response_tokens": 2},
+        {"step": 1, "prompt_uid": "a", "tokens": 6, "response_tokens": 3},
+        {"step": 2, "prompt_uid": "c", "tokens": 7, "response_tokens": 1},
+    ]
+    metrics = [{"step": 1, "train/time/proximal_s": 0.5}, {"step": 2}]
+    for name, rows in (("trained_samples", samples), ("metrics", metrics)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    asyncrl = vs_trl.asyncrl_steps(tmp_path)
+    assert asyncrl == [
+        ([flops.Group(3, (2, 3), (2, 3)), flops.Group(2, (2,), (2,))], 1),
+        ([flops.Group(6, (1,), (1,))], 0),
+    ]
+    trl = vs_trl.trl_steps([3, 2, 7], [[2, 3, 2, 1], [4, 4]], group_size=2)
+    assert trl == [
+        ([flops.Group(3, (2, 3)), flops.Group(2, (2, 1))], 0),
+        ([flops.Group(7, (4, 4))], 0),
+    ]
+    peak = 1e4
+    figures = vs_trl.floor_figures(DIMS, asyncrl, [30.0, 32.0], peak)
+    totals = [
+        flops.step_flops(DIMS, g, generate=True, extra_forwards=n)["total"] for g, n in asyncrl
+    ]
+    assert figures["flops"] == totals
+    assert figures["floor_s"] == [t / peak for t in totals]
+    assert figures["took_s"] == [30.0, 2.0]  # the first step from launch
+    assert figures["reached"] == pytest.approx(totals[1] / peak / 2.0)
+    lines = vs_trl.floor_lines(
+        {
+            "asyncrl": {"floor": figures},
+            "trl": {"floor": vs_trl.floor_figures(DIMS, trl, [9.0, 12.0], peak)},
+        }
+    )
+    assert len(lines) == 2 + 2 + 1 and lines[-1].startswith("steps 2..N: asyncrl floor")
