@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,3 +191,49 @@ def floor_columns(flops: float, peak: float, step_s: float) -> str:
     it a step of ``step_s`` seconds reached."""
     floor = flops / peak
     return f"floor {floor:.2f} s ({floor / step_s:.0%} reached)"
+
+
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "dot"}
+"""aten ops that multiply matrices (where the floor's FLOPs are)."""
+VIEW_OPS = {
+    "view", "reshape", "_unsafe_view", "as_strided", "transpose", "t", "permute", "expand",
+    "slice", "select", "unsqueeze", "squeeze", "detach", "alias", "empty", "empty_like",
+    "empty_strided", "resize_", "split", "split_with_sizes", "chunk", "unbind", "narrow",
+    "lift_fresh", "result_type",
+}  # fmt: skip
+"""aten ops that move no data: they make a new view or an empty buffer."""
+
+
+def time_sink(op: str) -> str:
+    """The kind of time an op of a profile (``aten::mm``, ...) is: ``matmul``,
+    ``attention`` (the fused attention kernels, forward and backward), ``optimizer``
+    (``_foreach_*``, or any op named ``optimizer::<op>``: one the optimizer's step ran),
+    ``views`` (no data moved) or ``elementwise`` (all else: pointwise work and reductions,
+    copies, casts, concatenations, the LM head's softmax, the embedding)."""
+    if op.startswith("optimizer::"):
+        return "optimizer"
+    name = op.removeprefix("aten::")
+    if "scaled_dot_product" in name or "attention" in name:
+        return "attention"
+    if name.removesuffix("_") in MATMUL_OPS or (name.startswith("_mkldnn") and "mm" in name):
+        return "matmul"
+    if name.startswith("_foreach"):
+        return "optimizer"
+    if name in VIEW_OPS:
+        return "views"
+    return "elementwise"
+
+
+def time_sinks(self_seconds: Iterable[tuple[str, float]], wall_s: float) -> dict[str, float]:
+    """Seconds by :func:`time_sink` of a profile's aten ops (``self_seconds``: each op's
+    name, ``aten::…`` or ``optimizer::aten::…``, and self time), and ``other``: the wall
+    time they leave (Python, the autograd engine's own work, waiting). Ops run one after
+    the other on the stepping thread (on the CPU, backward too), so their self times add
+    up to wall time whatever the threads inside each."""
+    sinks: dict[str, float] = {}
+    for op, seconds in self_seconds:
+        if op.startswith(("aten::", "optimizer::aten::")):
+            kind = time_sink(op)
+            sinks[kind] = sinks.get(kind, 0.0) + seconds
+    sinks["other"] = max(0.0, wall_s - sum(sinks.values()))
+    return sinks

@@ -81,6 +81,13 @@ answer's within ±50%). It prints, per shape, the tokens the model computed with
 with sharing, their ratio, the step times and their ratio; ``--seqs`` and the response
 options do not apply to it.
 
+Mode ``profile`` trains the warm-up batches, then profiles one packed step with
+``torch.profiler`` and prints its time by kind (bench/flops.py): ``matmul``, ``attention``
+(the fused attention kernels), ``elementwise`` (pointwise work and reductions, copies and
+casts, the LM head's softmax), ``optimizer``, ``views`` and ``other`` (the wall time no op
+accounts for: Python, the autograd engine), beside its compute floor, then the 15 ops of
+most self time: where a step stays far from its floor.
+
 Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
 rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
 batch hand-off, the same code), median over ``--steps``.
@@ -99,7 +106,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flops import Dims, Group, floor_columns, matmul_peak, matmul_shapes, step_flops
+from flops import (
+    Dims,
+    Group,
+    floor_columns,
+    matmul_peak,
+    matmul_shapes,
+    step_flops,
+    time_sink,
+    time_sinks,
+)
 
 from asyncrl.models.resolve import ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
@@ -538,6 +554,51 @@ def run_mode(
     return out
 
 
+def optimizer_scoped(event: Any) -> str:
+    """A profiled op's name, as ``optimizer::<name>`` where the optimizer's step ran it
+    (under torch's ``Optimizer.step#…`` scope)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("Optimizer.step"):
+            return f"optimizer::{event.name}"
+        parent = parent.cpu_parent
+    return str(event.name)
+
+
+def run_profile(args: argparse.Namespace, batches: list[list[Sample]]) -> None:
+    """Packed steps on the warm-up batches, then one step under ``torch.profiler`` (CPU
+    ops): its time by kind (bench/flops.py's :func:`~flops.time_sinks`: matmul,
+    attention, elementwise, optimizer, views, other) against its compute floor, and the
+    ops that took the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = build_engine(args, True, batches)
+    for batch in batches[: args.warmup]:
+        engine.train_step(batch)
+    batch = batches[args.warmup]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        engine.train_step(batch)
+        wall = time.perf_counter() - t0
+    ops: dict[str, list[float]] = {}  # name (optimizer-scoped) -> [self seconds, calls]
+    for event in prof.events():
+        entry = ops.setdefault(optimizer_scoped(event), [0.0, 0])
+        entry[0] += event.self_cpu_time_total / 1e6
+        entry[1] += 1
+    sinks = time_sinks(((name, v[0]) for name, v in ops.items()), wall)
+    line = f"profiled packed step ({args.dtype}, {torch.get_num_threads()} threads): {wall:.2f} s"
+    if args.floor_peak:
+        line += f"; {floor_columns(model_flops(engine, batch), args.floor_peak, wall)}"
+    print(line)
+    for kind, seconds in sorted(sinks.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:12} {seconds:8.2f} s {seconds / wall:6.1%}")
+    print("  top ops by self time:")
+    for name, (seconds, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:15]:
+        kind = time_sink(name) if name.startswith(("aten::", "optimizer::")) else "other"
+        print(f"    {name:60} {seconds:7.2f} s {calls:6.0f} calls  ({kind})")
+    del engine
+
+
 def hand_off(batch: list[Sample] | None, rank: int, config: TrainerConfig) -> Any:
     """What the trainer ranks do to get a step's batch from rank 0: rank 0 plans every
     rank's shard and sends each its own as tensors; the others receive theirs."""
@@ -681,7 +742,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="packed,padded,proximal",
-        help="comma list of packed, padded, proximal, head, handoff, lora, compile, share_prefix",
+        help="comma list of packed, padded, proximal, head, handoff, lora, compile,"
+        " share_prefix, profile",
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="adapter rank of mode lora")
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
@@ -780,7 +842,10 @@ def main() -> None:
             f" the model's MLP shapes, {args.peak_rows} rows ({where})"
         )
     modes = args.modes.split(",")
-    allowed = {"packed", "padded", "proximal", "head", "handoff", "lora", "compile", "share_prefix"}
+    allowed = {
+        "packed", "padded", "proximal", "head", "handoff", "lora", "compile", "share_prefix",
+        "profile",
+    }  # fmt: skip
     if set(modes) - allowed:
         parser.error(f"--modes {args.modes!r}: allowed {', '.join(sorted(allowed))}")
     head = run_head(args, batches) if "head" in modes else None
@@ -908,6 +973,8 @@ def main() -> None:
                 f" {r['plain_s']:10.2f}s {r['shared_s']:7.2f}s"
                 f" {r['plain_s'] / r['shared_s']:7.2f}x {floor:>8} {reached:>15}"
             )
+    if "profile" in modes:
+        run_profile(args, batches)
     if "proximal" in modes:
         r = run_proximal(args, batches)
         print(

@@ -168,3 +168,33 @@ def test_vs_trl_floors_from_each_systems_records(tmp_path: Path) -> None:
         }
     )
     assert len(lines) == 2 + 2 + 1 and lines[-1].startswith("steps 2..N: asyncrl floor")
+
+
+def test_profile_ops_sorted_into_time_sinks() -> None:
+    kinds = {
+        op: flops.time_sink(op)
+        for op in [
+            "aten::mm",
+            "aten::addmm_",
+            "aten::linear",
+            "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+            "aten::mul",
+            "aten::_log_softmax",
+            "aten::view",
+            "aten::_foreach_add_",
+            "optimizer::aten::mul",
+        ]
+    }
+    assert kinds == {
+        "aten::mm": "matmul",
+        "aten::addmm_": "matmul",
+        "aten::linear": "matmul",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention",
+        "aten::mul": "elementwise",
+        "aten::_log_softmax": "elementwise",
+        "aten::view": "views",
+        "aten::_foreach_add_": "optimizer",
+        "optimizer::aten::mul": "optimizer",
+    }
+    ops = [("aten::mm", 2.0), ("aten::add", 0.5), ("MulBackward0", 0.25), ("aten::mm", 1.0)]
+    assert flops.time_sinks(ops, 4.0) == {"matmul": 3.0, "elementwise": 0.5, "other": 0.5}
