@@ -164,11 +164,15 @@ def matmul_shapes(dims: Dims, rows: int) -> list[tuple[int, int, int]]:
     return [(rows, dims.hidden, dims.intermediate), (rows, dims.intermediate, dims.hidden)]
 
 
-def matmul_peak(dtype: Any, shapes: Sequence[tuple[int, int, int]], reps: int = 5) -> float:
-    """The best FLOP/s of ``reps`` timed ``torch.matmul`` calls at each (m, k, n) of
-    ``shapes`` in ``dtype`` (after one untimed), on torch's current threads: the matmul
-    peak of this machine for such shapes."""
-    import torch
+def matmul_peak(
+    dtype: Any, shapes: Sequence[tuple[int, int, int]], reps: int = 5, min_s: float = 0.25
+) -> float:
+    """The best FLOP/s of timed ``torch.matmul`` calls at each (m, k, n) of ``shapes`` in
+    ``dtype``, on torch's current threads: the matmul peak of this machine for such
+    shapes. Each shape is timed ``reps`` times and for at least ``min_s`` seconds, after
+    untimed calls for as long: on a loaded machine the pool's threads sleep between
+    short calls, and the first calls after a wake-up wait for all of them."""
+    import torch  # here: vs_trl.py imports this module before it parses its arguments
 
     g = torch.Generator().manual_seed(0)
     best = 0.0
@@ -176,12 +180,15 @@ def matmul_peak(dtype: Any, shapes: Sequence[tuple[int, int, int]], reps: int = 
         a = torch.randn(m, k, generator=g).to(dtype)
         b = torch.randn(k, n, generator=g).to(dtype)
         out = torch.empty(m, n, dtype=dtype)
-        torch.matmul(a, b, out=out)
-        fastest = math.inf
-        for _ in range(reps):
+        start = time.perf_counter()
+        while time.perf_counter() - start < min_s:
+            torch.matmul(a, b, out=out)
+        fastest, calls, start = math.inf, 0, time.perf_counter()
+        while calls < reps or time.perf_counter() - start < min_s:
             t0 = time.perf_counter()
             torch.matmul(a, b, out=out)
             fastest = min(fastest, time.perf_counter() - t0)
+            calls += 1
         best = max(best, 2.0 * m * k * n / fastest)
     return best
 
