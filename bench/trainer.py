@@ -28,9 +28,18 @@ before that shortcut, and still costs with ``ppo_minibatches`` > 1); it prints t
 times side by side with their ratio.
 
 tokens/s counts real tokens (prompt + response), never padding. MFU = model FLOPs / (step
-time · peak), with model FLOPs = 3 × forward, forward = 2·N_body·tokens + 2·H·V·loss tokens
-(the LM head runs at loss positions only) + Σ_seq 2·L²·d_attn·layers (causal attention).
-Padding and the separate proximal forward are not counted as useful work.
+time · peak), with model FLOPs = 3 × forward as bench/flops.py counts them: the linear
+layers at every token, causal attention, the LM head at loss tokens only, a group's
+shared prompt once. Padding and the separate proximal forward are not counted as useful
+work.
+
+Every step's line and the packed / padded table also give the step's **compute floor**:
+its FLOPs (bench/flops.py; mode ``proximal`` adds the separate forward where it runs one)
+over the matmul peak measured in this run in the step's dtype, with the step's threads,
+at the model's MLP shapes on ``--peak-rows`` rows (on CUDA the data-sheet peak or
+``--peak-tflops``), and the share of that floor the step reached (floor / step time). The
+per-step lines use the peak measured before the steps; the table the better of before
+and after.
 
 On the CPU the peak is this machine's own, measured in the same run with the same torch
 threads: the best of a few ``--peak-size``² square matmuls in float32 (and in bfloat16
@@ -72,6 +81,13 @@ answer's within ±50%). It prints, per shape, the tokens the model computed with
 with sharing, their ratio, the step times and their ratio; ``--seqs`` and the response
 options do not apply to it.
 
+Mode ``profile`` trains the warm-up batches, then profiles one packed step with
+``torch.profiler`` and prints its time by kind (bench/flops.py): ``matmul``, ``attention``
+(the fused attention kernels), ``elementwise`` (pointwise work and reductions, copies and
+casts, the LM head's softmax), ``optimizer``, ``views`` and ``other`` (the wall time no op
+accounts for: Python, the autograd engine), beside its compute floor, then the 15 ops of
+most self time: where a step stays far from its floor.
+
 Mode ``handoff`` needs no model: two gloo ranks on this machine, and per step the time from
 rank 0 holding the batch to every rank holding what it trains on (the trainer actor's
 batch hand-off, the same code), median over ``--steps``.
@@ -90,12 +106,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from flops import (
+    Dims,
+    Group,
+    floor_columns,
+    matmul_peak,
+    matmul_shapes,
+    step_flops,
+    time_sink,
+    time_sinks,
+)
 
 from asyncrl.models.resolve import ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
 from asyncrl.train.batch import Sample
 from asyncrl.train.config import LoraConfig
 from asyncrl.train.engine import TrainEngine
+from asyncrl.train.packing import common_prefix
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = next(
@@ -167,19 +194,34 @@ def make_batch(args: argparse.Namespace, vocab: int, g: torch.Generator) -> list
     return batch
 
 
-def model_flops(engine: TrainEngine, batch: list[Sample]) -> float:
-    """Training FLOPs of one step on ``batch`` (see the module docstring)."""
-    cfg: Any = engine.lm.config
-    total = engine.num_params()
-    embed = engine.num_params() - engine.num_params(exclude_embeddings=True)
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    body = total - embed - head
-    tokens = sum(len(s) for s in batch)
-    loss_tokens = sum(s.num_loss_tokens for s in batch)
-    d_attn = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    attn = sum(2 * len(s) ** 2 * d_attn * cfg.num_hidden_layers for s in batch)
-    forward = 2 * body * tokens + 2 * cfg.hidden_size * cfg.vocab_size * loss_tokens + attn
-    return 3.0 * forward
+def sample_groups(batch: list[Sample]) -> list[Group]:
+    """``batch`` as :class:`flops.Group` s: the samples of one ``group`` share their common
+    prefix up to the first loss token of any of them; a sample without a group is a group
+    of its own (sharing nothing)."""
+    by_group: dict[object, list[Sample]] = {}
+    for i, s in enumerate(batch):
+        by_group.setdefault(("group", s.group) if s.group is not None else i, []).append(s)
+    groups = []
+    for members in by_group.values():
+        starts = [int(s.loss_mask.nonzero()[0]) if s.num_loss_tokens else len(s) for s in members]
+        prompt = min(starts)
+        if len(members) > 1:
+            prompt = min(prompt, common_prefix([s.input_ids for s in members]))
+        groups.append(
+            Group(
+                prompt,
+                tuple(len(s) - prompt for s in members),
+                tuple(s.num_loss_tokens for s in members),
+            )
+        )
+    return groups
+
+
+def model_flops(engine: TrainEngine, batch: list[Sample], extra_forwards: int = 0) -> float:
+    """Training FLOPs of one step on ``batch``, plus ``extra_forwards`` no-grad forwards
+    (bench/flops.py counts them: a group's prompt once, the LM head at loss tokens)."""
+    dims = Dims.of(engine.lm.config)
+    return float(step_flops(dims, sample_groups(batch), extra_forwards=extra_forwards)["total"])
 
 
 def peak_flops(args: argparse.Namespace) -> float | None:
@@ -192,6 +234,16 @@ def peak_flops(args: argparse.Namespace) -> float | None:
         if key in name:
             return tflops * 1e12
     return None
+
+
+def floor_peak(args: argparse.Namespace, cuda: bool) -> float | None:
+    """The FLOP/s a step's compute floor is taken at: on the CPU the matmul peak measured
+    now in the step's dtype at the model's MLP shapes (``--peak-rows`` rows) on torch's
+    current threads; on CUDA the data-sheet (or ``--peak-tflops``) peak."""
+    if cuda or args.peak_tflops:
+        return peak_flops(args)
+    dims = Dims.of(model_config(args.shape, 4096))
+    return matmul_peak(getattr(torch, args.dtype), matmul_shapes(dims, args.peak_rows))
 
 
 def cpu_flags() -> set[str]:
@@ -256,11 +308,17 @@ def build_engine(
 
 
 def timed_steps(
-    engine: Any, batches: list[list[Sample]], label: str, warmup: int, in_thread: bool = False
+    engine: Any,
+    batches: list[list[Sample]],
+    label: str,
+    warmup: int,
+    in_thread: bool = False,
+    peak: float | None = None,
 ) -> tuple[list[float], dict[str, float]]:
     """Trains ``engine`` on each batch in turn, in one worker thread if ``in_thread``;
     returns every step's seconds (printed as each ends, the first ``warmup`` marked as not
-    counted) and the last step's stats."""
+    counted, with the step's compute floor at ``peak`` FLOP/s where given) and the last
+    step's stats."""
     from concurrent.futures import ThreadPoolExecutor
 
     worker = ThreadPoolExecutor(max_workers=1) if in_thread else None
@@ -276,6 +334,8 @@ def timed_steps(
         times.append(time.perf_counter() - t0)  # train_step synchronises on CUDA
         after = resource.getrusage(resource.RUSAGE_SELF)
         note = " (warm-up, not counted)" if i < warmup else ""
+        if peak:
+            note += f"; {floor_columns(model_flops(engine, batch), peak, times[-1])}"
         print(
             f"  {label} step {i}: {times[-1]:.2f} s{note}; kernel CPU "
             f"{after.ru_stime - before.ru_stime:.1f} s, "
@@ -293,7 +353,9 @@ def run_lora(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str,
     out = {}
     for name, rank in (("full", 0), (f"lora r={args.lora_rank}", args.lora_rank)):
         engine = build_engine(args, True, batches, lora_rank=rank)
-        times = timed_steps(engine, batches, name, args.warmup, args.in_thread)[0][args.warmup :]
+        times = timed_steps(
+            engine, batches, name, args.warmup, args.in_thread, peak=args.floor_peak
+        )[0][args.warmup :]
         itemsize = torch.empty((), dtype=engine.param_dtype).element_size()
         trainable = [p for p in engine.lm.parameters() if p.requires_grad]
         optim_bytes = sum(
@@ -321,7 +383,9 @@ def run_compile(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[s
     out = {}
     for name, compiled in (("eager", False), ("compiled", True)):
         engine = build_engine(args, True, batches, compile=compiled)
-        times, _ = timed_steps(engine, batches, name, args.warmup, args.in_thread)
+        times, _ = timed_steps(
+            engine, batches, name, args.warmup, args.in_thread, peak=args.floor_peak
+        )
         out[f"{name}_first_s"] = times[0]
         out[f"{name}_s"] = statistics.median(times[args.warmup :])
         out["flops"] = statistics.mean(model_flops(engine, b) for b in batches[args.warmup :])
@@ -345,11 +409,18 @@ def run_proximal(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[
                 times[separate].append(time.perf_counter() - t0)
                 if separate:
                     proximal.append(stats["time/proximal_s"])
+    measured = batches[args.warmup :]
+    flops = {
+        separate: statistics.mean(model_flops(engine, b, int(separate)) for b in measured)
+        for separate in (False, True)
+    }
     del engine
     return {
         "free_s": statistics.median(times[False]),
         "separate_s": statistics.median(times[True]),
         "proximal_s": statistics.median(proximal),
+        "free_flops": flops[False],
+        "separate_flops": flops[True],
     }
 
 
@@ -424,6 +495,10 @@ def run_share_prefix(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 stats = engine.train_step(batch)
                 seconds = time.perf_counter() - t0
                 note = " (warm-up, not counted)" if i < args.warmup else ""
+                if args.floor_peak:
+                    note += (
+                        f"; {floor_columns(model_flops(engine, batch), args.floor_peak, seconds)}"
+                    )
                 print(
                     f"  {name} step {i} {'shared' if share else 'plain '}: {seconds:.2f} s,"
                     f" {stats['input_tokens']:.0f} tokens computed{note}",
@@ -432,8 +507,10 @@ def run_share_prefix(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 if i >= args.warmup:
                     times[share].append(seconds)
                     computed[share].append(stats["input_tokens"])
+        flops = statistics.mean(model_flops(engine, b) for b in batches[args.warmup :])
         del engine
         out[name] = {
+            "flops": flops,
             "tokens": statistics.mean(sum(len(s) for s in b) for b in batches[args.warmup :]),
             "plain_tokens": statistics.mean(computed[False]),
             "shared_tokens": statistics.mean(computed[True]),
@@ -450,7 +527,9 @@ def run_mode(
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     label = "packed" if packing else "padded"
-    times, stats = timed_steps(engine, batches, label, args.warmup, args.in_thread)
+    times, stats = timed_steps(
+        engine, batches, label, args.warmup, args.in_thread, peak=args.floor_peak
+    )
     step_s = statistics.median(times[args.warmup :])
     measured = batches[args.warmup :]
     tokens = statistics.mean(sum(len(s) for s in b) for b in measured)
@@ -467,11 +546,57 @@ def run_mode(
         if engine.device.type == "cuda"
         else math.nan,
         "params": float(engine.num_params()),
+        "flops": flops,
     }
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def optimizer_scoped(event: Any) -> str:
+    """A profiled op's name, as ``optimizer::<name>`` where the optimizer's step ran it
+    (under torch's ``Optimizer.step#…`` scope)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("Optimizer.step"):
+            return f"optimizer::{event.name}"
+        parent = parent.cpu_parent
+    return str(event.name)
+
+
+def run_profile(args: argparse.Namespace, batches: list[list[Sample]]) -> None:
+    """Packed steps on the warm-up batches, then one step under ``torch.profiler`` (CPU
+    ops): its time by kind (bench/flops.py's :func:`~flops.time_sinks`: matmul,
+    attention, elementwise, optimizer, views, other) against its compute floor, and the
+    ops that took the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = build_engine(args, True, batches)
+    for batch in batches[: args.warmup]:
+        engine.train_step(batch)
+    batch = batches[args.warmup]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        engine.train_step(batch)
+        wall = time.perf_counter() - t0
+    ops: dict[str, list[float]] = {}  # name (optimizer-scoped) -> [self seconds, calls]
+    for event in prof.events():
+        entry = ops.setdefault(optimizer_scoped(event), [0.0, 0])
+        entry[0] += event.self_cpu_time_total / 1e6
+        entry[1] += 1
+    sinks = time_sinks(((name, v[0]) for name, v in ops.items()), wall)
+    line = f"profiled packed step ({args.dtype}, {torch.get_num_threads()} threads): {wall:.2f} s"
+    if args.floor_peak:
+        line += f"; {floor_columns(model_flops(engine, batch), args.floor_peak, wall)}"
+    print(line)
+    for kind, seconds in sorted(sinks.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:12} {seconds:8.2f} s {seconds / wall:6.1%}")
+    print("  top ops by self time:")
+    for name, (seconds, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:15]:
+        kind = time_sink(name) if name.startswith(("aten::", "optimizer::")) else "other"
+        print(f"    {name:60} {seconds:7.2f} s {calls:6.0f} calls  ({kind})")
+    del engine
 
 
 def hand_off(batch: list[Sample] | None, rank: int, config: TrainerConfig) -> Any:
@@ -617,7 +742,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="packed,padded,proximal",
-        help="comma list of packed, padded, proximal, head, handoff, lora, compile, share_prefix",
+        help="comma list of packed, padded, proximal, head, handoff, lora, compile,"
+        " share_prefix, profile",
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="adapter rank of mode lora")
     parser.add_argument("--max-tokens", type=int, default=8192, help="micro-batch token budget")
@@ -635,6 +761,10 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the MFU peak")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--peak-size", type=int, default=2048, help="matmul size of the CPU peak")
+    parser.add_argument(
+        "--peak-rows", type=int, default=2048,
+        help="rows of the MLP-shaped matmuls whose peak the compute floor is taken at",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--allocator", choices=sorted(ALLOCATORS), default="system",
@@ -704,8 +834,18 @@ def main() -> None:
             + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
             + f" ({args.peak_size}² matmuls, {torch.get_num_threads()} threads)"
         )
+    args.floor_peak = floor_peak(args, cuda)
+    if args.floor_peak:
+        where = "data sheet" if cuda else f"{torch.get_num_threads()} threads"
+        print(
+            f"compute floor at {args.floor_peak / 1e9:.1f} GFLOP/s: {args.dtype} matmul peak at"
+            f" the model's MLP shapes, {args.peak_rows} rows ({where})"
+        )
     modes = args.modes.split(",")
-    allowed = {"packed", "padded", "proximal", "head", "handoff", "lora", "compile", "share_prefix"}
+    allowed = {
+        "packed", "padded", "proximal", "head", "handoff", "lora", "compile", "share_prefix",
+        "profile",
+    }  # fmt: skip
     if set(modes) - allowed:
         parser.error(f"--modes {args.modes!r}: allowed {', '.join(sorted(allowed))}")
     head = run_head(args, batches) if "head" in modes else None
@@ -717,15 +857,29 @@ def main() -> None:
             results[mode] = run_mode(args, mode == "packed", batches)
     if results:
         print(f"params {results[next(iter(results))]['params'] / 1e6:.1f}M")
+    if results and args.floor_peak and not cuda:
+        # again after the steps, keeping the better: on a shared machine either may be slowed
+        args.floor_peak = max(args.floor_peak, floor_peak(args, cuda))
+    if results:
         print(
-            f"{'mode':8} {'tokens/s':>10} {'step_s':>8} {'micro':>6} {'padding':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
+            f"{'mode':8} {'tokens/s':>10} {'step_s':>8} {'micro':>6} {'padding':>8} {'TFLOP/s':>8}"
+            f" {'MFU':>6} {'mem GiB':>8} {'floor_s':>8} {'reached':>8}"
         )
     for mode, r in results.items():
         mfu = "n/a" if math.isnan(r["mfu"]) else f"{r['mfu']:.1%}"
         mem = "n/a" if math.isnan(r["peak_mem_gib"]) else f"{r['peak_mem_gib']:.2f}"
+        floor, reached = "n/a", "n/a"
+        if args.floor_peak:
+            floor_s = r["flops"] / args.floor_peak
+            floor, reached = f"{floor_s:.3f}", f"{floor_s / r['step_s']:.1%}"
         print(
             f"{mode:8} {r['tokens_per_s']:10.0f} {r['step_s']:8.3f} {r['micro_batches']:6.0f}"
-            f" {r['padding']:8.1%} {r['tflops']:8.3f} {mfu:>6} {mem:>8}"
+            f" {r['padding']:8.1%} {r['tflops']:8.3f} {mfu:>6} {mem:>8} {floor:>8} {reached:>8}"
+        )
+    if results and args.floor_peak:
+        print(
+            f"compute floor: the step's FLOPs over {args.floor_peak / 1e9:.1f} GFLOP/s"
+            f" ({args.dtype}); reached = floor / step_s"
         )
     if peaks:
         # again after the steps, keeping the better: on a shared machine either may be slowed
@@ -805,21 +959,36 @@ def main() -> None:
         )
         print(
             f"{'workload':15} {'tokens':>7} {'computed plain':>15} {'shared':>7} {'ratio':>6}"
-            f" {'step plain':>11} {'shared':>8} {'speedup':>8}"
+            f" {'step plain':>11} {'shared':>8} {'speedup':>8} {'floor':>8} {'reached':>15}"
         )
         for name, r in shared.items():
+            floor, reached = "n/a", "n/a"
+            if args.floor_peak:
+                floor_s = r["flops"] / args.floor_peak
+                reached = f"{floor_s / r['plain_s']:.0%} / {floor_s / r['shared_s']:.0%}"
+                floor = f"{floor_s:.2f}s"
             print(
                 f"{name:15} {r['tokens']:7.0f} {r['plain_tokens']:15.0f}"
                 f" {r['shared_tokens']:7.0f} {r['shared_tokens'] / r['plain_tokens']:6.2f}"
                 f" {r['plain_s']:10.2f}s {r['shared_s']:7.2f}s"
-                f" {r['plain_s'] / r['shared_s']:7.2f}x"
+                f" {r['plain_s'] / r['shared_s']:7.2f}x {floor:>8} {reached:>15}"
             )
+    if "profile" in modes:
+        run_profile(args, batches)
     if "proximal" in modes:
         r = run_proximal(args, batches)
         print(
             f"packed step time, proximal logprobs from the training forward {r['free_s']:.3f} s"
             f" | from a separate forward {r['separate_s']:.3f} s (that forward"
             f" {r['proximal_s']:.3f} s) | separate / free {r['separate_s'] / r['free_s']:.2f}x"
+            + (
+                f" | floor {r['free_flops'] / args.floor_peak:.3f} s"
+                f" ({r['free_flops'] / args.floor_peak / r['free_s']:.0%} reached) vs"
+                f" {r['separate_flops'] / args.floor_peak:.3f} s"
+                f" ({r['separate_flops'] / args.floor_peak / r['separate_s']:.0%} reached)"
+                if args.floor_peak
+                else ""
+            )
         )
 
 

@@ -79,6 +79,16 @@ greedy, one completion per prompt, ``eval.max_prompts`` prompts, scored with
 ``math_reward``, by asyncrl's hf engine in this process, for the starting weights (shared),
 asyncrl's final checkpoint (``checkpoints/step_N/hf``) and TRL's ``save_model`` folder.
 
+Compute floor (bench/flops.py): after each pair, a line per step of each system: the
+step's FLOPs (its batch generated, prefill and decode with a KV cache, and trained,
+forward and backward, with any separate proximal or reference forward; a group's prompt
+counted once), its floor at the fp32 matmul peak measured in this run (the model's MLP
+shapes on 2,048 rows, on every core, before asyncrl's run and after TRL's, the better of
+the two), the seconds the step took and the share of its floor it reached; then the
+share over steps 2..N. asyncrl's groups come from ``trained_samples.jsonl``, TRL's from
+the completion ids its reward function is handed and the prompts tokenized as TRL builds
+them. Each system's figures are kept in ``result.json`` under ``floor``.
+
 How long: one pair (asyncrl then TRL, three evaluations) of the quick workload took
 about 15 minutes on a quiet 2-core machine when its steps were shorter; the long workload
 takes about 20 minutes per system there, so the defaults (2 workloads × 3 seeds) take
@@ -101,6 +111,9 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import Dims, Group, matmul_peak, matmul_shapes, step_flops
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -126,6 +139,12 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     },
 }
 """Each workload's steps, held-out prompts and overrides of the quickstart recipe."""
+
+DTYPE = "float32"
+"""Both systems' dtype (``model.dtype``, TRL's ``bf16=False``): the compute floor's peak
+is measured in it."""
+PEAK_ROWS = 2048
+"""Rows of the MLP-shaped matmuls the floor's peak is measured at (bench/flops.py)."""
 
 
 # -- the machine and the TRL venv ------------------------------------------------------------
@@ -255,6 +274,126 @@ def steady(times: list[float], samples: list[int]) -> dict[str, float]:
     return {"s_per_step": span / (len(times) - 1), "completions_per_s": sum(samples[1:]) / span}
 
 
+# -- the compute floor (bench/flops.py) -------------------------------------------------------
+
+
+def measure_peak(dims: Dims) -> float:
+    """The matmul peak now in :data:`DTYPE` at the model's MLP shapes, on every core each
+    system gets (:data:`THREADS`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return matmul_peak(getattr(torch, DTYPE), matmul_shapes(dims, PEAK_ROWS))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def asyncrl_steps(run_dir: Path) -> list[tuple[list[Group], int]]:
+    """asyncrl's steps as the floor counts them: each step's groups from
+    ``trained_samples.jsonl`` (a prompt's samples in one step are a group; a sample's
+    prompt is its tokens before the answer: single-turn samples), and the no-grad forwards
+    it ran besides the training one (a separate proximal forward, a KL reference) from
+    ``metrics.jsonl``."""
+    by_step: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    for line in (run_dir / "trained_samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(int(row["step"]), {}).setdefault(row["prompt_uid"], []).append(row)
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        groups = []
+        for samples in by_step.get(int(record["step"]), {}).values():
+            prompt = min(x["tokens"] - x["response_tokens"] for x in samples)
+            groups.append(
+                Group(
+                    prompt,
+                    tuple(x["tokens"] - prompt for x in samples),
+                    tuple(x["response_tokens"] for x in samples),
+                )
+            )
+        extra = sum(f"train/time/{part}_s" in record for part in ("proximal", "ref"))
+        out.append((groups, extra))
+    return out
+
+
+def trl_steps(
+    prompt_tokens: list[int], completion_tokens: list[list[int]], group_size: int
+) -> list[tuple[list[Group], int]]:
+    """TRL's steps as the floor counts them: step k's completions are those of the next
+    ``len(completion_tokens[k]) / group_size`` prompts of ``prompt_tokens`` (the training
+    records in order, ``shuffle_dataset=False``), ``group_size`` consecutive completions a
+    prompt (its repeat sampler); no forward besides the training one (``beta=0``, and
+    ``num_iterations=1`` reuses the training forward's logprobs as the old ones)."""
+    out = []
+    first = 0
+    for lengths in completion_tokens:
+        groups = [
+            Group(prompt_tokens[first + i], tuple(lengths[i * group_size : (i + 1) * group_size]))
+            for i in range(len(lengths) // group_size)
+        ]
+        first += len(groups)
+        out.append((groups, 0))
+    return out
+
+
+def floor_figures(
+    dims: Dims, steps: list[tuple[list[Group], int]], ends: list[float], peak: float
+) -> dict[str, Any]:
+    """Each step's FLOPs (its batch generated and trained: bench/flops.py), its compute
+    floor at ``peak`` FLOP/s, the seconds it took (``ends``: each step's end since launch,
+    so the first holds the start-up) and, over steps 2..N, the share of the floor reached
+    (the floors' sum over the seconds')."""
+    parts = [step_flops(dims, g, generate=True, extra_forwards=n) for g, n in steps[: len(ends)]]
+    floor = [p["total"] / peak for p in parts]
+    took = [b - a for a, b in zip([0.0, *ends], ends, strict=False)]
+    reached = sum(floor[1:]) / sum(took[1:]) if len(took) > 1 else float("nan")
+    return {
+        "dtype": DTYPE,
+        "peak_flops": peak,
+        "flops": [float(p["total"]) for p in parts],
+        "generate_flops": [float(p["generate"]) for p in parts],
+        "floor_s": floor,
+        "took_s": took,
+        "reached": reached,
+    }
+
+
+def floor_lines(result: dict[str, Any]) -> list[str]:
+    """A line per step, asyncrl and TRL side by side: TFLOP, floor, seconds taken and the
+    share of the floor reached; then steps 2..N over all."""
+    a, t = result["asyncrl"]["floor"], result["trl"]["floor"]
+    lines = [
+        f"compute floor: the step's FLOPs (its batch generated and trained) over the {a['dtype']}"
+        f" matmul peak, {a['peak_flops'] / 1e9:.1f} GFLOP/s (MLP shapes, {PEAK_ROWS} rows,"
+        f" {THREADS} threads)",
+        f"{'step':>4} | {'asyncrl TFLOP':>13} {'floor':>7} {'took':>7} {'reached':>7}"
+        f" | {'TRL TFLOP':>9} {'floor':>7} {'took':>7} {'reached':>7}",
+    ]
+    for i in range(max(len(a["flops"]), len(t["flops"]))):
+        cells = []
+        for f, width in ((a, 13), (t, 9)):
+            if i < len(f["flops"]):
+                cells.append(
+                    f"{f['flops'][i] / 1e12:{width}.2f} {f['floor_s'][i]:6.2f}s"
+                    f" {f['took_s'][i]:6.1f}s {f['floor_s'][i] / f['took_s'][i]:7.0%}"
+                )
+            else:
+                cells.append(" " * (width + 24))
+        note = "  (from launch)" if i == 0 else ""
+        lines.append(f"{i + 1:>4} | {cells[0]} | {cells[1]}{note}".rstrip())
+    lines.append(
+        "steps 2..N: "
+        + "; ".join(
+            f"{name} floor {sum(f['floor_s'][1:]) / max(1, len(f['floor_s']) - 1):.2f} s/step,"
+            f" reached {f['reached']:.0%}"
+            for name, f in (("asyncrl", a), ("TRL", t))
+        )
+    )
+    return lines
+
+
 # -- asyncrl ------------------------------------------------------------------------------------
 
 
@@ -285,6 +424,7 @@ def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
         "staleness_mean": [r.get("staleness_mean", 0.0) for r in rows],
         "own_eval": {int(e["version"]): e.get("eval/accuracy") for e in evals},
         "final_dir": str(run_dir / "checkpoints" / f"step_{args.steps:06d}" / "hf"),
+        "run_dir": str(run_dir),
     }
 
 
@@ -345,6 +485,9 @@ def run_trl(args: argparse.Namespace, recipe: Any, model_dir: str) -> dict[str, 
     out = json.loads((args.work / "trl" / "steps.json").read_text())
     times = [r["time"] for r in out["steps"]]
     samples = [spec["batch_prompts"] * spec["group_size"]] * len(times)
+    completion_tokens = out.get("completion_tokens") or [
+        [round(r.get("length", 0.0))] * samples[0] for r in out["steps"]
+    ]  # a worker whose TRL passed no completion_ids: each step's mean length
     return {
         "wall_s": wall,
         **steady(times, samples),
@@ -353,7 +496,25 @@ def run_trl(args: argparse.Namespace, recipe: Any, model_dir: str) -> dict[str, 
         "samples": samples,
         "versions": out["versions"],
         "final_dir": str(args.work / "trl" / "final"),
+        "prompt_tokens": trl_prompt_tokens(model_dir, spec["train"]),
+        "completion_tokens": completion_tokens,
     }
+
+
+def trl_prompt_tokens(model_dir: str, records: list[dict[str, Any]]) -> list[int]:
+    """The token count of each record's prompt as TRL builds it: one user turn, the
+    tokenizer's chat template with the generation prompt, tokenized without special
+    tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    counts = []
+    for r in records:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        counts.append(len(tok(text, add_special_tokens=False)["input_ids"]))
+    return counts
 
 
 def load_math_reward(src: Path) -> Any:
@@ -385,6 +546,7 @@ def trl_worker(spec_path: Path) -> None:
 
     out = Path(spec["out_dir"])
     steps: list[dict[str, float]] = []
+    completion_tokens: list[list[int]] = []  # per reward call: one a step (see below)
 
     class Clock(transformers.TrainerCallback):
         """The wall time at the end of every optimizer step, and its logged reward (TRL
@@ -399,6 +561,10 @@ def trl_worker(spec_path: Path) -> None:
                 steps[-1]["length"] = float(logs.get("completions/mean_length", 0.0))
 
     def reward(completions: list[Any], answer: list[str], **kw: Any) -> list[float]:
+        # called once per generation, which is once per step (gradient_accumulation_steps
+        # = num_iterations = 1): the step's completion lengths, for the compute floor
+        if kw.get("completion_ids") is not None:
+            completion_tokens.append([len(ids) for ids in kw["completion_ids"]])
         return [
             math_reward(c[0]["content"], {"answer": a})
             for c, a in zip(completions, answer, strict=True)
@@ -459,7 +625,9 @@ def trl_worker(spec_path: Path) -> None:
     trainer.save_model(str(out / "final"))
     versions = {"torch": torch.__version__, "trl": trl.__version__}
     versions["transformers"] = transformers.__version__
-    (out / "steps.json").write_text(json.dumps({"steps": steps, "versions": versions}))
+    (out / "steps.json").write_text(
+        json.dumps({"steps": steps, "versions": versions, "completion_tokens": completion_tokens})
+    )
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -527,6 +695,10 @@ def bench_pair(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = resolve_model_path(recipe.model.path)
     heldout = load_eval_records(recipe)
     budget = recipe.rollout.sampling.max_new_tokens
+    from transformers import AutoConfig
+
+    dims = Dims.of(AutoConfig.from_pretrained(model_dir))
+    peak = measure_peak(dims)
     accuracy = {"before": greedy_accuracy(model_dir, heldout, budget)}
     print(
         f"  held-out greedy accuracy of the starting weights: {accuracy['before']:.3f}", flush=True
@@ -555,6 +727,18 @@ def bench_pair(args: argparse.Namespace) -> dict[str, Any]:
             f" load average {r['loadavg']['before'][0]:.1f} -> {r['loadavg']['after'][0]:.1f}",
             flush=True,
         )
+    # the peak again after both runs, keeping the better: the machine may be shared
+    peak = max(peak, measure_peak(dims))
+    trl = result["trl"]
+    steps = {
+        "asyncrl": asyncrl_steps(Path(result["asyncrl"]["run_dir"])),
+        "trl": trl_steps(trl["prompt_tokens"], trl["completion_tokens"], recipe.rollout.group_size),
+    }
+    for key in ("asyncrl", "trl"):
+        ends = result[key]["step_times"]
+        result[key]["floor"] = floor_figures(dims, steps[key], ends, peak)
+    for line in floor_lines(result):
+        print(f"    {line}")
     placement = args.work / args.run_name / "placement.json"
     result["asyncrl"]["placement"] = (
         json.loads(placement.read_text()) if placement.is_file() else None

@@ -373,3 +373,4 @@ async def test_an_episode_of_greedy_calls_stays_in_its_groups_baseline(tmp_path:
     assert (record["staleness_mean"], record["staleness_max"], record["staleness/2"]) == (2, 2, 1)
     lines = [json.loads(x) for x in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
     assert [x["staleness"] for x in lines] == [None, 2]
+    assert [x["tokens"] for x in lines] == [len(x.input_ids) for x in samples]

@@ -155,6 +155,7 @@ class StepRecords:
                 s = trained_at - t.head_version if t.head_version >= 0 else None
                 if s is not None:
                     staleness.append(s)
+                ids = t.input_ids.numpy()
                 response_tokens = int(t.loss_mask.numpy().sum())
                 n_tokens += response_tokens
                 line = {
@@ -167,7 +168,8 @@ class StepRecords:
                     "staleness": s,
                     "reward": t.reward,
                     "response_tokens": response_tokens,
-                    "tokens_sha1": token_digest(t.input_ids.numpy().tolist()),
+                    "tokens": int(ids.size),
+                    "tokens_sha1": token_digest(ids.tolist()),
                 }
                 f.write(json.dumps(line) + "\n")
         self._samples_total += len(samples)

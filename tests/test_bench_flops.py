@@ -1,0 +1,200 @@
+"""bench/flops.py's FLOP count against hand computations on a tiny shape, against the
+model's own weights and a brute-force attention count, and the floor's arithmetic. No
+timing is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def load(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # the bench scripts import each other, as run from bench/
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while decorating
+    spec.loader.exec_module(module)
+    return module
+
+
+flops = load("flops")
+# d 8, f 16, 2 layers, 2 query heads and 1 key/value head of 4, vocabulary 10
+DIMS = flops.Dims(hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=10)
+
+
+def test_per_token_terms_by_hand() -> None:
+    # 2·ℓ·(d·h·e + 2·d·k·e + h·e·d + 3·d·f) = 4·(64 + 64 + 64 + 384)
+    assert DIMS.linear_per_token == 2304
+    assert DIMS.head_per_token == 2 * 8 * 10
+    # 4·ℓ·h·e = 64 per key attended; positions 0, 1, 2 attend to 1 + 2 + 3 keys
+    assert DIMS.attention(0, 3) == 64 * 6
+    assert DIMS.attention(3, 5) == 64 * (4 + 5)
+    assert DIMS.attention(4, 4) == 0
+
+
+def test_attention_matches_a_brute_force_count() -> None:
+    for start, end in [(0, 1), (0, 17), (5, 9), (30, 64)]:
+        brute = sum(
+            2 * 2 * DIMS.layers * DIMS.heads * DIMS.head_dim * (i + 1) for i in range(start, end)
+        )
+        assert DIMS.attention(start, end) == brute
+    # a whole sequence of L tokens: 2·ℓ·h·e·L·(L + 1)
+    assert DIMS.attention(0, 50) == 2 * 2 * 2 * 4 * 50 * 51
+
+
+def test_step_of_one_group_by_hand() -> None:
+    group = flops.Group(prompt=3, completions=(2, 1))
+    prompt = 2304 * 3 + 64 * (1 + 2 + 3)  # 7296
+    first = 2304 * 2 + 64 * (4 + 5) + 160 * 2  # 5504
+    second = 2304 * 1 + 64 * 4 + 160 * 1  # 2720
+    forward = prompt + first + second
+    assert flops.forward_flops(DIMS, [group]) == forward == 15520
+    # generation: the prompt prefilled once; completion positions but the last fed back
+    generate = prompt + (2304 + 64 * 4 + 160 * 2) + 160
+    assert flops.generation_flops(DIMS, [group]) == generate == 10336
+    parts = flops.step_flops(DIMS, [group], generate=True, extra_forwards=1)
+    assert parts == {
+        "train": 3 * forward,
+        "forwards": forward,
+        "generate": generate,
+        "total": 3 * forward + forward + generate,
+    }
+    assert flops.step_flops(DIMS, [group])["total"] == 3 * forward
+
+
+def test_shared_prompt_counted_once_and_unscored_tokens_skip_the_head() -> None:
+    shared = flops.forward_flops(DIMS, [flops.Group(3, (2, 1))])
+    apart = flops.forward_flops(DIMS, [flops.Group(3, (2,)), flops.Group(3, (1,))])
+    assert apart - shared == 2304 * 3 + 64 * 6  # the second copy of the prompt
+    # a group of one sharing nothing is a plain sequence: prompt 0 gives the same count
+    assert flops.forward_flops(DIMS, [flops.Group(3, (2,), (2,))]) == flops.forward_flops(
+        DIMS, [flops.Group(0, (5,), (2,))]
+    )
+    # tool output inside a completion: computed, not scored
+    assert (
+        flops.forward_flops(DIMS, [flops.Group(3, (4,), (1,))])
+        == 2304 * 7 + 64 * sum(range(1, 8)) + 160
+    )
+
+
+def test_dims_of_a_model_count_its_linear_weights() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    dims = flops.Dims.of(config)
+    body = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.startswith("model.layers.")
+    )
+    assert dims.linear_per_token == 2 * body  # a multiply-add per weight and token
+    assert dims.head_per_token == 2 * model.lm_head.weight.numel()
+
+
+def test_floor_and_share() -> None:
+    assert flops.floor_columns(6e9, 3e9, 4.0) == "floor 2.00 s (50% reached)"
+    shapes = flops.matmul_shapes(DIMS, 64)
+    assert shapes == [(64, 8, 16), (64, 16, 8)]
+    peak = flops.matmul_peak(torch.float32, shapes, reps=2, min_s=0.01)
+    assert peak > 0 and peak != float("inf")
+
+
+def test_trainer_bench_groups_its_batch() -> None:
+    from asyncrl.train.batch import Sample
+
+    trainer = load("trainer")
+
+    def sample(ids: list[int], prompt: int, group: int | None) -> Sample:
+        mask = torch.arange(len(ids)) >= prompt
+        return Sample(torch.tensor(ids), mask, torch.zeros(len(ids)), 1.0, group=group)
+
+    batch = [
+        sample([1, 2, 3, 4, 5], 3, 0),
+        sample([1, 2, 3, 4, 6, 7], 3, 0),  # its first answer token is the other's: not shared
+        sample([9, 8, 7, 6], 2, None),
+    ]
+    assert trainer.sample_groups(batch) == [
+        flops.Group(3, (2, 3), (2, 3)),
+        flops.Group(2, (2,), (2,)),
+    ]
+
+
+def test_vs_trl_floors_from_each_systems_records(tmp_path: Path) -> None:
+    vs_trl = load("vs_trl")
+    samples = [
+        {"step": 1, "prompt_uid": "a", "tokens": 5, "response_tokens": 2},
+        {"step": 1, "prompt_uid": "b", "tokens": 4, "response_tokens": 2},
+        {"step": 1, "prompt_uid": "a", "tokens": 6, "response_tokens": 3},
+        {"step": 2, "prompt_uid": "c", "tokens": 7, "response_tokens": 1},
+    ]
+    metrics = [{"step": 1, "train/time/proximal_s": 0.5}, {"step": 2}]
+    for name, rows in (("trained_samples", samples), ("metrics", metrics)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    asyncrl = vs_trl.asyncrl_steps(tmp_path)
+    assert asyncrl == [
+        ([flops.Group(3, (2, 3), (2, 3)), flops.Group(2, (2,), (2,))], 1),
+        ([flops.Group(6, (1,), (1,))], 0),
+    ]
+    trl = vs_trl.trl_steps([3, 2, 7], [[2, 3, 2, 1], [4, 4]], group_size=2)
+    assert trl == [
+        ([flops.Group(3, (2, 3)), flops.Group(2, (2, 1))], 0),
+        ([flops.Group(7, (4, 4))], 0),
+    ]
+    peak = 1e4
+    figures = vs_trl.floor_figures(DIMS, asyncrl, [30.0, 32.0], peak)
+    totals = [
+        flops.step_flops(DIMS, g, generate=True, extra_forwards=n)["total"] for g, n in asyncrl
+    ]
+    assert figures["flops"] == totals
+    assert figures["floor_s"] == [t / peak for t in totals]
+    assert figures["took_s"] == [30.0, 2.0]  # the first step from launch
+    assert figures["reached"] == pytest.approx(totals[1] / peak / 2.0)
+    lines = vs_trl.floor_lines(
+        {
+            "asyncrl": {"floor": figures},
+            "trl": {"floor": vs_trl.floor_figures(DIMS, trl, [9.0, 12.0], peak)},
+        }
+    )
+    assert len(lines) == 2 + 2 + 1 and lines[-1].startswith("steps 2..N: asyncrl floor")
+
+
+def test_profile_ops_sorted_into_time_sinks() -> None:
+    kinds = {
+        op: flops.time_sink(op)
+        for op in [
+            "aten::mm",
+            "aten::addmm_",
+            "aten::linear",
+            "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+            "aten::mul",
+            "aten::_log_softmax",
+            "aten::view",
+            "aten::_foreach_add_",
+            "optimizer::aten::mul",
+        ]
+    }
+    assert kinds == {
+        "aten::mm": "matmul",
+        "aten::addmm_": "matmul",
+        "aten::linear": "matmul",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention",
+        "aten::mul": "elementwise",
+        "aten::_log_softmax": "elementwise",
+        "aten::view": "views",
+        "aten::_foreach_add_": "optimizer",
+        "optimizer::aten::mul": "optimizer",
+    }
+    ops = [("aten::mm", 2.0), ("aten::add", 0.5), ("MulBackward0", 0.25), ("aten::mm", 1.0)]
+    assert flops.time_sinks(ops, 4.0) == {"matmul": 3.0, "elementwise": 0.5, "other": 0.5}
