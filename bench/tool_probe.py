@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import re
 import statistics
 import time
@@ -88,6 +89,7 @@ async def probe(
     max_turns: int,
     max_total_tokens: int,
     show: int,
+    listing: str = "template",
 ) -> dict[str, float]:
     wf = AgentWorkflow(
         engine.tokenizer,
@@ -98,7 +100,10 @@ async def probe(
         max_turns=max_turns,
         max_total_tokens=max_total_tokens,
         system_prompt=system,
+        tool_listing=listing,
     )
+    start = await wf.env_factory().reset(records[0])
+    prompt_tokens = len(wf.chat.prompt_ids(start.messages, start.tools, listing))
     t0 = time.perf_counter()
     groups = await asyncio.gather(
         *(wf.arun_episode(engine, {"uid": f"p{i}", **r}) for i, r in enumerate(records))
@@ -126,6 +131,7 @@ async def probe(
         print(f"== reward {t.reward} info {t.reward_info}")
     return {
         "episodes": float(len(trajs)),
+        "prompt_tokens": float(prompt_tokens),
         "tried": first_call / n,
         "call": any_call / n,
         "success": ok / calls if calls else 0.0,
@@ -179,6 +185,13 @@ def main() -> None:
     )
     ap.add_argument("--show", type=int, default=0, help="print the first N episodes whole")
     ap.add_argument("--show-prompt", action="store_true", help="print what the model sees")
+    ap.add_argument(
+        "--tool-listing",
+        nargs="+",
+        choices=["template", "compact"],
+        default=["template"],
+        help="how the tools are shown (rollout.agent.tool_listing); several: each in turn",
+    )
     args = ap.parse_args()
 
     import torch
@@ -222,7 +235,7 @@ def main() -> None:
         async with HFEngine(
             resolve_model_path(args.model), HFEngineConfig(max_batch_size=64)
         ) as engine:
-            for name, system in systems.items():
+            for (name, system), listing in itertools.product(systems.items(), args.tool_listing):
                 if args.show_prompt:
                     wf = AgentWorkflow(
                         engine.tokenizer,
@@ -230,10 +243,11 @@ def main() -> None:
                         reward=MathScorer(),
                         tools=["calculator"],
                         system_prompt=system,
+                        tool_listing=listing,
                     )
                     env = wf.env_factory()
                     start = await env.reset(records[0])
-                    ids = wf.chat.prompt_ids(start.messages, start.tools)
+                    ids = wf.chat.prompt_ids(start.messages, start.tools, listing)
                     print(f"== prompt ({len(ids)} tokens):\n{engine.tokenizer.decode(ids)}")
                 stats = await probe(
                     engine,
@@ -244,11 +258,12 @@ def main() -> None:
                     settings["max_turns"],
                     settings["max_total_tokens"],
                     args.show,
+                    listing,
                 )
                 line = " ".join(f"{k}={v:.3g}" for k, v in stats.items())
                 print(
-                    f"[{name}] T={settings['temperature']} budget={settings['max_new_tokens']} "
-                    f"digits={settings['digits']} {line}",
+                    f"[{name}, {listing} listing] T={settings['temperature']} "
+                    f"budget={settings['max_new_tokens']} digits={settings['digits']} {line}",
                     flush=True,
                 )
 

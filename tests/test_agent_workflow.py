@@ -21,7 +21,7 @@ from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.observe.records import agent_metrics
 from asyncrl.tools.base import function_tool
 from asyncrl.tools.builtin import calculator_tool
-from asyncrl.tools.calls import tools_system_text
+from asyncrl.tools.calls import compact_tools_text, tools_system_text
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.messages import Trajectory
 from asyncrl.workflows.agent import AgentWorkflow, ChatFormat
@@ -242,3 +242,47 @@ async def test_the_recipe_name_agent_builds_it_with_the_builtin_tools(tokenizer:
     assert '"name": "calculator"' in prompt and '"name": "python"' in prompt
     with pytest.raises(ValueError, match="unknown built-in tool 'shell'"):
         AgentWorkflow(tokenizer, SP, reward=ExactAnswer(), tools=["shell"])
+
+
+def test_the_compact_listing_is_a_line_a_tool_and_one_example_call() -> None:
+    schemas = [calculator_tool().schema(), function_tool(lambda: "x", name="now").schema()]
+    assert compact_tools_text(schemas) == (
+        "Tools:\n"
+        "- calculator(expression: string): Evaluates an arithmetic expression and returns "
+        "its value.\n"
+        "- now()\n"
+        'Call a tool like this: <tool_call>{"name": "calculator", "arguments": '
+        '{"expression": "..."}}</tool_call>'
+    )
+
+
+async def test_a_compact_listing_replaces_the_templates_own(tokenizer: Any) -> None:
+    wrapped = ToolsTemplate(tokenizer)  # a template that renders tools= itself
+    engine = scripted(tokenizer, [CALL, "561741"])
+    wf = workflow_from(
+        "agent",
+        'rollout.agent.tools=["calculator"]',
+        'rollout.agent.tool_listing="compact"',
+        tokenizer=wrapped,
+        sampling=SP,
+        reward=ExactAnswer(),
+        group_size=1,
+    )
+    [traj] = await wf.arun_episode(engine, RECORD)  # type: ignore[misc]
+    system = compact_tools_text([calculator_tool().schema()])
+    prompt = enc(
+        tokenizer,
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": RECORD["prompt"]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        ),
+    )
+    assert traj.input_ids.tolist()[: len(prompt)] == prompt  # no "TOOLS [...]" block
+    assert traj.reward == 1.0 and traj.reward_info["tool_success"] == 1
+    template = ChatFormat(wrapped).prompt_ids(
+        [{"role": "user", "content": "q"}], [calculator_tool()]
+    )
+    assert tokenizer.decode(template).startswith("TOOLS [")  # the default stays the template's
+    with pytest.raises(ValueError, match="tool_listing 'short'"):
+        AgentWorkflow(tokenizer, SP, reward=ExactAnswer(), tool_listing="short")

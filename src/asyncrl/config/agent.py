@@ -4,7 +4,7 @@ here once, for the workflow's check and for its build alike."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -50,6 +50,13 @@ class AgentConfig(Section):
     system_prompt: str = ""
     """A system message before each record's chat (the tools are listed after it); a
     worked example of a tool call here helps a small model find the format. Empty: none."""
+    tool_listing: Literal["template", "compact"] = "template"
+    """How the tools are shown to the model. ``template``: as the chat template renders
+    ``tools=`` (the schemas in full, in the template's own words; SmolLM2's listing of the
+    calculator is about 190 tokens), or in the system message where the template renders
+    none. ``compact``: a line a tool in the system message, ``name(arg: type): what it
+    does``, and one example call (about 60 tokens for the calculator), for every token of
+    the prompt is computed in every sample and every turn."""
     env: str = ""
     """``path/to/file.py:factory`` / ``module:factory``: a function of no arguments that
     returns a fresh :class:`asyncrl.workflows.tool_env.Environment` per sample. It replaces

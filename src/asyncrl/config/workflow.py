@@ -208,6 +208,7 @@ class AgentWorkflowConfig(WorkflowConfigBase):
             max_total_tokens=a.max_total_tokens,
             tool_parser=a.parser,
             system_prompt=a.system_prompt or None,
+            tool_listing=a.tool_listing,
             **options,
         )
 

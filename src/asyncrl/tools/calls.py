@@ -108,6 +108,30 @@ def get_parser(name: str) -> Parser:
         raise ValueError(f"unknown tool-call parser {name!r}: known {sorted(PARSERS)}") from None
 
 
+def compact_tools_text(schemas: Sequence[dict[str, Any]]) -> str:
+    """The tools in a few tokens (``rollout.agent.tool_listing = "compact"``): a line a
+    tool, ``- name(arg: type, ...): description`` (its arguments' own descriptions left
+    out), then one call of the first tool in the Hermes format, its first argument as
+    ``...``::
+
+        Tools:
+        - calculator(expression: string): Evaluates an arithmetic expression and returns its value.
+        Call a tool like this: <tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call>
+    """
+    lines = ["Tools:"]
+    for schema in schemas:
+        fn = schema["function"]
+        props = fn.get("parameters", {}).get("properties", {})
+        args = ", ".join(f"{name}: {p.get('type', 'any')}" for name, p in props.items())
+        about = f": {fn['description']}" if fn.get("description") else ""
+        lines.append(f"- {fn['name']}({args}){about}")
+    first = schemas[0]["function"]
+    names = list(first.get("parameters", {}).get("properties", {}))
+    example = {"name": first["name"], "arguments": {names[0]: "..."} if names else {}}
+    lines.append(f"Call a tool like this: <tool_call>{json.dumps(example)}</tool_call>")
+    return "\n".join(lines)
+
+
 def tools_system_text(schemas: Sequence[dict[str, Any]]) -> str:
     """How to call the tools, for a chat template that does not render ``tools`` itself:
     the OpenAI function schemas inside ``<tools>`` and the Hermes call format."""

@@ -14,7 +14,8 @@ and weight updates.
 How the chat template is used (probed once, see :class:`ChatFormat`):
 
 - tools are shown through the template's ``tools=`` when it renders them, else as
-  :func:`~asyncrl.tools.calls.tools_system_text` in the system message;
+  :func:`~asyncrl.tools.calls.tools_system_text` in the system message; with
+  ``tool_listing="compact"``, as :func:`~asyncrl.tools.calls.compact_tools_text` there;
 - tool results are messages in the ``tool`` role when the template renders that role,
   else one user turn of ``<tool_response>`` blocks.
 
@@ -34,7 +35,7 @@ from asyncrl.api.inference import GenerateRequest, InferenceEngine, SamplingPara
 from asyncrl.api.workflow import RolloutWorkflow, Scorer
 from asyncrl.tools.base import Tool
 from asyncrl.tools.builtin import BUILTIN_TOOLS
-from asyncrl.tools.calls import get_parser, tools_system_text
+from asyncrl.tools.calls import compact_tools_text, get_parser, tools_system_text
 from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.base import (
     TokenTrace,
@@ -55,6 +56,9 @@ PROBE_TOOL = {
     },
 }
 PROBE_RESULT = "PROBE_RESULT_2718"
+
+TOOL_LISTINGS = ("template", "compact")
+"""How the tools are shown (``rollout.agent.tool_listing``; see :meth:`ChatFormat.prompt_ids`)."""
 
 
 class ChatFormat:
@@ -93,15 +97,22 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return encode_text(self.tokenizer, text)
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: Sequence[Tool]) -> list[int]:
-        """The first messages with the tools shown, ready for the first reply."""
+    def prompt_ids(
+        self, messages: list[dict[str, Any]], tools: Sequence[Tool], listing: str = "template"
+    ) -> list[int]:
+        """The first messages with the tools shown, ready for the first reply: through the
+        template's ``tools=`` where it renders them and ``listing`` is ``"template"``,
+        else in the system message (:func:`~asyncrl.tools.calls.compact_tools_text` for
+        ``"compact"``, the schemas in full otherwise)."""
         schemas = [t.schema() for t in tools]
-        if schemas and self.renders_tools:
+        if schemas and self.renders_tools and listing == "template":
             text = self._render(messages, tools=schemas, add_generation_prompt=True)
             return self.encode(text)
         messages = [dict(m) for m in messages]
         if schemas:
-            listing = tools_system_text(schemas)
+            listing = (
+                compact_tools_text(schemas) if listing == "compact" else tools_system_text(schemas)
+            )
             if messages and messages[0].get("role") == "system":
                 messages[0]["content"] = f"{messages[0]['content']}\n\n{listing}"
             else:
@@ -151,7 +162,10 @@ class AgentWorkflow(RolloutWorkflow):
         max_total_tokens: int = 4096,
         tool_parser: str = "hermes",
         system_prompt: str | None = None,
+        tool_listing: str = "template",
     ) -> None:
+        if tool_listing not in TOOL_LISTINGS:
+            raise ValueError(f"tool_listing {tool_listing!r}: one of {TOOL_LISTINGS}")
         if max_turns < 1 or group_size < 1 or max_total_tokens < 1:
             raise ValueError("max_turns, group_size and max_total_tokens must be >= 1")
         if env_factory is None:
@@ -174,6 +188,7 @@ class AgentWorkflow(RolloutWorkflow):
         self.max_total_tokens = max_total_tokens
         self.parse = get_parser(tool_parser)
         self.chat = ChatFormat(tokenizer)
+        self.tool_listing = tool_listing
 
     async def arun_episode(
         self, engine: InferenceEngine, item: dict[str, Any] | Prompt
@@ -194,7 +209,7 @@ class AgentWorkflow(RolloutWorkflow):
         env: Environment = self.env_factory()
         start = await env.reset(record)
         trace = TokenTrace()
-        trace.add_context(self.chat.prompt_ids(start.messages, start.tools))
+        trace.add_context(self.chat.prompt_ids(start.messages, start.tools, self.tool_listing))
         seed = sample_seed(self.sampling.seed, uid, index)
         counts: Counter[str] = Counter()
         errors: Counter[str] = Counter()
