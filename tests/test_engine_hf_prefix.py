@@ -90,6 +90,10 @@ async def test_a_continued_prompt_prefills_only_its_tail_and_matches_a_cold_engi
     hit = kept(first, new)
     assert warm.stats.prefix_cache_hit_tokens == hit
     assert warm.stats.prefill_tokens - prefilled == len(second) - hit
+    # what the rollout actor publishes as engine/... metrics
+    published = warm.metrics()
+    assert published["prefix_cache_hit_tokens"] == hit
+    assert published["prefill_tokens"] == warm.stats.prefill_tokens
     assert_same(a2, b2)
     torch.testing.assert_close(
         torch.tensor(a2.output_logprobs),

@@ -378,13 +378,16 @@ class RolloutActor(Actor):
             )
 
     def _rates(self) -> dict[str, float]:
-        """Counters and rates; ``idle_s`` is the time with no episode running since the
-        actor began to lease (waiting on the staleness budget or for new weights), out of
-        ``run_s``. A pause to load weights does not count: its episodes are still running."""
+        """Counters and rates, with the engine's own counters (``engine/...``: the hf
+        engine's prompt tokens computed and taken from its prefix cache, say); ``idle_s``
+        is the time with no episode running since the actor began to lease (waiting on the
+        staleness budget or for new weights), out of ``run_s``. A pause to load weights
+        does not count: its episodes are still running."""
         values = {
             "version": float(self._engine.version),
             **{k: float(v) for k, v in self.counters.items()},
             "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
+            **{f"engine/{k}": v for k, v in self._engine.metrics().items()},
         }
         if self._runner is not None:
             values["idle_s"] = self._runner.idle_s

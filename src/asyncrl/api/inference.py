@@ -284,6 +284,11 @@ class InferenceEngine(ABC):
         await self._continue()
         self._resumed.set()
 
+    def metrics(self) -> dict[str, float]:
+        """Counters of the engine's own work, published with its actor's metrics as
+        ``engine/<name>`` (totals since the engine started); none by default."""
+        return {}
+
     @property
     def released(self) -> bool:
         """Whether :meth:`release_memory` freed the engine's memory (until it is taken back)."""

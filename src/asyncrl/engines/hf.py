@@ -107,6 +107,16 @@ class EngineStats:
     def max_decode_batch(self) -> int:
         return max(self.decode_batch_sizes, default=0)
 
+    def totals(self) -> dict[str, float]:
+        """The counters as the rollout actor's ``engine/...`` metrics."""
+        return {
+            "generated_tokens": float(self.generated_tokens),
+            "prefill_tokens": float(self.prefill_tokens),
+            "prefix_cache_hit_tokens": float(self.prefix_cache_hit_tokens),
+            "prefix_cache_bytes": float(self.prefix_cache_bytes),
+            "decode_steps": float(self.steps),
+        }
+
 
 class _MergedAdapter(list[tuple[str, torch.Tensor]]):
     """The weights of the layers an adapter adapts (and of those an earlier one adapted,
@@ -182,6 +192,9 @@ class HFEngine(InferenceEngine):
         loaded model's directory); None once an in-memory full update replaced them."""
 
     # --- lifecycle --------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        return self.stats.totals()
 
     @property
     def tokenizer(self) -> Any:
