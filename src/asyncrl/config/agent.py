@@ -53,7 +53,7 @@ class AgentConfig(Section):
     tool_listing: Literal["template", "compact"] = "template"
     """How the tools are shown to the model. ``template``: as the chat template renders
     ``tools=`` (the schemas in full, in the template's own words; SmolLM2's listing of the
-    calculator is about 190 tokens), or in the system message where the template renders
+    calculator is 175 tokens), or in the system message where the template renders
     none. ``compact``: a line a tool in the system message, ``name(arg: type): what it
     does``, and one example call (37 tokens for the calculator). Every prompt token is
     computed in every sample; but on the tools recipe the base model called the calculator
