@@ -184,3 +184,22 @@ def test_jsonl_records_name_image_files_beside_them(tmp_path: Path):
     path.write_text(json.dumps({"question": "q", "answer": "1", "image": 7}) + "\n")
     with pytest.raises(ValueError, match=r"row 1: 'image' \(the recipe's image_key\) must name"):
         load_records(JsonlData(path=str(path)))
+
+
+def test_the_docs_image_is_the_one_the_generator_draws(tmp_path: Path):
+    """docs/vision.md and the README show image 1 of seed 1 at 160 pixels with 5 to 7
+    shapes, and its questions; they stay true to the generator."""
+    settings = ShapesSettings(image_size=160, min_shapes=5, max_shapes=7)
+    docs = Path(__file__).resolve().parents[1] / "docs" / "shapes.png"
+    asked = {}
+    for kind in ("color", "kind", "color_kind", "total"):
+        rec = shapes_records(2, seed=1, settings=settings, questions=[kind], cache_dir=tmp_path)[1]
+        asked[rec["question"]] = rec["answer"]
+    assert asked == {
+        "How many red shapes are there?": "3",
+        "How many circles are there?": "2",
+        "How many red circles are there?": "1",
+        "How many shapes are there?": "5",
+    }
+    drawn = np.asarray(render_scene(draw_scene(settings, 1, 1), 160))
+    assert (np.asarray(Image.open(docs).convert("RGB")) == drawn).all()

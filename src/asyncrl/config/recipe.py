@@ -298,7 +298,7 @@ class JsonlData(Section):
     image_key: str | None = "image"
     """Field naming a record's image file (a path relative to the JSONL file's folder, or
     absolute); every file named must exist. Records without the field are text-only;
-    None ignores images."""
+    empty (or None) reads no images."""
 
 
 class HFData(Section):
