@@ -18,7 +18,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from asyncrl.api.inference import SamplingParams
 from asyncrl.config.agent import AgentConfig
@@ -31,6 +38,7 @@ from asyncrl.config.workflow import (
     workflow_shorthand,
 )
 from asyncrl.data.gsm8k import BOXED_INSTRUCTION
+from asyncrl.data.shapes import COLORS, KINDS, QUESTIONS, SHAPES_INSTRUCTION
 from asyncrl.endpoint.requests import SamplingMode
 
 # The sections of other components are theirs: each class is the config its component
@@ -215,6 +223,69 @@ class ProductsData(Section):
     answer); needs a chat template that renders the ``tool`` role."""
 
 
+def _names_among(names: list[str], allowed: tuple[str, ...]) -> list[str]:
+    if not names:
+        raise ValueError(f"empty: give some of {', '.join(allowed)}")
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(f"{unknown} not among {', '.join(allowed)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{names} repeats a name")
+    return names
+
+
+class ShapesData(Section):
+    type: Literal["shapes"] = "shapes"
+    """Synthetic offline images of coloured circles, squares and triangles, each with a
+    counting question (``How many red shapes are there?``) whose answer is an integer.
+    Records carry the image as a file path (``image``), rendered once into ``cache_dir``."""
+    size: int = Field(2000, ge=1)
+    """Number of generated questions."""
+    image_size: int = Field(128, ge=32, le=1024)
+    """Side of the square images, in pixels."""
+    min_shapes: int = Field(1, ge=1)
+    """Fewest shapes in an image."""
+    max_shapes: int = Field(6, ge=1)
+    """Most shapes in an image (they must fit without overlap: about 10 at 128 pixels)."""
+    colors: list[str] = Field(default_factory=lambda: ["red", "green", "blue", "yellow"])
+    """Colours to draw from, among red, green, blue, yellow, purple, orange, gray, cyan."""
+    kinds: list[str] = Field(default_factory=lambda: list(KINDS))
+    """Shapes to draw from, among circle, square, triangle."""
+    questions: list[str] = Field(default_factory=lambda: list(QUESTIONS))
+    """What questions count: ``color`` (red shapes), ``kind`` (triangles), ``color_kind``
+    (red triangles), ``total`` (all shapes)."""
+    questions_per_image: int = Field(1, ge=1)
+    """Consecutive records that ask about the same image."""
+    instruction: str = SHAPES_INSTRUCTION
+    """Appended to each question."""
+    cache_dir: str | None = None
+    """Folder the images are written to (one sub-folder per seed and drawing settings);
+    None: ``$ASYNCRL_CACHE/shapes``, else ``~/.cache/asyncrl/shapes``."""
+
+    @field_validator("colors")
+    @classmethod
+    def _known_colors(cls, v: list[str]) -> list[str]:
+        return _names_among(v, tuple(COLORS))
+
+    @field_validator("kinds")
+    @classmethod
+    def _known_kinds(cls, v: list[str]) -> list[str]:
+        return _names_among(v, KINDS)
+
+    @field_validator("questions")
+    @classmethod
+    def _known_questions(cls, v: list[str]) -> list[str]:
+        return _names_among(v, QUESTIONS)
+
+    @model_validator(mode="after")
+    def _shape_counts(self) -> ShapesData:
+        if self.min_shapes > self.max_shapes:
+            raise ValueError(
+                f"min_shapes ({self.min_shapes}) is above max_shapes ({self.max_shapes})"
+            )
+        return self
+
+
 class JsonlData(Section):
     type: Literal["jsonl"] = "jsonl"
     """Records from a local JSONL file (GSM8K format: question/answer)."""
@@ -224,6 +295,10 @@ class JsonlData(Section):
     """Field holding the question."""
     answer_key: str = "answer"
     """Field holding the reference answer."""
+    image_key: str | None = "image"
+    """Field naming a record's image file (a path relative to the JSONL file's folder, or
+    absolute); every file named must exist. Records without the field are text-only;
+    empty (or None) reads no images."""
 
 
 class HFData(Section):
@@ -242,7 +317,8 @@ class HFData(Section):
 
 
 DataConfig = Annotated[
-    ArithmeticData | ProductsData | JsonlData | HFData, Field(discriminator="type")
+    ArithmeticData | ProductsData | ShapesData | JsonlData | HFData,
+    Field(discriminator="type"),
 ]
 
 
@@ -731,7 +807,7 @@ def _check_paths(recipe: Recipe) -> None:
     if (
         recipe.eval.every
         and recipe.eval.data is None
-        and isinstance(recipe.data, ArithmeticData | ProductsData)
+        and isinstance(recipe.data, ArithmeticData | ProductsData | ShapesData)
         and recipe.data.size <= recipe.eval.max_prompts
     ):
         problems.append(

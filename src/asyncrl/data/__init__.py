@@ -1,5 +1,5 @@
-"""Prompt data: loaders (JSONL, HF datasets), GSM8K formatting, the synthetic arithmetic
-and products tasks, and deterministic shuffling/sharding with a resumable position."""
+"""Prompt data: loaders (JSONL, HF datasets), GSM8K formatting, the synthetic arithmetic,
+products and shapes (image counting) tasks, and deterministic shuffling/sharding with a resumable position."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from asyncrl.data.loaders import (
     missing_fields,
     read_hf_dataset,
     read_jsonl,
+    resolve_images,
     to_prompt_records,
 )
 from asyncrl.data.sampler import ShardSampler, epoch_permutation
+from asyncrl.data.shapes import ShapesSettings, shapes_records
 from asyncrl.data.sources import load_records
 from asyncrl.data.splits import held_out_indices, load_eval_records, load_prompt_records
 from asyncrl.data.synthetic import arithmetic_records, products_records
@@ -25,6 +27,7 @@ __all__ = [
     "BOXED_INSTRUCTION",
     "MissingFieldError",
     "Record",
+    "ShapesSettings",
     "ShardSampler",
     "arithmetic_records",
     "epoch_permutation",
@@ -38,5 +41,7 @@ __all__ = [
     "products_records",
     "read_hf_dataset",
     "read_jsonl",
+    "resolve_images",
+    "shapes_records",
     "to_prompt_records",
 ]

@@ -105,3 +105,27 @@ def to_prompt_records(
             }
         )
     return out
+
+
+def resolve_images(rows: Iterable[Record], base: Path, image_key: str, source: str) -> None:
+    """Makes the image file each row names under ``image_key`` (a path relative to
+    ``base``, the JSONL file's folder, or absolute) an absolute path, in place; rows
+    without the key stay text-only. A file that does not exist raises
+    ``FileNotFoundError`` naming ``source``, the row and the key: a missing image would
+    otherwise surface only when a rollout actor opens it, mid-run."""
+    for i, row in enumerate(rows, 1):
+        if row.get(image_key) is None:
+            continue
+        name = row[image_key]
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"{source}: row {i}: {image_key!r} (the recipe's image_key) must name an "
+                f"image file, got {name!r}"
+            )
+        path = (base / name).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{source}: row {i}: image {name!r} under {image_key!r} (the recipe's "
+                f"image_key) does not exist: {path}"
+            )
+        row[image_key] = str(path.resolve())

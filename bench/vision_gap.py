@@ -1,0 +1,83 @@
+"""How far a vision-language model's generation logprobs are from one forward's over
+prompt + completion, on shapes images (the tiny random models, fp32, transformers alone).
+
+    python bench/vision_gap.py                       # both tiny models, 8 images × 64 tokens
+    python bench/vision_gap.py --models tiny-random-qwen2-vl --prompts 32 --new 128
+
+Each model samples ``--new`` tokens (T = 1, image tokens suppressed) for ``--prompts``
+shapes questions; one forward over prompt + completion with the same image inputs
+(:func:`asyncrl.models.vision.scoring_inputs`) then scores the completion. Printed per
+model: the prompt lengths, the mean and maximum |generation − forward| over all sampled
+tokens. No engine or trainer takes part yet: this is the floor they are to meet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--models", nargs="+", default=["tiny-random-qwen2-vl", "tiny-random-idefics3"]
+    )
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new", type=int, default=64)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from asyncrl.data.shapes import shapes_records
+    from asyncrl.models.tiny_vlm import tiny_vlm_dir
+    from asyncrl.models.vision import (
+        VisionProcessor,
+        open_image,
+        record_messages,
+        scoring_inputs,
+    )
+
+    root = Path(tempfile.mkdtemp(prefix="vision-gap-"))
+    records = shapes_records(args.prompts, seed=0, cache_dir=root / "shapes")
+    for name in args.models:
+        path = tiny_vlm_dir(name, root)
+        proc = VisionProcessor(path)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        gaps, lengths = [], []
+        start = time.perf_counter()
+        for i, rec in enumerate(records):
+            prompt = proc(record_messages(rec), [open_image(rec["image"])])
+            torch.manual_seed(i)
+            with torch.no_grad():
+                out = model.generate(
+                    **prompt,
+                    max_new_tokens=args.new,
+                    min_new_tokens=args.new,
+                    do_sample=True,
+                    suppress_tokens=proc.placeholder_ids,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+            n = prompt["input_ids"].shape[1]
+            lengths.append(n)
+            completion = out.sequences[:, n:]
+
+            def logprobs(logits_BTV: torch.Tensor, ids: torch.Tensor = completion) -> torch.Tensor:
+                return torch.log_softmax(logits_BTV.float(), -1).gather(-1, ids[..., None])[..., 0]
+
+            sampled = logprobs(torch.stack(out.logits, dim=1))
+            with torch.no_grad():
+                logits = model(**scoring_inputs(prompt, completion, proc.image_token_id)).logits
+            gaps.append((sampled - logprobs(logits[:, n - 1 : -1])).abs().flatten())
+        gap = torch.cat(gaps)
+        print(
+            f"{name}: prompts of {min(lengths)}-{max(lengths)} tokens, {gap.numel()} sampled tokens, "
+            f"mean |gap| {gap.mean():.1e}, max {gap.max():.1e} ({time.perf_counter() - start:.1f} s)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Inputs of vision-language models: a chat with images as the model reads it, and the
+inputs that score a sampled completion again (the trainer's recomputed logprobs).
+
+What a forward pass needs besides ``input_ids`` and ``attention_mask``:
+
+- Qwen2-VL / Qwen2.5-VL: ``pixel_values`` (all images' patches, flattened: ``[Σ t·h·w,
+  3·temporal_patch·patch²]``), ``image_grid_thw`` (``[n_images, 3]``: patches in time,
+  height and width), and ``mm_token_type_ids`` (1 on ``<|image_pad|>`` tokens, else 0),
+  from which the model computes its 3-D rotary positions (:func:`mrope_position_ids`).
+  Each image holds ``t·h·w / merge²`` pad tokens.
+- Idefics3: ``pixel_values`` (``[batch, n_images, 3, H, W]``) and
+  ``pixel_attention_mask`` (``[batch, n_images, H, W]``); its positions are plain 1-D.
+
+The placeholder tokens are the processor's to place: a completion that samples one
+breaks the count of image tokens against image features, so engines must never sample
+them (:attr:`VisionProcessor.placeholder_ids`).
+
+Qwen2-VL's inputs are built here from its tokenizer and PIL image processor, exactly as
+its ``Qwen2VLProcessor`` does: transformers cannot build that class without torchvision
+(its video processor needs it), which does not load beside this project's CPU torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from PIL import Image
+
+from asyncrl.models.tiny_vlm import IDEFICS3_TOKENS, QWEN2_VL_TOKENS
+
+if TYPE_CHECKING:
+    import torch
+
+QWEN_FAMILY = ("qwen2_vl", "qwen2_5_vl")
+IDEFICS_FAMILY = ("idefics3",)
+
+
+def record_messages(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A prompt record with an ``image`` (a path) as one user turn: the image, then the
+    prompt text."""
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": str(record["prompt"])}],
+        }
+    ]
+
+
+def open_image(path: str | Path) -> Image.Image:
+    """An image file as RGB (a processor normalises three channels)."""
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+class VisionProcessor:
+    """Turns a chat with images into one model's inputs (a batch of one), built from the
+    processor files of the model directory ``path``."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer  # noqa: PLC0415 - heavy: only processes that feed a vision model need it
+
+        self.model_type: str = AutoConfig.from_pretrained(path).model_type
+        if self.model_type in QWEN_FAMILY:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.image_processor = AutoImageProcessor.from_pretrained(path)
+            self.processor = None
+            self.image_token = "<|image_pad|>"
+            names = QWEN2_VL_TOKENS
+        elif self.model_type in IDEFICS_FAMILY:
+            self.processor = AutoProcessor.from_pretrained(path)
+            self.tokenizer = self.processor.tokenizer
+            self.image_processor = self.processor.image_processor
+            self.image_token = "<image>"
+            names = IDEFICS3_TOKENS
+        else:
+            known = ", ".join(QWEN_FAMILY + IDEFICS_FAMILY)
+            raise ValueError(
+                f"model.path: {self.model_type!r} is not a vision model known here ({known})"
+            )
+        tokenizer: Any = self.tokenizer
+        self.image_token_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
+        self.placeholder_ids = [
+            int(i) for i in tokenizer.convert_tokens_to_ids(names) if i != tokenizer.unk_token_id
+        ]
+        """The image tokens: placed by the processor only, never to be sampled."""
+
+    def chat_text(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt as text, one placeholder per image, ready for generation."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return str(text)
+
+    def __call__(
+        self, messages: list[dict[str, Any]], images: Sequence[Image.Image]
+    ) -> dict[str, torch.Tensor]:
+        """The model's inputs for ``messages`` (with one ``{"type": "image"}`` part per
+        image of ``images``, in order) as tensors with a batch dimension of one."""
+        text = self.chat_text(messages)
+        if self.processor is not None:
+            inputs = self.processor(text=[text], images=[list(images)], return_tensors="pt")
+            return dict(inputs)
+        pixels = self.image_processor(images=list(images), return_tensors="pt")
+        merge = int(self.image_processor.merge_size) ** 2
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the chat has {len(pieces) - 1} images, but {len(images)} were given")
+        counts = [int(thw.prod()) // merge for thw in pixels["image_grid_thw"]]
+        expanded = pieces[0] + "".join(
+            self.image_token * n + piece for n, piece in zip(counts, pieces[1:], strict=True)
+        )
+        inputs = dict(self.tokenizer([expanded], return_tensors="pt"))
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.image_token_id).long()
+        return {**inputs, **dict(pixels)}
+
+
+def scoring_inputs(
+    prompt: dict[str, torch.Tensor], completion_ids: torch.Tensor, image_token_id: int
+) -> dict[str, torch.Tensor]:
+    """The inputs of one forward over prompt + completion (``completion_ids``: ``[1,
+    T_completion]``) that scores the completion: the prompt's image inputs unchanged,
+    ``mm_token_type_ids`` (where the model has them) extended with text zeros."""
+    import torch  # noqa: PLC0415 - heavy: only processes that run a vision model need it
+
+    input_ids = torch.cat([prompt["input_ids"], completion_ids], dim=1)
+    inputs = {**prompt, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    if "mm_token_type_ids" in prompt:
+        inputs["mm_token_type_ids"] = (input_ids == image_token_id).long()
+        if bool(inputs["mm_token_type_ids"][:, prompt["input_ids"].shape[1] :].any()):
+            raise ValueError("the completion holds image placeholder tokens")
+    return inputs
+
+
+def mrope_position_ids(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Qwen2-VL's rotary positions of ``inputs`` (a batch), ``[3, B, T]``: time, height and
+    width. Text tokens count up by one on all three; an image's tokens share the time
+    position and walk its grid; the text after it resumes past the grid's largest side.
+    Positions are a function of the sequence alone: a packed row takes each sequence's
+    own (:func:`packed_position_ids`)."""
+    position_ids, _ = model.model.get_rope_index(
+        inputs["input_ids"],
+        mm_token_type_ids=inputs["mm_token_type_ids"],
+        image_grid_thw=inputs.get("image_grid_thw"),
+        attention_mask=inputs.get("attention_mask"),
+    )
+    return position_ids
+
+
+def packed_position_ids(model: Any, samples: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Qwen2-VL's positions for ``samples`` (each a batch of one) packed into one row,
+    ``[4, 1, ΣT]``: each sequence's text positions (``0..T-1``) in front of its own
+    rotary ones. From the first row the model finds where sequences start and masks
+    attention to each; it does so only without an attention mask and without a KV cache,
+    so the packed forward takes ``use_cache=False`` and no ``attention_mask``. The other
+    inputs are concatenated: ``input_ids`` and ``mm_token_type_ids`` along the sequence,
+    ``pixel_values`` and ``image_grid_thw`` along their first dimension, in order."""
+    import torch  # noqa: PLC0415 - heavy: only processes that run a vision model need it
+
+    rows = []
+    for sample in samples:
+        length = sample["input_ids"].shape[1]
+        text = torch.arange(length).view(1, 1, length)
+        rows.append(torch.cat([text, mrope_position_ids(model, sample)], dim=0))
+    return torch.cat(rows, dim=2)
