@@ -172,18 +172,18 @@ def test_jsonl_records_name_image_files_beside_them(tmp_path: Path):
     ]
     path = tmp_path / "qa.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    recs = load_records(JsonlData(path=str(path)))
+    recs = load_records(JsonlData(path=str(path), image_key="image"))
     assert recs[0]["image"] == str((tmp_path / "imgs" / "a.png").resolve())
     assert "image" not in recs[1]
-    # image_key = None reads the field as plain data
-    assert load_records(JsonlData(path=str(path), image_key=None))[0]["image"] == "imgs/a.png"
+    # no image_key (the default) reads the field as plain data
+    assert load_records(JsonlData(path=str(path)))[0]["image"] == "imgs/a.png"
     rows.append({"question": "Gone", "answer": "0", "picture": "imgs/missing.png"})
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.raises(FileNotFoundError, match=r"row 3: image 'imgs/missing\.png' under "):
         load_records(JsonlData(path=str(path), image_key="picture"))
     path.write_text(json.dumps({"question": "q", "answer": "1", "image": 7}) + "\n")
     with pytest.raises(ValueError, match=r"row 1: 'image' \(the recipe's image_key\) must name"):
-        load_records(JsonlData(path=str(path)))
+        load_records(JsonlData(path=str(path), image_key="image"))
 
 
 def test_the_docs_image_is_the_one_the_generator_draws(tmp_path: Path):

@@ -295,10 +295,11 @@ class JsonlData(Section):
     """Field holding the question."""
     answer_key: str = "answer"
     """Field holding the reference answer."""
-    image_key: str | None = "image"
+    image_key: str | None = None
     """Field naming a record's image file (a path relative to the JSONL file's folder, or
-    absolute); every file named must exist. Records without the field are text-only;
-    empty (or None) reads no images."""
+    absolute), e.g. ``"image"``; every file named must exist, checked as the records load.
+    Records without the field are text-only. None (the default) reads no images, so that a
+    text dataset with a field of that name is read as before."""
 
 
 class HFData(Section):
