@@ -309,6 +309,58 @@ class Trajectory(Message):
         return _head_version(self.versions)
 
 
+class TrajectoryGroup(Message):
+    """The samples a workflow produced for one prompt in one go (RLVR's ``group_size``
+    completions), as one message: one stream write, one delivery and one ack for the
+    group instead of one per sample. The prompt record travels once, in ``data``, not in
+    each sample (theirs are empty). Workflows that produce samples one at a time, or
+    groups too large for one message, publish :class:`Trajectory` messages instead; the
+    buffer judges each sample of a group exactly as it judges one that came alone."""
+
+    KIND: ClassVar[str] = "trajectory_group"
+    prompt_uid: str
+    attempt: str = Field(default="", description="the lease that produced every sample")
+    data: dict[str, Any] = Field(
+        default_factory=dict, description="the prompt record, for scoring (raw stage only)"
+    )
+    samples: list[Trajectory]
+
+    @model_validator(mode="after")
+    def _one_prompt_one_attempt(self) -> TrajectoryGroup:
+        if not self.samples:
+            raise ValueError(f"group {self.prompt_uid} has no sample")
+        for t in self.samples:
+            if t.prompt_uid != self.prompt_uid or t.attempt != self.attempt:
+                raise ValueError(
+                    f"group {self.prompt_uid} (attempt {self.attempt!r}) holds sample {t.uid} "
+                    f"of prompt {t.prompt_uid} (attempt {t.attempt!r})"
+                )
+        return self
+
+    @classmethod
+    def of(cls, samples: list[Trajectory]) -> TrajectoryGroup:
+        """The samples of one prompt and attempt as one message, the prompt record (the
+        first sample's) kept once."""
+        first = samples[0]
+        return cls(
+            prompt_uid=first.prompt_uid,
+            attempt=first.attempt,
+            data=first.data,
+            samples=[t.model_copy(update={"data": {}}) if t.data else t for t in samples],
+        )
+
+    def past_scoring(self) -> TrajectoryGroup:
+        """The group as it goes on once scored (see :meth:`Trajectory.past_scoring`)."""
+        return self.model_copy(
+            update={"data": {}, "samples": [t.past_scoring() for t in self.samples]}
+        )
+
+    def msg_id(self, stage: str) -> str:
+        """JetStream dedup id at ``stage``, as :meth:`Trajectory.msg_id` (a sample's uid
+        always ends in its index, never in ``group``)."""
+        return f"{stage}/{self.attempt}/{self.prompt_uid}/group"
+
+
 class TrainSample(Message):
     """One scored sample as training and its records read it, in its :class:`Group`: the
     tokens, loss mask, behaviour logprobs, per-token versions and reward of a
@@ -662,6 +714,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Lease,
         EpisodeAborted,
         Trajectory,
+        TrajectoryGroup,
         TrainSample,
         TrainBatchRef,
         BatchRequest,

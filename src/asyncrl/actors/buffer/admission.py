@@ -239,6 +239,11 @@ class Admission:
         self.journal.event("admit", prompt=traj.prompt_uid, head=head, version=version)
         return "admitted"
 
+    def on_scored_group(self, samples: Iterable[Trajectory]) -> list[str]:
+        """Takes the samples of one group message, in order, each judged as
+        :meth:`on_scored` judges a sample that came alone; their outcomes."""
+        return [self.on_scored(t) for t in samples]
+
     def _supersede(self, group: dict[tuple[str, str], Trajectory], traj: Trajectory) -> None:
         """``traj``'s attempt made its episode whole: drops the other attempts' samples of
         that episode (counted), so the group holds it from that attempt alone."""
