@@ -23,6 +23,8 @@ ALLOWED_DTYPES = frozenset(
 # Every Array received is checked against this: a dict lookup is far cheaper per message
 # than np.dtype(name), which dominated the cost of validating a small array.
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
+_LITTLE = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
+"""Each allowed dtype, little-endian: looked up, not built, for every array read."""
 
 
 class Array(BaseModel):
@@ -63,8 +65,7 @@ class Array(BaseModel):
 
     def numpy(self) -> np.ndarray:
         """A read-only view of the bytes; copy it before writing."""
-        dt = np.dtype(self.dtype).newbyteorder("<")
-        return np.frombuffer(self.data, dtype=dt).reshape(self.shape)
+        return np.frombuffer(self.data, dtype=_LITTLE[self.dtype]).reshape(self.shape)
 
     def tolist(self) -> list[Any]:
         return self.numpy().tolist()  # type: ignore[no-any-return]
@@ -295,7 +296,17 @@ class Trajectory(Message):
         every field :class:`TrainSample` has, taken from this one."""
         if self.reward is None:
             raise ValueError(f"sample {self.uid} is not scored")
-        return TrainSample.model_validate({name: getattr(self, name) for name in _TRAIN_FIELDS})
+        # every value is one this validated sample holds, of the type TrainSample's field
+        # has (its reward a float, checked above), and TrainSample's own check is the
+        # lengths check this sample passed: assembled as validation would, not validated
+        # again (a tenth of the buffer's time per sample)
+        values = {name: getattr(self, name) for name in _TRAIN_FIELDS}
+        sample = _new(TrainSample)
+        _set_attr(sample, "__dict__", values)
+        _set_attr(sample, "__pydantic_fields_set__", set(values))
+        _set_attr(sample, "__pydantic_extra__", None)
+        _set_attr(sample, "__pydantic_private__", None)
+        return sample
 
     @property
     def versions_spanned(self) -> int:
@@ -423,6 +434,8 @@ def _head_version(versions: Array) -> int:
 
 _TRAIN_FIELDS = tuple(TrainSample.model_fields)
 """The fields a :class:`Trajectory` hands on to training: each is one of its own too."""
+_new = object.__new__
+_set_attr = object.__setattr__
 
 
 class Group(Message):
