@@ -549,6 +549,14 @@ def main() -> None:
             f"{w['raw']:>18,.0f}{w['scored']:>7,.0f}{w['batch']:>6,.0f}",
             flush=True,
         )
+        rate = r["admitted_samples_per_s"] or float("nan")
+        per = {k: v / rate * 1e6 for k, v in c.items()}
+        print(
+            f"{'':>6}  us CPU per admitted sample: buffer {per['buffer']:.0f}, reward "
+            f"{per['reward']:.0f}, rollout {per['rollout']:.0f}, nats-server "
+            f"{per['nats-server']:.0f}, trainer {per['trainer']:.0f}; machine {per['machine']:.0f}",
+            flush=True,
+        )
         peak = max(peak, r["admitted_samples_per_s"])
         if args.stop_below and r["admitted_samples_per_s"] < args.stop_below * peak:
             print(f"stopping: below {args.stop_below:.0%} of the peak")
