@@ -102,17 +102,20 @@ class RewardActor(Actor):
             with self.tracer.span("score", sample=traj.uid):
                 result = await pool.score(traj.completion, data)
             self.counters["score_seconds_x1000"] += int(1000 * (time.monotonic() - t0))
-            traj = traj.model_copy(
-                update={
-                    "reward": float(result.reward),
-                    "reward_info": {**traj.reward_info, "ok": result.ok, "reason": result.reason},
-                }
-            )
             if not result.ok:
                 self.counters[f"failed:{result.reason.split(':')[0]}"] += 1
                 self.log.warning("reward failed", sample=traj.uid, reason=result.reason)
-        else:
-            self.counters["prescored"] += 1
+            self.counters["scored"] += 1
+            # scored and past scoring in one copy (see Trajectory.past_scoring)
+            return traj.model_copy(
+                update={
+                    "reward": float(result.reward),
+                    "reward_info": {**traj.reward_info, "ok": result.ok, "reason": result.reason},
+                    "data": {},
+                    "completion": "",
+                }
+            )
+        self.counters["prescored"] += 1
         self.counters["scored"] += 1
         return traj.past_scoring()
 
