@@ -218,3 +218,27 @@ async def test_a_group_message_is_judged_as_its_samples_one_by_one(
         assert counters["expired_leases"] == 1
     else:
         assert ready == [] and rejected == 2 and counters["rejected_samples"] == 4
+
+
+async def test_a_prompt_leased_again_after_its_group_was_admitted_gives_its_budget_back(
+    tmp_path: Path,
+) -> None:
+    """A replacement buffer that never wrote a lease admits that lease's group when it
+    arrives, then leases the prompt again (its dataset position rewound): the second run's
+    samples are duplicates, and its lease ends with them instead of holding budget for a
+    group that can never be admitted twice."""
+    buf = make_buffer(tmp_path)
+    got = await lease(buf, 1)
+    uid = got.prompts[0].uid
+    del buf.leases.leased[uid]  # the lease the dead buffer never wrote
+    buf.staleness.on_abort(1)
+    first = attempt([sample(uid, 0, 0, 1.0), sample(uid, 1, 0, 0.0)], got.lease_id)
+    await deliver(buf, first, as_group=True)
+    assert len(buf.admission.ready) == 1 and buf.staleness.running == 0
+    buf.leases.source.give_back(got.prompts[0])  # as the rewound position hands it out
+    again = await lease(buf, 1)
+    assert [p.uid for p in again.prompts] == [uid] and buf.staleness.running == 1
+    await deliver(buf, attempt(first, again.lease_id), as_group=True)
+    assert buf.staleness.running == 0 and uid not in buf.leases.leased
+    assert buf.counters["rerun_leases_ended"] == 1 and buf.counters["duplicates"] == 2
+    assert len(buf.admission.ready) == 1 and buf.staleness.accepted == 1

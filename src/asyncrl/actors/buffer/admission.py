@@ -191,6 +191,11 @@ class Admission:
         The rules for samples of several attempts are the module's."""
         held = self.groups.get(traj.prompt_uid, {})
         whole = whole_episodes(held.values()) if held else {}
+        if traj.prompt_uid in self.completed and self.leases.end_rerun(
+            traj.prompt_uid, traj.attempt
+        ):
+            self.journal.count("duplicates")
+            return "duplicate"
         if (
             traj.prompt_uid in self.completed
             or (traj.attempt, traj.uid) in held
