@@ -27,8 +27,9 @@ seconds, then a window of ``--seconds`` over which it counts
 - buffer CPU per sample: the buffer process's user + system CPU time over the window
   (``psutil``) divided by the admitted samples, and the same for the other processes, so
   one sees which part of the machine the run saturates;
-- wire bytes per sample: the mean payload of the first ``WIRE_SAMPLES`` trajectories of
-  the window on the raw subject and on the scored subject (as JetStream stores them),
+- wire bytes per sample: the mean payload of the first ``WIRE_SAMPLES`` messages of the
+  window on the raw subjects and on the scored subjects (as JetStream stores them; a
+  group message, one per group for the RLVR workflow, counts its size over its samples),
   and the encoded size of each batch the trainer received (inline or by the object
   store) divided by its samples.
 
@@ -296,7 +297,7 @@ def read_window(
     return events, leases, steps
 
 
-def mean(values: list[int]) -> float:
+def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
@@ -382,11 +383,19 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
                 cpu["machine_busy"] = machine.user + machine.system + machine.nice
                 return cpu
 
-            wire: dict[str, list[int]] = {"raw": [], "scored": []}
-            for stage, subject in (("raw", subjects.trajectories), ("scored", subjects.scored)):
+            wire: dict[str, list[float]] = {"raw": [], "scored": []}
+            g = recipe.rollout.group_size
+            for stage, subject, per in (
+                ("raw", subjects.trajectories, 1),
+                ("raw", subjects.trajectory_groups, g),
+                ("scored", subjects.scored, 1),
+                ("scored", subjects.scored_groups, g),
+            ):
 
-                async def on_traj(msg: Any, sizes: list[int] = wire[stage]) -> None:
-                    sizes.append(len(msg.data))
+                async def on_traj(
+                    msg: Any, sizes: list[float] = wire[stage], per: int = per
+                ) -> None:
+                    sizes.append(len(msg.data) / per)
 
                 sub = await bus.nc.subscribe(subject, cb=on_traj)
                 await sub.unsubscribe(limit=WIRE_SAMPLES)
@@ -538,6 +547,14 @@ def main() -> None:
             f"{'':>8}{c['buffer']:>6.2f}{c['reward']:>7.2f}{c['rollout']:>8.2f}"
             f"{c['nats-server']:>5.2f}{c['trainer']:>8.2f}{c['machine']:>8.2f}"
             f"{w['raw']:>18,.0f}{w['scored']:>7,.0f}{w['batch']:>6,.0f}",
+            flush=True,
+        )
+        rate = r["admitted_samples_per_s"] or float("nan")
+        per = {k: v / rate * 1e6 for k, v in c.items()}
+        print(
+            f"{'':>6}  us CPU per admitted sample: buffer {per['buffer']:.0f}, reward "
+            f"{per['reward']:.0f}, rollout {per['rollout']:.0f}, nats-server "
+            f"{per['nats-server']:.0f}, trainer {per['trainer']:.0f}; machine {per['machine']:.0f}",
             flush=True,
         )
         peak = max(peak, r["admitted_samples_per_s"])

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+
+import pytest
 
 from asyncrl.actors.buffer import BufferActor
 from asyncrl.config.recipe import load_recipe
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.nats_server import NatsInfo
-from asyncrl.wire.messages import ActorExit, Array, Lease, LeaseRequest, Trajectory
+from asyncrl.wire.messages import (
+    ActorExit,
+    Array,
+    Lease,
+    LeaseRequest,
+    Trajectory,
+    TrajectoryGroup,
+)
 
 
 def make_buffer(tmp_path: Path, *overrides: str) -> BufferActor:
@@ -120,3 +130,115 @@ async def test_an_exited_actor_returns_its_prompts_first_in_line(tmp_path: Path)
     buf.journal.close()
     log = (tmp_path / "buffer_events.jsonl").read_text()
     assert log.count('"event": "return"') == 2
+
+
+async def deliver(buf: BufferActor, samples: list[Trajectory], as_group: bool) -> None:
+    """``samples`` of one prompt and attempt, as one group message or one message each."""
+    if as_group:
+        await buf.on_scored_group(TrajectoryGroup.of(samples))
+    else:
+        for t in samples:
+            await buf.on_scored(t)
+
+
+def state(buf: BufferActor) -> tuple[object, ...]:
+    """What admission decides: budget, counters, the pool, leases, ready groups."""
+    sm = buf.staleness
+    return (
+        sm.running,
+        sm.accepted,
+        sm.rejected,
+        dict(buf.counters),
+        [p.uid for p in buf.leases.source.pool],
+        sorted(buf.leases.leased),
+        [(g.prompt_uid, [t.uid for t in g.samples]) for g in buf.admission.ready],
+    )
+
+
+def attempt(samples: list[Trajectory], lease_id: str) -> list[Trajectory]:
+    return [t.model_copy(update={"attempt": lease_id}) for t in samples]
+
+
+async def test_a_group_message_is_admitted_in_one_go_and_its_redelivery_is_a_duplicate(
+    tmp_path: Path,
+) -> None:
+    buf = make_buffer(tmp_path)
+    got = await lease(buf, 4)
+    uid = got.prompts[0].uid
+    group = attempt([sample(uid, 0, 0, 1.0), sample(uid, 1, 0, 0.0)], got.lease_id)
+    await deliver(buf, group, as_group=True)
+    [admitted] = buf.admission.ready
+    assert admitted.prompt_uid == uid and [t.uid for t in admitted.samples] == [
+        f"{uid}/0",
+        f"{uid}/1",
+    ]
+    assert buf.staleness.accepted == 1 and buf.staleness.running == 3
+    await deliver(buf, group, as_group=True)  # the stream delivers it again
+    assert len(buf.admission.ready) == 1 and buf.staleness.accepted == 1
+    assert buf.counters["duplicates"] == 2
+
+
+@pytest.mark.parametrize("case", ["admitted", "invalid sample", "lease expired", "stale"])
+async def test_a_group_message_is_judged_as_its_samples_one_by_one(
+    tmp_path: Path, case: str
+) -> None:
+    """The same story told through group messages and through per-sample messages ends in
+    the same state: budget, counters, pool, leases and ready groups."""
+    outcomes = []
+    for as_group in (True, False):
+        run_dir = tmp_path / ("groups" if as_group else "samples")
+        run_dir.mkdir()
+        buf = make_buffer(run_dir, "rollout.lease_ttl=10")
+        got = await lease(buf, 2)
+        first, second = (p.uid for p in got.prompts)
+        groups = [
+            attempt([sample(first, 0, 0, 1.0), sample(first, 1, 0, 0.0)], got.lease_id),
+            attempt([sample(second, 0, 0, 0.0), sample(second, 1, 0, 1.0)], got.lease_id),
+        ]
+        if case == "invalid sample":
+            groups[1][1] = groups[1][1].model_copy(update={"reward": float("nan")})
+        elif case == "lease expired":
+            # the actor went silent: its prompts are back in the pool when its groups come
+            assert buf.leases.expire(time.monotonic() + 11) == ["r0"]
+            assert buf.staleness.running == 0 and len(buf.leases.source.pool) == 2
+        elif case == "stale":
+            buf.version = 2  # weights 2 are out: groups of head 0 are too stale (η = 1)
+        for samples in groups:
+            await deliver(buf, samples, as_group)
+        outcomes.append(state(buf))
+    assert outcomes[0] == outcomes[1]
+    running, accepted, rejected, counters, pool, leased, ready = outcomes[0]
+    if case == "admitted":
+        assert len(ready) == 2 and running == 0 and accepted == 2
+    elif case == "invalid sample":
+        assert len(ready) == 1 and counters["invalid_nonfinite_reward"] == 1 and len(pool) == 1
+    elif case == "lease expired":
+        # admitted all the same, taken out of the pool and counted as running work done
+        assert len(ready) == 2 and pool == [] and leased == [] and accepted == 2
+        assert counters["expired_leases"] == 1
+    else:
+        assert ready == [] and rejected == 2 and counters["rejected_samples"] == 4
+
+
+async def test_a_prompt_leased_again_after_its_group_was_admitted_gives_its_budget_back(
+    tmp_path: Path,
+) -> None:
+    """A replacement buffer that never wrote a lease admits that lease's group when it
+    arrives, then leases the prompt again (its dataset position rewound): the second run's
+    samples are duplicates, and its lease ends with them instead of holding budget for a
+    group that can never be admitted twice."""
+    buf = make_buffer(tmp_path)
+    got = await lease(buf, 1)
+    uid = got.prompts[0].uid
+    del buf.leases.leased[uid]  # the lease the dead buffer never wrote
+    buf.staleness.on_abort(1)
+    first = attempt([sample(uid, 0, 0, 1.0), sample(uid, 1, 0, 0.0)], got.lease_id)
+    await deliver(buf, first, as_group=True)
+    assert len(buf.admission.ready) == 1 and buf.staleness.running == 0
+    buf.leases.source.give_back(got.prompts[0])  # as the rewound position hands it out
+    again = await lease(buf, 1)
+    assert [p.uid for p in again.prompts] == [uid] and buf.staleness.running == 1
+    await deliver(buf, attempt(first, again.lease_id), as_group=True)
+    assert buf.staleness.running == 0 and uid not in buf.leases.leased
+    assert buf.counters["rerun_leases_ended"] == 1 and buf.counters["duplicates"] == 2
+    assert len(buf.admission.ready) == 1 and buf.staleness.accepted == 1

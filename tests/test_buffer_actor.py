@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgpack
 import nats.js.errors
 import pytest
 from actor_helpers.buffer_kit import context, recipe, running_buffer
@@ -17,12 +18,14 @@ from asyncrl.config.recipe import Recipe
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
 from asyncrl.wire.messages import (
+    SCHEMA_VERSION,
     Array,
     BatchRequest,
     Lease,
     LeaseRequest,
     TrainBatchRef,
     Trajectory,
+    TrajectoryGroup,
 )
 from asyncrl.wire.subjects import Subjects
 
@@ -186,3 +189,50 @@ async def test_batch_blobs_have_their_own_bucket_and_are_deleted_once_fetched(
             )
             assert again.blob_key
             await bus.delete_blob(S.batch_bucket, again.blob_key)
+
+
+async def test_group_messages_are_admitted_and_malformed_ones_counted_and_dropped(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus
+) -> None:
+    """One message per group on the scored groups subject: a good group is admitted once
+    (its repeat under the same id is not stored again), and what does not decode as a
+    group (garbage; samples of another prompt or attempt; no sample at all) is dropped
+    and counted under the subject, never held against the stream."""
+    r = recipe()
+    async with running_buffer(tmp_path, nats_server, bus, r) as buf:
+        got = await take_lease(bus, 3)
+        good = TrajectoryGroup.of([sample(got, 0, 0), sample(got, 0, 1)])
+        mixed = {  # what TrajectoryGroup refuses, sent as the fields it would have
+            "prompt_uid": got.prompts[1].uid,
+            "attempt": got.lease_id,
+            "samples": [
+                sample(got, 1, 0).__pydantic_serializer__.to_python(sample(got, 1, 0)),
+                sample(got, 2, 1).__pydantic_serializer__.to_python(sample(got, 2, 1)),
+            ],
+        }
+        empty = {"prompt_uid": got.prompts[2].uid, "attempt": got.lease_id, "samples": []}
+        junk = [b"\xc1 not msgpack"] + [
+            msgpack.packb({"k": TrajectoryGroup.KIND, "v": SCHEMA_VERSION, "d": d})
+            for d in (mixed, empty)
+        ]
+        for i, payload in enumerate(junk):
+            await bus.js.publish(S.scored_groups, payload, headers={"Nats-Msg-Id": f"junk{i}"})
+        for _ in range(2):
+            await bus.js_publish(S.scored_groups, good, msg_id=good.msg_id("scored"))
+        async with asyncio.timeout(30):
+            while sum(buf.bus.drops.values()) < len(junk) or not buf.admission.ready:  # noqa: ASYNC110 - a consumer's counts, no event
+                await asyncio.sleep(0.05)
+        pattern = S.scored_groups
+        assert buf.bus.drops == {f"{pattern}/garbage": 1, f"{pattern}/invalid": 2}
+        [group] = buf.admission.ready
+        assert group.prompt_uid == got.prompts[0].uid and len(group.samples) == 2
+        assert buf.staleness.accepted == 1 and buf.staleness.running == 2
+        assert buf.counters["duplicates"] == 0  # the stream stored the repeat once
+        # every message leaves the stream: the junk terminated, the good group acked once
+        # its state write is done
+        async with asyncio.timeout(30):
+            while (info := await bus.js.consumer_info(S.stream, "buffer_groups")).num_ack_pending:  # noqa: ASYNC110 - a server state, no event
+                await asyncio.sleep(0.05)
+        assert info.num_pending == 0 and info.num_redelivered == 0, info
+        info = await bus.js.stream_info(S.stream, subjects_filter=S.scored_groups)
+        assert not info.state.subjects, info.state

@@ -30,7 +30,7 @@ from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.wire.codec import decode
-from asyncrl.wire.messages import Trajectory
+from asyncrl.wire.messages import Trajectory, TrajectoryGroup
 from asyncrl.wire.subjects import Subjects
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,8 @@ async def last_seq(bus: Bus, stream: str) -> int:
 
 
 async def read_mirror(bus: Bus, subjects: Subjects, mirror: str) -> list[Trajectory]:
-    """Every raw trajectory of the run, in the order the stream stored them."""
+    """Every raw trajectory of the run, in the order the stream stored them (the samples
+    of a group message in their order in it)."""
     origin = (await bus.js.stream_info(subjects.stream)).state
     async with asyncio.timeout(MIRROR_LIMIT_S):  # the mirror catches up asynchronously
         while await last_seq(bus, mirror) < origin.last_seq:  # noqa: ASYNC110 - as above
@@ -81,6 +82,9 @@ async def read_mirror(bus: Bus, subjects: Subjects, mirror: str) -> list[Traject
         if msg.subject == subjects.trajectories:
             assert msg.data is not None
             raw.append(decode(msg.data, Trajectory))
+        elif msg.subject == subjects.trajectory_groups:  # the rlvr workflow's: a group each
+            assert msg.data is not None
+            raw.extend(decode(msg.data, TrajectoryGroup).samples)
     return raw
 
 

@@ -41,6 +41,7 @@ from asyncrl.wire.messages import (
     TrainBatchRef,
     TrainSample,
     Trajectory,
+    TrajectoryGroup,
 )
 
 # Deterministic: a fixed seed and no example database, so every run tests the same inputs.
@@ -128,6 +129,9 @@ def values(annotation: Any, metadata: list[Any], length: int) -> st.SearchStrate
 
 
 def instances(cls: type[BaseModel]) -> st.SearchStrategy[Any]:
+    if cls is TrajectoryGroup:
+        return trajectory_groups()
+
     @st.composite
     def build(draw: st.DrawFn) -> BaseModel:
         length = draw(st.integers(0, 6))
@@ -139,6 +143,26 @@ def instances(cls: type[BaseModel]) -> st.SearchStrategy[Any]:
             return cls(**fields)
         except ValidationError:
             reject()  # a cross-field rule the generic strategy does not know
+
+    return build()
+
+
+def trajectory_groups() -> st.SearchStrategy[TrajectoryGroup]:
+    """Groups of random samples made one prompt's and one attempt's, the rule a group
+    keeps (the generic strategy would almost never draw samples that share them)."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> TrajectoryGroup:
+        prompt_uid, attempt = draw(st.text(max_size=16)), draw(st.text(max_size=16))
+        samples = draw(st.lists(instances(Trajectory), min_size=1, max_size=3))
+        return TrajectoryGroup(
+            prompt_uid=prompt_uid,
+            attempt=attempt,
+            data=draw(values(dict[str, Any], [], 0)),
+            samples=[
+                t.model_copy(update={"prompt_uid": prompt_uid, "attempt": attempt}) for t in samples
+            ],
+        )
 
     return build()
 

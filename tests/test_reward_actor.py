@@ -20,7 +20,7 @@ from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
-from asyncrl.wire.messages import Array, Trajectory
+from asyncrl.wire.messages import Array, Trajectory, TrajectoryGroup
 from asyncrl.wire.subjects import Subjects
 
 GATE_REWARD = Path(__file__).parent / "actor_helpers" / "gate_reward.py"
@@ -202,3 +202,54 @@ async def test_failed_rewards_score_a_recorded_zero_while_others_go_on(
         "failed:timeout": 1,
     }
     await assert_each_acked_once(bus, stream, len(sent))
+
+
+async def test_a_group_message_is_scored_at_once_and_goes_on_as_one_scored_group(
+    embedded_nats: EmbeddedNats, bus: Bus, stream: Subjects, socket_dir: Path
+) -> None:
+    """The prompt record travels once, in the group; every sample is scored against it,
+    all at once (they meet at the gate together), and the scored group is one message."""
+    size = 3
+    gate = Gate(size)
+    path = str(socket_dir / "gate.sock")
+    server = await asyncio.start_unix_server(gate.on_connection, path)
+    samples = [
+        raw(0, {}).model_copy(update={"uid": f"p0/{i}", "group_index": i, "group_size": size})
+        for i in range(size)
+    ]
+    group = TrajectoryGroup(
+        prompt_uid="p0",
+        attempt="lease-1",
+        data={"gate": path, "wait_s": GATE_WAIT_S},
+        samples=[t.model_copy(update={"completion": f"answer {t.uid}"}) for t in samples],
+    )
+    await bus.js_publish(stream.trajectory_groups, group, msg_id=group.msg_id("raw"))
+    got: list[TrajectoryGroup] = []
+    done = asyncio.Event()
+
+    async def on_scored(g: TrajectoryGroup) -> None:
+        got.append(g)
+        done.set()
+
+    reader = await bus.js_consume(
+        stream.stream, stream.scored_groups, "buffer_groups", TrajectoryGroup, on_scored
+    )
+    async with server:
+        actor = reward_actor(embedded_nats, workers=size, timeout=3 * GATE_WAIT_S)
+        async with asyncio.timeout(TEST_LIMIT_S), asyncio.TaskGroup() as tg:
+            main = tg.create_task(actor.main())
+            reading = tg.create_task(reader.run())
+            await done.wait()
+            actor.stop("test done")
+            await reader.stop()
+    assert main.result() == 0 and reading.done()
+    [scored] = got
+    assert [sorted(r) for r in gate.rounds] == [[f"answer p0/{i}" for i in range(size)]]
+    assert [t.uid for t in scored.samples] == ["p0/0", "p0/1", "p0/2"]
+    assert [t.reward for t in scored.samples] == [1.0] * size
+    assert all(t.reward_info["ok"] for t in scored.samples)
+    assert scored.data == {} and all(t.data == {} and not t.completion for t in scored.samples)
+    assert actor.counters["scored"] == size
+    info = await bus.js.consumer_info(stream.stream, "reward_groups")
+    assert info.delivered.consumer_seq == 1 and info.num_redelivered == 0, info
+    assert info.ack_floor.consumer_seq == 1 and info.num_ack_pending == 0, info

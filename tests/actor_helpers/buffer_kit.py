@@ -44,9 +44,7 @@ async def running_buffer(
 ) -> AsyncIterator[BufferActor]:
     """A started BufferActor (its subscriptions exist), stopped at the end."""
     subjects = Subjects("t")
-    await bus.ensure_stream(
-        subjects.stream, [subjects.trajectories, subjects.scored], retention="workqueue"
-    )
+    await bus.ensure_stream(subjects.stream, subjects.trajectory_subjects, retention="workqueue")
     started = asyncio.Event()
 
     async def on_started(info: ActorInfo) -> None:

@@ -59,8 +59,9 @@ SUBSCRIPTIONS: dict[str, list[str]] = {
         "actor.heartbeat.rollout",
         "actor.exit",
         "traj.scored",
+        "traj.scored_groups",
     ],
-    "reward-0": ["control", "traj.raw"],
+    "reward-0": ["control", "traj.raw", "traj.raw_groups"],
     "rollout-0": ["control", "weights"],
     "eval-0": ["control", "weights"],
     "trainer-0": ["control", "actor.heartbeat.*", "metrics.rollout"],
@@ -68,7 +69,7 @@ SUBSCRIPTIONS: dict[str, list[str]] = {
 # This test's own subscriptions: its bus counts the fuzz it receives like any other.
 OWN_SUBSCRIPTIONS = ["actor.heartbeat.*", "actor.exit", "metrics.trainer"]
 REQUEST_SUBJECTS = {"buffer.lease", "buffer.batch", "buffer.weights", "buffer.aborted"}
-JETSTREAM_SUBJECTS = {"traj.raw", "traj.scored"}
+JETSTREAM_SUBJECTS = {"traj.raw", "traj.raw_groups", "traj.scored", "traj.scored_groups"}
 # Every subject of a run (asyncrl.wire.subjects), the request subjects included; the
 # heartbeat and metrics subjects once per role and once for a role nobody has.
 FUZZED_SUBJECTS = sorted(

@@ -1,5 +1,7 @@
 """RewardActor: scores raw trajectories and republishes them as scored (without the prompt
-record and the completion text, which only scoring reads).
+record and the completion text, which only scoring reads). A group that came as one
+message (:class:`~asyncrl.wire.messages.TrajectoryGroup`) is scored whole and goes on as
+one message.
 
 Every reward actor of a run pulls from one durable JetStream consumer, so the actors
 share the work like a queue group: add more for more throughput. The reward function runs
@@ -15,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from typing import Any
 
 from asyncrl.api.reward import RewardScorer
 from asyncrl.rewards import build_reward_pool
 from asyncrl.runtime.actor import Actor, ActorContext
-from asyncrl.wire.messages import Trajectory
+from asyncrl.wire.messages import Trajectory, TrajectoryGroup
 
 METRICS_EVERY = 5.0
 """Seconds between metrics records: often enough to watch, rare enough to be free."""
@@ -55,6 +58,20 @@ class RewardActor(Actor):
             batch=PREFETCH_PER_WORKER * cfg.workers,
         )
         tg.create_task(consumer.run(), name="trajectory-consumer")
+        # a group keeps up to group_size workers busy: fewer groups at once do, and one
+        # more waits so that the next group's scoring overlaps this one's publish
+        groups_at_once = -(-cfg.workers // self.recipe.rollout.group_size) + 1
+        group_consumer = await self.bus.js_consume(
+            s.stream,
+            s.trajectory_groups,
+            "reward_groups",
+            TrajectoryGroup,
+            lambda group: self.on_group(pool, group),
+            ack_wait=max(30.0, 3 * cfg.timeout),
+            concurrency=groups_at_once,
+            batch=PREFETCH_PER_WORKER * groups_at_once,
+        )
+        tg.create_task(group_consumer.run(), name="group-consumer")
         tg.create_task(self._report(), name="metrics")
 
     async def teardown(self) -> None:
@@ -62,27 +79,45 @@ class RewardActor(Actor):
             await self.pool.aclose()
 
     async def on_trajectory(self, pool: RewardScorer, traj: Trajectory) -> None:
+        scored = await self._score(pool, traj, traj.data)
+        await self.bus.js_publish(self.subjects.scored, scored, msg_id=scored.msg_id("scored"))
+
+    async def on_group(self, pool: RewardScorer, group: TrajectoryGroup) -> None:
+        """Scores every sample of the group at once (the pool runs as many as it has
+        workers) and publishes them as one scored group."""
+        samples = await asyncio.gather(*(self._score(pool, t, group.data) for t in group.samples))
+        scored = group.model_copy(update={"data": {}, "samples": samples})
+        await self.bus.js_publish(
+            self.subjects.scored_groups, scored, msg_id=scored.msg_id("scored")
+        )
+
+    async def _score(
+        self, pool: RewardScorer, traj: Trajectory, data: dict[str, Any]
+    ) -> Trajectory:
+        """``traj`` scored against the prompt record ``data``, past scoring."""
         if traj.reward is None:
             t0 = time.monotonic()
             # the newest version in the sample: what the tracer's window compares with
             self.version = int(traj.versions.numpy().max(initial=-1))
             with self.tracer.span("score", sample=traj.uid):
-                result = await pool.score(traj.completion, traj.data)
+                result = await pool.score(traj.completion, data)
             self.counters["score_seconds_x1000"] += int(1000 * (time.monotonic() - t0))
-            traj = traj.model_copy(
-                update={
-                    "reward": float(result.reward),
-                    "reward_info": {**traj.reward_info, "ok": result.ok, "reason": result.reason},
-                }
-            )
             if not result.ok:
                 self.counters[f"failed:{result.reason.split(':')[0]}"] += 1
                 self.log.warning("reward failed", sample=traj.uid, reason=result.reason)
-        else:
-            self.counters["prescored"] += 1
+            self.counters["scored"] += 1
+            # scored and past scoring in one copy (see Trajectory.past_scoring)
+            return traj.model_copy(
+                update={
+                    "reward": float(result.reward),
+                    "reward_info": {**traj.reward_info, "ok": result.ok, "reason": result.reason},
+                    "data": {},
+                    "completion": "",
+                }
+            )
+        self.counters["prescored"] += 1
         self.counters["scored"] += 1
-        scored = traj.past_scoring()
-        await self.bus.js_publish(self.subjects.scored, scored, msg_id=scored.msg_id("scored"))
+        return traj.past_scoring()
 
     async def _report(self) -> None:
         while True:

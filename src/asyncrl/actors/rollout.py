@@ -43,7 +43,7 @@ from asyncrl.endpoint.server import OpenAIEndpoint
 from asyncrl.engines import build_engine
 from asyncrl.rewards.pool import RewardPool, build_reward_pool
 from asyncrl.runtime.actor import Actor, ActorContext
-from asyncrl.runtime.bus import BusTimeout
+from asyncrl.runtime.bus import BusTimeout, PayloadTooLarge
 from asyncrl.runtime.runner import AsyncTaskRunner, TaskResult
 from asyncrl.weights.build import build_receiver
 from asyncrl.weights.receiver import EngineWeights
@@ -56,6 +56,7 @@ from asyncrl.wire.messages import (
     MemoryReleased,
     Prompt,
     Trajectory,
+    TrajectoryGroup,
     WeightsUpdated,
 )
 
@@ -100,6 +101,8 @@ class RolloutActor(Actor):
         self._runner: AsyncTaskRunner[list[Trajectory]] | None = None
         self.endpoint: OpenAIEndpoint | None = None
         self.endpoint_file: Path | None = None
+        self._whole_groups = self.recipe.rollout.workflow.whole_groups
+        """Whether episodes go on the stream as one group message (see :meth:`_publish`)."""
         self._resources = contextlib.AsyncExitStack()
         """What setup opened beside the engine (MCP servers, the endpoint); closed in
         teardown, in the same task, as the MCP transport requires."""
@@ -279,13 +282,38 @@ class RolloutActor(Actor):
             else t.past_scoring().model_copy(update={**stamp, "epoch": epoch})
             for t in trajectories
         ]
-        for t in stamped:
-            # a sample its workflow scored skips the reward actors: one stream hop, not two
-            if t.reward is None:
-                await self.bus.js_publish(self.subjects.trajectories, t, msg_id=t.msg_id("raw"))
-            else:
-                await self.bus.js_publish(self.subjects.scored, t, msg_id=t.msg_id("scored"))
+        await self._publish(stamped)
         return stamped
+
+    async def _publish(self, samples: list[Trajectory]) -> None:
+        """Puts an episode's samples on the stream: unscored ones for the reward actors,
+        those its workflow scored straight for the buffer (one stream hop, not two). A
+        whole group of a workflow that makes them (``whole_groups``) goes as one message;
+        a group too large for one goes sample by sample, as other workflows' do."""
+        s = self.subjects
+        unscored = samples[0].reward is None
+        if (
+            self._whole_groups
+            and len(samples) == self.recipe.rollout.group_size
+            and all((t.reward is None) == unscored for t in samples)
+        ):
+            group = TrajectoryGroup.of(samples)
+            subject, stage = (
+                (s.trajectory_groups, "raw") if unscored else (s.scored_groups, "scored")
+            )
+            if not unscored:
+                group = group.past_scoring()
+            try:
+                await self.bus.js_publish(subject, group, msg_id=group.msg_id(stage))
+            except PayloadTooLarge:
+                self.counters["groups_too_large"] += 1
+            else:
+                return
+        for t in samples:
+            if t.reward is None:
+                await self.bus.js_publish(s.trajectories, t, msg_id=t.msg_id("raw"))
+            else:
+                await self.bus.js_publish(s.scored, t, msg_id=t.msg_id("scored"))
 
     async def _result_loop(self, runner: AsyncTaskRunner[list[Trajectory]]) -> None:
         while True:

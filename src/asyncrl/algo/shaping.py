@@ -118,10 +118,15 @@ def shaped_sample_rewards(
     code whose consecutive calls continue one another makes one sample of several calls,
     and one call's budget would penalise it as overlong. The buffer computes them as it
     admits a group; its dynamic filter judges the group on the same numbers."""
+    if s.overlong_buffer > 0:
+        lengths = [int(t.loss_mask.numpy().sum()) for t in samples]
+        budgets: int | list[int] = [budget(max(1, replies(t.loss_mask))) for t in samples]
+    else:  # without the overlong penalty neither is read: not counted for every sample
+        lengths, budgets = [0] * len(samples), 0
     return shaped_rewards(
         [float(t.reward or 0.0) for t in samples],
-        [int(t.loss_mask.numpy().sum()) for t in samples],
-        max_len=[budget(max(1, replies(t.loss_mask))) for t in samples],
+        lengths,
+        max_len=budgets,
         overlong_buffer=s.overlong_buffer,
         overlong_penalty_at_max=s.overlong_penalty,
         scale=s.scale,

@@ -95,6 +95,11 @@ class WorkflowConfigBase(Section):
     turns: ClassVar[bool] = False
     """Whether a sample has up to ``rollout.max_turns`` replies (the generation budget is
     per turn)."""
+    whole_groups: ClassVar[bool] = False
+    """Whether an episode returns its prompt's whole group of one-sample episodes at once
+    (RLVR's ``group_size`` completions): the rollout actor then publishes it as one
+    :class:`~asyncrl.wire.messages.TrajectoryGroup`, not one message per sample. Agent code,
+    whose episodes may give several samples each and long ones, keeps one per sample."""
 
     @abstractmethod
     def build(self, rollout: RolloutConfig, parts: WorkflowParts) -> RolloutWorkflow:
@@ -159,6 +164,8 @@ class WorkflowConfigBase(Section):
 class RLVRWorkflowConfig(WorkflowConfigBase):
     type: Literal["rlvr"] = "rlvr"
     """One reply per sample; the reward actors score it (an eval scores it inline)."""
+
+    whole_groups: ClassVar[bool] = True
 
     def build(self, rollout: RolloutConfig, parts: WorkflowParts) -> RolloutWorkflow:
         return RLVRWorkflow(parts.tokenizer, parts.sampling, parts.group_size, parts.reward)

@@ -57,7 +57,7 @@ async def ensure_trajectory_stream(bus: Any, subjects: Subjects) -> None:
     bounded by ``TRAJECTORY_STREAM_MAX_BYTES``), or checks the one that exists."""
     await bus.ensure_stream(
         subjects.stream,
-        [subjects.trajectories, subjects.scored],
+        subjects.trajectory_subjects,
         max_bytes=TRAJECTORY_STREAM_MAX_BYTES,
         retention="workqueue",
     )

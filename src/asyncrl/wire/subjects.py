@@ -106,8 +106,23 @@ class Subjects:
         return f"{self.prefix}.traj.scored"
 
     @property
+    def trajectory_groups(self) -> str:
+        """Unscored groups, one message per group (JetStream)."""
+        return f"{self.prefix}.traj.raw_groups"
+
+    @property
+    def scored_groups(self) -> str:
+        """Scored groups, one message per group (JetStream)."""
+        return f"{self.prefix}.traj.scored_groups"
+
+    @property
+    def trajectory_subjects(self) -> list[str]:
+        """Every subject of the trajectory stream."""
+        return [self.trajectories, self.trajectory_groups, self.scored, self.scored_groups]
+
+    @property
     def stream(self) -> str:
-        """The JetStream stream holding both trajectory subjects."""
+        """The JetStream stream holding the trajectory subjects, samples and groups."""
         return f"ASYNCRL_{run_token(self.run)}_TRAJ"
 
     @property

@@ -2,7 +2,8 @@
 
 - **Leases** (:mod:`.leases`): a rollout actor asks for up to k episodes and gets
   min(k, capacity) prompts (returned prompts first, then the dataset in a seeded order).
-- **Admission** (:mod:`.admission`): scored samples arrive on JetStream and are judged.
+- **Admission** (:mod:`.admission`): scored samples arrive on JetStream and are judged,
+  one message a sample or one a group (:class:`~asyncrl.wire.messages.TrajectoryGroup`).
 - **Batches** (:mod:`.batching`): the trainer asks for the batch of step s.
 
 The version is the staleness manager's, and it is the newest *published* version (the
@@ -47,6 +48,7 @@ from asyncrl.wire.messages import (
     Message,
     TrainBatchRef,
     Trajectory,
+    TrajectoryGroup,
     WeightsQuery,
     WeightsUpdated,
 )
@@ -54,6 +56,9 @@ from asyncrl.wire.messages import (
 SCORED_CONCURRENCY = 256
 """Scored samples handled at once: each waits for the state write that holds it before
 its ack, and the waits of many share one write."""
+
+SCORED_GROUPS_CONCURRENCY = 64
+"""Scored groups (one message each) handled at once, as :data:`SCORED_CONCURRENCY`."""
 
 BATCH_WAIT = 5.0
 """Seconds a batch request waits for enough groups before answering "not ready"; well
@@ -192,6 +197,17 @@ class BufferActor(Actor):
             concurrency=SCORED_CONCURRENCY,
         )
         tg.create_task(consumer.run(), name="scored-consumer")
+        groups = await self.bus.js_consume(
+            s.stream,
+            s.scored_groups,
+            "buffer_groups",
+            TrajectoryGroup,
+            self.on_scored_group,
+            ack_wait=10.0,
+            batch=2 * SCORED_GROUPS_CONCURRENCY,
+            concurrency=SCORED_GROUPS_CONCURRENCY,
+        )
+        tg.create_task(groups.run(), name="scored-group-consumer")
         tg.create_task(self._expire_leases(), name="lease-expiry")
 
     async def teardown(self) -> None:
@@ -273,16 +289,24 @@ class BufferActor(Actor):
     # -- scored samples ----------------------------------------------------------------------
 
     async def on_scored(self, traj: Trajectory) -> None:
-        outcome = self.admission.on_scored(traj)
-        self._changed()
-        if outcome == "invalid":
-            n = self.journal.counters["invalid_samples"]
-            if worth_logging(n):
-                self.log.warning("invalid trajectories refused", count=n, last=traj.uid)
-        elif outcome == "admitted":
-            self.ready_changed.set()
+        self._took([self.admission.on_scored(traj)], traj)
         # acked on the stream only once written: a buffer killed now gets it again
         await self._persisted()
+
+    async def on_scored_group(self, group: TrajectoryGroup) -> None:
+        """A group that came as one message: each sample judged as if it came alone
+        (:meth:`Admission.on_scored_group`), then one write and one ack for them all."""
+        self._took(self.admission.on_scored_group(group.samples), group.samples[-1])
+        await self._persisted()
+
+    def _took(self, outcomes: list[str], last: Trajectory) -> None:
+        self._changed()
+        if "invalid" in outcomes:
+            n = self.journal.counters["invalid_samples"]
+            if worth_logging(n):
+                self.log.warning("invalid trajectories refused", count=n, last=last.uid)
+        if "admitted" in outcomes:
+            self.ready_changed.set()
 
     # -- batches and weights --------------------------------------------------------------------
 

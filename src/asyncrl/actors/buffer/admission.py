@@ -83,7 +83,9 @@ def invalid_reason(
         return "missing_reward"
     if not math.isfinite(traj.reward):
         return "nonfinite_reward"
-    mask = traj.loss_mask.numpy().astype(bool)
+    mask = traj.loss_mask.numpy()
+    if mask.dtype != np.bool_:
+        mask = mask.astype(bool)
     versions = traj.versions.numpy()
     # an empty loss mask is allowed: agent code's greedy calls (per_call sampling) are
     # context, and an episode of them keeps its place in its group's baseline, untrained
@@ -188,10 +190,16 @@ class Admission:
         ``pending`` (its group is not complete), ``rejected``, ``filtered`` or ``admitted``.
         The rules for samples of several attempts are the module's."""
         held = self.groups.get(traj.prompt_uid, {})
+        whole = whole_episodes(held.values()) if held else {}
+        if traj.prompt_uid in self.completed and self.leases.end_rerun(
+            traj.prompt_uid, traj.attempt
+        ):
+            self.journal.count("duplicates")
+            return "duplicate"
         if (
             traj.prompt_uid in self.completed
             or (traj.attempt, traj.uid) in held
-            or traj.group_index in whole_episodes(held.values())
+            or traj.group_index in whole
         ):
             self.journal.count("duplicates")
             return "duplicate"
@@ -213,7 +221,12 @@ class Admission:
             return "invalid"
         self.hold(traj.past_scoring())  # the record is the buffer's, by prompt id
         group = self.groups[traj.prompt_uid]
-        whole = whole_episodes(group.values())
+        if traj.episode_samples == 1:
+            # a one-sample episode is whole by itself, and holding it made no other whole
+            # or not (its index was in none, else it were a duplicate): no recount
+            whole[traj.group_index] = traj.attempt
+        else:
+            whole = whole_episodes(group.values())
         if whole.get(traj.group_index) == traj.attempt:
             self._supersede(group, traj)
         if len(whole) < self.group_size:
@@ -238,6 +251,11 @@ class Admission:
         self.ready.append(admitted)
         self.journal.event("admit", prompt=traj.prompt_uid, head=head, version=version)
         return "admitted"
+
+    def on_scored_group(self, samples: Iterable[Trajectory]) -> list[str]:
+        """Takes the samples of one group message, in order, each judged as
+        :meth:`on_scored` judges a sample that came alone; their outcomes."""
+        return [self.on_scored(t) for t in samples]
 
     def _supersede(self, group: dict[tuple[str, str], Trajectory], traj: Trajectory) -> None:
         """``traj``'s attempt made its episode whole: drops the other attempts' samples of

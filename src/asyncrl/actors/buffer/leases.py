@@ -217,6 +217,21 @@ class LeaseBook:
         self.attempts[prompt.uid] = max(0, self.attempts[prompt.uid] - 1)
         self.source.give_back(prompt)
 
+    def end_rerun(self, uid: str, lease_id: str) -> bool:
+        """A sample of ``uid``'s lease ``lease_id`` arrived while its group is already
+        admitted: a replacement buffer that never wrote the first lease leased the prompt
+        again (its dataset position rewound), and this run's samples are duplicates. The
+        lease ends here with its budget, the prompt not back in the pool (it would wait
+        forever for a group that cannot be admitted twice). Whether a lease ended."""
+        entry = self.leased.get(uid)
+        if entry is None or entry.lease_id != lease_id:
+            return False
+        del self.leased[uid]
+        self.staleness.on_abort(1)
+        self.journal.count("rerun_leases_ended")
+        self.journal.event("end", prompt=uid, lease=lease_id, why="group already admitted")
+        return True
+
     def finish(self, uid: str) -> None:
         """A prompt's group is complete. If its lease had already been returned (a slow
         actor, not a dead one), it runs again as far as the budget knows and must not be
