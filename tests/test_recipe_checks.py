@@ -151,6 +151,35 @@ def test_colocation_needs_an_engine_that_can_release_its_memory() -> None:
         assert problems("rollout.colocate=true", f"rollout.engine.type={engine}") == ([], [])
 
 
+def test_deterministic_rollouts_are_refused_where_they_cannot_hold(tmp_path: Path) -> None:
+    det, sync = "rollout.deterministic=true", "buffer.max_head_offpolicyness=0"
+    assert problems(det, sync) == ([], [])
+    assert problems(det, sync, "rollout.engine.type=instant")[0] == []
+    for engine in ("vllm", "sglang"):
+        (error,), _ = problems(det, sync, f"rollout.engine.type={engine}")
+        assert f'rollout.deterministic = true with rollout.engine.type = "{engine}"' in error
+        assert "batch" in error and 'use "hf"' in error
+    code = tmp_path / "wf.py"
+    code.write_text(
+        "async def agent(client, data):\n    return 0.0\n\n\n"
+        "async def episode(engine, item):\n    return None\n"
+    )
+    (error,), _ = problems(det, sync, f"rollout.workflow={code}:agent")
+    assert "rollout.deterministic = true with rollout.workflow" in error
+    assert "cannot be seeded" in error
+    errors, (warning,) = problems(det, sync, f"rollout.workflow={code}:episode")
+    assert errors == [] and "sample_seed" in warning
+    errors, (warning,) = problems(det)  # η = 2 by default
+    assert errors == [] and "buffer.max_head_offpolicyness = 2" in warning
+    assert "only η = 0" in warning
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.entry.cli", "check", "--set", det, "--set",
+         "rollout.engine.type=vllm"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2 and "rollout.deterministic = true" in out.stderr
+
+
 def test_check_and_up_refuse_before_anything_starts(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "asyncrl.entry.cli", "check", "--set", "rollout.group_size=1"]
     out = subprocess.run(cmd, capture_output=True, text=True)

@@ -6,7 +6,9 @@ Three loops share one TaskGroup:
   an empty lease means the staleness budget is spent, so wait for new weights (or the
   buffer's retry hint) before asking again. A request that times out is repeated with
   its request id, so a lost reply yields the same lease, never a second one. Heartbeats
-  list the prompts the actor holds: the buffer frees a lease the actor does not know of;
+  list the prompts the actor holds: the buffer frees a lease the actor does not know of.
+  With ``rollout.deterministic`` a lease's episodes start only once the engine holds the
+  weights of the lease's version;
 - **results**: every finished episode's trajectories go onto the JetStream stream with
   idempotent ids: unscored ones to the raw subject (the reward actors score them), those
   the workflow scored straight to the scored subject, which the buffer reads; an episode that failed or produced nothing is reported to the buffer
@@ -119,10 +121,13 @@ class RolloutActor(Actor):
             self.log.info("tools", tools=[t.name for t in tools])
         if r.serves_endpoint:
             await self._serve_endpoint(engine)
+        # deterministic: every sample's seed comes from the run's, its prompt id, its index
+        # and its attempt (the workflows' sample_seed); else each draws freshly
+        seed = self.recipe.run.seed if r.deterministic else None
         self.workflow = build_workflow(
             self,
             engine,
-            r.sampling.params(),
+            r.sampling.params(seed=seed),
             r.group_size,
             reward=self.reward_pool,
             endpoint=self.endpoint,
@@ -253,6 +258,8 @@ class RolloutActor(Actor):
             ):
                 # the run is ahead of our weights (a missed broadcast, a resume): ask for them
                 await self._query_weights()
+            if lease.prompts and self.recipe.rollout.deterministic:
+                await self._weights_of(lease)
             for prompt in lease.prompts:
                 await runner.submit(
                     self._episode, prompt, lease.lease_id, tag=(prompt, lease.lease_id)
@@ -266,12 +273,27 @@ class RolloutActor(Actor):
                 except TimeoutError:
                     pass
 
+    async def _weights_of(self, lease: Lease) -> None:
+        """Waits until the engine holds the weights of the lease's version (or newer), so
+        that its episodes (``rollout.deterministic``) start under the weights the buffer
+        leased them at, not under those a broadcast is still replacing: a weight load in
+        mid-episode would make its tokens depend on when it landed."""
+        wanted = (lease.epoch, lease.version)
+        while supersedes(*wanted, (self.weights_epoch, self._engine.version)):
+            self._version_changed.clear()
+            pending = self._pending_weights
+            if pending is None or supersedes(*wanted, (pending.epoch, pending.version)):
+                await self._query_weights()  # not announced to us: a missed broadcast
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LEASE_TIMEOUT):
+                    await self._version_changed.wait()
+
     async def _episode(self, prompt: Prompt, lease_id: str) -> list[Trajectory]:
         epoch = self.weights_epoch  # the buffer refuses samples of a rolled-back lineage
         assert self.workflow is not None, "the workflow is built in setup"
         with self.tracer.span("generate", prompt=prompt.uid):
             trajectories = await self.workflow.arun_episode(
-                self._engine, {**prompt.data, "uid": prompt.uid}
+                self._engine, {**prompt.data, "uid": prompt.uid, "attempt": prompt.attempt}
             )
         if not trajectories:
             raise EpisodeProducedNothing("the workflow returned no trajectory")

@@ -108,6 +108,9 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
     errors.extend(lora_problems(recipe))
     errors.extend(workflow_problems(recipe))
     errors.extend(endpoint_sampling_problems(recipe))
+    det_errors, det_warnings = determinism_problems(recipe)
+    errors += det_errors
+    warnings += det_warnings
     loss = t.loss
     if loss.kl_coef > 0 and loss.kl_type == "k3" and loss.kl_in == "loss":
         warnings.append(
@@ -233,6 +236,55 @@ def endpoint_sampling_problems(recipe: Recipe) -> list[str]:
         "for agent code, verifiers environments, and an episode workflow handed the "
         "endpoint (rollout.endpoint = true)"
     ]
+
+
+SERVER_BATCHING = (
+    "its server batches whatever requests are in flight together (continuous batching, "
+    "a shared prefix cache, kernels chosen by batch size), so a sample's logits depend on "
+    "the other sequences of its batch and a seed fixes only the draw; asyncrl cannot run "
+    "a server's sequences alone, nor check that its kernels are batch-invariant"
+)
+"""Why a server engine cannot make ``rollout.deterministic`` hold."""
+
+
+def determinism_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
+    """``rollout.deterministic`` where it cannot hold (errors): a server engine, whose
+    batches asyncrl does not control, or a workflow whose samples come from endpoint
+    calls, which carry no sample index to seed them by; and where it holds only in part
+    (warnings): η > 0, user episode code."""
+    r = recipe.rollout
+    if not r.deterministic:
+        return [], []
+    errors: list[str] = []
+    warnings: list[str] = []
+    if r.engine.type in ("vllm", "sglang"):
+        errors.append(
+            f'rollout.deterministic = true with rollout.engine.type = "{r.engine.type}": '
+            f'{SERVER_BATCHING}; use "hf", which runs each sequence alone'
+        )
+    if r.workflow.needs_endpoint:
+        errors.append(
+            f"rollout.deterministic = true with rollout.workflow = {r.workflow.spec()!r}: "
+            "its samples come from calls to the endpoint, which do not say which sample "
+            "of the group they belong to, so they cannot be seeded by it (every call would "
+            "get the one seed of rollout.sampling, and a group identical samples)"
+        )
+    elif r.workflow.type == "episode":
+        warnings.append(
+            f"rollout.deterministic = true with rollout.workflow = {r.workflow.spec()!r}: "
+            "its code makes its own requests; they repeat only if each carries a seed from "
+            "its sample (asyncrl.workflows.rlvr.sample_seed(sampling.seed, uid, index, "
+            "attempt), from the item's uid and attempt), and the endpoint's calls never do"
+        )
+    eta = recipe.buffer.max_head_offpolicyness
+    if eta > 0:
+        warnings.append(
+            f"rollout.deterministic = true with buffer.max_head_offpolicyness = {eta}: each "
+            "sample is seeded and computed alone, but which weights it meets (an update "
+            "may land in mid-episode), and which groups make a batch, depend on timing; "
+            "only η = 0 makes two runs of one seed train the same weights"
+        )
+    return errors, warnings
 
 
 def data_problems(recipe: Recipe) -> list[str]:

@@ -415,6 +415,14 @@ class RolloutConfig(Placement):
     """Rollout engines and the trainer take turns on one accelerator: before each trainer
     step the engines pause and release their weights and KV cache, and take them back
     with the new weights (synchronous, like η = 0, but in half the GPUs)."""
+    deterministic: bool = False
+    """Generation that depends only on (``run.seed``, prompt id, sample index, attempt):
+    every sample draws from a generator of its own, seeded from those, and the engine
+    computes each sequence alone, so no float depends on what else was in flight (the hf
+    engine decodes one sequence at a time, without its prefix cache: slower). The buffer
+    orders each batch by prompt id. With ``buffer.max_head_offpolicyness = 0`` two runs of
+    one seed train the same weights; vllm, sglang and the endpoint's workflows refuse it
+    (``asyncrl check`` says why)."""
 
     @property
     def serves_endpoint(self) -> bool:

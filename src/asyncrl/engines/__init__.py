@@ -28,7 +28,9 @@ def build_engine(recipe: Recipe) -> InferenceEngine:
     from the ``model`` and ``rollout.engine`` sections themselves. Server engines log
     under ``<run>/logs``; ``rollout.colocate`` asks for engines that can release their
     memory (hf, sglang; the recipe checks refuse vllm). Server engines of a run that
-    publishes LoRA adapters start their servers with LoRA on."""
+    publishes LoRA adapters start their servers with LoRA on. ``rollout.deterministic``
+    makes the hf engine run one sequence at a time (the recipe checks refuse it for the
+    server engines; the instant engine is deterministic as it is)."""
     cfg = recipe.rollout.engine
     module, _, name = BACKENDS[cfg.type].partition(":")
     cls = getattr(importlib.import_module(module), name)
@@ -37,6 +39,8 @@ def build_engine(recipe: Recipe) -> InferenceEngine:
         options["log_dir"] = recipe.run.path / "logs"
     if cfg.type in ("hf", "sglang"):
         options["memory_saver"] = recipe.rollout.colocate
+    if cfg.type == "hf":
+        options["deterministic"] = recipe.rollout.deterministic
     lora = recipe.trainer.lora
     if cfg.type in ("vllm", "sglang") and lora.publishes_adapter:
         options["lora_rank"] = lora.rank  # the servers start with LoRA on

@@ -36,6 +36,14 @@ layers of every decoder layer of a 0.5B model ≈ 1.4 GiB. In a float32 engine t
 the live weight, as before. The merge is staged like a download, while generation goes
 on; the pause only copies the merged weights in.
 
+Deterministic (``deterministic=True``, the recipe's ``rollout.deterministic``): each
+sequence runs alone, from an empty batch to its end (a decode batch of one, no prefix
+cache, so no shared prefill and no cross-row copy), so a request's numbers never depend on
+which other requests were in flight or when they came: each shape it computes is a
+function of its own tokens. With a ``seed`` its tokens and logprobs are then a function of
+the weights, the request and the seed alone. Concurrent requests queue and run one after
+the other, in the order they came: throughput falls to that of one sequence.
+
 Pausing takes effect between two steps: the running sequences end as ``abort`` with their
 partial tokens and the KV cache is dropped; :class:`~asyncrl.api.inference.InferenceEngine`
 resubmits them after ``resume()``, so their continuation is prefilled from the partial
@@ -138,7 +146,8 @@ class HFEngine(InferenceEngine):
     section. ``memory_saver`` (a colocated run) keeps the weights in a region that
     :meth:`release_memory` can free, when ``torch_memory_saver`` is installed and the
     device is CUDA. ``on_step`` (if given) is called on the event loop after every step
-    with its :class:`StepResult`.
+    with its :class:`StepResult`. ``deterministic`` runs one sequence at a time (see the
+    module docstring), whatever ``config.max_batch_size`` and ``prefix_cache_mb`` say.
     """
 
     def __init__(
@@ -150,10 +159,15 @@ class HFEngine(InferenceEngine):
         logprob_mode: LogprobMode = "processed",
         version: int = 0,
         on_step: Callable[[StepResult], None] | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__(version)
         model = model if isinstance(model, ModelConfig) else ModelConfig(path=model)
         self.config = config or HFEngineConfig()
+        self.deterministic = deterministic
+        self.max_batch_size = 1 if deterministic else self.config.max_batch_size
+        """Most sequences decoded together: one when deterministic."""
+        self._warned_unseeded = False
         self.model_spec = model.path
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(model.dtype, self.device)
@@ -261,7 +275,9 @@ class HFEngine(InferenceEngine):
             self.model,
             max_positions=self._max_positions,
             logprob_mode=self.logprob_mode,
-            prefix_cache_bytes=self.config.prefix_cache_mb << 20,
+            # a cached prefix's keys were computed in another sequence's prefill, whose
+            # shape was not this one's
+            prefix_cache_bytes=0 if self.deterministic else self.config.prefix_cache_mb << 20,
         )
 
     async def _in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -285,6 +301,14 @@ class HFEngine(InferenceEngine):
         generator = None
         if sp.seed is not None:
             generator = torch.Generator().manual_seed(sp.seed)  # CPU: sampling draws there
+        elif self.deterministic and sp.temperature > 0 and not self._warned_unseeded:
+            self._warned_unseeded = True
+            log.warning(
+                "deterministic engine: a request samples without a seed, from torch's "
+                "global generator, so its tokens depend on what ran before it; give every "
+                "request a seed (asyncrl.workflows.rlvr.sample_seed)",
+                rid=request.rid,
+            )
         seq = Sequence(
             key=next(self._keys),
             prompt=list(request.input_ids),
@@ -353,7 +377,7 @@ class HFEngine(InferenceEngine):
         admit: list[_Pending] = []
         budget = self.config.max_prefill_tokens
         firsts: dict[tuple[int, ...], list[int]] = {}
-        while self._waiting and len(self._running) < self.config.max_batch_size:
+        while self._waiting and len(self._running) < self.max_batch_size:
             p = self._waiting[0]
             if p.future.done():  # its caller went away before it started
                 self._waiting.popleft()

@@ -163,6 +163,12 @@ class Prompt(Message):
     KIND: ClassVar[str] = "prompt"
     uid: str
     data: dict[str, Any]
+    # ≥ 1, but unconstrained: a field constraint takes Lease off the codec's fast path
+    attempt: int = Field(
+        default=1,
+        description="the how-many-th lease of this prompt this is (a retry after a failed or "
+        "lost episode counts on): with rollout.deterministic a retry draws other samples",
+    )
 
 
 class LeaseRequest(Message):

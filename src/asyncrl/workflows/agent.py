@@ -40,6 +40,7 @@ from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.base import (
     TokenTrace,
     encode_text,
+    item_attempt,
     rest_of_turn_end,
     split_item,
 )
@@ -194,9 +195,11 @@ class AgentWorkflow(RolloutWorkflow):
         self, engine: InferenceEngine, item: dict[str, Any] | Prompt
     ) -> list[Trajectory] | None:
         uid, record = split_item(item)
+        attempt = item_attempt(item)
         async with asyncio.TaskGroup() as tg:
             tasks = [
-                tg.create_task(self._sample(engine, uid, record, i)) for i in range(self.group_size)
+                tg.create_task(self._sample(engine, uid, record, i, attempt))
+                for i in range(self.group_size)
             ]
         results = [t.result() for t in tasks]
         if any(r is None for r in results):
@@ -204,13 +207,18 @@ class AgentWorkflow(RolloutWorkflow):
         return [r for r in results if r is not None]
 
     async def _sample(
-        self, engine: InferenceEngine, uid: str, record: dict[str, Any], index: int
+        self,
+        engine: InferenceEngine,
+        uid: str,
+        record: dict[str, Any],
+        index: int,
+        attempt: int = 1,
     ) -> Trajectory | None:
         env: Environment = self.env_factory()
         start = await env.reset(record)
         trace = TokenTrace()
         trace.add_context(self.chat.prompt_ids(start.messages, start.tools, self.tool_listing))
-        seed = sample_seed(self.sampling.seed, uid, index)
+        seed = sample_seed(self.sampling.seed, uid, index, attempt)
         counts: Counter[str] = Counter()
         errors: Counter[str] = Counter()
         latency = 0.0

@@ -11,14 +11,27 @@ from typing import Any
 from asyncrl.api.inference import GenerateResponse
 from asyncrl.wire.messages import Array, Prompt, SampledWith, Trajectory
 
+ITEM_KEYS = ("uid", "attempt")
+"""The keys of a workflow item that are not the prompt record's: the prompt's id, and the
+how-many-th lease of it the episode runs under (1 when absent)."""
+
 
 def split_item(item: dict[str, Any] | Prompt) -> tuple[str, dict[str, Any]]:
-    """``(uid, record)`` of a workflow item; the record is the item without its uid."""
+    """``(uid, record)`` of a workflow item; the record is the item without its uid and
+    attempt."""
     if isinstance(item, Prompt):
         return item.uid, dict(item.data)
     if "uid" not in item:
         raise KeyError("a workflow item needs a 'uid' (the prompt's id)")
-    return str(item["uid"]), {k: v for k, v in item.items() if k != "uid"}
+    return str(item["uid"]), {k: v for k, v in item.items() if k not in ITEM_KEYS}
+
+
+def item_attempt(item: dict[str, Any] | Prompt) -> int:
+    """The how-many-th lease of its prompt a workflow item runs under: 1, 2 … (a retry
+    after a failed or lost episode); 1 for an item that does not say (an eval's)."""
+    if isinstance(item, Prompt):
+        return item.attempt
+    return int(item.get("attempt", 1))
 
 
 def chat_messages(

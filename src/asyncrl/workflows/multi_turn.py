@@ -27,6 +27,7 @@ from asyncrl.workflows.base import (
     chat_messages,
     encode_chat,
     encode_text,
+    item_attempt,
     rest_of_turn_end,
     split_item,
 )
@@ -95,10 +96,11 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self, engine: InferenceEngine, item: dict[str, Any] | Prompt
     ) -> list[Trajectory] | None:
         uid, record = split_item(item)
+        attempt = item_attempt(item)
         prompt_ids = encode_chat(self.tokenizer, chat_messages(record, self.system_prompt))
         async with asyncio.TaskGroup() as tg:
             tasks = [
-                tg.create_task(self._sample(engine, uid, record, prompt_ids, i))
+                tg.create_task(self._sample(engine, uid, record, prompt_ids, i, attempt))
                 for i in range(self.group_size)
             ]
         results = [t.result() for t in tasks]
@@ -113,10 +115,11 @@ class MultiTurnWorkflow(RolloutWorkflow):
         record: dict[str, Any],
         prompt_ids: list[int],
         index: int,
+        attempt: int = 1,
     ) -> Trajectory | None:
         trace = TokenTrace()
         trace.add_context(prompt_ids)
-        seed = sample_seed(self.sampling.seed, uid, index)
+        seed = sample_seed(self.sampling.seed, uid, index, attempt)
         texts: list[str] = []
         rewards: list[float] = []
         reasons: list[str] = []

@@ -18,15 +18,18 @@ from asyncrl.workflows.base import (
     TokenTrace,
     chat_messages,
     encode_chat,
+    item_attempt,
     split_item,
 )
 
 
-def sample_seed(seed: int | None, prompt_uid: str, index: int) -> int | None:
-    """A distinct, reproducible seed per sample of a group (None stays None)."""
+def sample_seed(seed: int | None, prompt_uid: str, index: int, attempt: int = 1) -> int | None:
+    """A distinct, reproducible seed per sample of a group and attempt (the how-many-th
+    lease of the prompt: a retry draws anew); None stays None."""
     if seed is None:
         return None
-    return zlib.crc32(f"{seed}/{prompt_uid}/{index}".encode())
+    retry = f"/{attempt}" if attempt > 1 else ""
+    return zlib.crc32(f"{seed}/{prompt_uid}/{index}{retry}".encode())
 
 
 class RLVRWorkflow(RolloutWorkflow):
@@ -52,12 +55,13 @@ class RLVRWorkflow(RolloutWorkflow):
         self, engine: InferenceEngine, item: dict[str, Any] | Prompt
     ) -> list[Trajectory] | None:
         uid, record = split_item(item)
+        attempt = item_attempt(item)
         prompt_ids = encode_chat(self.tokenizer, chat_messages(record, self.system_prompt))
         requests = [
             GenerateRequest(
                 input_ids=prompt_ids,
                 sampling=self.sampling.model_copy(
-                    update={"seed": sample_seed(self.sampling.seed, uid, i)}
+                    update={"seed": sample_seed(self.sampling.seed, uid, i, attempt)}
                 ),
                 rid=f"{uid}/{i}",
             )

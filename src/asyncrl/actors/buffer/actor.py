@@ -96,7 +96,11 @@ class BufferActor(Actor):
             ),
         )
         self.batcher = Batcher(
-            self.admission, self.staleness, self.journal, batch_size=r.buffer.batch_size
+            self.admission,
+            self.staleness,
+            self.journal,
+            batch_size=r.buffer.batch_size,
+            ordered=r.rollout.deterministic,
         )
         self.ready_changed = asyncio.Event()
         self.stopping = False

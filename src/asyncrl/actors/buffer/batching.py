@@ -1,6 +1,10 @@
 """Batches: the oldest B admitted groups that are still within η, for one trainer step.
 
 A repeated request for the same step gets the same batch, so a lost reply loses no data.
+The groups are in the order they were admitted (the order their last samples were
+scored), or with ``ordered`` (``rollout.deterministic``) by prompt id, so that a batch
+whose groups are given (η = 0, where no more than B are ever admitted ahead of the
+trainer) is one list whatever order its episodes finished in.
 The dataset position at each batch is recorded (for a run resumed from a checkpoint), not
 sent: the batch holds what training reads.
 A batch too large for one message goes into the run's batch bucket; the trainer deletes
@@ -29,8 +33,10 @@ class Batcher:
         journal: Journal,
         *,
         batch_size: int,
+        ordered: bool = False,
     ) -> None:
         self.admission = admission
+        self.ordered = ordered
         self.staleness = staleness
         self.journal = journal
         self.batch_size = batch_size
@@ -81,6 +87,8 @@ class Batcher:
         """The batch of ``step`` (call only when :meth:`ready`), remembered for repeats;
         ``position`` is the dataset position now, recorded for resume."""
         groups = [self.admission.ready.popleft() for _ in range(self.batch_size)]
+        if self.ordered:
+            groups.sort(key=lambda g: g.prompt_uid)
         batch = TrainBatchRef(
             step=step,
             version=self.staleness.version,

@@ -120,9 +120,12 @@ class LeaseBook:
         n = min(req.max_episodes, self.staleness.capacity())
         self.issued += 1
         lease_id = f"{self.incarnation}:{req.actor_id}:{self.issued}"
-        prompts = [self.source.take() for _ in range(n)]
-        for p in prompts:
+        prompts = []
+        for _ in range(n):
+            p = self.source.take()
             self.attempts[p.uid] += 1
+            p = p.model_copy(update={"attempt": self.attempts[p.uid]})
+            prompts.append(p)
             self.leased[p.uid] = Leased(p, req.actor_id, lease_id)
             self.journal.event("lease", prompt=p.uid, actor=req.actor_id, lease=lease_id)
         self.staleness.on_start(n)
