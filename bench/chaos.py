@@ -8,9 +8,11 @@ Every run is ``asyncrl up recipes/ci.toml`` for ``--steps`` steps on a 3-server 
 cluster (the run's streams and object stores replicated on all three), with evaluation
 on, so that each of its parts is there to be killed. What is killed, and when, comes from
 ``random.Random(f"{seed}:{run}")``, printed before the run starts: one of the rollout,
-reward, buffer, trainer or eval actor, or one of the three nats-servers, ``delay``
-seconds after the trainer finished step ``k`` (k in 1 … steps − 2, so that steps follow
-the kill). Every run uses the same ``run.seed``: runs differ only by the kill and by
+reward, buffer, trainer or eval actor, or one of the three nats-servers, a ``fraction``
+of a step after the trainer finished step ``k`` (k in 2 … steps − 2; the fraction of the
+time step k took, from step k − 1's end: the first step's time is mostly the run's
+start-up), so that the kill falls about while step k + 1 is under way, whatever the
+machine's speed, and steps follow it. Every run uses the same ``run.seed``: runs differ only by the kill and by
 timing.
 
 After each run, these must hold (each failure a violation of its kind):
@@ -66,21 +68,24 @@ REPO = Path(__file__).resolve().parent.parent
 ACTORS = ("rollout", "reward", "buffer", "trainer", "eval")
 ROLES = (*ACTORS, "nats")
 VIOLATIONS = ("exit", "restart", *KINDS, "replay", "length_bias")
+STEP_CAP_S = 10.0
+"""The longest step a kill's fraction is taken of (a watcher that missed step k − 1 takes
+the time since it began to watch)."""
 
 
 @dataclass
 class Kill:
     role: str
     after_step: int
-    delay: float
+    fraction: float
 
     def __str__(self) -> str:
-        return f"kill -9 {self.role} {self.delay:.1f} s after step {self.after_step}"
+        return f"kill -9 {self.role} {self.fraction:.2f} of a step after step {self.after_step}"
 
 
 def plan_kill(seed: int, run: int, steps: int, roles: tuple[str, ...]) -> Kill:
     rng = random.Random(f"{seed}:{run}")
-    return Kill(rng.choice(roles), rng.randint(1, steps - 2), round(rng.uniform(0.0, 3.0), 2))
+    return Kill(rng.choice(roles), rng.randint(2, steps - 2), round(rng.uniform(0.0, 1.0), 2))
 
 
 @dataclass
@@ -175,10 +180,13 @@ async def watch_and_kill(run_dir: Path, kill: Kill | None, outcome: Outcome) -> 
     subjects = Subjects(run_dir.name)
     await bus.subscribe(subjects.heartbeat("*"), ActorInfo, on_beat)
     await bus.subscribe(subjects.metrics("trainer"), Metrics, on_metrics)
+    watching = time.monotonic()
     try:
         if kill is not None:
             await reached.wait()
-            await asyncio.sleep(kill.delay)
+            k = min(s for s in step_times if s >= kill.after_step)
+            took = step_times[k] - step_times.get(k - 1, watching)
+            await asyncio.sleep(kill.fraction * min(took, STEP_CAP_S))
             if kill.role == "nats":
                 servers = server_pids(run_dir)
                 pid = servers[random.Random(str(kill)).choice(sorted(servers))]
@@ -414,7 +422,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.out = Path(args.out).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.steps < 4:
-        p.error("--steps must be at least 4: a kill after step 1 … steps − 2, a checkpoint")
+        p.error("--steps must be at least 4: a kill after step 2 … steps − 2, a checkpoint")
     return args
 
 
