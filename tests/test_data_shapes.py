@@ -129,7 +129,7 @@ def test_questions_per_image_share_the_image(tmp_path: Path):
 def test_bad_settings_say_what_to_change(tmp_path: Path):
     with pytest.raises(ValueError, match=r"data\.colors: \['pink'\] not among red"):
         ShapesSettings(colors=("red", "pink"))
-    with pytest.raises(ValueError, match=r"data\.kinds is empty"):
+    with pytest.raises(ValueError, match=r"data\.kinds: empty: give some of"):
         ShapesSettings(kinds=())
     with pytest.raises(ValueError, match=r"data\.min_shapes \(4\) must be >= 1 and <= "):
         ShapesSettings(min_shapes=4, max_shapes=2)

@@ -38,7 +38,7 @@ from asyncrl.config.workflow import (
     workflow_shorthand,
 )
 from asyncrl.data.gsm8k import BOXED_INSTRUCTION
-from asyncrl.data.shapes import COLORS, KINDS, QUESTIONS, SHAPES_INSTRUCTION
+from asyncrl.data.shapes import COLORS, KINDS, QUESTIONS, SHAPES_INSTRUCTION, names_among
 from asyncrl.endpoint.requests import SamplingMode
 
 # The sections of other components are theirs: each class is the config its component
@@ -223,17 +223,6 @@ class ProductsData(Section):
     answer); needs a chat template that renders the ``tool`` role."""
 
 
-def _names_among(names: list[str], allowed: tuple[str, ...]) -> list[str]:
-    if not names:
-        raise ValueError(f"empty: give some of {', '.join(allowed)}")
-    unknown = [n for n in names if n not in allowed]
-    if unknown:
-        raise ValueError(f"{unknown} not among {', '.join(allowed)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"{names} repeats a name")
-    return names
-
-
 class ShapesData(Section):
     type: Literal["shapes"] = "shapes"
     """Synthetic offline images of coloured circles, squares and triangles, each with a
@@ -265,17 +254,17 @@ class ShapesData(Section):
     @field_validator("colors")
     @classmethod
     def _known_colors(cls, v: list[str]) -> list[str]:
-        return _names_among(v, tuple(COLORS))
+        return names_among(v, tuple(COLORS))
 
     @field_validator("kinds")
     @classmethod
     def _known_kinds(cls, v: list[str]) -> list[str]:
-        return _names_among(v, KINDS)
+        return names_among(v, KINDS)
 
     @field_validator("questions")
     @classmethod
     def _known_questions(cls, v: list[str]) -> list[str]:
-        return _names_among(v, QUESTIONS)
+        return names_among(v, QUESTIONS)
 
     @model_validator(mode="after")
     def _shape_counts(self) -> ShapesData:

@@ -88,8 +88,8 @@ class ShapesSettings:
                 f"data.min_shapes ({self.min_shapes}) must be >= 1 and <= data.max_shapes "
                 f"({self.max_shapes})"
             )
-        _check_names("data.colors", self.colors, tuple(COLORS))
-        _check_names("data.kinds", self.kinds, KINDS)
+        names_among(self.colors, tuple(COLORS), "data.colors")
+        names_among(self.kinds, KINDS, "data.kinds")
 
     def digest(self, seed: int) -> str:
         """A short name for the folder that holds this seed's images under these settings."""
@@ -97,14 +97,18 @@ class ShapesSettings:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _check_names(key: str, names: Sequence[str], allowed: tuple[str, ...]) -> None:
+def names_among(names: Sequence[str], allowed: tuple[str, ...], key: str = "") -> list[str]:
+    """``names`` when each is one of ``allowed``, none twice and some at all; else a
+    ValueError that starts with ``key``."""
+    where = f"{key}: " if key else ""
     if not names:
-        raise ValueError(f"{key} is empty: give some of {', '.join(allowed)}")
+        raise ValueError(f"{where}empty: give some of {', '.join(allowed)}")
     unknown = [n for n in names if n not in allowed]
     if unknown:
-        raise ValueError(f"{key}: {unknown} not among {', '.join(allowed)}")
+        raise ValueError(f"{where}{unknown} not among {', '.join(allowed)}")
     if len(set(names)) != len(names):
-        raise ValueError(f"{key}: {list(names)} repeats a name")
+        raise ValueError(f"{where}{list(names)} repeats a name")
+    return list(names)
 
 
 def draw_scene(settings: ShapesSettings, seed: int, index: int) -> list[Shape]:
@@ -228,7 +232,7 @@ def shapes_records(
     settings = settings or ShapesSettings()
     if not questions:
         raise ValueError(f"data.questions is empty: give some of {', '.join(QUESTIONS)}")
-    _check_names("data.questions", questions, QUESTIONS)
+    names_among(questions, QUESTIONS, "data.questions")
     if questions_per_image < 1:
         raise ValueError(f"data.questions_per_image must be >= 1, got {questions_per_image}")
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()

@@ -12,6 +12,7 @@ import os
 import shutil
 import string
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 TINY_NAME = "tiny-random-llama"
@@ -70,10 +71,21 @@ def tiny_model_dir(cache_dir: Path | None = None, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}-", dir=root))
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+
+    return build_once(target, write)
+
+
+def build_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """``target`` as ``write`` fills it, written into a temporary folder beside it and
+    renamed into place, so that concurrent builders never see half a model: the first
+    rename wins and the others' identical copies are dropped."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+        write(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; its copy is identical

@@ -14,13 +14,11 @@ ones need torchvision, which does not load beside this project's CPU torch.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.models.tiny import build_tokenizer
+from asyncrl.models.tiny import build_once, build_tokenizer
 
 QWEN2_VL_NAME = "tiny-random-qwen2-vl"
 IDEFICS3_NAME = "tiny-random-idefics3"
@@ -192,14 +190,4 @@ def tiny_vlm_dir(name: str, cache_dir: Path, seed: int = 0) -> Path:
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
-    try:
-        TINY_VLMS[name](tmp, seed)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    return build_once(target, lambda folder: TINY_VLMS[name](folder, seed))
