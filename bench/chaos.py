@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from asyncrl.observe.audit import KINDS, audit_run, read_jsonl
+from asyncrl.runtime import lineage
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import configure_logging
 from asyncrl.runtime.nats_server import nats_info_for_run
@@ -118,29 +119,6 @@ def up_argv(run_dir: Path, steps: int, run_seed: int) -> list[str]:
     flags = [x for s in sets for x in ("--set", s)]
     recipe = str(REPO / "recipes" / "ci.toml")
     return [sys.executable, "-m", "asyncrl.entry.cli", "up", recipe, *flags, "--quiet"]
-
-
-def run_pids(run_dir: Path) -> list[int]:
-    """Processes whose command line names ``run_dir``: the run's actors."""
-    needle, pids = str(run_dir).encode(), []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if needle in (entry / "cmdline").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-    return pids
-
-
-def kill_everything(proc: asyncio.subprocess.Process, run_dir: Path) -> None:
-    """What is left of a run that overran: ``up``'s group and every actor's group."""
-    groups = {proc.pid}
-    for pid in run_pids(run_dir):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            groups.add(os.getpgid(pid))
-    groups.discard(os.getpgrp())
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
 
 
 def server_pids(run_dir: Path) -> dict[str, int]:
@@ -236,7 +214,7 @@ async def one_run(run_dir: Path, kill: Kill | None, args: argparse.Namespace) ->
         outcome.violations.append(("exit", f"{type(exc).__name__}: {exc}"))
     finally:
         if proc.returncode is None:
-            kill_everything(proc, run_dir)
+            lineage.kill_run(proc.pid, run_dir)  # what is left of a run that overran
             await proc.wait()
         log.close()
         if watcher is not None:

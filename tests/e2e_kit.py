@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.runtime import lineage
+
 REPO = Path(__file__).resolve().parent.parent
 CI_RECIPE = REPO / "recipes" / "ci.toml"
 
@@ -55,35 +57,14 @@ class UpRun:
 
 def run_processes(run_dir: Path) -> list[int]:
     """Pids of the processes whose command line names ``run_dir`` (a run's actors)."""
-    needle = str(run_dir).encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue  # gone already, or not ours to read
-        if needle in cmdline.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
+    return lineage.naming(run_dir)
 
 
 def kill_run(proc: asyncio.subprocess.Process, run_dir: Path) -> None:
     """SIGKILL to ``up``'s process group, to the group of each of the run's actors, and to
     each process the test itself started for the run (``asyncrl attach``: it is in the
     test's own group, which is spared)."""
-    groups, own = {proc.pid}, os.getpgrp()
-    for pid in run_processes(run_dir):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(pid) != own:
-                groups.add(os.getpgid(pid))
-            elif pid != os.getpid():
-                os.kill(pid, signal.SIGKILL)
-    groups.discard(own)
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
+    lineage.kill_run(proc.pid, run_dir)
 
 
 def run_dir_of(argv: list[str]) -> Path | None:

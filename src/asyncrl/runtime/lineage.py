@@ -145,3 +145,39 @@ async def end(members: Callable[[], list[int]], grace: float) -> list[int]:
         _signal_all(pids, signal.SIGKILL)
         await wait_gone(pids, KILL_WAIT_S)
     return members()
+
+
+def naming(run_dir: Path) -> list[int]:
+    """Pids of the processes whose command line names ``run_dir`` as one argument: a run's
+    actors, seen from outside the run (a test, a bench), which has no run token."""
+    needle = str(run_dir).encode()
+    pids = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = Path(entry.path, "cmdline").read_bytes()
+            except OSError:
+                continue  # gone already, or not ours to read
+            if needle in cmdline.split(b"\0"):
+                pids.append(int(entry.name))
+    return pids
+
+
+def kill_run(up_pid: int, run_dir: Path) -> None:
+    """SIGKILL, from outside, to what is left of the run ``run_dir`` that ``up`` (``up_pid``,
+    started in a session of its own) runs: ``up``'s process group, the group of each of the
+    run's actors (:func:`naming`), and each such process in the caller's own group (one the
+    caller started for the run, say ``asyncrl attach``), which is spared as a group."""
+    groups, own = {up_pid}, os.getpgrp()
+    for pid in naming(run_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) != own:
+                groups.add(os.getpgid(pid))
+            elif pid != os.getpid():
+                os.kill(pid, signal.SIGKILL)
+    groups.discard(own)
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
