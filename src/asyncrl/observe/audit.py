@@ -71,16 +71,19 @@ class Audit:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The lines of ``path`` that are whole JSON objects: a process killed while writing
-    leaves a torn last line, which is skipped."""
+    """The JSON objects of a run's JSONL record ``path`` ([] when there is none): a line a
+    killed writer cut short is skipped, as is anything not an object."""
     if not path.is_file():
         return []
-    out = []
+    rows = []
     for line in path.read_text().splitlines():
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            out.append(json.loads(line))
-    return out
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed process, or a blank one
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def staleness_bound(run_dir: Path) -> int:

@@ -18,10 +18,11 @@ is ``FIGSIZE`` × ``DPI`` pixels.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from asyncrl.observe.audit import read_jsonl
 
 FIGSIZE = (12.0, 5.0)
 DPI = 100
@@ -29,18 +30,6 @@ PIXELS = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
 """Width and height of every PNG."""
 
 PLOTS_DIR = "plots"
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a killed process
-    return rows
 
 
 @dataclass
@@ -55,9 +44,9 @@ class RunData:
 
     @classmethod
     def load(cls, run_dir: Path) -> RunData:
-        metrics = _read_jsonl(run_dir / "metrics.jsonl")
-        evals = _read_jsonl(run_dir / "eval.jsonl")
-        samples = _read_jsonl(run_dir / "trained_samples.jsonl")
+        metrics = read_jsonl(run_dir / "metrics.jsonl")
+        evals = read_jsonl(run_dir / "eval.jsonl")
+        samples = read_jsonl(run_dir / "trained_samples.jsonl")
         times = [r["time"] for r in metrics + evals if "time" in r]
         return cls(
             name=run_dir.name,
