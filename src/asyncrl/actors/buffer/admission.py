@@ -189,18 +189,14 @@ class Admission:
         """Takes one scored sample; returns what became of it: ``duplicate``, ``invalid``,
         ``pending`` (its group is not complete), ``rejected``, ``filtered`` or ``admitted``.
         The rules for samples of several attempts are the module's."""
-        held = self.groups.get(traj.prompt_uid, {})
-        whole = whole_episodes(held.values()) if held else {}
-        if traj.prompt_uid in self.completed and self.leases.end_rerun(
-            traj.prompt_uid, traj.attempt
-        ):
+        if traj.prompt_uid in self.completed:
+            # a lease that ran the admitted group again (a replacement buffer's) ends here
+            self.leases.end_rerun(traj.prompt_uid, traj.attempt)
             self.journal.count("duplicates")
             return "duplicate"
-        if (
-            traj.prompt_uid in self.completed
-            or (traj.attempt, traj.uid) in held
-            or traj.group_index in whole
-        ):
+        held = self.groups.get(traj.prompt_uid, {})
+        whole = whole_episodes(held.values()) if held else {}
+        if (traj.attempt, traj.uid) in held or traj.group_index in whole:
             self.journal.count("duplicates")
             return "duplicate"
         if (traj.attempt, traj.prompt_uid) in self.refused:
