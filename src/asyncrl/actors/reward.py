@@ -106,14 +106,10 @@ class RewardActor(Actor):
                 self.counters[f"failed:{result.reason.split(':')[0]}"] += 1
                 self.log.warning("reward failed", sample=traj.uid, reason=result.reason)
             self.counters["scored"] += 1
-            # scored and past scoring in one copy (see Trajectory.past_scoring)
-            return traj.model_copy(
-                update={
-                    "reward": float(result.reward),
-                    "reward_info": {**traj.reward_info, "ok": result.ok, "reason": result.reason},
-                    "data": {},
-                    "completion": "",
-                }
+            # scored and past scoring in one copy
+            return traj.past_scoring(
+                reward=float(result.reward),
+                reward_info={**traj.reward_info, "ok": result.ok, "reason": result.reason},
             )
         self.counters["prescored"] += 1
         self.counters["scored"] += 1

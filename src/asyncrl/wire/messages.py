@@ -284,13 +284,14 @@ class Trajectory(Message):
         _check_lengths(self)
         return self
 
-    def past_scoring(self) -> Trajectory:
+    def past_scoring(self, **update: Any) -> Trajectory:
         """This sample as it goes on once scored: without the prompt record and the
         completion text, which only scoring reads (the buffer keeps the records by prompt
-        id, and training reads tokens)."""
-        if not self.data and not self.completion:
+        id, and training reads tokens); ``update`` sets other fields in the same copy (the
+        score)."""
+        if not update and not self.data and not self.completion:
             return self
-        return self.model_copy(update={"data": {}, "completion": ""})
+        return self.model_copy(update={**update, "data": {}, "completion": ""})
 
     def msg_id(self, stage: str) -> str:
         """JetStream dedup id at ``stage`` (``raw``, ``scored``): the same publish retried
