@@ -70,11 +70,11 @@ from asyncrl.workflows.rlvr import sample_seed
 EVAL_FILE = "eval.jsonl"
 
 PASS_THRESHOLD = 0.5
+"""A sample with at least this reward counts as solved for pass@k."""
 
 FINAL_CHECK_EVERY = 5.0
 """Seconds without a due version after which the eval actor looks for the trainer's final
 checkpoint (:meth:`EvalActor._evaluate_final_checkpoint`)."""
-"""A sample with at least this reward counts as solved for pass@k."""
 
 
 @dataclass
@@ -290,7 +290,8 @@ class EvalActor(Actor):
         self.log.info("final weights from the checkpoint", version=meta["version"], path=folder)
         with self.tracer.span("load weights", to_version=meta["version"]):
             await engine.update_weights(await engine.stage_weights(folder), meta["version"])
-        await self._evaluate_and_record(meta["version"], meta.get("epoch", 0))
+        # a checkpoint does not record its trainer epoch: the record says 0
+        await self._evaluate_and_record(meta["version"])
 
     async def _evaluate_and_record(self, version: int, epoch: int = 0) -> None:
         """Scores ``version`` and appends its record to ``eval.jsonl``. Versions are
