@@ -75,6 +75,14 @@ def enc(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def prompt_ids(tokenizer: Any, system: str) -> list[int]:
+    """RECORD's question after the system message ``system``, ready for the first reply."""
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": RECORD["prompt"]}]
+    return enc(
+        tokenizer, tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    )
+
+
 def spans_check(traj: Trajectory, generated: list[tuple[int, int]], versions: list[int]) -> None:
     mask = traj.loss_mask.numpy().astype(bool)
     expected = np.zeros_like(mask)
@@ -96,14 +104,7 @@ async def test_a_tool_call_trajectory_is_prompt_outputs_and_observations(tokeniz
     [traj] = await wf.arun_episode(engine, RECORD)  # type: ignore[misc]
 
     system = tools_system_text([tool.schema()])
-    prompt = enc(
-        tokenizer,
-        tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": RECORD["prompt"]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        ),
-    )
+    prompt = prompt_ids(tokenizer, system)
     out0, out1 = engine.outputs
     # The tiny template: <|role|>content\n. The model's EOS is no part of it, so the turn
     # is closed with the template's "\n" after it.
@@ -270,14 +271,7 @@ async def test_a_compact_listing_replaces_the_templates_own(tokenizer: Any) -> N
     )
     [traj] = await wf.arun_episode(engine, RECORD)  # type: ignore[misc]
     system = compact_tools_text([calculator_tool().schema()])
-    prompt = enc(
-        tokenizer,
-        tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": RECORD["prompt"]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        ),
-    )
+    prompt = prompt_ids(tokenizer, system)
     assert traj.input_ids.tolist()[: len(prompt)] == prompt  # no "TOOLS [...]" block
     assert traj.reward == 1.0 and traj.reward_info["tool_success"] == 1
     template = ChatFormat(wrapped).prompt_ids(
