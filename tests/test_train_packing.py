@@ -191,6 +191,38 @@ def test_flash_varlen_plumbing(monkeypatch: pytest.MonkeyPatch, params: set[str]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
+def test_flash_varlen_gets_autocast_s_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model over float32 master weights hands attention float32 q/k/v (the rotary
+    embedding's float32 cos/sin promote them) under bf16 autocast: the flash kernel must
+    still take the call, in bf16, not the per-segment loop."""
+    from asyncrl.train import attention
+
+    seen: list[torch.dtype] = []
+
+    def recording_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object,
+                         **kwargs: object) -> torch.Tensor:  # fmt: skip
+        seen.extend(t.dtype for t in (q, k, v))
+        return _fake_varlen(q.float(), k.float(), v.float(), *args, **kwargs).to(q.dtype)
+
+    monkeypatch.setattr(attention, "_VARLEN", recording_varlen)
+    monkeypatch.setattr(attention, "_VARLEN_PARAMS", {"scale", "window_size", "enable_gqa"})
+    # the CPU stands in for CUDA: the kernel applies wherever compute is in bf16
+    monkeypatch.setattr(attention, "_flash_applies", lambda q, dtype, p: dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 11, 8, generator=g)
+    k, v = (torch.randn(1, 2, 11, 8, generator=g) for _ in range(2))
+    cu = torch.tensor([0, 3, 4, 11], dtype=torch.int32)
+    module = torch.nn.Module().eval()
+    assert attention.compute_dtype(q) == torch.float32
+    out, _ = attention.varlen_causal_attention(module, q, k, v, None, cu_seq_lens_q=cu)
+    assert seen == [] and out.dtype == torch.float32  # float32 compute: the loop
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention.compute_dtype(q) == torch.bfloat16
+        got, _ = attention.varlen_causal_attention(module, q, k, v, None, cu_seq_lens_q=cu)
+    assert seen == [torch.bfloat16] * 3 and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), out, rtol=0, atol=3e-2)
+
+
 def test_split_minibatches_whole_sequences_even_tokens() -> None:
     lengths = [7, 12, 5, 16, 9, 3, 10, 14]
     parts = split_minibatches(lengths, 4)

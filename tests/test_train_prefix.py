@@ -311,7 +311,7 @@ def test_the_flash_path_is_given_each_segment_s_keys(monkeypatch: pytest.MonkeyP
     engine = float64_engine(train_config())
     lp, ent, grads, tokens = _forward_and_grads(engine, batch, share=False)
     monkeypatch.setattr(attention, "_VARLEN", flash_like_varlen)
-    monkeypatch.setattr(attention, "_flash_applies", lambda query, dropout_p: True)
+    monkeypatch.setattr(attention, "_flash_applies", lambda query, dtype, dropout_p: True)
     lp_s, ent_s, grads_s, tokens_s = _forward_and_grads(engine, batch, share=True)
     assert tokens_s < tokens
     assert_rel(lp_s, lp, "logprobs")
