@@ -28,6 +28,10 @@ that one failing row prints its error and the others still run:
    colocated on ``cuda:0``: exit 0, every step recorded in ``metrics.jsonl``, and the
    staleness of every trained sample (``trained_samples.jsonl``) at most η.
 
+``--profile DIR`` also writes a torch profiler table of one more trainer step and one more
+decode burst (``DIR/trainer.txt``, ``DIR/decode.txt``: the ops by device time, then by host
+time), for the next round of speed work on a machine that is only lent for minutes.
+
 With ``--device cpu`` the shapes are small (the tiny shape, 1k tokens a step, 16 new
 tokens) and the goals are not judged. The exit status is 1 if any row failed.
 """
@@ -37,10 +41,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import gc
+import io
 import json
 import math
 import os
+import pstats
 import signal
 import statistics
 import subprocess
@@ -48,12 +55,14 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from trainer import SHAPES, model_config, model_flops  # bench/trainer.py, beside this file
 from transformers import AutoModelForCausalLM
 
@@ -133,6 +142,53 @@ class Row:
 
 
 # --- shared pieces ---------------------------------------------------------------------------
+
+
+PROFILE_DIR: Path | None = None
+"""Where ``--profile`` writes its tables; None: no profiling."""
+
+
+@contextlib.contextmanager
+def profiling(name: str, engine: HFEngine | None = None) -> Iterator[None]:
+    """Profiles the body (sync or async code alike) into ``PROFILE_DIR/<name>.txt`` when
+    ``--profile`` is given; otherwise does nothing. torch's profiler sees the ops of this
+    thread and every CUDA kernel; with an ``engine``, whose model thread runs the ops, a
+    Python profile of that thread's calls is added (what the host spends per step)."""
+    if PROFILE_DIR is None:
+        yield
+        return
+    host = cProfile.Profile()
+    if engine is not None:
+        model_thread = engine._in_model_thread
+
+        async def profiled(fn: Callable[..., Any], *args: Any) -> Any:
+            def run(*a: Any) -> Any:
+                host.enable()
+                try:
+                    return fn(*a)
+                finally:
+                    host.disable()
+
+            return await model_thread(run, *args)
+
+        engine._in_model_thread = profiled  # type: ignore[method-assign]
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        with profile(activities=activities) as prof:
+            yield
+    finally:
+        if engine is not None:
+            del engine._in_model_thread  # the class's own again
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="self_cuda_time_total", row_limit=30)] if cuda else []
+    tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=30))
+    if engine is not None:
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+        tables.append("the model thread, by own time:\n" + text.getvalue())
+    PROFILE_DIR.mkdir(parents=True, exist_ok=True)  # (a table of no ops is empty: left out)
+    (PROFILE_DIR / f"{name}.txt").write_text("\n\n".join(t for t in tables if t.strip()) + "\n")
 
 
 def sync(device: torch.device) -> None:
@@ -267,6 +323,8 @@ def trainer_mfu(sizes: Sizes, device: str) -> Row:
         engine.train_step(batch)  # synchronises on CUDA (it reads the loss)
         times.append(time.perf_counter() - t0)
     timed = batches[sizes.warmup_steps :]
+    with profiling("trainer"):
+        engine.train_step(timed[-1])
     flops = statistics.mean(model_flops(engine, b) for b in timed)
     tokens = statistics.mean(sum(len(s) for s in b) for b in timed)
     step_s = statistics.median(times[sizes.warmup_steps :])
@@ -305,7 +363,9 @@ async def decode_throughput(sizes: Sizes, device: str) -> Row:
         t0 = time.perf_counter()
         tokens = await burst(engine, prompts, sizes.new_tokens)
         dt = time.perf_counter() - t0
-    sizes_seen = engine.stats.decode_batch_sizes
+        sizes_seen = Counter(engine.stats.decode_batch_sizes)
+        with profiling("decode", engine):
+            await burst(engine, prompts, min(sizes.new_tokens, 32))
     mean_batch = sum(k * v for k, v in sizes_seen.items()) / max(1, sizes_seen.total())
     row.result = (
         f"{tokens / dt:.0f} tokens/s ({tokens} tokens in {dt:.2f} s, mean decode batch"
@@ -563,10 +623,16 @@ def main() -> int:
         help="run folder of the asyncrl up row (replaced)",
     )  # fmt: skip
     parser.add_argument(
+        "--profile", type=Path, metavar="DIR",
+        help="also write torch profiler tables of a trainer step and a decode burst here",
+    )  # fmt: skip
+    parser.add_argument(
         "--strict", action="store_true",
         help="a weights row that is not available counts as a failure",
     )  # fmt: skip
     args = parser.parse_args()
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile
     t_start = time.perf_counter()
     device = args.device
     if device == "cuda":

@@ -34,6 +34,8 @@ def test_gpu_check_on_the_cpu_prints_every_row_and_passes(tmp_path: Path) -> Non
             str(tmp_path / "up"),
             "--out",
             str(out),
+            "--profile",
+            str(tmp_path / "profile"),
         ],
         cwd=REPO,
         capture_output=True,
@@ -59,3 +61,9 @@ def test_gpu_check_on_the_cpu_prints_every_row_and_passes(tmp_path: Path) -> Non
     assert up["exit"] == 0 and up["steps"] == 3 and 0 <= up["staleness_max"] <= 1
     colocation = rows[3]["figures"]
     assert colocation["engine_released_gib"] == 0 and colocation["trainer_released_gib"] == 0
+    # --profile: a table of one more trainer step and one more decode burst
+    # (the engine's ops run on its model thread: on the CPU only its Python profile shows)
+    trainer = (tmp_path / "profile" / "trainer.txt").read_text()
+    assert "Self CPU time total" in trainer and "aten::" in trainer, trainer[:400]
+    decode = (tmp_path / "profile" / "decode.txt").read_text()
+    assert "the model thread" in decode and "function calls" in decode, decode[:400]
