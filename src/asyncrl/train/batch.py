@@ -54,6 +54,10 @@ class Sample:
         group: the position of its group in the batch: a group's samples start with the
             same prompt, which the trainer forwards once for those of them that share a
             micro-batch (``trainer.share_prefix``); None: it shares with no sample.
+        images: the image files (absolute paths) of a vision-language model's sample, one
+            per image of its prompt, in order; ``input_ids`` already hold each image's
+            placeholder tokens as :class:`~asyncrl.models.vision.VisionProcessor` expanded
+            them. Empty: a text sample.
     """
 
     input_ids: torch.Tensor
@@ -65,9 +69,11 @@ class Sample:
     episode: int | None = None
     sampled_with: SampledWith | None = None
     group: int | None = None
+    images: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.input_ids = _as_tensor(self.input_ids, torch.int64)
+        self.images = tuple(str(p) for p in self.images)
         self.loss_mask = _as_tensor(self.loss_mask, torch.bool)
         self.behav_logprobs = _as_tensor(self.behav_logprobs, torch.float32)
         self.advantages = _as_tensor(self.advantages, torch.float32)

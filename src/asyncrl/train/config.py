@@ -157,8 +157,15 @@ class TrainerConfig(Placement):
     and its gradient gathers all of theirs. Exact (the same logprobs and gradients as
     without, up to float summation order); it pays where prompts are long against their
     answers. ``auto``: on where it applies, which is packed micro-batches
-    (``packing = true``) with the ``asyncrl_varlen`` attention; off elsewhere. ``true``: on,
-    refused where it cannot apply; ``false``: off."""
+    (``packing = true``) with the ``asyncrl_varlen`` attention and a text model; off
+    elsewhere (a vision-language model's positions and image features are per
+    sequence). ``true``: on, refused where it cannot apply (the train engine refuses it
+    for a vision-language model); ``false``: off."""
+    freeze_vision: bool = True
+    """A vision-language model's vision tower and its projector (Qwen2-VL's merger,
+    Idefics3's connector) keep their weights: no gradient, no optimizer state. False
+    trains them with the language model. No effect on a text model; with ``lora`` only
+    the language model's layers get adapters either way."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in backward: trade compute for memory."""
     attn_implementation: Literal[

@@ -36,6 +36,7 @@ from asyncrl.models.resolve import (
     resolve_model_path,
     torch_dtype,
 )
+from asyncrl.models.vision import VisionProcessor
 from asyncrl.train import dcp, trainer_threads
 from asyncrl.train.attention import register as register_attention
 from asyncrl.train.batch import Batch
@@ -51,6 +52,14 @@ from asyncrl.train.packing import (
 from asyncrl.train.schedule import lr_at
 from asyncrl.train.shard import TrainShard, plan_shards
 from asyncrl.train.step_stats import StepTotals
+from asyncrl.train.vision import (
+    ImageInputs,
+    load_vision_lm,
+    save_processor,
+    vision_linear_names,
+    vision_model_type,
+    vision_parameters,
+)
 
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe
@@ -78,6 +87,13 @@ class TrainEngine:
     transformers ``PretrainedConfig``, random weights of that architecture are initialised
     instead: tests and benches), ``seed`` the run's seed (random init and the torch RNG of
     every rank).
+
+    A vision-language model (Qwen2-VL, Qwen2.5-VL, Idefics3: :mod:`asyncrl.train.vision`)
+    is loaded with transformers' image-text-to-text class and trains on samples with
+    :attr:`~asyncrl.train.batch.Sample.images`: each micro-batch carries its samples'
+    processed images, the logprobs exclude the image placeholder ids as the engines'
+    sampling does, its vision part is frozen unless ``trainer.freeze_vision`` is false,
+    LoRA adapts its language model only, and prefix sharing is off.
 
     Attributes:
         lm: the transformers model (its parameters are DTensor shards under FSDP); use it
@@ -126,8 +142,21 @@ class TrainEngine:
         self.version = 0
         self.skipped_nonfinite = 0
         torch.manual_seed(seed + self.rank)
+        # a vision-language model: its processor (from model.path's files) and image inputs
+        self.vision_processor: VisionProcessor | None = None
+        if vision_model_type(self._source) is not None:
+            if config.share_prefix is True:
+                raise ValueError(
+                    "trainer.share_prefix = true: a vision-language model's samples share no "
+                    'prefix (positions and image features are per sequence); set "auto" or false'
+                )
+            self.vision_processor = VisionProcessor(resolve_model_path(model.path))
+        self.shares_prefix = config.shares_prefix and self.vision_processor is None
 
         lm = self._load_lm()
+        if self.vision_processor is not None and config.freeze_vision:
+            for param in vision_parameters(lm):
+                param.requires_grad_(False)
         if config.gradient_checkpointing:
             # Non-reentrant: the only kind that composes with FSDP2's hooks. transformers 5
             # renamed the method; the old name still works there but warns.
@@ -142,8 +171,13 @@ class TrainEngine:
                 layer.compile(dynamic=True)
         self.lora = config.lora.enabled
         if self.lora:
-            lm = apply_lora(lm, config.lora, seed=seed)  # before FSDP, which shards them too
+            # before FSDP, which shards them too; a vision tower gets none
+            exclude = vision_linear_names(lm) if self.vision_processor is not None else []
+            lm = apply_lora(lm, config.lora, seed=seed, exclude=exclude)
         self.lm = lm
+        self.images: ImageInputs | None = None
+        if self.vision_processor is not None:
+            self.images = ImageInputs(self.vision_processor, lm)
         self.module: nn.Module = self._wrap(lm)
         # The reference policy of the KL penalty: the initial weights, frozen, laid out
         # like the policy (same device, dtype and sharding). A restore never touches it, so
@@ -169,6 +203,12 @@ class TrainEngine:
         """The model in float32 (the master weights) on the CPU, without a KV cache (a
         training forward sees whole sequences)."""
         register_attention()  # trainer.attn_implementation may name asyncrl_varlen
+        if self.vision_processor is not None:
+            vlm: Any = load_vision_lm(
+                self._source, attn_implementation=self.config.attn_implementation, seed=self.seed
+            )
+            vlm.config.use_cache = False
+            return vlm  # type: ignore[no-any-return]
         lm = load_causal_lm(
             self._source,
             attn_implementation=self.config.attn_implementation,
@@ -181,10 +221,13 @@ class TrainEngine:
     def _wrap(self, lm: nn.Module) -> nn.Module:
         """``lm`` as a :class:`TokenLogprobs` root on the engine's device, FSDP-sharded
         when distributed."""
+        processor = self.vision_processor
         module = TokenLogprobs(
             lm,
             chunk_tokens=self.config.lm_head_chunk_tokens,
             recompute_head=self.config.lm_head_recompute,
+            vision=processor is not None,
+            never_sampled=processor.placeholder_ids if processor is not None else (),
         )
         module.to(self.device)
         if self.distributed:
@@ -275,20 +318,13 @@ class TrainEngine:
             max_tokens,
             self.world_size,
             padded=not self.config.packing,
-            shared=sharing_sets(batch, max_tokens) if self.config.shares_prefix else (),
+            shared=sharing_sets(batch, max_tokens) if self.shares_prefix else (),
         )
         return plan[self.rank]
 
     def _micro_batches(self, batch: Batch, *, all_positions: bool = False) -> Iterator[MicroBatch]:
         for idx in self._plan(batch):
-            mb = build_micro_batch(
-                [batch[i] for i in idx],
-                idx,
-                packed=self.config.packing,
-                all_positions=all_positions,
-                share_prefix=self.config.shares_prefix,
-            )
-            yield mb.to(self.device)
+            yield self._shard_micro_batch(batch, idx, all_positions=all_positions)
 
     def _logprobs_BT(self, mb: MicroBatch, module: nn.Module | None = None) -> torch.Tensor:
         """``[B, T]`` float32 logprobs of the micro-batch's targets under ``module``
@@ -320,6 +356,7 @@ class TrainEngine:
                 key_index=mb.key_index,
                 cu_seqlens_k=mb.cu_seqlens_k,
                 max_len_k=mb.max_len_k,
+                image_inputs=mb.image_inputs,
             )
         dtype = torch.promote_types(lp_M.dtype, torch.float32)
         out = torch.zeros(mb.loss_mask_BT.shape, dtype=dtype, device=self.device)
@@ -501,13 +538,23 @@ class TrainEngine:
         )
         return stats
 
-    def _shard_micro_batch(self, samples: Batch, idx: list[int]) -> MicroBatch:
+    def _shard_micro_batch(
+        self, samples: Batch, idx: list[int], *, all_positions: bool = False
+    ) -> MicroBatch:
+        """The micro-batch of ``samples[i]`` for ``i`` in ``idx``, on the engine's device,
+        with its image inputs for a vision model."""
+        chosen = [samples[i] for i in idx]
+        if self.images is None and any(s.images for s in chosen):
+            raise ValueError("samples with images need a vision-language model.path")
         mb = build_micro_batch(
-            [samples[i] for i in idx],
+            chosen,
             idx,
             packed=self.config.packing,
-            share_prefix=self.config.shares_prefix,
+            all_positions=all_positions,
+            share_prefix=self.shares_prefix,
         )
+        if self.images is not None:
+            mb = self.images.attach(mb, chosen, packed=self.config.packing)
         return mb.to(self.device)
 
     @torch.no_grad()
@@ -694,6 +741,8 @@ class TrainEngine:
             tokenizer=self.tokenizer if self.rank == 0 else None,  # only rank 0 writes
             buckets=buckets,
         )
+        if self.vision_processor is not None and self.rank == 0:
+            save_processor(self.vision_processor, str(path))
 
     def iter_weights(
         self, bucket_bytes: int = 256 << 20, *, dtype: str | None = None, copy: bool = True

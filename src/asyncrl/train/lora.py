@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +30,30 @@ from asyncrl.weights.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, merged
 ADAPTER_NAME = "default"
 
 
-def apply_lora(lm: nn.Module, config: LoraConfig, *, seed: int = 0) -> nn.Module:
+def apply_lora(
+    lm: nn.Module, config: LoraConfig, *, seed: int = 0, exclude: Sequence[str] = ()
+) -> nn.Module:
     """``lm`` with adapters on its ``target_modules`` (a ``peft`` model around it): A
     random (Kaiming, drawn from ``seed``), B zero, so the adapted model starts as the base
-    model exactly; only the adapters require grad.
+    model exactly; only the adapters require grad. ``exclude``: full names of modules
+    that get none even where their name matches (a vision tower's linear layers: the
+    engines load adapters into the language model only).
 
     Every rank must pass the same ``seed``: FSDP2 keeps each rank's own slice of the
     tensor it is given, so adapters drawn from per-rank RNG streams would be stitched
     together from different initialisations."""
 
-    unmatched = [name for name in config.target_modules if not _decoder_linears(lm, name)]
+    excluded = set(exclude)
+    unmatched = [
+        name for name in config.target_modules if not set(_decoder_linears(lm, name)) - excluded
+    ]
     if unmatched:
         present = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if _in_decoder_linear(n, m)}
+            {
+                n.rsplit(".", 1)[-1]
+                for n, m in lm.named_modules()
+                if _in_decoder_linear(n, m) and n not in excluded
+            }
         )
         raise ValueError(
             f"trainer.lora.target_modules: {unmatched} match no linear layer of the model's "
@@ -53,6 +64,7 @@ def apply_lora(lm: nn.Module, config: LoraConfig, *, seed: int = 0) -> nn.Module
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
         target_modules=list(config.target_modules),
+        exclude_modules=sorted(excluded) or None,
         bias="none",
     )
     with warnings.catch_warnings():

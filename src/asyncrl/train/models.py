@@ -10,6 +10,7 @@ the root's forward hook, so everything that touches them must run inside that fo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -56,14 +57,17 @@ def _chunk_logq(
     temperature: Setting,
     top_k: Setting,
     top_p: Setting,
+    never_sampled: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[M, V]`` ``log q`` of :func:`chunk_logprobs` (−inf outside the cut), in
-    :func:`head_dtype`."""
+    """``[M, V]`` ``log q`` of :func:`chunk_logprobs` (−inf outside the cut and on
+    ``never_sampled``), in :func:`head_dtype`."""
     dtype = head_dtype(hidden_MH)
     with torch.autocast(hidden_MH.device.type, enabled=False):
         logits_MV = F.linear(
             hidden_MH.to(dtype), weight_VH.to(dtype), None if bias_V is None else bias_V.to(dtype)
         )
+    if never_sampled is not None:
+        logits_MV = logits_MV.index_fill(-1, never_sampled, float("-inf"))
     rows = logits_MV.shape[0]
     if isinstance(temperature, torch.Tensor):
         logits_MV = logits_MV / temperature.to(logits_MV)[:, None]
@@ -95,9 +99,12 @@ def chunk_logprobs(
     top_k: Setting = 0,
     top_p: Setting = 1.0,
     entropy: bool = True,
+    never_sampled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target and entropy per row, of the distribution a sampler with these
-    settings draws from. With logits ``z = h·Wᵀ + b`` computed in float32::
+    settings draws from. With logits ``z = h·Wᵀ + b`` computed in float32 (``z_v = −∞``
+    for the token ids ``never_sampled``, a vision model's image placeholders, which the
+    engines never sample either)::
 
         log p = log_softmax(z / T)
         K     = kept_mask(log p, top_k, top_p) ∪ {y}        (no gradient through the choice)
@@ -114,7 +121,9 @@ def chunk_logprobs(
     weight are upcast, autocast is off; a float64 model keeps float64): logits rounded to
     bf16 before the softmax would err by up to ~1e-2 in every logprob.
     """
-    logq_MV = _chunk_logq(hidden_MH, weight_VH, bias_V, targets_M, temperature, top_k, top_p)
+    logq_MV = _chunk_logq(
+        hidden_MH, weight_VH, bias_V, targets_M, temperature, top_k, top_p, never_sampled
+    )
     picked_M = logq_MV.gather(-1, targets_M[:, None]).squeeze(-1)
     if not entropy:
         return picked_M, torch.zeros_like(picked_M)
@@ -152,6 +161,7 @@ class FusedLogprobs(torch.autograd.Function):
         top_p: Setting,
         entropy: bool,
         chunk_tokens: int,
+        never_sampled: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logprobs, entropies, logqs = [], [], []
         for start in range(0, targets_M.numel(), chunk_tokens):
@@ -159,7 +169,7 @@ class FusedLogprobs(torch.autograd.Function):
             logq_MV = _chunk_logq(
                 hidden_MH[start:end], weight_VH, bias_V, targets_M[start:end],
                 rows_of(temperature, start, end), rows_of(top_k, start, end),
-                rows_of(top_p, start, end),
+                rows_of(top_p, start, end), never_sampled,
             )  # fmt: skip
             logprobs.append(logq_MV.gather(-1, targets_M[start:end, None]).squeeze(-1))
             entropies.append(_entropy(logq_MV) if entropy else torch.zeros_like(logprobs[-1]))
@@ -215,8 +225,14 @@ class FusedLogprobs(torch.autograd.Function):
             None if grad_h is None else grad_h.to(hidden_MH.dtype),
             None if grad_w is None else grad_w.to(weight_VH.dtype),
             None if grad_b is None else grad_b.to(bias_V.dtype),
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
+
+
+def hf_model(lm: nn.Module) -> Any:
+    """The transformers model inside ``lm``: a peft model's base model, else ``lm``."""
+    get_base = getattr(lm, "get_base_model", None)
+    return get_base() if callable(get_base) else lm
 
 
 class TokenLogprobs(nn.Module):
@@ -226,15 +242,35 @@ class TokenLogprobs(nn.Module):
     with ``lm.``, are those of the HF checkpoint. With gradients, the LM head runs once per
     chunk (:class:`FusedLogprobs`), or with ``recompute_head`` under activation
     checkpointing: one chunk of logits alive at a time, computed again in backward.
+
+    A vision-language model (``vision=True``, transformers' image-text-to-text class) runs
+    its base model instead of the decoder alone, so that the image features (from the
+    ``image_inputs`` of each forward) replace the placeholder embeddings before the
+    language model; ``never_sampled`` (its placeholder ids) get logit −∞ before the
+    softmax, as in the engines' sampling. Both are off for a text model.
     """
 
     def __init__(
-        self, lm: nn.Module, *, chunk_tokens: int = 2048, recompute_head: bool = False
+        self,
+        lm: nn.Module,
+        *,
+        chunk_tokens: int = 2048,
+        recompute_head: bool = False,
+        vision: bool = False,
+        never_sampled: Sequence[int] = (),
     ) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.recompute_head = recompute_head
+        self.vision = vision
+        # a buffer, so that it follows the module to its device
+        self.never_sampled: torch.Tensor | None
+        self.register_buffer(
+            "never_sampled",
+            torch.tensor(sorted(never_sampled)) if never_sampled else None,
+            persistent=False,
+        )
 
     def forward(
         self,
@@ -252,6 +288,7 @@ class TokenLogprobs(nn.Module):
         key_index: torch.Tensor | None = None,
         cu_seqlens_k: torch.Tensor | None = None,
         max_len_k: int = 0,
+        image_inputs: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprob of ``input_ids.flatten()[i]`` given what precedes it, for each ``i`` in
         ``target_index`` (flat indices, never the first token of a sequence), under the
@@ -278,8 +315,14 @@ class TokenLogprobs(nn.Module):
             key_index, cu_seqlens_k, max_len_k: with shared prefixes, the row positions
                 whose keys each segment attends, cut per segment, and the most of them
                 (``asyncrl_varlen``, :mod:`asyncrl.train.attention`).
+            image_inputs: a vision model's pixel inputs of the row(s)
+                (:class:`~asyncrl.train.vision.ImageInputs`); Qwen2-VL's ``position_ids``
+                are then its 3-D rotary ones (``[4, 1, N]`` packed, ``[3, B, T]`` padded).
         """
-        decoder: Any = self.lm.get_decoder()  # type: ignore[operator]
+        # A vision model runs its base model (vision tower, projector, language model):
+        # image features replace the placeholders' embeddings before the language model.
+        lm: Any = self.lm
+        decoder = hf_model(lm).model if self.vision else lm.get_decoder()
         boundaries: dict[str, Any] = {}
         if cu_seqlens is not None:
             boundaries = {
@@ -297,6 +340,7 @@ class TokenLogprobs(nn.Module):
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,
+            **(image_inputs or {}),
             **boundaries,
         )
         hidden_NH = out.last_hidden_state.flatten(0, 1)
@@ -309,7 +353,7 @@ class TokenLogprobs(nn.Module):
         if targets_M.numel() and torch.is_grad_enabled() and not self.recompute_head:
             fused: tuple[torch.Tensor, torch.Tensor] = FusedLogprobs.apply(  # type: ignore[no-untyped-call]
                 hidden_MH, weight_VH, bias_V, targets_M, temperature,
-                top_k, top_p, with_entropy, self.chunk_tokens,
+                top_k, top_p, with_entropy, self.chunk_tokens, self.never_sampled,
             )  # fmt: skip
             return fused
         logprobs, entropies = [], []
@@ -322,9 +366,11 @@ class TokenLogprobs(nn.Module):
             )  # fmt: skip
             if torch.is_grad_enabled():
                 # Recomputed in backward, so only one chunk of logits is ever alive.
-                lp_M, ent_M = checkpoint(chunk_logprobs, *args, with_entropy, use_reentrant=False)
+                lp_M, ent_M = checkpoint(
+                    chunk_logprobs, *args, with_entropy, self.never_sampled, use_reentrant=False
+                )
             else:
-                lp_M, ent_M = chunk_logprobs(*args, with_entropy)
+                lp_M, ent_M = chunk_logprobs(*args, with_entropy, self.never_sampled)
             logprobs.append(lp_M)
             entropies.append(ent_M)
         if not logprobs:

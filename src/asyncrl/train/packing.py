@@ -61,8 +61,8 @@ def sharing_sets(
     min_prefix: int = MIN_SHARED_PREFIX,
 ) -> list[SharedSet]:
     """The samples that share a prefix, by position in ``samples``: per group
-    (:attr:`Sample.group`; None is no group), its samples with their
-    :func:`common_prefix` ``p``, where there are at least two and ``p ≥ min_prefix``.
+    (:attr:`Sample.group`; None is no group), its samples without images (whose image
+    features and positions are their own) with their :func:`common_prefix` ``p``, where there are at least two and ``p ≥ min_prefix``.
     Packed, a set costs ``p + Σ (L − p)`` tokens; with ``max_tokens``, a set that costs more
     is cut into runs of consecutive samples that each fit (sharing the same ``p``), and a
     run of one sample shares nothing. Samples that share nothing are in no set.
@@ -73,7 +73,7 @@ def sharing_sets(
     set (:func:`build_micro_batch`'s ``source_index``)."""
     by_group: dict[int, list[int]] = {}
     for i, s in enumerate(samples):
-        if s.group is not None:
+        if s.group is not None and not s.images:
             by_group.setdefault(s.group, []).append(i)
     sets: list[SharedSet] = []
     for members in by_group.values():
@@ -225,7 +225,7 @@ class MicroBatch:
     seq_index: list[int]
     lengths: list[int]
     input_ids: torch.Tensor  # [1, N] packed, [B, T] padded
-    position_ids: torch.Tensor  # same shape as input_ids
+    position_ids: torch.Tensor  # as input_ids; Qwen2-VL: [4, 1, N] packed, [3, B, T] padded
     attention_mask: torch.Tensor | None  # [B, T] when padded, None when packed
     cu_seqlens: torch.Tensor | None  # [S + 1] int32 cumulative segment lengths when packed
     target_index: torch.Tensor  # [M] int64
@@ -245,6 +245,9 @@ class MicroBatch:
     """The longest segment (packed) or sequence."""
     max_len_k: int = 0
     """The most keys a segment attends to (``max_len_q`` without shared prefixes)."""
+    image_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """A vision-language model's image inputs of the micro-batch's samples (pixel values
+    and their grids or masks, :class:`~asyncrl.train.vision.ImageInputs`); empty for text."""
 
     @property
     def num_tokens(self) -> int:
@@ -281,6 +284,7 @@ class MicroBatch:
             cu_seqlens_k=move(self.cu_seqlens_k),
             max_len_q=self.max_len_q,
             max_len_k=self.max_len_k,
+            image_inputs={k: v.to(device) for k, v in self.image_inputs.items()},
         )
 
 

@@ -79,8 +79,13 @@ class TrainShard:
         bits of ``norm_len``), each sample's length, flags, episode tokens, sampling and
         group (−1: none), the plan and the token ids;
         ``mask`` the loss masks; ``floats`` the behaviour logprobs, the per-token
-        advantages and the ``old``/``ref`` logprobs that are set."""
+        advantages and the ``old``/``ref`` logprobs that are set. Samples with images are
+        refused: their image references have no place in these tensors yet."""
         s = self.samples
+        if any(x.images for x in s):
+            raise NotImplementedError(
+                "a train shard with image samples cannot be sent between trainer ranks yet"
+            )
         has_old = [x.old_logprobs is not None for x in s]
         has_ref = [x.ref_logprobs is not None for x in s]
         header = [
