@@ -85,6 +85,9 @@ def test_tensor_layout_reads_back_the_same_shard() -> None:
     batch[2].ref_logprobs = torch.randn(4)
     batch[3].advantages = torch.tensor(0.25)  # a per-sequence scalar travels per token
     batch[0].sampled_with = SampledWith(temperature=0.1 + 0.2, top_k=7, top_p=1 / 3)
+    # image references travel by path, any characters a path may hold; text samples none
+    batch[1].images = ("/cache/shapes/0.png", "/data/bilder/größe 2.png")
+    batch[3].images = ("/cache/shapes/7.png",)
     config = train_config(ppo_minibatches=2, loss=LossConfig(norm_len=1 / 3))
     for shard in plan_shards(batch, config, 2):
         back = TrainShard.from_tensors(*shard.to_tensors())
@@ -103,6 +106,7 @@ def test_tensor_layout_reads_back_the_same_shard() -> None:
             assert torch.equal(a.behav_logprobs, b.behav_logprobs)
             assert torch.equal(a.advantages_per_token(), b.advantages_per_token())
             assert a.sampled_with == b.sampled_with  # every bit of 0.1 + 0.2 and 1 / 3
+            assert a.images == b.images
             for name in ("old_logprobs", "ref_logprobs"):
                 x, y = getattr(a, name), getattr(b, name)
                 assert (x is None and y is None) or torch.equal(x, y)
@@ -113,6 +117,9 @@ def test_an_empty_rank_reads_back_empty() -> None:
     idle = next(s for s in shards if not s.samples)
     back = TrainShard.from_tensors(*idle.to_tensors())
     assert back.samples == [] and back.minibatches == [[[]]]
+    # a rank whose samples name no image sends no image bytes
+    busy = next(s for s in shards if s.samples)
+    assert int(busy.to_tensors()[0][9]) == 0
 
 
 def test_a_batch_the_step_cannot_take_fails_before_any_send() -> None:

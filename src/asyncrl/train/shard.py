@@ -19,6 +19,7 @@ the rank that trains them forwards that prompt once.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Literal
 
@@ -33,7 +34,7 @@ from asyncrl.wire.messages import SampledWith
 ProximalMode = Literal["free", "given", "behaviour"]
 MODES: tuple[ProximalMode, ...] = ("free", "given", "behaviour")
 
-_META = 9
+_META = 10
 """Leading int64 fields of a packed shard (see :meth:`TrainShard.to_tensors`)."""
 
 
@@ -77,15 +78,14 @@ class TrainShard:
         """``(ints int64, mask uint8, floats float32)``: the shard as three flat CPU
         tensors for point-to-point sends. ``ints`` holds the header (counts, flags, the
         bits of ``norm_len``), each sample's length, flags, episode tokens, sampling and
-        group (−1: none), the plan and the token ids;
-        ``mask`` the loss masks; ``floats`` the behaviour logprobs, the per-token
-        advantages and the ``old``/``ref`` logprobs that are set. Samples with images are
-        refused: their image references have no place in these tensors yet."""
+        group (−1: none), the plan, the token ids and, last, the samples' image references
+        (a JSON list of each sample's paths, as UTF-8 bytes, one per int; none without
+        images); ``mask`` the loss masks; ``floats`` the behaviour logprobs, the per-token
+        advantages and the ``old``/``ref`` logprobs that are set."""
         s = self.samples
-        if any(x.images for x in s):
-            raise NotImplementedError(
-                "a train shard with image samples cannot be sent between trainer ranks yet"
-            )
+        images = (
+            json.dumps([list(x.images) for x in s]).encode() if any(x.images for x in s) else b""
+        )
         has_old = [x.old_logprobs is not None for x in s]
         has_ref = [x.ref_logprobs is not None for x in s]
         header = [
@@ -98,6 +98,7 @@ class TrainShard:
             self.tokens,
             self.loss_tokens,
             _bits(self.norm_len),
+            len(images),
         ]
         plan: list[int] = []
         for k, micro in enumerate(self.minibatches):
@@ -117,6 +118,9 @@ class TrainShard:
             [
                 torch.tensor(header + per_sample + plan, dtype=torch.int64),
                 *(x.input_ids for x in s),
+                torch.frombuffer(bytearray(images), dtype=torch.uint8).to(torch.int64)
+                if images
+                else _empty(torch.int64),
             ]
         )
         mask = torch.cat([x.loss_mask for x in s]).to(torch.uint8) if s else _empty(torch.uint8)
@@ -141,6 +145,13 @@ class TrainShard:
             :8
         ].tolist()
         norm_len = _float(int(meta[8]))
+        n_image_bytes = int(meta[9])
+        if n_image_bytes:
+            blob = bytes(ints[len(ints) - n_image_bytes :].to(torch.uint8).tolist())
+            ints = ints[: len(ints) - n_image_bytes]
+            images = [tuple(paths) for paths in json.loads(blob)]
+        else:
+            images = [()] * n
         pos = _META
         head = ints[pos : pos + _PER_SAMPLE * n].tolist()
         lengths, has_old, has_ref = head[:n], head[n : 2 * n], head[2 * n : 3 * n]
@@ -179,6 +190,7 @@ class TrainShard:
                     ref[i],
                     sampled_with=sampled_with[i],
                     group=groups[i],
+                    images=images[i],
                 )
                 for i in range(n)
             ]
