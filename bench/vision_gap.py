@@ -4,11 +4,16 @@ prompt + completion, on shapes images (the tiny random models, fp32, transformer
     python bench/vision_gap.py                       # both tiny models, 8 images × 64 tokens
     python bench/vision_gap.py --models tiny-random-qwen2-vl --prompts 32 --new 128
 
+    python bench/vision_gap.py --engine hf           # the hf engine generates instead
+
 Each model samples ``--new`` tokens (T = 1, image tokens suppressed) for ``--prompts``
 shapes questions; one forward over prompt + completion with the same image inputs
 (:func:`asyncrl.models.vision.scoring_inputs`) then scores the completion. Printed per
 model: the prompt lengths, the mean and maximum |generation − forward| over all sampled
-tokens. No engine or trainer takes part yet: this is the floor they are to meet.
+tokens. By default transformers' ``generate`` samples, one prompt at a time: the floor.
+With ``--engine hf`` the hf engine samples all prompts concurrently (continuous batching,
+each image prompt prefilled alone with its pixel inputs), and the forward masks the image
+tokens' logits as the engine does (:func:`asyncrl.models.vision.mask_placeholders`).
 """
 
 from __future__ import annotations
@@ -26,15 +31,23 @@ def main() -> None:
     )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--engine", choices=["generate", "hf"], default="generate")
     args = parser.parse_args()
+
+    import asyncio
 
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from asyncrl.api.inference import GenerateRequest, SamplingParams
     from asyncrl.data.shapes import shapes_records
+    from asyncrl.engines.config import HFEngineConfig
+    from asyncrl.engines.hf import HFEngine
+    from asyncrl.models.resolve import ModelConfig
     from asyncrl.models.tiny_vlm import tiny_vlm_dir
     from asyncrl.models.vision import (
         VisionProcessor,
+        mask_placeholders,
         open_image,
         record_messages,
         scoring_inputs,
@@ -48,7 +61,33 @@ def main() -> None:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
         gaps, lengths = [], []
         start = time.perf_counter()
-        for i, rec in enumerate(records):
+        if args.engine == "hf":
+            prompts = [proc(record_messages(rec), [open_image(rec["image"])]) for rec in records]
+            requests = [
+                GenerateRequest(
+                    input_ids=prompt["input_ids"][0].tolist(),
+                    images=[rec["image"]],
+                    sampling=SamplingParams(max_new_tokens=args.new, stop_token_ids=(), seed=i),
+                )
+                for i, (rec, prompt) in enumerate(zip(records, prompts, strict=True))
+            ]
+
+            async def run(requests=requests, path=path):
+                config = HFEngineConfig(max_batch_size=len(requests))
+                async with HFEngine(ModelConfig(path=str(path), dtype="float32"), config) as eng:
+                    return await asyncio.gather(*(eng.agenerate(r) for r in requests))
+
+            for prompt, resp in zip(prompts, asyncio.run(run()), strict=True):
+                n = prompt["input_ids"].shape[1]
+                lengths.append(n)
+                completion = torch.tensor([resp.output_ids])
+                with torch.no_grad():
+                    inputs = scoring_inputs(prompt, completion, proc.image_token_id)
+                    logits = mask_placeholders(model(**inputs).logits, proc.placeholder_ids)
+                scored = torch.log_softmax(logits[0, n - 1 : -1].float(), -1)
+                scored = scored.gather(-1, completion[0, :, None])[:, 0]
+                gaps.append((torch.tensor(resp.output_logprobs) - scored).abs())
+        for i, rec in enumerate(records if args.engine == "generate" else []):
             prompt = proc(record_messages(rec), [open_image(rec["image"])])
             torch.manual_seed(i)
             with torch.no_grad():

@@ -16,7 +16,10 @@ class ScriptedEngine(InferenceEngine):
     ``tokenizer`` and ended by its EOS, cut at the request's token budget (then
     ``finish_reason`` is ``length``); ``logprob`` for every token. With
     ``advance_version`` the version goes up after every reply, as if new weights had
-    arrived between turns. Keeps every request, output and response, in order."""
+    arrived between turns. Keeps every request, output and response, in order. Takes
+    image requests (the images unread), for tests of what surrounds a vision model."""
+
+    takes_images = True
 
     def __init__(
         self,

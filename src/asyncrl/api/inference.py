@@ -65,13 +65,19 @@ class SamplingParams(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """One generation: token ids in, token ids out. ``rid`` only labels logs."""
+    """One generation: token ids in, token ids out. ``rid`` only labels logs.
+
+    ``images``: for a vision-language model, the prompt's images as file paths (absolute),
+    one per image in ``input_ids``, in order; ``input_ids`` hold each image's placeholder
+    tokens already expanded, as :class:`asyncrl.models.vision.VisionProcessor` gives them.
+    A resumed segment (after a pause) carries the same images."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     input_ids: Annotated[list[int], Field(min_length=1)]
     sampling: SamplingParams = SamplingParams()
     rid: str = ""
+    images: list[str] = []
 
 
 class GenerateResponse(BaseModel):
@@ -197,6 +203,10 @@ class InferenceEngine(ABC):
         """The model's tokenizer (chat template included)."""
         raise NotImplementedError
 
+    takes_images: ClassVar[bool] = False
+    """Whether the backend feeds a request's ``images`` to its model; one that does not
+    refuses image requests rather than generate as if the images were not there."""
+
     broadcast_protocol: ClassVar[str] = ""
     """How the engine takes the ``collective`` weight broadcast: "" for an in-process
     engine (the actor receives the tensors and gives them to :meth:`update_weights`);
@@ -241,6 +251,11 @@ class InferenceEngine(ABC):
         ``finish_reason`` is ``"stop"`` (a stop token was sampled), ``"length"`` (the token
         budget or the model's context is used up) or ``"abort"`` (the engine stopped).
         """
+        if request.images and not self.takes_images:
+            raise ValueError(
+                f"request {request.rid!r} has images, which {type(self).__name__} does not "
+                "feed to a model"
+            )
         sampling = request.sampling
         result = GenerateResponse(rid=request.rid, input_ids=list(request.input_ids))
         while True:

@@ -44,10 +44,30 @@ function of its own tokens. With a ``seed`` its tokens and logprobs are then a f
 the weights, the request and the seed alone. Concurrent requests queue and run one after
 the other, in the order they came: throughput falls to that of one sequence.
 
+Images: a vision-language model (Qwen2-VL / Qwen2.5-VL, Idefics3:
+:mod:`asyncrl.models.vision`) loads with transformers' image-text-to-text class beside a
+:class:`~asyncrl.models.vision.VisionProcessor`. A request's ``images`` (file paths, one
+per image in ``input_ids``, whose placeholders are already expanded) are decoded and
+processed off the model thread (:mod:`asyncrl.engines.hf_images`); the processor's
+expansion of those images must give the same runs of image tokens as the request holds,
+else the request fails with a ``ValueError`` naming it (the engine serves on). An image
+request is prefilled alone with its pixel inputs (Qwen2-VL: with its 3-D rotary
+positions, the rope delta carried into decode) and then decodes in the shared batch; it
+never enters the prefix cache and shares a prefill only with identical prompts of
+identical images (:mod:`asyncrl.engines.hf_batch`). A vision model never samples an image
+placeholder: their logits are set to −∞ before sampling
+(:func:`~asyncrl.models.vision.mask_placeholders`), so the reported logprobs are those of
+the masked distribution, which the trainer must score the same way. Text-only requests to
+a vision model run as on a text model.
+
+Full weight updates may name a parameter as the model has it or as its checkpoint stores
+it (Qwen2-VL's ``model.layers.…`` for ``model.language_model.layers.…``): transformers'
+own checkpoint renamings translate the latter.
+
 Pausing takes effect between two steps: the running sequences end as ``abort`` with their
 partial tokens and the KV cache is dropped; :class:`~asyncrl.api.inference.InferenceEngine`
-resubmits them after ``resume()``, so their continuation is prefilled from the partial
-tokens under whatever weights are loaded then.
+resubmits them after ``resume()`` (with their images), so their continuation is prefilled
+from the partial tokens, and the same pixel inputs, under whatever weights are loaded then.
 """
 
 from __future__ import annotations
@@ -75,6 +95,7 @@ from asyncrl.api.inference import (
 from asyncrl.config.schema import resolve_device
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
+from asyncrl.engines.hf_images import ImageInputs
 from asyncrl.engines.hf_prefix import BLOCK_TOKENS, common_blocks
 from asyncrl.engines.sampling import LogprobMode
 from asyncrl.models.resolve import (
@@ -84,6 +105,7 @@ from asyncrl.models.resolve import (
     resolve_dtype,
     resolve_model_path,
 )
+from asyncrl.models.vision import VisionProcessor, is_vision_model, load_vision_lm
 from asyncrl.runtime.log import get_logger
 from asyncrl.weights.lora import LoraAdapter, is_adapter_dir, merged, read_adapter
 
@@ -150,6 +172,8 @@ class HFEngine(InferenceEngine):
     module docstring), whatever ``config.max_batch_size`` and ``prefix_cache_mb`` say.
     """
 
+    takes_images = True
+
     def __init__(
         self,
         model: ModelConfig | str,
@@ -184,6 +208,9 @@ class HFEngine(InferenceEngine):
         self.stats = EngineStats()
         self.model: Any = None
         self._tokenizer: Any = None
+        self.vision: VisionProcessor | None = None
+        """The processor of a vision-language model; None for a text model."""
+        self._images = ImageInputs(None, self.model_spec)
         self._batch: DecodeBatch | None = None
         self._eos_ids: frozenset[int] = frozenset()
         self._max_positions = 0
@@ -237,14 +264,17 @@ class HFEngine(InferenceEngine):
                 self._executor = None
 
     def _load(self) -> None:
-
+        local = Path(resolve_model_path(self.model_spec))
+        if is_vision_model(local):
+            self.vision = VisionProcessor(local)
+            self._images = ImageInputs(self.vision, self.model_spec)
         if self.memory_saver:
             try:
                 from torch_memory_saver import torch_memory_saver  # noqa: PLC0415 - optional: torch-memory-saver (the gpu extra)
 
                 torch_memory_saver.hook_mode = "torch"  # no LD_PRELOAD needed
                 with torch_memory_saver.region(tag=MEMORY_TAG, enable_cpu_backup=True):
-                    self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
+                    self.model = self._load_model(local)
             except Exception as exc:  # a wheel built for another torch or CUDA
                 self.memory_saver = False
                 log.warning(
@@ -253,15 +283,14 @@ class HFEngine(InferenceEngine):
                     "rollout_freed_bytes)",
                     error=f"{type(exc).__name__}: {exc}"[:300],
                 )
-                self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
+                self.model = self._load_model(local)
         else:
             if self.colocated and self.device.startswith("cuda"):
                 log.warning(
                     "torch-memory-saver is not installed: releasing by moving the weights to "
                     "the host and emptying the cache instead"
                 )
-            self.model = load_causal_lm(self.model_spec, self.dtype, self.device)
-        local = Path(resolve_model_path(self.model_spec))
+            self.model = self._load_model(local)
         self._base_dir = local if local.is_dir() else None
         self._tokenizer = load_tokenizer(self.model_spec)
         eos = self.model.generation_config.eos_token_id
@@ -278,7 +307,13 @@ class HFEngine(InferenceEngine):
             # a cached prefix's keys were computed in another sequence's prefill, whose
             # shape was not this one's
             prefix_cache_bytes=0 if self.deterministic else self.config.prefix_cache_mb << 20,
+            placeholder_ids=self.vision.placeholder_ids if self.vision is not None else None,
         )
+
+    def _load_model(self, local: Path) -> Any:
+        if self.vision is not None:
+            return load_vision_lm(local, self.dtype, self.device)
+        return load_causal_lm(self.model_spec, self.dtype, self.device)
 
     async def _in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._executor is None:
@@ -298,6 +333,7 @@ class HFEngine(InferenceEngine):
             )
         if sp.max_new_tokens == 0:
             return GenerateResponse(rid=request.rid, input_ids=list(request.input_ids))
+        pixels = await self._images.get(request) if self._images.needed(request) else None
         generator = None
         if sp.seed is not None:
             generator = torch.Generator().manual_seed(sp.seed)  # CPU: sampling draws there
@@ -316,6 +352,8 @@ class HFEngine(InferenceEngine):
             stop_ids=self._eos_ids if sp.stop_token_ids is None else frozenset(sp.stop_token_ids),
             max_new=sp.max_new_tokens,
             generator=generator,
+            images=tuple(request.images),
+            pixels=pixels,
         )
         future: asyncio.Future[GenerateResponse] = asyncio.get_running_loop().create_future()
         self._waiting.append(_Pending(seq, future, request))
@@ -383,8 +421,8 @@ class HFEngine(InferenceEngine):
                 self._waiting.popleft()
                 continue
             prompt = p.seq.prompt
-            held = self._batch.prefix.held_tokens(prompt)
-            if self._batch.prefix.enabled and len(prompt) > BLOCK_TOKENS:
+            held = 0 if p.seq.pixels is not None else self._batch.prefix.held_tokens(prompt)
+            if p.seq.pixels is None and self._batch.prefix.enabled and len(prompt) > BLOCK_TOKENS:
                 earlier = firsts.setdefault(tuple(prompt[:BLOCK_TOKENS]), prompt)
                 if earlier is not prompt:
                     held = max(held, min(common_blocks(prompt, earlier), len(prompt) - 1))
@@ -514,12 +552,17 @@ class HFEngine(InferenceEngine):
 
         Every parameter must be given (tied ones once, under either name); an unknown name
         or a shape mismatch raises before anything is copied, so a bad update never leaves
-        a half-loaded model."""
+        a half-loaded model. A name the model lacks is looked up again as a checkpoint name
+        (:func:`_checkpoint_renamer`)."""
         targets = dict(self.model.state_dict(keep_vars=True))
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         covered: set[int] = set()
+        rename: Callable[[str], str] | None = None
         for name, tensor in pairs:
             target = targets.get(name)
+            if target is None:
+                rename = rename or _checkpoint_renamer(self.model)
+                target = targets.get(rename(name))
             if target is None:
                 raise KeyError(f"weight update names {name!r}, which the model does not have")
             if tuple(target.shape) != tuple(tensor.shape):
@@ -604,6 +647,24 @@ class HFEngine(InferenceEngine):
             if name not in found:
                 found[name] = _float32_copy(params[name].detach(), params[name].device)
         return found
+
+
+def _checkpoint_renamer(model: Any) -> Callable[[str], str]:
+    """Maps a checkpoint's parameter name to the loaded model's, by the renamings
+    transformers applies when it loads that checkpoint (Qwen2-VL stores
+    ``model.layers.…`` and ``visual.…`` for its ``model.language_model.layers.…`` and
+    ``model.visual.…``); the model's own names map to themselves."""
+    from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415 - heavy: only an update naming what the model lacks needs it
+    from transformers.core_model_loading import (  # noqa: PLC0415 - as above
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return lambda name: rename_source_key(name, renamings, converters)[0]
 
 
 def _float32_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -22,6 +22,19 @@ tail's queries attend to the whole row (:class:`_WriteThroughPast`). Rows with a
 prefix are bucketed by tail length, apart from the rows prefilled from scratch, which run
 exactly as without the cache.
 
+Images. A sequence with image inputs (``Sequence.pixels``) is prefilled alone, in its own
+forward pass with its pixel inputs, then decodes in the shared batch like any row. For
+Qwen2-VL that prefill takes the 3-D rotary positions of the whole prompt
+(:func:`~asyncrl.models.vision.mrope_position_ids`) and the row's next position is one
+past their largest, not the prompt's length: the row carries the model's rope delta in
+``pos_R``, and its decode steps feed plain positions from there, equal on all three axes,
+as the model's own generation does. Positions are always given explicitly, so the model's
+own ``rope_deltas`` state is never read nor written. The prefix cache never holds nor
+serves an image sequence's keys (two images of one size give the same token ids and
+different keys); identical prompts share one prefill only when their image references are
+identical too. For a vision model, the image placeholder ids are masked to −∞ before
+every sample (:func:`~asyncrl.models.vision.mask_placeholders`), text rows included.
+
 Masks are passed to the model as 4-D boolean tensors, so transformers' mask builders and
 cache classes are bypassed. A padding query attends to itself: a fully masked row would
 make SDPA return NaN, which would then poison the cache. Buffers are zeroed before use for
@@ -46,6 +59,7 @@ import torch
 from asyncrl.api.inference import SamplingParams
 from asyncrl.engines.hf_prefix import BLOCK_TOKENS, PrefixCache
 from asyncrl.engines.sampling import LogprobMode, sample_next
+from asyncrl.models.vision import mask_placeholders, mrope_position_ids
 
 COLUMN_SLACK = 64
 """Spare columns allocated past the current need, so that growth (one column per decode
@@ -85,6 +99,11 @@ class Sequence:
     stop_ids: frozenset[int]
     max_new: int
     generator: torch.Generator | None = None
+    images: tuple[str, ...] = ()
+    """The prompt's image references; with ``pixels``, their inputs to the model (a batch
+    of one, on the CPU). A sequence with pixels is prefilled alone and bypasses the prefix
+    cache."""
+    pixels: dict[str, torch.Tensor] | None = None
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     out_versions: list[int] = field(default_factory=list)
@@ -215,7 +234,10 @@ class DecodeBatch:
         logprob_mode: LogprobMode = "processed",
         max_prefill_padding: float = MAX_PREFILL_PADDING,
         prefix_cache_bytes: int = 0,
+        placeholder_ids: list[int] | None = None,
     ) -> None:
+        """``placeholder_ids``: a vision model's image tokens, never sampled (None or empty
+        for a text model)."""
         cfg = model.config.get_text_config()
         layer_types = getattr(cfg, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
@@ -242,6 +264,11 @@ class DecodeBatch:
             * param.element_size()
         )
         self.prefix = PrefixCache(prefix_cache_bytes, block_bytes)
+        self.placeholder_ids = list(placeholder_ids or [])
+        # Qwen2-VL computes 3-D rotary positions from the image grids; Idefics3's are 1-D
+        self.mrope = hasattr(getattr(model, "model", None), "get_rope_index")
+        image_token = getattr(model.config, "image_token_id", None)
+        self.image_token_id = -1 if image_token is None else int(image_token)
         self.rows: list[Sequence | None] = []
         self.length = 0  # L: the column the next decode step writes
         self._reset_buffers(0, 0)
@@ -338,7 +365,7 @@ class DecodeBatch:
         for r, s in enumerate(self.rows):
             if s is not None and s.finish is not None:
                 result.finished.append(s)
-                if s.finish != "abort":
+                if s.finish != "abort" and s.pixels is None:
                     # the last token was sampled and never fed: its keys were not computed
                     self._offer(r, s.prompt + s.out_ids[:-1])
                 self._free(r)
@@ -377,7 +404,7 @@ class DecodeBatch:
             self.valid_RC[r] = False
 
         # A GRPO group sends one prompt n times: prefill it once and copy its cache.
-        source: dict[tuple[int, ...], int] = {}
+        source: dict[tuple[tuple[int, ...], tuple[str, ...]], int] = {}
         copies: list[tuple[int, int]] = []
         cold: list[_Join] = []
         warm: list[_Join] = []
@@ -387,14 +414,21 @@ class DecodeBatch:
         leaders: dict[tuple[int, ...], _Join] = {}
         followed: dict[int, _Join] = {}
         waiting: list[_Join] = []
+        vision: list[_Join] = []
         for r, s in zip(rows, admit, strict=True):
-            key = tuple(s.prompt)
+            tokens = tuple(s.prompt)
+            key = (tokens, s.images)
             if key in source:
                 copies.append((r, source[key]))
                 continue
             source[key] = r
+            if s.pixels is not None:
+                vision.append(_Join(r, s))
+                continue
             join = _Join(r, s, *self.prefix.lookup(s.prompt))
-            first = key[:BLOCK_TOKENS] if self.prefix.enabled and len(key) > BLOCK_TOKENS else ()
+            first = (
+                tokens[:BLOCK_TOKENS] if self.prefix.enabled and len(tokens) > BLOCK_TOKENS else ()
+            )
             if join.cached:
                 warm.append(join)
             elif first in leaders:
@@ -416,6 +450,8 @@ class DecodeBatch:
             self._fill_prefix(join)
         self._prefill_joins(late, logits_by_row)
         self._prefill_joins(warm, logits_by_row)
+        for join in vision:
+            logits_by_row[join.row] = self._prefill_vision(join)
         if copies:
             dst = torch.tensor([d for d, _ in copies], device=self.device)
             src = torch.tensor([c for _, c in copies], device=self.device)
@@ -431,7 +467,7 @@ class DecodeBatch:
         rows_N = torch.tensor(rows, device=self.device)
         result.tokens += self._sample(logits_NV, admit, rows_N, version)
         result.prefill_rows = len(admit)
-        result.prefill_tokens = sum(j.tail for j in cold + late + warm)
+        result.prefill_tokens = sum(j.tail for j in cold + late + warm + vision)
         result.prefix_hit_tokens = sum(j.cached for j in warm)
 
     def _fill_prefix(self, join: _Join) -> None:
@@ -491,6 +527,35 @@ class DecodeBatch:
         self.pos_R[rows_N] = torch.tensor([len(j.seq.prompt) for j in bucket], device=dev)
         return out.logits[:, -1]
 
+    def _prefill_vision(self, join: _Join) -> torch.Tensor:
+        """One forward pass over ``join``'s whole prompt with its pixel inputs, writing its
+        keys and values into its row, right-aligned at ``L``; returns the last position's
+        logits, ``[V]``, and leaves the row's next position in ``pos_R``."""
+        s, end, dev = join.seq, self.length, self.device
+        assert s.pixels is not None
+        n = len(s.prompt)
+        ids_1T = torch.tensor([s.prompt], dtype=torch.long, device=dev)
+        inputs = {k: v.to(dev) for k, v in s.pixels.items()}
+        if self.mrope:
+            inputs["mm_token_type_ids"] = (ids_1T == self.image_token_id).long()
+            pos = mrope_position_ids(self.model, {"input_ids": ids_1T, **inputs})  # [3, 1, T]
+        else:
+            pos = torch.arange(n, device=dev)[None]
+        mask_11TT = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None, None]
+        rows_N = torch.tensor([join.row], device=dev)
+        out = self.model(
+            input_ids=ids_1T,
+            attention_mask=mask_11TT,
+            position_ids=pos,
+            **inputs,
+            **{self.cache_kw: _WriteThrough(self, rows_N, end - n, end)},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.valid_RC[join.row, end - n : end] = True
+        self.pos_R[join.row] = int(pos.max()) + 1
+        return out.logits[0, -1]
+
     def _decode(self, active: list[int], version: int, result: StepResult) -> None:
         if self.length + 1 > self.capacity:
             self._relayout(active, len(active), 0, min_free_cols=1)
@@ -521,6 +586,8 @@ class DecodeBatch:
     ) -> int:
         """Samples the next token of ``seqs`` (in rows ``rows_N``) and records it."""
         dev = self.device
+        if self.placeholder_ids:
+            logits_NV = mask_placeholders(logits_NV, self.placeholder_ids)
         tokens_N, logprobs_N = sample_next(
             logits_NV,
             torch.tensor([s.sampling.temperature for s in seqs], device=dev),

@@ -45,7 +45,10 @@ class ByteTokenizer:
 
 class InstantEngine(InferenceEngine):
     """See the module docstring. ``model`` is accepted (and ignored) like every backend's;
-    ``config`` is the recipe's ``rollout.engine`` section."""
+    ``config`` is the recipe's ``rollout.engine`` section. Image requests are taken (and
+    their images ignored, as their prompts are)."""
+
+    takes_images = True
 
     def __init__(
         self, model: ModelConfig | str = "", config: InstantEngineConfig | None = None

@@ -13,7 +13,9 @@ What a forward pass needs besides ``input_ids`` and ``attention_mask``:
 
 The placeholder tokens are the processor's to place: a completion that samples one
 breaks the count of image tokens against image features, so engines must never sample
-them (:attr:`VisionProcessor.placeholder_ids`).
+them (:attr:`VisionProcessor.placeholder_ids`). The hf engine sets their logits to −∞
+before it samples (:func:`mask_placeholders`), so its logprobs are those of the masked
+distribution; a trainer that recomputes them applies the same mask.
 
 Qwen2-VL's inputs are built here from its tokenizer and PIL image processor, exactly as
 its ``Qwen2VLProcessor`` does: transformers cannot build that class without torchvision
@@ -35,6 +37,64 @@ if TYPE_CHECKING:
 
 QWEN_FAMILY = ("qwen2_vl", "qwen2_5_vl")
 IDEFICS_FAMILY = ("idefics3",)
+
+
+def is_vision_model(path: str | Path) -> bool:
+    """Whether the model at ``path`` (a directory or hub id) is a vision-language model
+    known here: its config's ``model_type`` is of :data:`QWEN_FAMILY` or
+    :data:`IDEFICS_FAMILY`."""
+    from transformers import AutoConfig  # noqa: PLC0415 - heavy: only processes that load a model need it
+
+    return AutoConfig.from_pretrained(path).model_type in QWEN_FAMILY + IDEFICS_FAMILY
+
+
+def load_vision_lm(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Any:
+    """The vision-language model at ``path`` (transformers' image-text-to-text class) in
+    eval mode, its parameters in ``dtype`` on ``device``."""
+    import torch  # noqa: PLC0415 - heavy: only processes that run a vision model need it
+    from transformers import AutoModelForImageTextToText  # noqa: PLC0415 - as above
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 - as above
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(device).eval()  # type: ignore[arg-type]
+
+
+def placeholder_mask(
+    vocab_size: int, placeholder_ids: Sequence[int], device: Any = None
+) -> torch.Tensor:
+    """``[vocab_size]`` booleans, true at the image placeholder ids: the entries of the
+    logits that generation sets to −∞ (:func:`mask_placeholders`)."""
+    import torch  # noqa: PLC0415 - heavy: only processes that run a vision model need it
+
+    mask_V = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask_V[list(placeholder_ids)] = True
+    return mask_V
+
+
+def mask_placeholders(logits_NV: torch.Tensor, placeholder_ids: Sequence[int]) -> torch.Tensor:
+    """``logits_NV`` (any leading dims, vocabulary last) with the placeholder ids at −∞, a
+    new tensor. The hf engine samples a vision model's tokens from these, so its logprobs
+    (temperature, top-k/top-p, renormalisation: :mod:`asyncrl.engines.sampling`) are of the
+    distribution without the image tokens; a trainer scoring them masks the same way before
+    its log-softmax, or its logprobs exceed the sampled ones by ``-log(1 - p_placeholders)``."""
+    mask_V = placeholder_mask(logits_NV.shape[-1], placeholder_ids, logits_NV.device)
+    return logits_NV.masked_fill(mask_V, float("-inf"))
+
+
+def image_token_runs(input_ids: Sequence[int], image_token_id: int) -> list[int]:
+    """The lengths of the runs of ``image_token_id`` in ``input_ids``, in order: one run per
+    image for Qwen2-VL and unsplit Idefics3 images (one per tile where images are split)."""
+    runs: list[int] = []
+    previous = None
+    for token in input_ids:
+        if token == image_token_id:
+            if previous == image_token_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = token
+    return runs
 
 
 def record_messages(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -114,6 +174,33 @@ class VisionProcessor:
         inputs = dict(self.tokenizer([expanded], return_tensors="pt"))
         inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.image_token_id).long()
         return {**inputs, **dict(pixels)}
+
+    def pixel_inputs(
+        self, input_ids: Sequence[int], images: Sequence[Image.Image]
+    ) -> dict[str, torch.Tensor]:
+        """The image inputs (``pixel_values`` and ``image_grid_thw``, or ``pixel_values`` and
+        ``pixel_attention_mask``; a batch of one) of a prompt whose ``input_ids`` hold the
+        placeholders of ``images``, expanded. Raises ``ValueError`` unless the processor
+        expands ``images`` into the same runs of image tokens as ``input_ids`` hold (a
+        prompt built for other images, sizes or another processor)."""
+        given = image_token_runs(input_ids, self.image_token_id)
+        if not images:
+            if given:
+                raise ValueError(
+                    f"the prompt holds {len(given)} runs of image tokens but no image is given"
+                )
+            return {}
+        chat = [{"role": "user", "content": [{"type": "image"}] * len(images)}]
+        inputs = self(chat, images)
+        expected = image_token_runs(inputs["input_ids"][0].tolist(), self.image_token_id)
+        if given != expected:
+            raise ValueError(
+                f"the prompt's image tokens do not match its {len(images)} images: runs of "
+                f"{given} image tokens in the prompt, the processor expands the images into "
+                f"{expected}"
+            )
+        text_keys = ("input_ids", "attention_mask", "mm_token_type_ids")
+        return {k: v for k, v in inputs.items() if k not in text_keys}
 
 
 def scoring_inputs(
