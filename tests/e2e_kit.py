@@ -30,16 +30,16 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "asyncrl.entry.cli", *args]
 
 
-def up_args(parent: Path, name: str, *sets: str) -> list[str]:
-    """``asyncrl up`` of the ci recipe as the run ``parent/name``, with evaluation off
-    (its eval actor would hold a core the run needs), no TensorBoard events and no plots
-    at the end (seconds per run that tests/test_e2e_observe.py spends once), unless
-    ``sets`` turn them on again."""
+def up_args(parent: Path, name: str, *sets: str, recipe: Path = CI_RECIPE) -> list[str]:
+    """``asyncrl up`` of the ci recipe (or ``recipe``) as the run ``parent/name``, with
+    evaluation off (its eval actor would hold a core the run needs), no TensorBoard events
+    and no plots at the end (seconds per run that tests/test_e2e_observe.py spends once),
+    unless ``sets`` turn them on again."""
     quiet = ("eval.every=0", "run.tensorboard=false", "run.plots=false")
     flags = [
         x for s in (f"run.dir={parent}", f"run.name={name}", *quiet, *sets) for x in ("--set", s)
     ]
-    return cli("up", str(CI_RECIPE), *flags, "--quiet")
+    return cli("up", str(recipe), *flags, "--quiet")
 
 
 async def wait_for_file(path: Path, proc: asyncio.subprocess.Process) -> None:

@@ -236,7 +236,7 @@ def test_a_train_sample_holds_what_training_reads_and_nothing_else() -> None:
     assert set(TrainSample.model_fields) == {
         *("uid", "prompt_uid", "group_index", "episode_sample", "episode_samples"),
         *("actor_id", "input_ids", "loss_mask", "logprobs", "versions"),
-        *("reward", "reward_info", "finish_reason", "sampled_with"),
+        *("reward", "reward_info", "finish_reason", "sampled_with", "images"),
     }
     assert "data_state" not in TrainBatchRef.model_fields
     t = Trajectory(
@@ -255,8 +255,10 @@ def test_a_train_sample_holds_what_training_reads_and_nothing_else() -> None:
         data={"question": "q" * 500, "answer": "4"},
         completion="c" * 500,
         finish_reason="stop",
+        images=["/cache/shapes/0.png"],
     )
     s = t.to_train_sample()
+    assert s.images == ["/cache/shapes/0.png"] and s.images is not t.images
     for name in set(TrainSample.model_fields):
         assert getattr(s, name) == getattr(t, name), name
     assert (s.head_version, s.versions_spanned) == (2, 2)

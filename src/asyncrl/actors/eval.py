@@ -229,6 +229,7 @@ class EvalActor(Actor):
                         reward=self.reward_pool,
                         endpoint=endpoint,
                         tools=tools,
+                        data=self.recipe.eval.data,
                     )
                 )
             self.jobs.append(EvalJob(n, sampling, workflows))

@@ -11,9 +11,12 @@ from collections.abc import Mapping
 
 from asyncrl.api.inference import InferenceEngine, SamplingParams
 from asyncrl.api.workflow import RolloutWorkflow, Scorer
+from asyncrl.config.recipe import DataConfig, image_field
 from asyncrl.config.workflow import ENDPOINT_CALLS, WorkflowParts
 from asyncrl.endpoint.requests import SAMPLING_KEYS
 from asyncrl.endpoint.server import OpenAIEndpoint
+from asyncrl.models.resolve import resolve_model_path
+from asyncrl.models.vision import VisionProcessor, vision_model_type
 from asyncrl.runtime.actor import Actor
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.tools.base import Tool
@@ -88,12 +91,19 @@ def build_workflow(
     reward: Scorer | None,
     endpoint: OpenAIEndpoint | None,
     tools: list[Tool] | None,
+    data: DataConfig | None = None,
 ) -> RolloutWorkflow:
     """The recipe's workflow as both actors build it, from ``rollout.workflow``'s config,
     with ``sampling`` and ``group_size`` (the rollout's, or an eval job's). Agent code
     appends its endpoint calls to ``<run>/endpoint_calls.jsonl`` with
-    ``rollout.endpoint_record``."""
+    ``rollout.endpoint_record``. ``data`` is where the prompts come from (default the
+    recipe's ``data``): where its records name images, a vision model's processor places
+    them in the prompts."""
     r = actor.recipe.rollout
+    image_key = image_field(data or actor.recipe.data)
+    vision = None
+    if image_key and vision_model_type(actor.recipe.model.path):
+        vision = VisionProcessor(resolve_model_path(actor.recipe.model.path))
     parts = WorkflowParts(
         tokenizer=engine.tokenizer,
         sampling=sampling,
@@ -102,5 +112,7 @@ def build_workflow(
         endpoint=endpoint,
         tools=tools,
         record_path=actor.ctx.run_dir / ENDPOINT_CALLS if r.endpoint_record else None,
+        vision=vision,
+        image_key=image_key,
     )
     return r.workflow.build(r, parts)

@@ -19,11 +19,19 @@ from asyncrl.config.placement import (
     local_processes,
     node_placement_problems,
 )
-from asyncrl.config.recipe import HFData, JsonlData, Recipe, RecipeError, path_problems
+from asyncrl.config.recipe import (
+    HFData,
+    JsonlData,
+    Recipe,
+    RecipeError,
+    image_field,
+    path_problems,
+)
 from asyncrl.config.recipe import generation_budget as generation_budget
 from asyncrl.config.schema import engine_device
 from asyncrl.data import missing_fields, read_jsonl
 from asyncrl.models.resolve import SMOLLM2_NAME, TINY_NAME
+from asyncrl.models.vision import vision_model_type
 from asyncrl.runtime.cores import gpu_visible, is_cpu_device, node_gpus
 from asyncrl.weights.choose import choose as choose_transport
 from asyncrl.weights.choose import transport_problems
@@ -107,6 +115,7 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
     errors.extend(kl_problems(recipe))
     errors.extend(lora_problems(recipe))
     errors.extend(workflow_problems(recipe))
+    errors.extend(vision_problems(recipe))
     errors.extend(endpoint_sampling_problems(recipe))
     det_errors, det_warnings = determinism_problems(recipe)
     errors += det_errors
@@ -220,6 +229,45 @@ def workflow_problems(recipe: Recipe) -> list[str]:
     (:meth:`~asyncrl.config.workflow.WorkflowConfigBase.problems`; they load the recipe's
     code)."""
     return recipe.rollout.workflow.problems(recipe.rollout)
+
+
+def vision_problems(recipe: Recipe) -> list[str]:
+    """Images in the prompts (``data`` or ``eval.data`` whose records name image files)
+    need a vision model, an engine that feeds it images and a workflow that puts them in
+    the prompt; a vision model generating text-only prompts is fine."""
+    errors: list[str] = []
+    keys = [
+        (section, key)
+        for section, source in (("data", recipe.data), ("eval.data", recipe.eval.data))
+        if (key := image_field(source))
+    ]
+    if not keys:
+        return errors
+    named = " and ".join(f"{section} (field {key!r})" for section, key in keys)
+    model = recipe.model.path
+    if vision_model_type(model) is None:
+        errors.append(
+            f"{named} names images, but model.path = {model!r} is not a vision model known "
+            "here (Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM, or tiny-random-qwen2-vl / "
+            "tiny-random-idefics3)"
+        )
+    engine = recipe.rollout.engine.type
+    if engine != "hf":
+        why = {
+            "sglang": "SGLang's CPU server does not take image inputs",
+            "vllm": "the vllm backend sends token ids without their images",
+        }.get(engine, "it takes no images")
+        errors.append(
+            f'{named} names images: rollout.engine.type = "{engine}" cannot serve them '
+            f'({why}); use "hf"'
+        )
+    workflow = recipe.rollout.workflow.spec()
+    if workflow != "rlvr":
+        errors.append(
+            f"{named} names images: rollout.workflow = {workflow!r} does not put them in "
+            'the prompt; use "rlvr"'
+        )
+    return errors
 
 
 def endpoint_sampling_problems(recipe: Recipe) -> list[str]:

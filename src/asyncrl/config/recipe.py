@@ -312,6 +312,17 @@ DataConfig = Annotated[
 ]
 
 
+def image_field(data: DataConfig | None) -> str | None:
+    """The record field that names a prompt's image files in ``data``'s records: ``image``
+    for the shapes task, ``image_key`` for a JSONL file; None where records hold text
+    only."""
+    if isinstance(data, ShapesData):
+        return "image"
+    if isinstance(data, JsonlData):
+        return data.image_key
+    return None
+
+
 class SamplingConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer scores logprobs at the same temperature."""

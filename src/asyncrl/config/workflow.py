@@ -41,6 +41,7 @@ from asyncrl.config.schema import Section
 from asyncrl.endpoint.server import OpenAIEndpoint
 from asyncrl.endpoint.verifiers_env import load_verifiers_env, verifiers_workflow
 from asyncrl.endpoint.workflow import OpenAIAgentWorkflow, load_agent
+from asyncrl.models.vision import VisionProcessor
 from asyncrl.tools.base import Tool
 from asyncrl.tools.calls import PARSERS
 from asyncrl.tools.mcp import MCPTools
@@ -63,7 +64,8 @@ class WorkflowParts:
     engine's tokenizer, the sampling and samples per prompt (the rollout's, or an eval
     job's), and the started parts a kind may use: a reward pool (:meth:`scores_inline`
     says whether the rollout actor starts one), the endpoint (:attr:`needs_endpoint`), the
-    opened tools (:meth:`open_tools`), the file recording the endpoint's calls."""
+    opened tools (:meth:`open_tools`), the file recording the endpoint's calls, and for a
+    vision model its processor and the record field naming a prompt's images."""
 
     tokenizer: Any
     sampling: SamplingParams
@@ -72,6 +74,8 @@ class WorkflowParts:
     endpoint: OpenAIEndpoint | None = None
     tools: list[Tool] | None = None
     record_path: Path | None = None
+    vision: VisionProcessor | None = None
+    image_key: str | None = None
 
     def need_endpoint(self, key: str) -> OpenAIEndpoint:
         if self.endpoint is None:
@@ -168,7 +172,14 @@ class RLVRWorkflowConfig(WorkflowConfigBase):
     whole_groups: ClassVar[bool] = True
 
     def build(self, rollout: RolloutConfig, parts: WorkflowParts) -> RolloutWorkflow:
-        return RLVRWorkflow(parts.tokenizer, parts.sampling, parts.group_size, parts.reward)
+        return RLVRWorkflow(
+            parts.tokenizer,
+            parts.sampling,
+            parts.group_size,
+            parts.reward,
+            vision=parts.vision,
+            image_key=parts.image_key,
+        )
 
 
 class MultiTurnWorkflowConfig(WorkflowConfigBase):

@@ -24,13 +24,14 @@ its ``Qwen2VLProcessor`` does: transformers cannot build that class without torc
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from asyncrl.models.tiny_vlm import IDEFICS3_TOKENS, QWEN2_VL_TOKENS
+from asyncrl.models.tiny_vlm import IDEFICS3_NAME, IDEFICS3_TOKENS, QWEN2_VL_NAME, QWEN2_VL_TOKENS
 
 if TYPE_CHECKING:
     import torch
@@ -251,3 +252,48 @@ def packed_position_ids(model: Any, samples: Sequence[dict[str, torch.Tensor]]) 
         text = torch.arange(length).view(1, 1, length)
         rows.append(torch.cat([text, mrope_position_ids(model, sample)], dim=0))
     return torch.cat(rows, dim=2)
+
+
+def vision_model_type(spec: str) -> str | None:
+    """The vision family of the ``model.path`` ``spec`` (a ``model_type`` of
+    :data:`QWEN_FAMILY` or :data:`IDEFICS_FAMILY`), or None for a text model, found
+    without downloading or building anything: the tiny models by name, a local folder by
+    its ``config.json``, a hub id by its name (``Qwen2-VL``, ``Qwen2.5-VL``, ``SmolVLM``,
+    ``Idefics3``)."""
+    named = {QWEN2_VL_NAME: "qwen2_vl", IDEFICS3_NAME: "idefics3"}
+    if spec in named:
+        return named[spec]
+    config = Path(spec).expanduser() / "config.json"
+    if config.is_file():
+        model_type = json.loads(config.read_text()).get("model_type")
+        return model_type if model_type in QWEN_FAMILY + IDEFICS_FAMILY else None
+    name = spec.rsplit("/", 1)[-1].lower()
+    if "qwen2.5-vl" in name or "qwen2_5_vl" in name:
+        return "qwen2_5_vl"
+    if "qwen2-vl" in name or "qwen2_vl" in name:
+        return "qwen2_vl"
+    if "smolvlm" in name or "idefics3" in name:
+        return "idefics3"
+    return None
+
+
+def record_images(record: dict[str, Any], image_key: str | None) -> list[str]:
+    """The image files a prompt record names under ``image_key`` (one path, or a list of
+    them); none without the key or the field."""
+    if not image_key or record.get(image_key) is None:
+        return []
+    value = record[image_key]
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+def with_images(messages: list[dict[str, Any]], n_images: int) -> list[dict[str, Any]]:
+    """``messages`` with ``n_images`` image parts in front of the text of the first user
+    turn (where a chat template renders each as the model's image placeholder)."""
+    out = [dict(m) for m in messages]
+    for m in out:
+        if m.get("role") == "user":
+            text = m.get("content", "")
+            parts = text if isinstance(text, list) else [{"type": "text", "text": str(text)}]
+            m["content"] = [{"type": "image"} for _ in range(n_images)] + parts
+            return out
+    raise ValueError("a chat with images needs a user turn to hold them")

@@ -278,6 +278,11 @@ class Trajectory(Message):
         description="the trainer epoch (restarts of the trainer) of the weights it was "
         "generated with; a sample of an older epoch comes from a lineage that was rolled back",
     )
+    images: list[str] = Field(
+        default_factory=list,
+        description="the prompt's images, by reference (file paths), one per image in "
+        "input_ids' placeholder tokens, in order; pixels never travel in a message",
+    )
 
     @model_validator(mode="after")
     def _same_lengths(self) -> Trajectory:
@@ -310,6 +315,7 @@ class Trajectory(Message):
         # validation would copy it
         values = {name: getattr(self, name) for name in _TRAIN_FIELDS}
         values["reward_info"] = dict(self.reward_info)
+        values["images"] = list(self.images)
         sample = _new(TrainSample)
         _set_attr(sample, "__dict__", values)
         _set_attr(sample, "__pydantic_fields_set__", set(values))
@@ -405,6 +411,10 @@ class TrainSample(Message):
         default=None,
         description="the sampling its calls chose (rollout.endpoint_sampling = 'per_call'); "
         "None: rollout.sampling",
+    )
+    images: list[str] = Field(
+        default_factory=list,
+        description="the prompt's images, by reference (Trajectory.images)",
     )
 
     @model_validator(mode="after")

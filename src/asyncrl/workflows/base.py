@@ -113,6 +113,7 @@ class TokenTrace:
         reward: float | None = None,
         reward_info: dict[str, Any] | None = None,
         sampled_with: SampledWith | None = None,
+        images: list[str] | None = None,
     ) -> Trajectory:
         return Trajectory(
             uid=f"{prompt_uid}/{index}",
@@ -129,4 +130,5 @@ class TokenTrace:
             completion=completion,
             finish_reason=finish_reason,
             sampled_with=sampled_with,
+            images=images or [],
         )

@@ -3,6 +3,11 @@
 The prompt goes through the tokenizer's chat template once; the samples are generated
 concurrently (so the engine batches them). With a ``reward`` scorer each trajectory is
 scored inline; without one, ``reward`` stays None for the reward actor to fill in.
+
+A record that names images (under ``image_key``) is asked of a vision model: its
+processor (``vision``) places the image tokens in the prompt ids, and the requests and
+trajectories carry the images by reference (their paths); the engine and the trainer each
+read the pixels themselves.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any
 
 from asyncrl.api.inference import GenerateRequest, InferenceEngine, SamplingParams
 from asyncrl.api.workflow import RolloutWorkflow, Scorer
+from asyncrl.models.vision import VisionProcessor, open_image, record_images, with_images
 from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.base import (
     TokenTrace,
@@ -42,6 +48,8 @@ class RLVRWorkflow(RolloutWorkflow):
         group_size: int = 1,
         reward: Scorer | None = None,
         system_prompt: str | None = None,
+        vision: VisionProcessor | None = None,
+        image_key: str | None = None,
     ) -> None:
         if group_size < 1:
             raise ValueError("group_size must be >= 1")
@@ -50,16 +58,33 @@ class RLVRWorkflow(RolloutWorkflow):
         self.group_size = group_size
         self.reward = reward
         self.system_prompt = system_prompt
+        self.vision = vision
+        self.image_key = image_key
+
+    def prompt(self, record: dict[str, Any]) -> tuple[list[int], list[str]]:
+        """The prompt ids of ``record`` and the images they hold (paths, in order)."""
+        messages = chat_messages(record, self.system_prompt)
+        images = record_images(record, self.image_key)
+        if not images:
+            return encode_chat(self.tokenizer, messages), []
+        if self.vision is None:
+            raise ValueError(
+                f"the prompt record names {len(images)} image(s) under {self.image_key!r}, "
+                "but model.path is not a vision model"
+            )
+        inputs = self.vision(with_images(messages, len(images)), [open_image(p) for p in images])
+        return [int(i) for i in inputs["input_ids"][0].tolist()], images
 
     async def arun_episode(
         self, engine: InferenceEngine, item: dict[str, Any] | Prompt
     ) -> list[Trajectory] | None:
         uid, record = split_item(item)
         attempt = item_attempt(item)
-        prompt_ids = encode_chat(self.tokenizer, chat_messages(record, self.system_prompt))
+        prompt_ids, images = self.prompt(record)
         requests = [
             GenerateRequest(
                 input_ids=prompt_ids,
+                images=images,
                 sampling=self.sampling.model_copy(
                     update={"seed": sample_seed(self.sampling.seed, uid, i, attempt)}
                 ),
@@ -98,6 +123,7 @@ class RLVRWorkflow(RolloutWorkflow):
                     reward_info=None
                     if outcome is None
                     else {"ok": outcome.ok, "reason": outcome.reason},
+                    images=images,
                 )
             )
         return trajectories
