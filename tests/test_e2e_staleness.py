@@ -69,7 +69,7 @@ async def last_seq(bus: Bus, stream: str) -> int:
 
 async def read_mirror(bus: Bus, subjects: Subjects, mirror: str) -> list[Trajectory]:
     """Every raw trajectory of the run, in the order the stream stored them (the samples
-    of a group message in their order in it)."""
+    of a group message in their order in it, each with the group's prompt record)."""
     origin = (await bus.js.stream_info(subjects.stream)).state
     async with asyncio.timeout(MIRROR_LIMIT_S):  # the mirror catches up asynchronously
         while await last_seq(bus, mirror) < origin.last_seq:  # noqa: ASYNC110 - as above
@@ -84,7 +84,8 @@ async def read_mirror(bus: Bus, subjects: Subjects, mirror: str) -> list[Traject
             raw.append(decode(msg.data, Trajectory))
         elif msg.subject == subjects.trajectory_groups:  # the rlvr workflow's: a group each
             assert msg.data is not None
-            raw.extend(decode(msg.data, TrajectoryGroup).samples)
+            group = decode(msg.data, TrajectoryGroup)  # its prompt record given back to each
+            raw.extend(t.model_copy(update={"data": group.data}) for t in group.samples)
     return raw
 
 

@@ -1,9 +1,9 @@
 """Vision-language training end to end: ``asyncrl up recipes/ci_vlm.toml`` (a tiny random
-Qwen2-VL-shaped model counting shapes in generated images) runs to its last step, and the
-raw trajectories, read from a mirror of the run's stream as test_e2e_staleness does, show
-that what was trained is what the engine generated from each image: every trained
-sample's token ids are a published sample's, whose prompt ids are the processor's for
-that sample's record and image, and the staleness bound holds."""
+Qwen2-VL-shaped model counting shapes in generated images; the Idefics3 shape too) runs to
+its last step, and the raw trajectories, read from a mirror of the run's stream as
+test_e2e_staleness does, show that what was trained is what the engine generated from each
+image: every trained sample's token ids are a published sample's, whose prompt ids are the
+processor's for that sample's record and image, and the staleness bound holds."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ ETA = 1  # recipes/ci_vlm.toml's buffer.max_head_offpolicyness
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", ["tiny-random-qwen2-vl", "tiny-random-idefics3"])
 async def test_ci_vlm_trains_on_what_the_engine_generated_from_each_image(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str
 ) -> None:
     name = "vlm"
     subjects = Subjects(name)
@@ -50,6 +51,7 @@ async def test_ci_vlm_trains_on_what_the_engine_generated_from_each_image(
                     f"run.nats_url={server.info.url}",
                     f"trainer.max_steps={STEPS}",
                     f"trainer.checkpoint_every={STEPS}",
+                    f"model.path={model}",
                     recipe=RECIPE,
                 )
             )
@@ -61,7 +63,7 @@ async def test_ci_vlm_trains_on_what_the_engine_generated_from_each_image(
     run_dir = tmp_path / name
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
-    processor = VisionProcessor(resolve_model_path("tiny-random-qwen2-vl"))
+    processor = VisionProcessor(resolve_model_path(model))
     published: dict[str, set[str]] = {}
     for t in raw:
         images = record_images(t.data, "image")
@@ -85,4 +87,5 @@ async def test_ci_vlm_trains_on_what_the_engine_generated_from_each_image(
     batch = read_record(run_dir, 1)
     assert batch is not None
     samples = [s for g in batch.groups for s in g.samples]
-    assert samples and all(len(s.images) == 1 and Path(s.images[0]).is_file() for s in samples)
+    assert samples and all(len(s.images) == 1 for s in samples)
+    assert {s.images[0] for s in samples} <= {t.images[0] for t in raw}  # the files read above

@@ -15,7 +15,7 @@ import pytest
 from asyncrl.config.checks import recipe_problems, vision_problems
 from asyncrl.config.recipe import image_field, load_recipe
 from asyncrl.models.resolve import resolve_model_path
-from asyncrl.models.vision import record_images, vision_model_type, with_images
+from asyncrl.models.vision import record_images, vision_family_offline, with_images
 
 REPO = Path(__file__).resolve().parent.parent
 CI_VLM = REPO / "recipes" / "ci_vlm.toml"
@@ -35,17 +35,17 @@ CLEVR = REPO / "recipes" / "clevr_count.toml"
         ("smollm2-135m-instruct", None),
     ],
 )
-def test_vision_model_type_by_name(spec: str, family: str | None) -> None:
-    assert vision_model_type(spec) == family
+def test_vision_family_offline_by_name(spec: str, family: str | None) -> None:
+    assert vision_family_offline(spec) == family
 
 
-def test_vision_model_type_of_a_local_folder_reads_its_config(tmp_path: Path) -> None:
-    assert vision_model_type(resolve_model_path("tiny-random-qwen2-vl")) == "qwen2_vl"
-    assert vision_model_type(resolve_model_path("tiny-random-llama")) is None
+def test_vision_family_offline_of_a_local_folder_reads_its_config(tmp_path: Path) -> None:
+    assert vision_family_offline(resolve_model_path("tiny-random-qwen2-vl")) == "qwen2_vl"
+    assert vision_family_offline(resolve_model_path("tiny-random-llama")) is None
     folder = tmp_path / "my-model"  # a name that says nothing: the config decides
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "idefics3"}))
-    assert vision_model_type(str(folder)) == "idefics3"
+    assert vision_family_offline(str(folder)) == "idefics3"
 
 
 def test_record_images_and_the_chat_that_holds_them() -> None:
@@ -93,7 +93,7 @@ def test_check_of_the_clevr_count_recipe_passes_without_a_gpu_or_the_model(
     tmp_path: Path,
 ) -> None:
     recipe = load_recipe(CLEVR)
-    assert vision_model_type(recipe.model.path) == "qwen2_5_vl"
+    assert vision_family_offline(recipe.model.path) == "qwen2_5_vl"
     assert recipe.rollout.engine.type == "hf" and image_field(recipe.data) == "image"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     local = tmp_path / "checkpoints" / "step-500"  # a fine-tuned copy: its config says what

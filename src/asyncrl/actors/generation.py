@@ -16,7 +16,7 @@ from asyncrl.config.workflow import ENDPOINT_CALLS, WorkflowParts
 from asyncrl.endpoint.requests import SAMPLING_KEYS
 from asyncrl.endpoint.server import OpenAIEndpoint
 from asyncrl.models.resolve import resolve_model_path
-from asyncrl.models.vision import VisionProcessor, vision_model_type
+from asyncrl.models.vision import VisionProcessor, vision_family_offline
 from asyncrl.runtime.actor import Actor
 from asyncrl.runtime.bus import BusTimeout, RemoteError
 from asyncrl.tools.base import Tool
@@ -102,7 +102,7 @@ def build_workflow(
     r = actor.recipe.rollout
     image_key = image_field(data or actor.recipe.data)
     vision = None
-    if image_key and vision_model_type(actor.recipe.model.path):
+    if image_key and vision_family_offline(actor.recipe.model.path):
         vision = VisionProcessor(resolve_model_path(actor.recipe.model.path))
     parts = WorkflowParts(
         tokenizer=engine.tokenizer,

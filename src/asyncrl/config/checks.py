@@ -31,7 +31,7 @@ from asyncrl.config.recipe import generation_budget as generation_budget
 from asyncrl.config.schema import engine_device
 from asyncrl.data import missing_fields, read_jsonl
 from asyncrl.models.resolve import SMOLLM2_NAME, TINY_NAME
-from asyncrl.models.vision import vision_model_type
+from asyncrl.models.vision import vision_family_offline
 from asyncrl.runtime.cores import gpu_visible, is_cpu_device, node_gpus
 from asyncrl.weights.choose import choose as choose_transport
 from asyncrl.weights.choose import transport_problems
@@ -245,7 +245,7 @@ def vision_problems(recipe: Recipe) -> list[str]:
         return errors
     named = " and ".join(f"{section} (field {key!r})" for section, key in keys)
     model = recipe.model.path
-    if vision_model_type(model) is None:
+    if vision_family_offline(model) is None:
         errors.append(
             f"{named} names images, but model.path = {model!r} is not a vision model known "
             "here (Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM, or tiny-random-qwen2-vl / "

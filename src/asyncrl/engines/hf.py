@@ -105,7 +105,7 @@ from asyncrl.models.resolve import (
     resolve_dtype,
     resolve_model_path,
 )
-from asyncrl.models.vision import VisionProcessor, is_vision_model, load_vision_lm
+from asyncrl.models.vision import VisionProcessor, load_vision_lm, vision_family
 from asyncrl.runtime.log import get_logger
 from asyncrl.weights.lora import LoraAdapter, is_adapter_dir, merged, read_adapter
 
@@ -265,7 +265,7 @@ class HFEngine(InferenceEngine):
 
     def _load(self) -> None:
         local = Path(resolve_model_path(self.model_spec))
-        if is_vision_model(local):
+        if vision_family(local) is not None:
             self.vision = VisionProcessor(local)
             self._images = ImageInputs(self.vision, self.model_spec)
         if self.memory_saver:
@@ -312,7 +312,7 @@ class HFEngine(InferenceEngine):
 
     def _load_model(self, local: Path) -> Any:
         if self.vision is not None:
-            return load_vision_lm(local, self.dtype, self.device)
+            return load_vision_lm(local, dtype=self.dtype, device=self.device)
         return load_causal_lm(self.model_spec, self.dtype, self.device)
 
     async def _in_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:

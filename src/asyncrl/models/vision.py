@@ -35,30 +35,56 @@ from asyncrl.models.tiny_vlm import IDEFICS3_NAME, IDEFICS3_TOKENS, QWEN2_VL_NAM
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PretrainedConfig
 
 QWEN_FAMILY = ("qwen2_vl", "qwen2_5_vl")
 IDEFICS_FAMILY = ("idefics3",)
 
 
-def is_vision_model(path: str | Path) -> bool:
-    """Whether the model at ``path`` (a directory or hub id) is a vision-language model
-    known here: its config's ``model_type`` is of :data:`QWEN_FAMILY` or
-    :data:`IDEFICS_FAMILY`."""
-    from transformers import AutoConfig  # noqa: PLC0415 - heavy: only processes that load a model need it
+def vision_family(source: str | Path | PretrainedConfig) -> str | None:
+    """The ``model_type`` of ``source`` (a model directory or hub id, whose config a hub id
+    downloads, or a transformers config) when it is a vision-language model known here
+    (:data:`QWEN_FAMILY`, :data:`IDEFICS_FAMILY`), else None. ``check``, which must not
+    download, asks :func:`vision_family_offline`."""
+    from transformers import AutoConfig, PretrainedConfig  # noqa: PLC0415 - heavy: only processes that load a model need it
 
-    return AutoConfig.from_pretrained(path).model_type in QWEN_FAMILY + IDEFICS_FAMILY
+    config = source if isinstance(source, PretrainedConfig) else AutoConfig.from_pretrained(source)
+    model_type = str(config.model_type)
+    return model_type if model_type in QWEN_FAMILY + IDEFICS_FAMILY else None
 
 
-def load_vision_lm(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Any:
-    """The vision-language model at ``path`` (transformers' image-text-to-text class) in
-    eval mode, its parameters in ``dtype`` on ``device``."""
+VISION_ATTENTION = "sdpa"
+"""The vision tower's attention backend (bidirectional within an image)."""
+
+
+def load_vision_lm(
+    source: str | Path | PretrainedConfig,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    attn_implementation: str | None = None,
+    seed: int = 0,
+) -> Any:
+    """A vision-language model (transformers' image-text-to-text class) in eval mode, its
+    parameters in ``dtype`` on ``device``: from the directory or hub id ``source``, or
+    random weights of the config ``source`` drawn from ``seed``. The language model
+    attends with ``attn_implementation`` (default :data:`VISION_ATTENTION`), the vision
+    tower with :data:`VISION_ATTENTION` whatever the language model uses."""
     import torch  # noqa: PLC0415 - heavy: only processes that run a vision model need it
-    from transformers import AutoModelForImageTextToText  # noqa: PLC0415 - as above
+    from transformers import AutoModelForImageTextToText, PretrainedConfig  # noqa: PLC0415 - as above
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 - as above
 
-    hf_logging.disable_progress_bar()
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype))
-    return model.to(device).eval()  # type: ignore[arg-type]
+    attention = {"text_config": attn_implementation or VISION_ATTENTION}
+    attention.update({"vision_config": VISION_ATTENTION, "": VISION_ATTENTION})
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": attention}
+    if isinstance(source, PretrainedConfig):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForImageTextToText.from_config(source, **kwargs)
+    else:
+        hf_logging.disable_progress_bar()
+        model = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
+    return model.to(device).eval()
 
 
 def placeholder_mask(
@@ -254,7 +280,7 @@ def packed_position_ids(model: Any, samples: Sequence[dict[str, torch.Tensor]]) 
     return torch.cat(rows, dim=2)
 
 
-def vision_model_type(spec: str) -> str | None:
+def vision_family_offline(spec: str) -> str | None:
     """The vision family of the ``model.path`` ``spec`` (a ``model_type`` of
     :data:`QWEN_FAMILY` or :data:`IDEFICS_FAMILY`), or None for a text model, found
     without downloading or building anything: the tiny models by name, a local folder by

@@ -206,6 +206,7 @@ def build_samples(
                 episode=e,
                 sampled_with=t.sampled_with,
                 group=k,
+                images=tuple(t.images),
             )
         )
     stats = {

@@ -36,7 +36,7 @@ from asyncrl.models.resolve import (
     resolve_model_path,
     torch_dtype,
 )
-from asyncrl.models.vision import VisionProcessor
+from asyncrl.models.vision import VisionProcessor, load_vision_lm, vision_family
 from asyncrl.train import dcp, trainer_threads
 from asyncrl.train.attention import register as register_attention
 from asyncrl.train.batch import Batch
@@ -54,10 +54,8 @@ from asyncrl.train.shard import TrainShard, plan_shards
 from asyncrl.train.step_stats import StepTotals
 from asyncrl.train.vision import (
     ImageInputs,
-    load_vision_lm,
     save_processor,
     vision_linear_names,
-    vision_model_type,
     vision_parameters,
 )
 
@@ -144,7 +142,7 @@ class TrainEngine:
         torch.manual_seed(seed + self.rank)
         # a vision-language model: its processor (from model.path's files) and image inputs
         self.vision_processor: VisionProcessor | None = None
-        if vision_model_type(self._source) is not None:
+        if vision_family(self._source) is not None:
             if config.share_prefix is True:
                 raise ValueError(
                     "trainer.share_prefix = true: a vision-language model's samples share no "

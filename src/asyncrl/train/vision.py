@@ -21,14 +21,11 @@ its attention is bidirectional over each image, which ``asyncrl_varlen`` (causal
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
 
 from asyncrl.models.vision import (
-    IDEFICS_FAMILY,
     QWEN_FAMILY,
     VisionProcessor,
     open_image,
@@ -38,37 +35,9 @@ from asyncrl.train.batch import Sample
 from asyncrl.train.models import hf_model
 from asyncrl.train.packing import MicroBatch
 
-VISION_ATTENTION = "sdpa"
-"""The vision tower's attention backend (bidirectional within an image)."""
-
 IMAGE_CACHE_SIZE = 256
 """Processed images kept per engine: a group's samples share their prompt's images, and a
 step scores them more than once (proximal, reference, training forwards)."""
-
-
-def vision_model_type(source: Any) -> str | None:
-    """The ``model_type`` of ``source`` (a model directory or hub id, or a transformers
-    config) when it is a vision-language model known here, else None."""
-    config = source if isinstance(source, PretrainedConfig) else AutoConfig.from_pretrained(source)
-    model_type = str(config.model_type)
-    return model_type if model_type in QWEN_FAMILY + IDEFICS_FAMILY else None
-
-
-def load_vision_lm(source: Any, *, attn_implementation: str | None, seed: int) -> nn.Module:
-    """A vision-language model (transformers' image-text-to-text class) in float32 on the
-    CPU, eval mode: from the directory ``source``, or random weights of the config
-    ``source`` drawn from ``seed``. The language model attends with
-    ``attn_implementation``, the vision tower with :data:`VISION_ATTENTION`."""
-    attention = {"text_config": attn_implementation or VISION_ATTENTION}
-    attention.update({"vision_config": VISION_ATTENTION, "": VISION_ATTENTION})
-    kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": attention}
-    if isinstance(source, PretrainedConfig):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            lm = AutoModelForImageTextToText.from_config(source, **kwargs)
-    else:
-        lm = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
-    return lm.eval()  # type: ignore[no-any-return]
 
 
 def vision_module_names(lm: nn.Module) -> list[str]:
