@@ -5,6 +5,7 @@ prompt + completion, on shapes images (the tiny random models, fp32, transformer
     python bench/vision_gap.py --models tiny-random-qwen2-vl --prompts 32 --new 128
 
     python bench/vision_gap.py --engine hf           # the hf engine generates instead
+    python bench/vision_gap.py --engine hf --scorer trainer   # ... and the trainer scores
 
 Each model samples ``--new`` tokens (T = 1, image tokens suppressed) for ``--prompts``
 shapes questions; one forward over prompt + completion with the same image inputs
@@ -14,6 +15,10 @@ tokens. By default transformers' ``generate`` samples, one prompt at a time: the
 With ``--engine hf`` the hf engine samples all prompts concurrently (continuous batching,
 each image prompt prefilled alone with its pixel inputs), and the forward masks the image
 tokens' logits as the engine does (:func:`asyncrl.models.vision.mask_placeholders`).
+With ``--scorer trainer`` the trainer scores the engine's samples instead of that forward:
+``TrainEngine.compute_logprobs`` with the recipe defaults (all samples packed into one
+micro-batch with their images, ``asyncrl_varlen`` attention, the float32 LM head): the gap
+between the logprobs a run's samples carry and those the trainer recomputes for them.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--engine", choices=["generate", "hf"], default="generate")
+    parser.add_argument("--scorer", choices=["forward", "trainer"], default="forward")
     args = parser.parse_args()
+    if args.scorer == "trainer" and args.engine != "hf":
+        parser.error("--scorer trainer scores the hf engine's samples: add --engine hf")
 
     import asyncio
 
@@ -52,6 +60,9 @@ def main() -> None:
         record_messages,
         scoring_inputs,
     )
+    from asyncrl.train.batch import Sample
+    from asyncrl.train.config import TrainerConfig
+    from asyncrl.train.engine import TrainEngine
 
     root = Path(tempfile.mkdtemp(prefix="vision-gap-"))
     records = shapes_records(args.prompts, seed=0, cache_dir=root / "shapes")
@@ -77,7 +88,24 @@ def main() -> None:
                 async with HFEngine(ModelConfig(path=str(path), dtype="float32"), config) as eng:
                     return await asyncio.gather(*(eng.agenerate(r) for r in requests))
 
-            for prompt, resp in zip(prompts, asyncio.run(run()), strict=True):
+            responses = asyncio.run(run())
+            if args.scorer == "trainer":
+                trainer = TrainEngine(TrainerConfig(), ModelConfig(path=str(path), dtype="float32"))
+                batch = []
+                for rec, prompt, resp in zip(records, prompts, responses, strict=True):
+                    n = prompt["input_ids"].shape[1]
+                    lengths.append(n)
+                    ids = prompt["input_ids"][0].tolist() + resp.output_ids
+                    mask = torch.arange(len(ids)) >= n
+                    batch.append(
+                        Sample(ids, mask, torch.zeros(len(ids)), 0.0, images=(rec["image"],))
+                    )
+                for sample, resp, lp in zip(
+                    batch, responses, trainer.compute_logprobs(batch), strict=True
+                ):
+                    gaps.append((torch.tensor(resp.output_logprobs) - lp[sample.loss_mask]).abs())
+                responses = []
+            for prompt, resp in zip(prompts, responses, strict=False):
                 n = prompt["input_ids"].shape[1]
                 lengths.append(n)
                 completion = torch.tensor([resp.output_ids])
