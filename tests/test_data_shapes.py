@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from asyncrl.config.recipe import JsonlData, RecipeError, ShapesData, load_recipe
+from asyncrl.config.recipe import (
+    HFData,
+    JsonlData,
+    RecipeError,
+    ShapesData,
+    image_field,
+    load_recipe,
+)
 from asyncrl.data import load_records
 from asyncrl.data.shapes import (
     BACKGROUND,
@@ -184,6 +191,26 @@ def test_jsonl_records_name_image_files_beside_them(tmp_path: Path):
     path.write_text(json.dumps({"question": "q", "answer": "1", "image": 7}) + "\n")
     with pytest.raises(ValueError, match=r"row 1: 'image' \(the recipe's image_key\) must name"):
         load_records(JsonlData(path=str(path), image_key="image"))
+
+
+def test_hf_dataset_records_name_image_files_from_the_run_s_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A dataset read with data.type = "hf" (here a local JSON Lines file, which its
+    builder reads offline) names images relative to where the run starts."""
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "a.png")
+    rows = [{"question": "How many?", "answer": "2", "image": "imgs/a.png"}] * 2
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    monkeypatch.chdir(tmp_path)
+    recs = load_records(HFData(name=str(path), image_key="image"))
+    assert [r["image"] for r in recs] == [str((tmp_path / "imgs" / "a.png").resolve())] * 2
+    assert image_field(HFData(name=str(path), image_key="image")) == "image"
+    assert image_field(HFData(name=str(path))) is None
+    monkeypatch.chdir(tmp_path / "imgs")  # elsewhere the relative name is missing, and said
+    with pytest.raises(FileNotFoundError, match=r"row 1: image 'imgs/a\.png' under 'image'"):
+        load_records(HFData(name=str(path), image_key="image"))
 
 
 def test_the_docs_image_is_the_one_the_generator_draws(tmp_path: Path):

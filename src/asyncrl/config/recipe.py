@@ -304,6 +304,10 @@ class HFData(Section):
     """Field holding the question."""
     answer_key: str = "answer"
     """Field holding the reference answer."""
+    image_key: str | None = None
+    """Field naming a record's image file (absolute, or relative to the directory the run
+    starts in), as ``data.jsonl``'s; every file named must exist. None (the default):
+    records are text."""
 
 
 DataConfig = Annotated[
@@ -314,11 +318,11 @@ DataConfig = Annotated[
 
 def image_field(data: DataConfig | None) -> str | None:
     """The record field that names a prompt's image files in ``data``'s records: ``image``
-    for the shapes task, ``image_key`` for a JSONL file; None where records hold text
-    only."""
+    for the shapes task, ``image_key`` for a JSONL file or a hub dataset; None where
+    records hold text only."""
     if isinstance(data, ShapesData):
         return "image"
-    if isinstance(data, JsonlData):
+    if isinstance(data, JsonlData | HFData):
         return data.image_key
     return None
 

@@ -68,6 +68,8 @@ def load_records(cfg: Any, seed: int = 0) -> list[Record]:
     elif kind == "hf":
         rows = read_hf_dataset(cfg.name, cfg.subset, cfg.split)
         source = f"dataset {cfg.name} ({cfg.split})"
+        if cfg.image_key:
+            resolve_images(rows, Path.cwd(), cfg.image_key, source)
     else:
         raise ValueError(
             f"data type {kind!r} is not one of arithmetic, products, shapes, jsonl, hf"
