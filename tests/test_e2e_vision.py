@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from e2e_kit import REPO, run, up_args
+from e2e_kit import REPO, cli, run, up_args
 from test_e2e import read_jsonl
 from test_e2e_staleness import mirror_run_stream, read_mirror
 
@@ -89,3 +89,8 @@ async def test_ci_vlm_trains_on_what_the_engine_generated_from_each_image(
     samples = [s for g in batch.groups for s in g.samples]
     assert samples and all(len(s.images) == 1 for s in samples)
     assert {s.images[0] for s in samples} <= {t.images[0] for t in raw}  # the files read above
+    if model == "tiny-random-qwen2-vl":  # (one model: the replay path is the same for both)
+        # the replay reads the images again from their paths: every checkpoint bit for bit
+        code, out = await run(cli("replay", str(run_dir)))
+        assert code == 0, out
+        assert "replay: 1 of 1 checkpoints identical" in out, out
