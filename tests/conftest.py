@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from asyncrl.data.shapes import shapes_records
+from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_VL_NAME, tiny_vlm_dir
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
 
@@ -32,3 +35,20 @@ async def bus(nats_server: NatsInfo) -> AsyncIterator[Bus]:
         yield b
     finally:
         await b.close()
+
+
+VLM_NAMES = [QWEN2_VL_NAME, IDEFICS3_NAME]
+"""The tiny vision-language models, by their model.path names."""
+
+
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each tiny vision-language model's folder, built once per test module."""
+    root = tmp_path_factory.mktemp("models")
+    return {name: tiny_vlm_dir(name, root) for name in VLM_NAMES}
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Four shapes counting records (seed 0), their images rendered once per module."""
+    return shapes_records(4, seed=0, cache_dir=tmp_path_factory.mktemp("shapes"))

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from e2e_kit import CI_RECIPE
 from nats.js import api
 from test_e2e import read_jsonl, run, up_args
 
@@ -89,6 +90,33 @@ async def read_mirror(bus: Bus, subjects: Subjects, mirror: str) -> list[Traject
     return raw
 
 
+async def mirrored_run(
+    tmp_path: Path,
+    name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    *sets: str,
+    recipe: Path = CI_RECIPE,
+) -> list[Trajectory]:
+    """``asyncrl up`` of ``recipe`` as the run ``tmp_path/name`` with ``sets``, on a
+    nats-server of the test's own whose trajectory stream is mirrored from the start;
+    asserts the run exits 0 and returns every raw trajectory it published
+    (:func:`read_mirror`)."""
+    subjects = Subjects(name)
+    async with EmbeddedNats(tmp_path / "nats") as server:
+        assert server.info.token
+        # the credentials of an external server come from up's environment, never the recipe
+        monkeypatch.setenv("ASYNCRL_NATS_TOKEN", server.info.token)
+        bus = await Bus.connect(server.info, name="test")
+        try:
+            mirror = await mirror_run_stream(bus, subjects)
+            argv = up_args(tmp_path, name, f"run.nats_url={server.info.url}", *sets, recipe=recipe)
+            code, out = await run(argv)
+            assert code == 0, out
+            return await read_mirror(bus, subjects, mirror)
+        finally:
+            await bus.close()
+
+
 def generated_versions(t: Trajectory) -> np.ndarray:
     """The policy versions of the generated tokens, in order."""
     return t.versions.numpy()[t.loss_mask.numpy().astype(bool)]
@@ -99,41 +127,26 @@ async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = "stale"
-    subjects = Subjects(name)
-    async with EmbeddedNats(tmp_path / "nats") as server:
-        url = server.info.url
-        assert server.info.token
-        # the credentials of an external server come from up's environment, never the recipe
-        monkeypatch.setenv("ASYNCRL_NATS_TOKEN", server.info.token)
-        bus = await Bus.connect(server.info, name="test")
-        try:
-            mirror = await mirror_run_stream(bus, subjects)
-            code, out = await run(
-                up_args(
-                    tmp_path,
-                    name,
-                    f"run.nats_url={url}",
-                    f"trainer.max_steps={STEPS}",
-                    "trainer.checkpoint_every=1000",
-                    # Weight updates must land while a sequence is running, so generating
-                    # a step's samples has to take longer than training on them: were
-                    # generation as fast, the rollout would reach the staleness bound just
-                    # before each update and wait for it between samples. So one row
-                    # decodes at a time, answers run up to 256 tokens, and the trainer
-                    # keeps to one thread: with two, its threads wait on the core that
-                    # decodes, and a step of this tiny model took ~1 s instead of ~0.05 s,
-                    # as long as generating the batch (the test failed every time once
-                    # the trainer's allocator made its steps faster).
-                    "rollout.sampling.max_new_tokens=256",
-                    "rollout.engine.max_batch_size=1",
-                    "rollout.group_size=4",
-                    "trainer.threads=1",
-                )
-            )
-            assert code == 0, out
-            raw = await read_mirror(bus, subjects, mirror)
-        finally:
-            await bus.close()
+    raw = await mirrored_run(
+        tmp_path,
+        name,
+        monkeypatch,
+        f"trainer.max_steps={STEPS}",
+        "trainer.checkpoint_every=1000",
+        # Weight updates must land while a sequence is running, so generating
+        # a step's samples has to take longer than training on them: were
+        # generation as fast, the rollout would reach the staleness bound just
+        # before each update and wait for it between samples. So one row
+        # decodes at a time, answers run up to 256 tokens, and the trainer
+        # keeps to one thread: with two, its threads wait on the core that
+        # decodes, and a step of this tiny model took ~1 s instead of ~0.05 s,
+        # as long as generating the batch (the test failed every time once
+        # the trainer's allocator made its steps faster).
+        "rollout.sampling.max_new_tokens=256",
+        "rollout.engine.max_batch_size=1",
+        "rollout.group_size=4",
+        "trainer.threads=1",
+    )
 
     run_dir = tmp_path / name
     trained = read_jsonl(run_dir / "trained_samples.jsonl")

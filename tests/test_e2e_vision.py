@@ -11,17 +11,14 @@ import json
 from pathlib import Path
 
 import pytest
-from e2e_kit import REPO, cli, run, up_args
+from e2e_kit import REPO, cli, run
 from test_e2e import read_jsonl
-from test_e2e_staleness import mirror_run_stream, read_mirror
+from test_e2e_staleness import mirrored_run
 
 from asyncrl.models.resolve import resolve_model_path
 from asyncrl.models.vision import VisionProcessor, open_image, record_images, with_images
 from asyncrl.observe.records import token_digest
-from asyncrl.runtime.bus import Bus
-from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.train.replay_log import read_record
-from asyncrl.wire.subjects import Subjects
 from asyncrl.workflows.base import chat_messages
 
 pytestmark = pytest.mark.slow
@@ -37,28 +34,15 @@ async def test_ci_vlm_trains_on_what_the_engine_generated_from_each_image(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str
 ) -> None:
     name = "vlm"
-    subjects = Subjects(name)
-    async with EmbeddedNats(tmp_path / "nats") as server:
-        assert server.info.token
-        monkeypatch.setenv("ASYNCRL_NATS_TOKEN", server.info.token)
-        bus = await Bus.connect(server.info, name="test")
-        try:
-            mirror = await mirror_run_stream(bus, subjects)
-            code, out = await run(
-                up_args(
-                    tmp_path,
-                    name,
-                    f"run.nats_url={server.info.url}",
-                    f"trainer.max_steps={STEPS}",
-                    f"trainer.checkpoint_every={STEPS}",
-                    f"model.path={model}",
-                    recipe=RECIPE,
-                )
-            )
-            assert code == 0, out
-            raw = await read_mirror(bus, subjects, mirror)
-        finally:
-            await bus.close()
+    raw = await mirrored_run(
+        tmp_path,
+        name,
+        monkeypatch,
+        f"trainer.max_steps={STEPS}",
+        f"trainer.checkpoint_every={STEPS}",
+        f"model.path={model}",
+        recipe=RECIPE,
+    )
 
     run_dir = tmp_path / name
     metrics = read_jsonl(run_dir / "metrics.jsonl")

@@ -21,7 +21,7 @@ from asyncrl.engines.hf_images import ImageInputs
 from asyncrl.engines.vllm import VLLMEngine
 from asyncrl.models.resolve import ModelConfig
 from asyncrl.models.tiny import tiny_model_dir
-from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_VL_NAME, tiny_vlm_dir
+from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_VL_NAME
 from asyncrl.models.vision import (
     QWEN_FAMILY,
     VisionProcessor,
@@ -37,17 +37,6 @@ NAMES = [QWEN2_VL_NAME, IDEFICS3_NAME]
 LOGPROB_ATOL = 1e-4
 """fp32: the engine's prefill (explicit positions and mask, a KV cache written in place)
 and one forward over prompt + completion differ only by summation order."""
-
-
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return shapes_records(3, seed=0, cache_dir=tmp_path_factory.mktemp("shapes"))
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {name: tiny_vlm_dir(name, root) for name in NAMES}
 
 
 def make_engine(path: Path, **kw: Any) -> HFEngine:
@@ -91,10 +80,10 @@ def gap(resp: GenerateResponse, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("name", NAMES)
-async def test_image_request_logprobs_equal_a_teacher_forced_forward(model_dirs, shapes, name):
-    proc = VisionProcessor(model_dirs[name])
-    model = load_vision_lm(model_dirs[name])
-    async with make_engine(model_dirs[name]) as engine:
+async def test_image_request_logprobs_equal_a_teacher_forced_forward(vlm_dirs, shapes, name):
+    proc = VisionProcessor(vlm_dirs[name])
+    model = load_vision_lm(vlm_dirs[name])
+    async with make_engine(vlm_dirs[name]) as engine:
         assert engine.vision is not None
         reqs = [
             image_request(proc, rec, sampling=sampling(max_new_tokens=24, seed=i))
@@ -114,18 +103,18 @@ async def test_image_request_logprobs_equal_a_teacher_forced_forward(model_dirs,
 
 
 @pytest.mark.parametrize("name", NAMES)
-async def test_deterministic_seeded_image_request_repeats(model_dirs, shapes, name):
-    proc = VisionProcessor(model_dirs[name])
+async def test_deterministic_seeded_image_request_repeats(vlm_dirs, shapes, name):
+    proc = VisionProcessor(vlm_dirs[name])
     req = image_request(proc, shapes[0], sampling=sampling(max_new_tokens=16, seed=7))
-    async with make_engine(model_dirs[name], deterministic=True) as engine:
+    async with make_engine(vlm_dirs[name], deterministic=True) as engine:
         first = await engine.agenerate(req)
         second = await engine.agenerate(req)
     assert first.output_ids == second.output_ids
     assert first.output_logprobs == second.output_logprobs
 
 
-async def test_placeholders_are_never_sampled_even_when_favoured(model_dirs, shapes):
-    path = model_dirs[QWEN2_VL_NAME]
+async def test_placeholders_are_never_sampled_even_when_favoured(vlm_dirs, shapes):
+    path = vlm_dirs[QWEN2_VL_NAME]
     proc = VisionProcessor(path)
     async with make_engine(path) as engine:
         # an lm_head with a bias that makes every placeholder far likelier than any text
@@ -159,12 +148,12 @@ async def test_placeholders_are_never_sampled_even_when_favoured(model_dirs, sha
 
 
 @pytest.mark.parametrize("name", NAMES)
-async def test_interrupted_image_request_resumes_with_its_image(model_dirs, shapes, name):
+async def test_interrupted_image_request_resumes_with_its_image(vlm_dirs, shapes, name):
     """Paused mid-sequence, updated with the model's own state dict (HF names round-trip),
     resumed: the continuation is prefilled from prompt + partial tokens with the same
     pixel inputs, so every logprob, before and after the switch, is the teacher-forced one
     with this image and not with another image of the same size."""
-    path = model_dirs[name]
+    path = vlm_dirs[name]
     proc = VisionProcessor(path)
     model = load_vision_lm(path)
     async with make_engine(path) as engine:
@@ -190,8 +179,8 @@ async def test_interrupted_image_request_resumes_with_its_image(model_dirs, shap
     assert (got[switch:] - other[switch:]).abs().max() > 1e-3
 
 
-async def test_text_and_image_requests_share_decode_steps(model_dirs, shapes):
-    path = model_dirs[QWEN2_VL_NAME]
+async def test_text_and_image_requests_share_decode_steps(vlm_dirs, shapes):
+    path = vlm_dirs[QWEN2_VL_NAME]
     proc = VisionProcessor(path)
     model = load_vision_lm(path)
     text = GenerateRequest(
@@ -208,10 +197,10 @@ async def test_text_and_image_requests_share_decode_steps(model_dirs, shapes):
     assert gap(image_resp, teacher_forced(model, proc, image_resp, image.images)) < LOGPROB_ATOL
 
 
-async def test_full_update_by_checkpoint_names(model_dirs, shapes):
+async def test_full_update_by_checkpoint_names(vlm_dirs, shapes):
     """A Qwen2-VL checkpoint stores ``model.layers.…`` where the loaded model has
     ``model.language_model.layers.…``: a directory update loads by either."""
-    path = model_dirs[QWEN2_VL_NAME]
+    path = vlm_dirs[QWEN2_VL_NAME]
     proc = VisionProcessor(path)
     req = image_request(proc, shapes[0], sampling=sampling(max_new_tokens=8, seed=6))
     async with make_engine(path) as engine:
@@ -223,9 +212,9 @@ async def test_full_update_by_checkpoint_names(model_dirs, shapes):
 
 @pytest.mark.parametrize("name", NAMES)
 async def test_mismatched_image_tokens_fail_the_request_not_the_engine(
-    model_dirs, shapes, tmp_path, name
+    vlm_dirs, shapes, tmp_path, name
 ):
-    path = model_dirs[name]
+    path = vlm_dirs[name]
     proc = VisionProcessor(path)
     good = image_request(proc, shapes[0], sampling=sampling(max_new_tokens=4), rid="good")
     twice = good.model_copy(update={"images": good.images * 2, "rid": "twice"})
@@ -242,11 +231,11 @@ async def test_mismatched_image_tokens_fail_the_request_not_the_engine(
     assert resp.finish_reason == "length" and len(resp.output_ids) == 4
 
 
-async def test_a_group_shares_one_prefill_only_with_the_same_images(model_dirs, shapes):
+async def test_a_group_shares_one_prefill_only_with_the_same_images(vlm_dirs, shapes):
     """Three requests of one prompt and image joining together are prefilled once; a
     fourth with the same token ids but another image (same size) gets its own prefill, and
     image prompts neither enter nor read the prefix cache."""
-    path = model_dirs[QWEN2_VL_NAME]
+    path = vlm_dirs[QWEN2_VL_NAME]
     proc = VisionProcessor(path)
     model = load_vision_lm(path)
     group = [
@@ -281,12 +270,10 @@ async def test_images_are_refused_where_no_model_reads_them(tmp_path, shapes):
         await remote.agenerate(request)
 
 
-async def test_group_members_wait_for_one_processing_and_outlive_its_cancellation(
-    model_dirs, shapes
-):
+async def test_group_members_wait_for_one_processing_and_outlive_its_cancellation(vlm_dirs, shapes):
     """Requests of one prompt and images share one processing of the images; when the
     request processing them is cancelled, one of the waiting ones takes over."""
-    proc = VisionProcessor(model_dirs[QWEN2_VL_NAME])
+    proc = VisionProcessor(vlm_dirs[QWEN2_VL_NAME])
     images = ImageInputs(proc, QWEN2_VL_NAME)
     req = image_request(proc, shapes[0])
     calls = 0

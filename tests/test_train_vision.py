@@ -18,9 +18,8 @@ from train_helpers.tiny import Float64Engine, one_torch_thread, step_gradients
 from transformers import AutoModelForImageTextToText
 
 from asyncrl.algo.config import LossConfig
-from asyncrl.data.shapes import shapes_records
 from asyncrl.models.resolve import ModelConfig
-from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_VL_NAME, tiny_vlm_dir
+from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_VL_NAME
 from asyncrl.models.vision import VisionProcessor, open_image, scoring_inputs
 from asyncrl.train import OptimConfig, TrainerConfig
 from asyncrl.train.batch import Sample
@@ -40,17 +39,6 @@ _gaps: dict[str, float] = {}
 def _one_torch_thread() -> Iterator[None]:
     with one_torch_thread():
         yield
-
-
-@pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return shapes_records(4, seed=0, cache_dir=tmp_path_factory.mktemp("shapes"))
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {name: tiny_vlm_dir(name, root) for name in NAMES}
 
 
 def config(**overrides: Any) -> TrainerConfig:
@@ -76,14 +64,14 @@ Case = tuple[list[dict[str, Any]], list[str], int]
 """A sample's chat, its images and its completion length."""
 
 
-def cases(records: list[dict[str, Any]]) -> list[Case]:
+def cases(shapes: list[dict[str, Any]]) -> list[Case]:
     """Four sequences of different lengths: one image each (different images), two images
     in one prompt, and a text-only prompt."""
-    paths = [str(r["image"]) for r in records]
+    paths = [str(r["image"]) for r in shapes]
     return [
-        (chat(1, records[0]["prompt"]), [paths[0]], 7),
+        (chat(1, shapes[0]["prompt"]), [paths[0]], 7),
         (chat(2, "Which has more shapes?"), [paths[1], paths[2]], 12),
-        (chat(1, records[3]["prompt"]), [paths[3]], 3),
+        (chat(1, shapes[3]["prompt"]), [paths[3]], 3),
         (chat(0, "Count to five."), [], 9),
     ]
 
@@ -143,12 +131,12 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", NAMES)
-def test_logprobs_equal_each_sequence_alone(model_dirs, records, name, layout):
-    path = model_dirs[name]
+def test_logprobs_equal_each_sequence_alone(vlm_dirs, shapes, name, layout):
+    path = vlm_dirs[name]
     engine = engine_of(path, config(**LAYOUTS[layout]))
     proc = engine.vision_processor
     assert proc is not None
-    batch_cases = cases(records)
+    batch_cases = cases(shapes)
     batch = build_samples(proc, batch_cases)
     micro = engine._plan(batch)
     assert len(micro) == (4 if layout == "one_per_microbatch" else 1)
@@ -187,10 +175,10 @@ def snapshot(engine: TrainEngine) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("freeze", [True, False])
 @pytest.mark.parametrize("name", NAMES)
-def test_train_step_moves_the_vision_part_only_when_not_frozen(model_dirs, records, name, freeze):
-    engine = engine_of(model_dirs[name], config(freeze_vision=freeze))
+def test_train_step_moves_the_vision_part_only_when_not_frozen(vlm_dirs, shapes, name, freeze):
+    engine = engine_of(vlm_dirs[name], config(freeze_vision=freeze))
     assert engine.vision_processor is not None
-    batch = with_behaviour(engine, build_samples(engine.vision_processor, cases(records)))
+    batch = with_behaviour(engine, build_samples(engine.vision_processor, cases(shapes)))
     vision = tuple(f"{n}." for n in vision_module_names(engine.lm))
     assert vision
     optimized = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
@@ -211,15 +199,15 @@ def test_train_step_moves_the_vision_part_only_when_not_frozen(model_dirs, recor
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_packed_gradient_is_the_sum_of_each_sample_alone(model_dirs, records, name):
+def test_packed_gradient_is_the_sum_of_each_sample_alone(vlm_dirs, shapes, name):
     """float64: one packed micro-batch of all samples, a micro-batch per sample and
     right-padded micro-batches give one gradient (to 1e-10 relative)."""
     grads = {}
     for layout in ("packed", "one_per_microbatch", "padded"):
         engine = engine_of(
-            model_dirs[name], config(freeze_vision=False, **LAYOUTS[layout]), Float64Engine
+            vlm_dirs[name], config(freeze_vision=False, **LAYOUTS[layout]), Float64Engine
         )
-        batch = with_behaviour(engine, build_samples(engine.vision_processor, cases(records)))
+        batch = with_behaviour(engine, build_samples(engine.vision_processor, cases(shapes)))
         _, (grads[layout],) = step_gradients(
             engine, lambda engine=engine, batch=batch: engine.train_step(batch)
         )
@@ -230,8 +218,8 @@ def test_packed_gradient_is_the_sum_of_each_sample_alone(model_dirs, records, na
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_lora_adapts_the_language_model_only(model_dirs, records, name):
-    engine = engine_of(model_dirs[name], config(lora=LoraConfig(rank=4)))
+def test_lora_adapts_the_language_model_only(vlm_dirs, shapes, name):
+    engine = engine_of(vlm_dirs[name], config(lora=LoraConfig(rank=4)))
     vision = tuple(f"{n}." for n in vision_module_names(engine.lm))
     adapted = {n.split(".lora_")[0] for n, _ in engine.lm.named_parameters() if ".lora_" in n}
     assert adapted
@@ -244,16 +232,16 @@ def test_lora_adapts_the_language_model_only(model_dirs, records, name):
     }
     assert adapted == {n for n in linears if not n.startswith(vision)}
     assert any(m is language for m in engine.lm.modules())
-    batch = with_behaviour(engine, build_samples(engine.vision_processor, cases(records)))
+    batch = with_behaviour(engine, build_samples(engine.vision_processor, cases(shapes)))
     stats = engine.train_step(batch)
     assert stats["optimizer_steps"] == 1.0
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_exported_weights_load_into_the_same_class(model_dirs, records, name, tmp_path):
-    engine = engine_of(model_dirs[name], config(freeze_vision=False))
+def test_exported_weights_load_into_the_same_class(vlm_dirs, shapes, name, tmp_path):
+    engine = engine_of(vlm_dirs[name], config(freeze_vision=False))
     proc = engine.vision_processor
-    batch_cases = cases(records)
+    batch_cases = cases(shapes)
     batch = with_behaviour(engine, build_samples(proc, batch_cases))
     engine.train_step(batch)  # weights away from the directory's
     engine.export_weights(tmp_path / "out")
@@ -272,16 +260,16 @@ def test_exported_weights_load_into_the_same_class(model_dirs, records, name, tm
     assert torch.equal(got, want)
 
 
-def test_prefix_sharing_is_refused_for_a_vision_model(model_dirs):
+def test_prefix_sharing_is_refused_for_a_vision_model(vlm_dirs):
     with pytest.raises(ValueError, match=r"trainer\.share_prefix = true"):
-        engine_of(model_dirs[QWEN2_VL_NAME], config(share_prefix=True))
-    engine = engine_of(model_dirs[QWEN2_VL_NAME], config())
+        engine_of(vlm_dirs[QWEN2_VL_NAME], config(share_prefix=True))
+    engine = engine_of(vlm_dirs[QWEN2_VL_NAME], config())
     assert engine.config.shares_prefix and not engine.shares_prefix
 
 
 @pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("name", NAMES)
-def test_an_idle_ranks_dummy_micro_batch_runs(model_dirs, name, packing):
-    engine = engine_of(model_dirs[name], config(packing=packing))
+def test_an_idle_ranks_dummy_micro_batch_runs(vlm_dirs, name, packing):
+    engine = engine_of(vlm_dirs[name], config(packing=packing))
     lp_BT, _ = engine._forward_BT(engine._shard_micro_batch([], []))
     assert lp_BT.shape == (1, 2) and not lp_BT.any()
