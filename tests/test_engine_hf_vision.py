@@ -17,7 +17,7 @@ from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingPar
 from asyncrl.data.shapes import ShapesSettings, shapes_records
 from asyncrl.engines.config import HFEngineConfig, VLLMEngineConfig
 from asyncrl.engines.hf import HFEngine
-from asyncrl.engines.hf_images import ImageInputs
+from asyncrl.engines.hf_images import RequestPixels
 from asyncrl.engines.vllm import VLLMEngine
 from asyncrl.models.resolve import ModelConfig
 from asyncrl.models.tiny import tiny_model_dir
@@ -274,7 +274,7 @@ async def test_group_members_wait_for_one_processing_and_outlive_its_cancellatio
     """Requests of one prompt and images share one processing of the images; when the
     request processing them is cancelled, one of the waiting ones takes over."""
     proc = VisionProcessor(vlm_dirs[QWEN2_VL_NAME])
-    images = ImageInputs(proc, QWEN2_VL_NAME)
+    images = RequestPixels(proc, QWEN2_VL_NAME)
     req = image_request(proc, shapes[0])
     calls = 0
     process = images._process

@@ -95,6 +95,12 @@ def test_idefics3_processor_places_the_image_sequence(model_dirs, shapes):
     text = proc.tokenizer.decode(inputs["input_ids"][0])
     image = "<fake_token_around_image><global-img>" + "<image>" * 16 + "<fake_token_around_image>"
     assert text == f"<|user|>{image}{rec['prompt']}\n<|assistant|>"
+    # what sampling never draws: the image tokens, never the end of a turn or of the text
+    tok = proc.tokenizer
+    names = tok.convert_ids_to_tokens(proc.placeholder_ids)
+    assert sorted(names) == sorted(["<fake_token_around_image>", "<image>", "<global-img>"])
+    assert tok.convert_tokens_to_ids("<end_of_utterance>") not in proc.placeholder_ids
+    assert tok.eos_token_id not in proc.placeholder_ids
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -48,6 +48,24 @@ def test_vision_family_offline_of_a_local_folder_reads_its_config(tmp_path: Path
     assert vision_family_offline(str(folder)) == "idefics3"
 
 
+def test_vision_model_type_of_a_hub_id_reads_its_cached_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fine-tune whose name says nothing is known by its config in the hub cache, where
+    a run that downloaded it left it; nothing is fetched."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert vision_family_offline("org/clevr-grpo") is None  # not cached: by its name
+    repo = tmp_path / "models--org--clevr-grpo"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    config = {"model_type": "qwen2_5_vl"}
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(config))
+    assert vision_family_offline("org/clevr-grpo") == "qwen2_5_vl"
+
+
 def test_record_images_and_the_chat_that_holds_them() -> None:
     assert record_images({"prompt": "x"}, "image") == []
     assert record_images({"prompt": "x", "image": "/a.png"}, None) == []
@@ -85,6 +103,11 @@ def test_the_ci_vlm_recipe_passes_and_what_check_refuses_for_images() -> None:
         assert f'rollout.engine.type = "{engine}"' in line and why in line
     (line,) = vision_problems(load_recipe(CI_VLM, ["rollout.workflow=multi_turn"]))
     assert "rollout.workflow = 'multi_turn'" in line
+    (line,) = vision_problems(load_recipe(CI_VLM, ["trainer.nproc=2"]))
+    assert "trainer.nproc × trainer.nodes = 2 ranks" in line
+    (line,) = vision_problems(load_recipe(CI_VLM, ["trainer.share_prefix=true"]))
+    assert "trainer.share_prefix = true" in line
+    assert vision_problems(load_recipe(CI_VLM, ["rollout.engine.type=instant"])) == []
     # a vision model may train on text prompts: nothing names images, nothing to refuse
     assert vision_problems(load_recipe(CI_VLM, ["data.type=arithmetic"])) == []
 

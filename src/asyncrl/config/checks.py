@@ -252,14 +252,26 @@ def vision_problems(recipe: Recipe) -> list[str]:
             "tiny-random-idefics3)"
         )
     engine = recipe.rollout.engine.type
-    if engine != "hf":
-        why = {
-            "sglang": "SGLang's CPU server does not take image inputs",
-            "vllm": "the vllm backend sends token ids without their images",
-        }.get(engine, "it takes no images")
+    why = {
+        "sglang": "SGLang's CPU server does not take image inputs",
+        "vllm": "the vllm backend sends token ids without their images",
+    }.get(engine)
+    if why:
         errors.append(
             f'{named} names images: rollout.engine.type = "{engine}" cannot serve them '
             f'({why}); use "hf"'
+        )
+    t = recipe.trainer
+    if t.nproc * t.nodes > 1:
+        errors.append(
+            f"{named} names images: trainer.nproc × trainer.nodes = {t.nproc * t.nodes} "
+            "ranks; a vision model trains on one rank for now (a rank whose micro-batch has "
+            "no image would skip the vision tower's collectives)"
+        )
+    if t.share_prefix is True:
+        errors.append(
+            f"{named} names images: trainer.share_prefix = true cannot apply (a sample's "
+            'positions and image features are its own); set "auto" or false'
         )
     workflow = recipe.rollout.workflow.spec()
     if workflow != "rlvr":

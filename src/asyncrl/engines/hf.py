@@ -95,7 +95,7 @@ from asyncrl.api.inference import (
 from asyncrl.config.schema import resolve_device
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
-from asyncrl.engines.hf_images import ImageInputs
+from asyncrl.engines.hf_images import RequestPixels
 from asyncrl.engines.hf_prefix import BLOCK_TOKENS, common_blocks
 from asyncrl.engines.sampling import LogprobMode
 from asyncrl.models.resolve import (
@@ -210,7 +210,7 @@ class HFEngine(InferenceEngine):
         self._tokenizer: Any = None
         self.vision: VisionProcessor | None = None
         """The processor of a vision-language model; None for a text model."""
-        self._images = ImageInputs(None, self.model_spec)
+        self._images = RequestPixels(None, self.model_spec)
         self._batch: DecodeBatch | None = None
         self._eos_ids: frozenset[int] = frozenset()
         self._max_positions = 0
@@ -267,7 +267,7 @@ class HFEngine(InferenceEngine):
         local = Path(resolve_model_path(self.model_spec))
         if vision_family(local) is not None:
             self.vision = VisionProcessor(local)
-            self._images = ImageInputs(self.vision, self.model_spec)
+            self._images = RequestPixels(self.vision, self.model_spec)
         if self.memory_saver:
             try:
                 from torch_memory_saver import torch_memory_saver  # noqa: PLC0415 - optional: torch-memory-saver (the gpu extra)

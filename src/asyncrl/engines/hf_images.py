@@ -27,7 +27,7 @@ one of them processes the images itself."""
 Pixels = dict[str, torch.Tensor]
 
 
-class ImageInputs:
+class RequestPixels:
     """The pixel inputs of requests to the model named ``model`` (for messages), whose
     processor is ``processor`` (None: a text model, which takes no image)."""
 

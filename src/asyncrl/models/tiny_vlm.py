@@ -26,9 +26,12 @@ IDEFICS3_NAME = "tiny-random-idefics3"
 QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 """Qwen2-VL's vision tokens: an image is ``<|vision_start|>`` + one ``<|image_pad|>`` per
 merged patch + ``<|vision_end|>``."""
-IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+IDEFICS3_IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>"]
 """Idefics3's image tokens: an unsplit image is ``<fake_token_around_image><global-img>``
 + ``image_seq_len`` × ``<image>`` + ``<fake_token_around_image>``."""
+IDEFICS3_TOKENS = [*IDEFICS3_IMAGE_TOKENS, "<end_of_utterance>"]
+"""The special tokens the tiny Idefics3 adds to its vocabulary: the image tokens and the
+end of a turn (SmolVLM's stop token, which the model must stay free to sample)."""
 
 
 def chat_template(image_part: str) -> str:

@@ -31,7 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from asyncrl.models.tiny_vlm import IDEFICS3_NAME, IDEFICS3_TOKENS, QWEN2_VL_NAME, QWEN2_VL_TOKENS
+from asyncrl.models.tiny_vlm import (
+    IDEFICS3_IMAGE_TOKENS,
+    IDEFICS3_NAME,
+    QWEN2_VL_NAME,
+    QWEN2_VL_TOKENS,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -160,7 +165,7 @@ class VisionProcessor:
             self.tokenizer = self.processor.tokenizer
             self.image_processor = self.processor.image_processor
             self.image_token = "<image>"
-            names = IDEFICS3_TOKENS
+            names = IDEFICS3_IMAGE_TOKENS
         else:
             known = ", ".join(QWEN_FAMILY + IDEFICS_FAMILY)
             raise ValueError(
@@ -284,12 +289,17 @@ def vision_family_offline(spec: str) -> str | None:
     """The vision family of the ``model.path`` ``spec`` (a ``model_type`` of
     :data:`QWEN_FAMILY` or :data:`IDEFICS_FAMILY`), or None for a text model, found
     without downloading or building anything: the tiny models by name, a local folder by
-    its ``config.json``, a hub id by its name (``Qwen2-VL``, ``Qwen2.5-VL``, ``SmolVLM``,
-    ``Idefics3``)."""
+    its ``config.json``, a hub id by its config where the local hub cache holds it, else
+    by its name (``Qwen2-VL``, ``Qwen2.5-VL``, ``SmolVLM``, ``Idefics3``)."""
     named = {QWEN2_VL_NAME: "qwen2_vl", IDEFICS3_NAME: "idefics3"}
     if spec in named:
         return named[spec]
     config = Path(spec).expanduser() / "config.json"
+    if not config.is_file() and spec.count("/") == 1:  # a hub id: its config if cached
+        from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415 - hub ids only
+
+        cached = try_to_load_from_cache(spec, "config.json")
+        config = Path(cached) if isinstance(cached, str) else config
     if config.is_file():
         model_type = json.loads(config.read_text()).get("model_type")
         return model_type if model_type in QWEN_FAMILY + IDEFICS_FAMILY else None

@@ -142,11 +142,18 @@ class TrainEngine:
         torch.manual_seed(seed + self.rank)
         # a vision-language model: its processor (from model.path's files) and image inputs
         self.vision_processor: VisionProcessor | None = None
-        if vision_family(self._source) is not None:
+        # (a GGUF file holds a text model: its folder has no config to ask)
+        if not model.gguf_file and vision_family(self._source) is not None:
             if config.share_prefix is True:
                 raise ValueError(
                     "trainer.share_prefix = true: a vision-language model's samples share no "
                     'prefix (positions and image features are per sequence); set "auto" or false'
+                )
+            if self.world_size > 1:
+                raise ValueError(
+                    f"trainer.nproc × trainer.nodes = {self.world_size} ranks: a vision-language "
+                    "model trains on one rank for now (a rank whose micro-batch holds no image "
+                    "would skip the vision tower's collectives)"
                 )
             self.vision_processor = VisionProcessor(resolve_model_path(model.path))
         self.shares_prefix = config.shares_prefix and self.vision_processor is None

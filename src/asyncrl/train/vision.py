@@ -35,9 +35,11 @@ from asyncrl.train.batch import Sample
 from asyncrl.train.models import hf_model
 from asyncrl.train.packing import MicroBatch
 
-IMAGE_CACHE_SIZE = 256
-"""Processed images kept per engine: a group's samples share their prompt's images, and a
-step scores them more than once (proximal, reference, training forwards)."""
+IMAGE_CACHE_BYTES = 256 * 2**20
+"""Bytes of processed images kept per engine, the oldest dropped first: a group's samples
+share their prompt's images, and a step scores them more than once (proximal, reference,
+training forwards); a later step's samples rarely come back to an image, so the cache
+needs to hold about one step's (a 224-pixel image is about 1.2 MB for Qwen2.5-VL)."""
 
 
 def vision_module_names(lm: nn.Module) -> list[str]:
@@ -88,7 +90,7 @@ def _pad_images(
 class ImageInputs:
     """Adds the image inputs of a micro-batch's samples to its :class:`MicroBatch`, from
     the processor files of the model directory (``processor``); images are processed once
-    per path (a bounded cache, :data:`IMAGE_CACHE_SIZE`). ``lm`` gives Qwen2-VL's rotary
+    per path (a cache bounded in bytes, :data:`IMAGE_CACHE_BYTES`). ``lm`` gives Qwen2-VL's rotary
     index (its weights play no part)."""
 
     def __init__(self, processor: VisionProcessor, lm: nn.Module) -> None:
@@ -96,6 +98,7 @@ class ImageInputs:
         self.lm = lm
         self.qwen = processor.model_type in QWEN_FAMILY
         self._cache: dict[str, dict[str, torch.Tensor]] = {}
+        self._cached_bytes = 0
 
     def image(self, path: str) -> dict[str, torch.Tensor]:
         """One image's processed inputs: Qwen2-VL's ``pixel_values [P, D]`` and
@@ -113,9 +116,12 @@ class ImageInputs:
                 "pixel_values": raw["pixel_values"][0],
                 "pixel_attention_mask": raw["pixel_attention_mask"][0],
             }
-        if len(self._cache) >= IMAGE_CACHE_SIZE:
-            self._cache.pop(next(iter(self._cache)))
+        size = sum(t.nbytes for t in out.values())
+        while self._cache and self._cached_bytes + size > IMAGE_CACHE_BYTES:
+            oldest = self._cache.pop(next(iter(self._cache)))
+            self._cached_bytes -= sum(t.nbytes for t in oldest.values())
         self._cache[path] = out
+        self._cached_bytes += size
         return out
 
     def attach(self, mb: MicroBatch, samples: Sequence[Sample], *, packed: bool) -> MicroBatch:

@@ -80,7 +80,10 @@ class RLVRWorkflow(RolloutWorkflow):
     ) -> list[Trajectory] | None:
         uid, record = split_item(item)
         attempt = item_attempt(item)
-        prompt_ids, images = self.prompt(record)
+        if self.vision is not None:  # decoding and processing images: off the event loop
+            prompt_ids, images = await asyncio.to_thread(self.prompt, record)
+        else:
+            prompt_ids, images = self.prompt(record)
         requests = [
             GenerateRequest(
                 input_ids=prompt_ids,
