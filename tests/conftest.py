@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from asyncrl.data.shapes import shapes_records
-from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_VL_NAME, tiny_vlm_dir
+from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_5_VL_NAME, QWEN2_VL_NAME, tiny_vlm_dir
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
 
@@ -37,7 +37,7 @@ async def bus(nats_server: NatsInfo) -> AsyncIterator[Bus]:
         await b.close()
 
 
-VLM_NAMES = [QWEN2_VL_NAME, IDEFICS3_NAME]
+VLM_NAMES = [QWEN2_VL_NAME, QWEN2_5_VL_NAME, IDEFICS3_NAME]
 """The tiny vision-language models, by their model.path names."""
 
 

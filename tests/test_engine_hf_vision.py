@@ -21,7 +21,7 @@ from asyncrl.engines.hf_images import RequestPixels
 from asyncrl.engines.vllm import VLLMEngine
 from asyncrl.models.resolve import ModelConfig
 from asyncrl.models.tiny import tiny_model_dir
-from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_VL_NAME
+from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_5_VL_NAME, QWEN2_VL_NAME
 from asyncrl.models.vision import (
     QWEN_FAMILY,
     VisionProcessor,
@@ -32,7 +32,7 @@ from asyncrl.models.vision import (
     scoring_inputs,
 )
 
-NAMES = [QWEN2_VL_NAME, IDEFICS3_NAME]
+NAMES = [QWEN2_VL_NAME, QWEN2_5_VL_NAME, IDEFICS3_NAME]
 
 LOGPROB_ATOL = 1e-4
 """fp32: the engine's prefill (explicit positions and mask, a KV cache written in place)

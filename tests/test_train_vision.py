@@ -19,7 +19,7 @@ from transformers import AutoModelForImageTextToText
 
 from asyncrl.algo.config import LossConfig
 from asyncrl.models.resolve import ModelConfig
-from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_VL_NAME
+from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_5_VL_NAME, QWEN2_VL_NAME
 from asyncrl.models.vision import VisionProcessor, open_image, scoring_inputs
 from asyncrl.train import OptimConfig, TrainerConfig
 from asyncrl.train.batch import Sample
@@ -27,7 +27,7 @@ from asyncrl.train.config import LoraConfig
 from asyncrl.train.engine import TrainEngine
 from asyncrl.train.vision import vision_module_names
 
-NAMES = [QWEN2_VL_NAME, IDEFICS3_NAME]
+NAMES = [QWEN2_VL_NAME, QWEN2_5_VL_NAME, IDEFICS3_NAME]
 
 GAP = 1e-5
 """fp32 logprob gap allowed between the engine and a plain forward of one sequence."""

@@ -26,6 +26,7 @@ CLEVR = REPO / "recipes" / "clevr_count.toml"
     ("spec", "family"),
     [
         ("tiny-random-qwen2-vl", "qwen2_vl"),
+        ("tiny-random-qwen2.5-vl", "qwen2_5_vl"),
         ("tiny-random-idefics3", "idefics3"),
         ("Qwen/Qwen2.5-VL-3B-Instruct", "qwen2_5_vl"),
         ("Qwen/Qwen2-VL-2B-Instruct", "qwen2_vl"),

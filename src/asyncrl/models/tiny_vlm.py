@@ -21,6 +21,7 @@ from typing import Any
 from asyncrl.models.tiny import build_once, build_tokenizer
 
 QWEN2_VL_NAME = "tiny-random-qwen2-vl"
+QWEN2_5_VL_NAME = "tiny-random-qwen2.5-vl"
 IDEFICS3_NAME = "tiny-random-idefics3"
 
 QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -73,12 +74,20 @@ def _text_config(tok: Any) -> dict[str, Any]:
     }
 
 
-def build_qwen2_vl(out: Path, seed: int = 0) -> None:
+def build_qwen2_vl(out: Path, seed: int = 0, *, v2_5: bool = False) -> None:
     """Writes a tiny Qwen2-VL into ``out``: one vision block of width 32 on 14-pixel
     patches merged 2×2, and images resized to at most 224×224 pixels (at most 64
-    ``<|image_pad|>`` tokens each)."""
+    ``<|image_pad|>`` tokens each). ``v2_5``: the Qwen2.5-VL architecture instead (its
+    vision tower's SwiGLU blocks, RMS norms and windowed attention: two blocks, the second
+    attending over the whole image, with 56-pixel windows), the same tokens and
+    processor."""
     import torch  # noqa: PLC0415 - on every process's path through models.resolve; only building the model needs it
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration  # noqa: PLC0415 - as above
+    from transformers import (  # noqa: PLC0415 - as above
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # noqa: PLC0415 - as above
         Qwen2VLImageProcessorPil,
     )
@@ -92,26 +101,43 @@ def build_qwen2_vl(out: Path, seed: int = 0) -> None:
         "rope_theta": 10000.0,
         "mrope_section": [2, 3, 3],
     }
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config={
+    patches = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    tokens = {
+        "vision_start_token_id": start,
+        "vision_end_token_id": end,
+        "image_token_id": image,
+        "video_token_id": video,
+    }
+    config: Any
+    if v2_5:
+        vision = {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": text["hidden_size"],
+            "num_heads": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            **patches,
+        }
+        config = Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens
+        )
+    else:
+        vision = {
             "depth": 1,
             "embed_dim": 32,
             "hidden_size": text["hidden_size"],
             "num_heads": 2,
             "mlp_ratio": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        vision_start_token_id=start,
-        vision_end_token_id=end,
-        image_token_id=image,
-        video_token_id=video,
-        tie_word_embeddings=True,
-    )
+            **patches,
+        }
+        config = Qwen2VLConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens
+        )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
+    model_class = Qwen2_5_VLForConditionalGeneration if v2_5 else Qwen2VLForConditionalGeneration
+    model = model_class(config)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28)
@@ -176,8 +202,14 @@ def _note_processor_class(out: Path, name: str) -> None:
     path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
+def build_qwen2_5_vl(out: Path, seed: int = 0) -> None:
+    """Writes a tiny Qwen2.5-VL into ``out`` (:func:`build_qwen2_vl`)."""
+    build_qwen2_vl(out, seed, v2_5=True)
+
+
 TINY_VLMS: dict[str, Callable[[Path, int], None]] = {
     QWEN2_VL_NAME: build_qwen2_vl,
+    QWEN2_5_VL_NAME: build_qwen2_5_vl,
     IDEFICS3_NAME: build_idefics3,
 }
 """The tiny vision-language models by the ``model.path`` name that builds them."""

@@ -34,6 +34,7 @@ from PIL import Image
 from asyncrl.models.tiny_vlm import (
     IDEFICS3_IMAGE_TOKENS,
     IDEFICS3_NAME,
+    QWEN2_5_VL_NAME,
     QWEN2_VL_NAME,
     QWEN2_VL_TOKENS,
 )
@@ -291,7 +292,7 @@ def vision_family_offline(spec: str) -> str | None:
     without downloading or building anything: the tiny models by name, a local folder by
     its ``config.json``, a hub id by its config where the local hub cache holds it, else
     by its name (``Qwen2-VL``, ``Qwen2.5-VL``, ``SmolVLM``, ``Idefics3``)."""
-    named = {QWEN2_VL_NAME: "qwen2_vl", IDEFICS3_NAME: "idefics3"}
+    named = {QWEN2_VL_NAME: "qwen2_vl", QWEN2_5_VL_NAME: "qwen2_5_vl", IDEFICS3_NAME: "idefics3"}
     if spec in named:
         return named[spec]
     config = Path(spec).expanduser() / "config.json"
