@@ -18,6 +18,8 @@ from train_helpers.tiny import one_torch_thread, tiny_config
 from asyncrl.config.recipe import Recipe, RecipeError, load_recipe
 from asyncrl.engines.config import EngineConfig
 from asyncrl.models.resolve import TINY_NAME, ModelConfig, resolve_dtype
+from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_5_VL_NAME, QWEN2_VL_NAME, TINY_VLMS
+from asyncrl.models.vision import vision_family_offline
 from asyncrl.train import TrainerConfig
 from asyncrl.train.engine import TrainEngine
 
@@ -25,9 +27,16 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPES = [p for p in sorted((REPO / "recipes").glob("*.toml")) if "[sft]" not in p.read_text()]
 """The shipped GRPO recipes (SFT recipes, with an ``[sft]`` section, are tests/test_sft.py's)."""
 
-OFFLINE_MODELS = {"smollm2-135m-instruct", TINY_NAME}
+OFFLINE_MODELS = {"smollm2-135m-instruct", TINY_NAME, *TINY_VLMS}
 """Models available without a download; any other ``model.path`` is replaced by the tiny
-model (the model path only: every other key of the recipe is built as written)."""
+model of its kind (the model path only: every other key of the recipe is built as
+written)."""
+TINY_OF_FAMILY = {
+    "qwen2_vl": QWEN2_VL_NAME,
+    "qwen2_5_vl": QWEN2_5_VL_NAME,
+    "idefics3": IDEFICS3_NAME,
+}
+"""The tiny vision-language model that stands in for a hub one of its family."""
 
 
 def offline(path: Path, tmp_path: Path) -> tuple[Recipe, list[str]]:
@@ -38,8 +47,10 @@ def offline(path: Path, tmp_path: Path) -> tuple[Recipe, list[str]]:
     machine lacks."""
     raw = load_recipe_raw(path)
     sets = [f"run.dir={tmp_path}"]
-    if raw.get("model", {}).get("path") not in OFFLINE_MODELS:
-        sets.append(f"model.path={TINY_NAME}")
+    model = raw.get("model", {}).get("path")
+    if model not in OFFLINE_MODELS:
+        family = vision_family_offline(model)
+        sets.append(f"model.path={TINY_OF_FAMILY[family] if family else TINY_NAME}")
     for key, source in (("data", raw.get("data")), ("eval.data", raw.get("eval", {}).get("data"))):
         if not isinstance(source, dict) or source.get("type") not in ("jsonl", "hf"):
             continue
@@ -92,9 +103,10 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
 
     recipe, replaced = offline(path, tmp_path)
     hub = ["model.path", "data.type", "data.path", "eval.data.type", "eval.data.path"]
-    expected = hub if path.name.startswith("gsm8k") else []
+    # clevr_count draws its images offline; only its Qwen2.5-VL needs a download
+    expected = {"gsm8k": hub, "clevr_count": ["model.path"]}.get(path.stem.split("_8gpu")[0], [])
     assert [s.split("=")[0] for s in replaced[1:] if ".device=" not in s] == expected, (
-        "only the gsm8k recipes name a model and data that need a download"
+        "only the gsm8k recipes name a model and data that need a download, clevr a model"
     )
 
     engine = build_engine(recipe)

@@ -247,8 +247,9 @@ async def test_a_group_shares_one_prefill_only_with_the_same_images(vlm_dirs, sh
     async with make_engine(path) as engine:
         assert engine._batch is not None and engine._batch.prefix.enabled
         resps = await asyncio.gather(*(engine.agenerate(r) for r in [*group, other]))
-        # the group joins together (its images processed once); the other image on its own
-        assert engine.stats.prefill_batch_sizes[3] == 1
+        # the group joins together (its images processed once) and is prefilled once; the
+        # other image is prefilled on its own, in the same step or another (which one
+        # depends on when its processing ends, so the test does not ask)
         assert engine.stats.prefill_tokens == 2 * len(group[0].input_ids)
         again = await engine.agenerate(other)
         assert engine.stats.prefix_cache_hit_tokens == 0
