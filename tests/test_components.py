@@ -31,6 +31,9 @@ OFFLINE_MODELS = {"smollm2-135m-instruct", TINY_NAME, *TINY_VLMS}
 """Models available without a download; any other ``model.path`` is replaced by the tiny
 model of its kind (the model path only: every other key of the recipe is built as
 written)."""
+SHAPES_SIZE = 1000
+"""A shapes task above this many records is built smaller (with the held-out prompts it
+carves out, and as many again)."""
 TINY_OF_FAMILY = {
     "qwen2_vl": QWEN2_VL_NAME,
     "qwen2_5_vl": QWEN2_5_VL_NAME,
@@ -43,8 +46,8 @@ def offline(path: Path, tmp_path: Path) -> tuple[Recipe, list[str]]:
     """The shipped recipe at ``path``, with the overrides that keep building it offline and
     off the GPU (returned, so that a test says what it replaced): the tiny model for a
     model that needs a download, a JSONL file of a few rows for a data file a user
-    supplies or a hub dataset, the CPU for a trainer or engine on a CUDA device this
-    machine lacks."""
+    supplies or a hub dataset, a smaller shapes task than a GPU recipe's, the CPU for a
+    trainer or engine on a CUDA device this machine lacks."""
     raw = load_recipe_raw(path)
     sets = [f"run.dir={tmp_path}"]
     model = raw.get("model", {}).get("path")
@@ -66,6 +69,11 @@ def offline(path: Path, tmp_path: Path) -> tuple[Recipe, list[str]]:
         if source["type"] == "hf":
             sets.append(f"{key}.type=jsonl")
         sets.append(f"{key}.path={json.dumps(str(rows))}")
+    data = raw.get("data", {})
+    if data.get("type") == "shapes" and data.get("size", 0) > SHAPES_SIZE:
+        # its images are drawn as the records load, about 3 ms each: 20,000 took a minute
+        held_out = raw.get("eval", {}).get("max_prompts", 64)
+        sets.append(f"data.size={held_out + SHAPES_SIZE // 2}")
     for key, section in (("trainer", raw.get("trainer", {})), ("rollout.engine", engine(raw))):
         if section.get("device", "auto").startswith("cuda") and not torch.cuda.is_available():
             sets.append(f"{key}.device=cpu")
@@ -104,7 +112,9 @@ def test_every_component_builds_from_every_shipped_recipe(path: Path, tmp_path: 
     recipe, replaced = offline(path, tmp_path)
     hub = ["model.path", "data.type", "data.path", "eval.data.type", "eval.data.path"]
     # clevr_count draws its images offline; only its Qwen2.5-VL needs a download
-    expected = {"gsm8k": hub, "clevr_count": ["model.path"]}.get(path.stem.split("_8gpu")[0], [])
+    expected = {"gsm8k": hub, "clevr_count": ["model.path", "data.size"]}.get(
+        path.stem.split("_8gpu")[0], []
+    )
     assert [s.split("=")[0] for s in replaced[1:] if ".device=" not in s] == expected, (
         "only the gsm8k recipes name a model and data that need a download, clevr a model"
     )
