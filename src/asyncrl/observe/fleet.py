@@ -8,18 +8,21 @@ import time
 
 from asyncrl.wire.messages import ActorInfo, Metrics
 
-ALIVE_WINDOW = 3.0
+ALIVE_WINDOW = 5.0
 """An actor counts as live (``actors/<role>``) if its last heartbeat is this recent
-(heartbeats come every second)."""
+(heartbeats come every second; a loaded machine can hold one back a few seconds)."""
 
 
 class FleetView:
     """Fed with every actor's heartbeat (:meth:`on_heartbeat`) and the rollout actors'
     metrics (:meth:`on_rollout_metrics`); read once per step with :meth:`stats`."""
 
-    def __init__(self, trainer_ranks: int) -> None:
+    def __init__(self, trainer_ranks: int, roles: tuple[str, ...] = ("rollout", "buffer")) -> None:
         self.trainer_ranks = trainer_ranks
         self._last_heartbeat: dict[str, tuple[str, float]] = {}
+        # the roles every run has, and every role heard from since: one with no live actor
+        # reads 0 (none started yet, or all silent), never missing from a step's record
+        self._roles: set[str] = set(roles)
         self._rollout_latest: dict[str, dict[str, float]] = {}
         self._rollout_seen: dict[str, tuple[float, float]] = {}
         # each actor's latest drop counters, kept after it dies: they are totals of the run
@@ -27,6 +30,7 @@ class FleetView:
 
     async def on_heartbeat(self, info: ActorInfo) -> None:
         self._last_heartbeat[info.actor_id] = (info.role, time.monotonic())
+        self._roles.add(info.role)
         if info.dropped:
             self._dropped[info.actor_id] = info.dropped
 
@@ -51,11 +55,12 @@ class FleetView:
         return out
 
     def fleet_stats(self) -> dict[str, float]:
-        """Live actors per role, each live rollout actor's generation rate over the step,
+        """Live actors per role (0 for a role of ``roles``, or heard from earlier, whose
+        actors are all silent now), each live rollout actor's generation rate over the step,
         the rollout actors' latest pause for a weight update (the pause of the previous
         version: this step's weights are still on their way) and their idle time."""
         now = time.monotonic()
-        alive: dict[str, int] = {}
+        alive: dict[str, int] = dict.fromkeys(self._roles, 0)
         for actor_id, (role, seen) in list(self._last_heartbeat.items()):
             if now - seen <= ALIVE_WINDOW:
                 alive[role] = alive.get(role, 0) + 1
