@@ -49,7 +49,8 @@ def test_the_speedup_is_of_the_means_and_the_verdict_needs_both_halves() -> None
     # means 2.0 vs 1.0 = 2.00x
     assert "quick (2 seed(s)): asyncrl 2.00 vs TRL 1.00 completions/s = 2.00x" in quick
     assert "held-out mean 0.250 -> asyncrl 0.450, TRL 0.400" in quick
-    assert quick.split("[")[0].endswith("goal (>= 1.6x at >= TRL's accuracy) met  ")
+    # the goal is 2x at TRL's accuracy or better: 2.00x meets it
+    assert quick.split("[")[0].endswith("goal (>= 2x at >= TRL's accuracy) met  ")
     # fast enough, but less accurate than TRL: not met
     assert "= 2.00x" in long and "asyncrl 0.300, TRL 0.600" in long
     assert "NOT met" in long
