@@ -32,8 +32,8 @@ OFFLINE_MODELS = {"smollm2-135m-instruct", TINY_NAME, *TINY_VLMS}
 model of its kind (the model path only: every other key of the recipe is built as
 written)."""
 SHAPES_SIZE = 1000
-"""A shapes task above this many records is built smaller (with the held-out prompts it
-carves out, and as many again)."""
+"""A shapes task above this many records is built smaller: the held-out prompts it carves
+out, plus half this many to train on."""
 TINY_OF_FAMILY = {
     "qwen2_vl": QWEN2_VL_NAME,
     "qwen2_5_vl": QWEN2_5_VL_NAME,

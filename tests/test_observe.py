@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -339,7 +340,8 @@ def test_fleet_counts_a_role_whose_actors_went_silent_as_zero(
     """A role heard from earlier reads 0 live actors when its heartbeats stop (a loaded
     machine can delay them past the window): the key stays in every step's record."""
     clock = [100.0]
-    monkeypatch.setattr(fleet_module.time, "monotonic", lambda: clock[0])
+    # the fleet module's clock only: asyncio.run below reads time.monotonic too
+    monkeypatch.setattr(fleet_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     view = fleet_module.FleetView(trainer_ranks=2)
     info = ActorInfo(role="rollout", actor_id="rollout-a", pid=1, host="h")
     assert view.fleet_stats()["actors/rollout"] == 0.0  # before the first heartbeat
