@@ -22,6 +22,7 @@ from asyncrl.weights import choose
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.receiver import EngineWeights
 from asyncrl.weights.wire import BucketPool, pack, unpack
+from asyncrl.wire.messages import WeightsUpdated
 from asyncrl.wire.subjects import Subjects
 
 
@@ -215,6 +216,39 @@ async def test_an_engine_whose_join_went_unanswered_asks_again(tmp_path: Path, b
             await asyncio.sleep(0.05)
     await pub.start()
     await pub.publish(tensor_weights(2, _model(2), tmp_path))
+    version, via, got = await _received(receiver)
+    assert (version, via) == (2, "collective")
+    assert all(torch.equal(got[n], t) for n, t in _model(2))
+
+
+async def test_an_engine_that_missed_an_announcement_gets_the_next_copy(
+    tmp_path: Path, bus: Bus
+) -> None:
+    """An announcement published while the engine's connection was down never reaches it
+    (plain NATS keeps nothing): the trainer's send to that engine would wait out the whole
+    ``weights.timeout_s`` and drop it. The trainer announces the version again while its
+    sends are under way, and the engine takes the copy."""
+    subjects = Subjects("missed")
+    pub = await _publisher(bus, subjects, timeout_s=30)
+    receiver = EngineWeights(InstantEngine(), bus, subjects, "rollout-0", device="cpu")
+    heard: list[int] = []
+
+    async def lossy(msg: WeightsUpdated) -> None:
+        heard.append(msg.version)
+        if heard.count(2) == 1 and msg.version == 2:
+            return  # the first announcement of version 2 is lost
+        receiver.announce(msg)
+
+    await bus.subscribe(subjects.weights, WeightsUpdated, lossy)
+    await pub.publish(tensor_weights(1, _model(1), tmp_path))
+    assert (await _received(receiver))[:2] == (1, "collective")
+
+    msg = await pub.publish(tensor_weights(2, _model(2), tmp_path))
+    assert msg.members == ["rollout-0"]
+    delivery = pub.delivery()
+    assert delivery["sent_to"] == ["rollout-0"] and delivery["dropped"] == []
+    assert pub.stats.dropped == 0 and pub.stats.repeats >= 1
+    assert heard.count(2) >= 2
     version, via, got = await _received(receiver)
     assert (version, via) == (2, "collective")
     assert all(torch.equal(got[n], t) for n, t in _model(2))

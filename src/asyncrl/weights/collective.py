@@ -32,6 +32,13 @@ own (:mod:`asyncrl.weights.sglang_wire`: its group, one broadcast per tensor, th
 list in the object store). The trainer forms each member's group and sends each version
 the way that member speaks; timeouts and drops are the same for all.
 
+**A missed announcement.** Announcements are plain NATS messages: one published while an
+engine's connection is being re-established (a nats-server restarted, a network blip) never
+reaches it, and that engine's send would then wait out the whole ``weights.timeout_s``
+(two minutes by default) before the engine is dropped and joins again. So while a
+version's sends are under way its announcement goes out again every ``REANNOUNCE_S``
+seconds; an engine takes the first copy it hears and ignores the rest (by ``seq``).
+
 **Ordering.** The trainer announces a version (``WeightsUpdated`` listing the engines it is
 sent to) before it sends; an engine queues one job per announcement, in arrival order, on
 the one thread that owns its group, so receives match sends one for one. Joins are
@@ -75,6 +82,10 @@ from asyncrl.wire.messages import (
 )
 from asyncrl.wire.subjects import Subjects
 
+REANNOUNCE_S = 2.0
+"""Seconds between the copies of a version's announcement while its sends are under way
+(see "A missed announcement" above)."""
+
 
 def rendezvous_host(config: WeightsConfig, nats_url: str) -> str:
     """The address engines reach the trainer's store at (``weights.address``)."""
@@ -107,6 +118,8 @@ class CollectiveStats:
     dropped: int = 0
     joins: int = 0
     fallbacks: int = 0
+    repeats: int = 0
+    """Announcements sent again while a version's sends were under way."""
     last_send_s: float = 0.0
     last_bytes: int = 0
     last_members: int = 0
@@ -196,12 +209,29 @@ class CollectivePublisher(WeightPublisher):
             )
             jobs = [(m, m.lane.submit(self._sender(m, packed))) for m in members]
         t0 = time.monotonic()
-        done = await asyncio.gather(*(self._settle(m, job) for m, job in jobs))
+        repeat = asyncio.create_task(self._announce_again(msg)) if jobs else None
+        try:
+            done = await asyncio.gather(*(self._settle(m, job) for m, job in jobs))
+        finally:
+            if repeat is not None:
+                repeat.cancel()
         self.stats.delivered = [m.actor_id for (m, _), ok in zip(jobs, done, strict=True) if ok]
         self.stats.last_send_s = time.monotonic() - t0
         self.stats.last_bytes = packed.nbytes
         self.stats.last_members = len(members)
         return msg
+
+    async def _announce_again(self, msg: WeightsUpdated) -> None:
+        """Puts ``msg`` on the weights subject again every ``REANNOUNCE_S`` s until
+        cancelled (its sends have settled)."""
+        while True:
+            await asyncio.sleep(REANNOUNCE_S)
+            try:
+                await self.bus.publish(self.subjects.weights, msg)
+            except Exception as exc:  # disconnected: the next copy, or the timeout, decides
+                self.log.debug("announcement not repeated", error=f"{type(exc).__name__}: {exc}")
+            else:
+                self.stats.repeats += 1
 
     def record(self) -> dict[str, float]:
         s = self.stats
@@ -213,6 +243,7 @@ class CollectivePublisher(WeightPublisher):
             "weights/dropped": float(s.dropped),
             "weights/joins": float(s.joins),
             "weights/fallbacks": float(s.fallbacks),
+            "weights/repeats": float(s.repeats),
         }
 
     def delivery(self) -> dict[str, Any]:
