@@ -78,6 +78,12 @@ class RequestPixels:
         for f in followers:
             if not f.done():
                 f.set_result(pixels)
+        if followers:
+            # the followers resume on the loop's next pass and join the engine's queue
+            # there; the leader joins it on that pass too, after them, so that the engine's
+            # scheduler (which may wake in between) takes the group together or not at all,
+            # and prefills its shared prompt once
+            await asyncio.sleep(0)
         return pixels
 
     def _process(self, request: GenerateRequest) -> Pixels | None:
