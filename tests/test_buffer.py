@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
 import pytest
 
 from asyncrl.actors.buffer import BufferActor
+from asyncrl.actors.buffer.admission import group_head_if_valid
 from asyncrl.config.recipe import load_recipe
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.nats_server import NatsInfo
@@ -178,25 +180,78 @@ async def test_a_group_message_is_admitted_in_one_go_and_its_redelivery_is_a_dup
     assert buf.counters["duplicates"] == 2
 
 
-@pytest.mark.parametrize("case", ["admitted", "invalid sample", "lease expired", "stale"])
+BROKEN = {
+    "invalid sample": {"reward": float("nan")},
+    "trained prompt token": {"loss_mask": Array.of([1, 1, 1], "bool")},
+    "future version": {"versions": Array.of([-1, 5, 5], "int32")},
+    "positive logprob": {"logprobs": Array.of([0, -1, 0.5], "float32")},
+    "negative token id": {"input_ids": Array.of([1, -2, 3], "int32")},
+    "no token": {
+        name: Array.of([], dtype)
+        for name, dtype in (
+            ("input_ids", "int32"),
+            ("loss_mask", "bool"),
+            ("logprobs", "float32"),
+            ("versions", "int32"),
+        )
+    },
+    "old epoch": {"epoch": 1},
+    "other dtype": {"loss_mask": Array.of([0, 1, 1], "uint8")},  # valid, judged one by one
+    "other index": {"group_index": 0},  # two samples of episode 0: a duplicate
+}
+"""The second sample of the second group, changed: each breaks one rule of
+``invalid_reason`` (or, the last two, leaves the group's form the one-go path takes)."""
+
+
+def test_a_valid_group_is_judged_in_one_go_and_any_broken_one_is_left_to_the_rules() -> None:
+    valid = [sample("p", 0, 3, 1.0), sample("p", 1, 2, 0.0, generated=4)]
+    judge = functools.partial(group_head_if_valid, group_size=2, version=3, epoch=0)
+    assert judge(valid) == 2  # the oldest generated token's version
+    assert judge(valid[:1]) is None and judge(valid, version=2) is None
+    for case, update in BROKEN.items():
+        broken = [valid[0], valid[1].model_copy(update=update)]
+        assert judge(broken) is None, case
+    # greedy calls only (``per_call`` sampling): no token of a policy, nothing trained
+    untrained = [
+        t.model_copy(
+            update={
+                "versions": Array.of([-1] * len(t.input_ids), "int32"),
+                "loss_mask": Array.of([0] * len(t.input_ids), "bool"),
+            }
+        )
+        for t in valid
+    ]
+    assert judge(untrained) == -1
+
+
+@pytest.mark.parametrize(
+    "case", ["admitted", *BROKEN, "lease expired", "stale", "half held", "filtered"]
+)
 async def test_a_group_message_is_judged_as_its_samples_one_by_one(
     tmp_path: Path, case: str
 ) -> None:
     """The same story told through group messages and through per-sample messages ends in
-    the same state: budget, counters, pool, leases and ready groups."""
+    the same state: budget, counters, pool, leases and ready groups (the buffer judges the
+    common group message in one go, :func:`group_head_if_valid`, and must end where the
+    sample-by-sample rules end)."""
     outcomes = []
     for as_group in (True, False):
         run_dir = tmp_path / ("groups" if as_group else "samples")
         run_dir.mkdir()
-        buf = make_buffer(run_dir, "rollout.lease_ttl=10")
+        filtered = ["buffer.dynamic_filter=true"] if case == "filtered" else []
+        buf = make_buffer(run_dir, "rollout.lease_ttl=10", *filtered)
         got = await lease(buf, 2)
         first, second = (p.uid for p in got.prompts)
         groups = [
             attempt([sample(first, 0, 0, 1.0), sample(first, 1, 0, 0.0)], got.lease_id),
             attempt([sample(second, 0, 0, 0.0), sample(second, 1, 0, 1.0)], got.lease_id),
         ]
-        if case == "invalid sample":
-            groups[1][1] = groups[1][1].model_copy(update={"reward": float("nan")})
+        if case in BROKEN:
+            groups[1][1] = groups[1][1].model_copy(update=BROKEN[case])
+        elif case == "filtered":
+            groups[1][1] = groups[1][1].model_copy(update={"reward": 0.0})
+        elif case == "half held":  # a sample came alone before its group's message
+            await buf.on_scored(groups[1][0])
         elif case == "lease expired":
             # the actor went silent: its prompts are back in the pool when its groups come
             assert buf.leases.expire(time.monotonic() + 11) == ["r0"]
@@ -212,6 +267,14 @@ async def test_a_group_message_is_judged_as_its_samples_one_by_one(
         assert len(ready) == 2 and running == 0 and accepted == 2
     elif case == "invalid sample":
         assert len(ready) == 1 and counters["invalid_nonfinite_reward"] == 1 and len(pool) == 1
+    elif case in ("other dtype", "half held"):
+        assert len(ready) == 2 and accepted == 2
+    elif case == "other index":
+        assert len(ready) == 1 and counters["duplicates"] == 1
+    elif case == "filtered":
+        assert len(ready) == 1 and counters["filtered_groups"] == 1
+    elif case in BROKEN:
+        assert len(ready) == 1 and counters["invalid_samples"] == 1 and len(pool) == 1
     elif case == "lease expired":
         # admitted all the same, taken out of the pool and counted as running work done
         assert len(ready) == 2 and pool == [] and leased == [] and accepted == 2

@@ -44,7 +44,7 @@ import numpy as np
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook
 from asyncrl.runtime.staleness import StalenessManager
-from asyncrl.wire.messages import Group, TrainSample, Trajectory
+from asyncrl.wire.messages import Array, Group, TrainSample, Trajectory
 
 Shaping = Callable[[Sequence[TrainSample]], Sequence[float]]
 """The rewards the advantages use, one per sample of a group, from its samples."""
@@ -69,6 +69,9 @@ def invalid_reason(
     - ``future_version``: a token of a version newer than the buffer's ``version``;
     - ``bad_logprobs``: a behaviour logprob on a loss token that is NaN/inf or positive;
     - ``negative_token_id``.
+
+    :func:`group_head_if_valid` applies the same rules to a whole group message at once:
+    a rule changed here changes there too.
     """
     arrays = [traj.input_ids, traj.loss_mask, traj.logprobs, traj.versions]
     if any(len(a.shape) != 1 for a in arrays) or len({a.shape for a in arrays}) != 1:
@@ -104,6 +107,72 @@ def invalid_reason(
     if bool((traj.input_ids.numpy() < 0).any()):
         return "negative_token_id"
     return None
+
+
+def _joined(arrays: Sequence[Array]) -> np.ndarray:
+    """The 1-d ``arrays`` (of one dtype) end to end, as one read-only array."""
+    total = sum(a.shape[0] for a in arrays)
+    data = b"".join(a.data for a in arrays)
+    return Array(dtype=arrays[0].dtype, shape=(total,), data=data).numpy()
+
+
+def group_head_if_valid(
+    samples: Sequence[Trajectory], *, group_size: int, version: int, epoch: int
+) -> int | None:
+    """For a group message that is one attempt's whole group of one-sample episodes: the
+    group's head version (its oldest generated token's, −1 for none) when every sample
+    passes every check of :func:`invalid_reason`, checked over the group's arrays end to
+    end instead of sample by sample; None when any check fails or the group is of another
+    form, where the caller judges the samples one by one (and names the reason).
+
+    The same rules as :func:`invalid_reason`, in a few numpy calls a group instead of a
+    dozen a sample (``tests/test_buffer.py`` holds the two to the same outcomes)."""
+    if len(samples) != group_size:
+        return None
+    first = samples[0]
+    dtypes = tuple(a.dtype for a in (first.loss_mask, first.logprobs, first.versions))
+    dtypes += (first.input_ids.dtype,)
+    indices = set()
+    for t in samples:
+        n = t.input_ids.shape
+        if (
+            len(n) != 1
+            or not n[0]
+            or t.loss_mask.shape != n
+            or t.logprobs.shape != n
+            or t.versions.shape != n
+            or t.group_size != group_size
+            or t.episode_samples != 1
+            or t.episode_sample != 0
+            or t.attempt != first.attempt
+            or t.prompt_uid != first.prompt_uid
+            or t.epoch != epoch
+            or (t.loss_mask.dtype, t.logprobs.dtype, t.versions.dtype, t.input_ids.dtype) != dtypes
+            or t.reward is None
+            or not math.isfinite(t.reward)
+        ):
+            return None
+        indices.add(t.group_index)
+    if indices != set(range(group_size)) or len({t.uid for t in samples}) != group_size:
+        return None
+    mask = _joined([t.loss_mask for t in samples])
+    versions = _joined([t.versions for t in samples])
+    logprobs = _joined([t.logprobs for t in samples])
+    input_ids = _joined([t.input_ids for t in samples])
+    if mask.dtype != np.bool_:
+        mask = mask.astype(bool)
+    starts = np.cumsum([0] + [t.input_ids.shape[0] for t in samples[:-1]])
+    if bool(mask[starts].any()) or bool((versions[mask] < 0).any()):
+        return None
+    if int(versions.max()) > version:
+        return None
+    scored = logprobs[mask].astype(np.float64)
+    if not np.isfinite(scored).all() or bool((scored > 1e-3).any()):
+        return None
+    if bool((input_ids < 0).any()):
+        return None
+    generated = versions[versions >= 0]
+    return int(generated.min()) if generated.size else -1
 
 
 def whole_episodes(samples: Iterable[Trajectory]) -> dict[int, str]:
@@ -228,29 +297,64 @@ class Admission:
         if len(whole) < self.group_size:
             return "pending"
         del self.groups[traj.prompt_uid]
-        self.completed.add(traj.prompt_uid)  # from now on the prompt tells duplicates
-        self.leases.finish(traj.prompt_uid)
-        admitted = admitted_group(group.values(), self.shape)
-        head = admitted.head_version
+        return self._complete(traj.prompt_uid, group.values())
+
+    def _complete(
+        self, prompt_uid: str, samples: Iterable[Trajectory], head: int | None = None
+    ) -> str:
+        """The group of ``samples`` is whole: admits, rejects or filters it (``head``: its
+        head version, when the caller has it)."""
+        self.completed.add(prompt_uid)  # from now on the prompt tells duplicates
+        self.leases.finish(prompt_uid)
+        admitted = admitted_group(samples, self.shape)
+        if head is None:
+            head = admitted.head_version
         version = self.staleness.version
         if not self.staleness.on_scored(head):
             self.journal.count("rejected_samples", len(admitted.samples))
-            self.journal.event("reject", prompt=traj.prompt_uid, head=head, version=version)
+            self.journal.event("reject", prompt=prompt_uid, head=head, version=version)
             return "rejected"
         # judged on the episodes' rewards (their final samples'), as the advantages are
         finals = {admitted.shaped_rewards[i] for i in admitted.final_positions}
         if self.dynamic_filter and len(finals) == 1:
             self.staleness.drop_accepted(1)
             self.journal.count("filtered_groups")
-            self.journal.event("filter", prompt=traj.prompt_uid)
+            self.journal.event("filter", prompt=prompt_uid)
             return "filtered"
         self.ready.append(admitted)
-        self.journal.event("admit", prompt=traj.prompt_uid, head=head, version=version)
+        self.journal.event("admit", prompt=prompt_uid, head=head, version=version)
         return "admitted"
 
-    def on_scored_group(self, samples: Iterable[Trajectory]) -> list[str]:
+    def on_scored_group(self, samples: Sequence[Trajectory]) -> list[str]:
         """Takes the samples of one group message, in order, each judged as
-        :meth:`on_scored` judges a sample that came alone; their outcomes."""
+        :meth:`on_scored` judges a sample that came alone; their outcomes.
+
+        The common message, one attempt's whole group of one-sample episodes of a prompt
+        nothing is held of, all of it valid, is judged in one go
+        (:func:`group_head_if_valid`) to the same outcomes: ``pending`` for all but the
+        last sample, then the group's."""
+        if samples:
+            first = samples[0]
+            uid = first.prompt_uid
+            fresh = (
+                uid not in self.completed
+                and uid not in self.groups
+                and (first.attempt, uid) not in self.refused
+            )
+            head = (
+                group_head_if_valid(
+                    samples,
+                    group_size=self.group_size,
+                    version=self.staleness.version,
+                    epoch=self.epoch,
+                )
+                if fresh
+                else None
+            )
+            if head is not None:
+                taken = [t.past_scoring() for t in samples]  # as `hold` keeps them
+                outcome = self._complete(uid, taken, head)
+                return ["pending"] * (len(samples) - 1) + [outcome]
         return [self.on_scored(t) for t in samples]
 
     def _supersede(self, group: dict[tuple[str, str], Trajectory], traj: Trajectory) -> None:
