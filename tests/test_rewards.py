@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import textwrap
 from fractions import Fraction
 from pathlib import Path
@@ -207,3 +210,19 @@ async def test_unloadable_rewards_fail_loudly(tmp_path: Path, user_file: Path):
             await pool.start()
     finally:
         await pool.aclose()
+
+
+def test_a_worker_whose_pool_went_away_exits_quietly() -> None:
+    """A worker that starts (or answers) after its pool closed the pipe, as when the
+    reward actor stops while a worker is still importing, exits 0 without a traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the pool's end of the replies, already gone
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.entry.reward_worker", "asyncrl.rewards:math_reward"],
+        stdin=subprocess.DEVNULL,
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        timeout=60,
+    )
+    os.close(write_end)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr.decode()

@@ -66,7 +66,12 @@ def serve(spec: str, requests: IO[bytes], replies: IO[bytes]) -> None:
 def main() -> None:
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    serve(sys.argv[1], sys.stdin.buffer, replies)
+    try:
+        serve(sys.argv[1], sys.stdin.buffer, replies)
+    except BrokenPipeError:
+        # the pool closed its end (its actor stopping while this worker started or
+        # scored): nobody is left to answer, and a traceback would only say so
+        os._exit(0)
 
 
 if __name__ == "__main__":
