@@ -130,8 +130,12 @@ def group_head_if_valid(
     if len(samples) != group_size:
         return None
     first = samples[0]
-    dtypes = tuple(a.dtype for a in (first.loss_mask, first.logprobs, first.versions))
-    dtypes += (first.input_ids.dtype,)
+    dtypes = (
+        first.loss_mask.dtype,
+        first.logprobs.dtype,
+        first.versions.dtype,
+        first.input_ids.dtype,
+    )
     indices = set()
     for t in samples:
         n = t.input_ids.shape
