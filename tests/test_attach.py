@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config.recipe import load_recipe
+from asyncrl.entry.cli import main as cli_main
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.wire.messages import ActorInfo
@@ -91,3 +92,22 @@ async def test_attach_names_the_roles_that_may_join(run_dir: Path, bus: Bus) -> 
     assert not started
     assert code == 2, err
     assert "the roles that can join a run are rollout, reward, eval" in err, err
+
+
+def test_an_attached_actor_that_raises_leaves_through_the_ranks_way_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """However an attached actor ends, it leaves as every actor process does (through
+    ``rank_main``): an exception is printed and gives status 1, instead of escaping into
+    the interpreter's finalization, where an engine's gloo thread still forming its group
+    with a trainer that just went away aborts the process (SIGABRT)."""
+
+    def failing(*args: object, **kwargs: object) -> int:
+        raise RuntimeError("the actor failed after its stop")
+
+    monkeypatch.setattr("asyncrl.entry.actor.run_actor", failing)
+    with pytest.raises(SystemExit) as leaving:
+        cli_main(["attach", "rollout", "--run", str(tmp_path)])
+    assert leaving.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: the actor failed after its stop" in err

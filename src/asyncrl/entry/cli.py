@@ -22,7 +22,7 @@ from asyncrl.observe.audit import audit
 from asyncrl.observe.plot import plot_run
 from asyncrl.sft.config import is_sft_data, load_sft_recipe, read_recipe_data
 from asyncrl.sft.run import sft
-from asyncrl.train.torchrun import exit_rank
+from asyncrl.train.torchrun import rank_main
 from asyncrl.weights.choose import choose as choose_transport
 
 
@@ -257,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             from asyncrl.entry.actor import run_actor  # noqa: PLC0415 - loads NATS, the runtime
 
             # an engine that joined the weight broadcast holds gloo threads, which the
-            # interpreter's finalization can abort on: leave as every actor process does
-            exit_rank(run_actor(args.role, args.run, args.actor_id, nats_file=args.nats))
+            # interpreter's finalization can abort on: leave as every actor process does,
+            # however the actor ends (an exception too, which would otherwise finalize)
+            rank_main(lambda: run_actor(args.role, args.run, args.actor_id, nats_file=args.nats))
         if args.command == "metrics":
             from asyncrl.observe.watch import stream_metrics  # noqa: PLC0415 - loads NATS
 
