@@ -174,6 +174,7 @@ class Level:
     prompt_tokens: int = 0
     prefill_tokens: float = float("nan")
     cache_hit: float = float("nan")
+    relayouts: float = float("nan")
     seconds: float = 0.0
     host_s: list[float] = field(default_factory=list)
     tool_calls: int = 0
@@ -223,6 +224,7 @@ async def run_level(
     stats = getattr(engine, "stats", None)  # the hf engine counts the prompt tokens it computes
     prefill0 = stats.prefill_tokens if stats is not None else 0
     hit0 = stats.prefix_cache_hit_tokens if stats is not None else 0
+    relayouts0 = stats.relayouts if stats is not None else 0
     queries0, hits0 = await vllm_prefix_counters(engine)
 
     async def client(i: int) -> None:
@@ -251,6 +253,7 @@ async def run_level(
     if stats is not None:
         level.prefill_tokens = stats.prefill_tokens - prefill0
         level.cache_hit = (stats.prefix_cache_hit_tokens - hit0) / level.prompt_tokens
+        level.relayouts = stats.relayouts - relayouts0
     queries1, hits1 = await vllm_prefix_counters(engine)
     if queries1 > queries0:
         level.cache_hit = (hits1 - hits0) / (queries1 - queries0)
@@ -413,7 +416,7 @@ def build_engine(args: argparse.Namespace, cache_mb: int | None) -> tuple[Any, s
 def print_header() -> None:
     print(
         f"{'workload':<12} {'conc':>4} {'episodes':>8} {'turns':>5} {'gen tok':>7} "
-        f"{'prompt/ep':>9} {'prefill/ep':>10} {'cache hit':>9} {'seconds':>7} "
+        f"{'prompt/ep':>9} {'prefill/ep':>10} {'cache hit':>9} {'rebuilds':>8} {'seconds':>7} "
         f"{'ep/s':>6} {'tok/s':>7} {'host ms/ep':>10} {'own calls':>9}"
     )
 
@@ -422,10 +425,11 @@ def print_level(lv: Level) -> None:
     calls = f"{lv.own_calls}/{lv.tool_calls}" if lv.tool_calls else "-"
     hit = "-" if math.isnan(lv.cache_hit) else f"{lv.cache_hit:.0%}"
     prefill = "-" if math.isnan(lv.prefill_tokens) else f"{lv.prefill_tokens / lv.episodes:.0f}"
+    rebuilds = "-" if math.isnan(lv.relayouts) else f"{lv.relayouts:.0f}"
     print(
         f"{lv.workload:<12} {lv.concurrency:>4} {lv.episodes:>8} {lv.turns:>5} "
         f"{lv.generated:>7} {lv.prompt_tokens / lv.episodes:>9.0f} {prefill:>10} {hit:>9} "
-        f"{lv.seconds:>7.1f} {lv.episodes_per_s:>6.2f} {lv.tokens_per_s:>7.1f} "
+        f"{rebuilds:>8} {lv.seconds:>7.1f} {lv.episodes_per_s:>6.2f} {lv.tokens_per_s:>7.1f} "
         f"{statistics.median(lv.host_s) * 1e3:>10.1f} {calls:>9}",
         flush=True,
     )
