@@ -21,6 +21,7 @@ from asyncrl.rewards import (
     math_reward,
     to_number,
 )
+from asyncrl.rewards import pool as pool_module
 from asyncrl.workflows.loader import SpecError
 
 
@@ -226,3 +227,35 @@ def test_a_worker_whose_pool_went_away_exits_quietly() -> None:
     )
     os.close(write_end)
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr.decode()
+
+
+async def test_closing_while_cancelled_calls_replace_their_workers_leaves_no_process(
+    user_file: Path,
+):
+    """An actor that stops cancels its calls in flight; each cancelled call replaces its
+    worker in a shielded task that outlives the cancellation. Closing the pool right then
+    waits for every worker, the fresh ones too, and leaves none running (replacements
+    that started after the close used to stay, idle on their stdin: orphans, and a
+    close that waited on one never ended)."""
+    spawned: list[asyncio.subprocess.Process] = []
+    original = pool_module._Worker.spawn
+
+    async def spawn(spec: str) -> pool_module._Worker:
+        worker = await original(spec)
+        spawned.append(worker.process)
+        return worker
+
+    pool = RewardPool(f"{user_file}:hangs", workers=2, timeout=60.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pool_module._Worker, "spawn", spawn)
+        await pool.start()
+        calls = [asyncio.create_task(pool.score("hang", {})) for _ in range(2)]
+        await asyncio.sleep(0.5)  # both calls sent, both workers busy
+        for call in calls:
+            call.cancel()  # as an actor's stop does, closing the pool without waiting
+        async with asyncio.timeout(30):
+            await pool.aclose()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.sleep(1.0)  # a replacement that was still starting has settled
+    assert len(spawned) >= 2
+    assert [p.returncode is not None for p in spawned] == [True] * len(spawned), spawned

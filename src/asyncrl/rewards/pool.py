@@ -174,10 +174,14 @@ class RewardPool:
             w.kill()
 
     async def aclose(self) -> None:
-        """Kills every worker and waits until they are gone."""
+        """Kills every worker and waits until they are gone. A worker that a replacement
+        under way (a cancelled call's, which runs on shielded) puts in the pool after this
+        began is killed too: the replacement sees the pool closed."""
         self.close()
-        for w in self._workers:
-            await w.process.wait()
+        for i in range(len(self._workers)):
+            while (w := self._workers[i]).process.returncode is None:
+                w.kill()
+                await w.process.wait()
 
     async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
         """The reward of ``completion`` for the prompt record ``data``; never raises for a
@@ -225,8 +229,12 @@ class RewardPool:
 
     async def _replace(self, worker: _Worker) -> _Worker:
         await worker.exit_code()  # killed and reaped: no process outlives its pool
+        if self._closed:
+            return worker  # nobody will call again: no fresh worker to outlive the pool
         fresh = await _Worker.spawn(self.spec)
         self._workers[self._workers.index(worker)] = fresh
+        if self._closed:  # closed while it started: aclose waits for it, so end it now
+            fresh.kill()
         return fresh
 
     async def _ensure_ready(self, worker: _Worker) -> None:
