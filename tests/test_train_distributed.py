@@ -237,3 +237,57 @@ def test_a_rank_leaves_with_its_status_exit_handlers_and_output(
     assert (tmp_path / "atexit").read_text() == "ran"
     assert stderr in proc.stderr
     assert ("Traceback" in proc.stderr) == (ending == "raise")
+
+
+LANE_AT_EXIT = """
+import atexit, subprocess, sys, threading, time
+import torch.distributed as dist
+from asyncrl.train.torchrun import exit_rank
+from asyncrl.weights import wire
+
+if sys.argv[1] == "host":  # the trainer's side: the rendezvous store, until killed
+    store = wire.open_store("127.0.0.1", 30)
+    print(store.port, flush=True)
+    time.sleep(3600)
+
+host = subprocess.Popen([sys.executable, sys.argv[0], "host"], stdout=subprocess.PIPE, text=True)
+port = int(host.stdout.readline())
+go = threading.Event()
+
+
+def join():  # an engine's join, on its lane: it opens its group only once told to
+    go.wait()
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=wire.timeout_of(30))
+    return wire.open_pair(store, "g", 1, "gloo", 30, "cpu")
+
+
+def trainer_goes_away():
+    # the join goes ahead as the process ends (after exit_rank looked for open groups)
+    # and waits in the rendezvous for the trainer, which then goes away
+    go.set()
+    time.sleep(1.0)
+    host.kill()
+
+
+wire.Lane("weights").submit(join)
+atexit.register(trainer_goes_away)
+exit_rank(0)
+"""
+
+
+def test_a_lane_that_opens_its_group_as_the_process_ends_does_not_abort_it(tmp_path: Path) -> None:
+    """An attached engine stopped while its lane was about to join the broadcast: the
+    lane went on during the interpreter's finalization, waited in the rendezvous, and the
+    trainer's end unwound it in native code there (SIGABRT, "terminate called without
+    an active exception", after a clean stop). A process with a live daemon thread now
+    leaves without finalization, so it ends with its own status."""
+    script = tmp_path / "lane_at_exit.py"
+    script.write_text(LANE_AT_EXIT)
+    proc = subprocess.run(
+        [sys.executable, str(script), "engine"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr

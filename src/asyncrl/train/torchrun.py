@@ -21,6 +21,7 @@ import atexit
 import os
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
@@ -104,12 +105,21 @@ def exit_rank(code: int) -> NoReturn:
     that did all its work (about one two-node launch in ten on 2 cores). Those threads
     cannot be joined first: torch keeps the group alive after ``destroy_process_group``
     (FSDP2's sharded parameters leave their device mesh, which holds the group, in DTensor's
-    sharding cache). Elsewhere this is ``sys.exit(code)``."""
+    sharding cache).
+
+    The same holds for a daemon thread that is alive at the end, such as the weight
+    broadcast's lane (:class:`~asyncrl.weights.wire.Lane`): a daemon is abandoned at exit
+    either way, but during finalization it can still run, enter native code (a rendezvous
+    with a trainer that is going away: its group opened after this function looked), and
+    be unwound there when it comes back for the GIL. So the process also leaves without
+    finalization while a daemon thread lives. Elsewhere this is ``sys.exit(code)``."""
     dist = sys.modules.get("torch.distributed")
     weights = sys.modules.get("asyncrl.weights.wire")
     grouped = dist is not None and dist.is_available() and dist.is_initialized()
     # the weight broadcast's own groups (an engine's, rank 0's) have gloo threads too
-    if not grouped and not getattr(weights, "GROUPS_OPENED", False):
+    opened = getattr(weights, "GROUPS_OPENED", False)
+    daemons = any(t.daemon and t.is_alive() for t in threading.enumerate())
+    if not grouped and not opened and not daemons:
         sys.exit(code)
     if grouped and dist is not None:
         dist.destroy_process_group()
