@@ -110,7 +110,7 @@ def run_actor(
 def imports_without_collector() -> Iterator[None]:
     """Imports with the cyclic garbage collector off, then what they loaded out of its
     passes. With it on, importing the trainer's modules (torch, transformers, FSDP: some
-    670,000 objects) costs about 0.8 s more CPU, a sixth of it: the collector runs full
+    670,000 objects) costs about 0.8 s more CPU, some 15% of it: the collector runs full
     passes over the growing heap of modules again and again. Modules live as long as the
     process, so they are frozen (``gc.freeze``) as the actor freezes what its setup
     built; the few cycles the import machinery left go with them."""
