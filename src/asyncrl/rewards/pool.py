@@ -179,9 +179,8 @@ class RewardPool:
         began is killed too: the replacement sees the pool closed."""
         self.close()
         for i in range(len(self._workers)):
-            while (w := self._workers[i]).process.returncode is None:
-                w.kill()
-                await w.process.wait()
+            while self._workers[i].process.returncode is None:
+                await self._workers[i].exit_code()  # killed and reaped
 
     async def score(self, completion: str, data: dict[str, Any]) -> RewardResult:
         """The reward of ``completion`` for the prompt record ``data``; never raises for a
