@@ -4,7 +4,9 @@ replaces, and one logits matmul per chunk in a training step."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from train_helpers.tiny import VOCAB, one_torch_thread, random_batch, tiny_engine, train_config
 
+from asyncrl.train import models
 from asyncrl.train.models import FusedLogprobs, chunk_logprobs
 
 
@@ -190,3 +193,64 @@ def test_per_row_sampling_equals_each_row_scored_alone(grad: bool) -> None:
             total += w_one.grad
         assert w_all.grad is not None
         torch.testing.assert_close(w_all.grad.double(), total, rtol=0, atol=1e-5)
+
+
+def test_head_matmuls_sets_tf32_on_cuda_only_and_restores_it() -> None:
+    """``tf32`` switches CUDA's float32 matmuls to tensor cores inside the head and puts the
+    process's own setting back after, an error included; the CPU and ``float32`` leave it."""
+    flags = torch.backends.cuda.matmul
+    before = flags.fp32_precision
+    with models.head_matmuls("tf32", torch.device("cpu")):
+        assert flags.fp32_precision == before
+    with models.head_matmuls("float32", torch.device("cuda")):
+        assert flags.fp32_precision == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with models.head_matmuls("tf32", torch.device("cuda")):
+            assert flags.fp32_precision == "tf32"
+            raise RuntimeError("inside")
+    assert flags.fp32_precision == before
+    assert isinstance(flags.allow_tf32, bool)  # the legacy flag still reads: no mixed state
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_head_precision_reaches_forward_and_the_fused_backward(
+    recompute: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lm_head_precision`` decides every head matmul of a step: each chunk's forward, and
+    the fused backward (which runs after the forward's context has ended)."""
+    seen: list[tuple[str, bool]] = []
+    real = models.head_matmuls
+
+    @contextlib.contextmanager
+    def recording(precision: models.HeadPrecision, device: torch.device) -> Iterator[None]:
+        seen.append((precision, torch.is_grad_enabled()))
+        with real(precision, device):
+            yield
+
+    monkeypatch.setattr(models, "head_matmuls", recording)
+    batch = random_batch(2, lengths=(9, 14))
+    config = train_config(
+        max_tokens_per_microbatch=4096, lm_head_chunk_tokens=5, lm_head_recompute=recompute,
+        lm_head_precision="tf32",
+    )  # fmt: skip
+    with one_torch_thread():
+        engine = tiny_engine(config)
+        assert engine.head_precision == "tf32"
+        engine.train_step(batch)
+    chunks = math.ceil(sum(int(s.loss_mask.sum()) for s in batch) / 5)
+    assert {p for p, _ in seen} == {"tf32"}
+    # forward once a chunk; then the fused backward once, or each chunk recomputed
+    assert len(seen) == (2 * chunks if recompute else chunks + 1)
+
+
+def test_auto_head_precision_is_tf32_only_on_cuda_under_a_16_bit_forward() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    choose = models.choose_head_precision
+    assert choose("auto", torch.bfloat16, cuda) == "tf32"
+    assert choose("auto", torch.float16, cuda) == "tf32"
+    assert choose("auto", torch.float32, cuda) == "float32"
+    assert choose("auto", torch.bfloat16, cpu) == "float32"
+    assert choose("float32", torch.bfloat16, cuda) == "float32"
+    assert choose("tf32", torch.float32, cuda) == "tf32"
+    with one_torch_thread():
+        assert tiny_engine(train_config()).head_precision == "float32"

@@ -187,6 +187,12 @@ class TrainerConfig(Placement):
     float32) until backward, so the LM head runs once per chunk; true keeps one chunk alive
     at a time and recomputes its logits in backward (less memory, one more LM-head matmul
     and softmax per chunk)."""
+    lm_head_precision: Literal["auto", "float32", "tf32"] = "auto"
+    """How the LM head's float32 matmuls (logits, and their gradients) run on a CUDA
+    device: ``float32`` (IEEE), ``tf32`` (tensor cores: inputs rounded to 10 mantissa bits,
+    float32 sums), or ``auto``: tf32 where the model computes in bfloat16 or float16 (the
+    head's rounding, ~1e-3 a logprob, is then small beside the forward's own, ~4e-2),
+    float32 where it computes in float32. The CPU always computes in float32."""
     compile: bool = False
     """``torch.compile`` each decoder layer (dynamic shapes, so packed lengths that change
     every step reuse one graph). The first steps pay the compilation (tens of seconds on a

@@ -42,7 +42,14 @@ from asyncrl.train.attention import register as register_attention
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig
 from asyncrl.train.lora import apply_lora, export_adapter, iter_merged_weights
-from asyncrl.train.models import Setting, TokenLogprobs, apply_fsdp, decoder_layers
+from asyncrl.train.models import (
+    HeadPrecision,
+    Setting,
+    TokenLogprobs,
+    apply_fsdp,
+    choose_head_precision,
+    decoder_layers,
+)
 from asyncrl.train.packing import (
     MicroBatch,
     build_micro_batch,
@@ -233,6 +240,7 @@ class TrainEngine:
             recompute_head=self.config.lm_head_recompute,
             vision=processor is not None,
             never_sampled=processor.placeholder_ids if processor is not None else (),
+            head_precision=self.head_precision,
         )
         module.to(self.device)
         if self.distributed:
@@ -255,6 +263,11 @@ class TrainEngine:
             {"params": decay, "weight_decay": self.config.optim.weight_decay},
             {"params": rest, "weight_decay": 0.0},
         ]
+
+    @property
+    def head_precision(self) -> HeadPrecision:
+        """``trainer.lm_head_precision``, ``auto`` decided for this device and dtype."""
+        return choose_head_precision(self.config.lm_head_precision, self.param_dtype, self.device)
 
     def _autocast(self) -> AbstractContextManager[Any]:
         # Under FSDP the mixed-precision policy casts; unsharded, autocast does the same job.
