@@ -291,3 +291,49 @@ def test_a_lane_that_opens_its_group_as_the_process_ends_does_not_abort_it(tmp_p
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
+
+
+STOP_A_RANK = """
+import os, subprocess, sys, time
+import torch.distributed as dist
+from asyncrl.train.commands import Leader, next_command
+from asyncrl.train.torchrun import exit_rank
+
+port, follows = int(sys.argv[1]), sys.argv[2] == "follows"
+if len(sys.argv) > 3:  # rank 1: follows rank 0's commands, or is alive but never listens
+    parent = os.getppid()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    if follows:
+        print("rank 1 got", next_command()[0].name, flush=True)
+    while not follows and os.getppid() == parent:  # deaf until rank 0 is gone
+        time.sleep(0.1)
+    sys.exit(0)
+other = subprocess.Popen([sys.executable, *sys.argv, "rank1"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+print(f"taken={Leader(None).stop(within=2.0)}", flush=True)
+if follows:
+    other.wait(30)
+exit_rank(0)  # the deaf rank is still there, and the stop still waiting for it
+"""
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_a_bounded_stop_leaves_a_rank_that_never_listens(tmp_path: Path, follows: bool) -> None:
+    """A gloo broadcast waits for every receiver: rank 0's stop to a rank that is alive
+    but no longer following (stopping on its own signal) used to hold rank 0 for the
+    group's whole timeout, past up's grace. Given ``within``, the stop returns False after
+    that time and the process ends with its own status while the command still waits in
+    its daemon thread; a following rank takes it as before."""
+    script = tmp_path / "stop_a_rank.py"
+    script.write_text(STOP_A_RANK)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(free_port()), "follows" if follows else "deaf"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if follows:
+        assert "rank 1 got STOP" in proc.stdout and "taken=True" in proc.stdout, proc.stdout
+    else:
+        assert "taken=False" in proc.stdout, proc.stdout

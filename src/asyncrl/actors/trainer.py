@@ -58,6 +58,9 @@ from asyncrl.wire.messages import (
 BATCH_REQUEST_TIMEOUT = 15.0
 """Seconds to wait for the buffer's answer; the buffer answers "not ready" after 5 s."""
 
+STOP_RANKS_WITHIN_S = 5.0
+"""Seconds rank 0, asked to stop, gives the other ranks to take its stop command."""
+
 BATCH_WAIT_LOG_EVERY = 30.0
 """Seconds between two log lines that say what a batch request waits for."""
 
@@ -146,17 +149,26 @@ class TrainerActor(Actor):
         if self.transport is not None:
             await self.transport.close()
         if self._ranks is not None:
-            try:
-                await asyncio.to_thread(self.ranks.stop)
-            except RuntimeError as exc:  # what gloo and NCCL raise for a peer gone
-                if self._stop_reason in ("", "finished"):
-                    raise
-                # asked to stop (a signal, or up's stop, which signals every rank at
-                # once): the other ranks may be gone before they hear it, which is all
-                # that stop asks of them
-                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                self.log.info("other trainer ranks stopped first", error=first[:200])
+            await self._stop_other_ranks()
         self.records.close()
+
+    async def _stop_other_ranks(self) -> None:
+        """Ends the other ranks' loop. After a finished run they all wait for it; asked to
+        stop (a signal, or up's stop, which signals every rank at once) they may be gone
+        or stopping on their own, which is all that stop asks of them: then rank 0 gives
+        them :data:`STOP_RANKS_WITHIN_S` and goes on."""
+        asked = self._stop_reason not in ("", "finished")
+        within = STOP_RANKS_WITHIN_S if asked else None
+        try:
+            taken = await asyncio.to_thread(self.ranks.stop, within)
+        except RuntimeError as exc:  # what gloo and NCCL raise for a peer gone
+            if not asked:
+                raise
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.log.info("other trainer ranks stopped first", error=first[:200])
+            return
+        if not taken:
+            self.log.info("other trainer ranks did not take the stop", waited_s=within)
 
     # -- the step loop ----------------------------------------------------------------------
 

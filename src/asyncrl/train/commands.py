@@ -25,6 +25,7 @@ from asyncrl.train import dcp
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig
 from asyncrl.train.shard import TrainShard, plan_shards
+from asyncrl.weights.wire import Lane
 
 MASTER_DTYPE = "float32"
 """The dtype of the train engine's master weights (it loads every model in float32), in
@@ -150,11 +151,28 @@ class Leader:
             self._path_command(Command.LOAD, path)
             self.engine.load_checkpoint(path)
 
-    def stop(self) -> None:
-        """Ends :func:`follow` on the other ranks."""
-        if self.world_size > 1:
+    def stop(self, within: float | None = None) -> bool:
+        """Ends :func:`follow` on the other ranks. ``within``: the seconds they get to take
+        it (None: the collective's own timeout). Returns False if they had not all taken it
+        by then: a gloo broadcast waits for every receiver, and a rank that is alive but
+        no longer following (stopping on a signal of its own) never receives. The command
+        is then left to a daemon thread, which cannot hold the process at its exit
+        (:func:`~asyncrl.train.torchrun.exit_rank`), and the group is not used again."""
+        if self.world_size == 1:
+            return True
+
+        def send() -> None:
             with self._one_at_a_time:
                 self._header(Command.STOP)
+
+        if within is None:
+            send()
+            return True
+        try:
+            Lane("trainer-stop").submit(send).result(timeout=within)
+        except TimeoutError:
+            return False
+        return True
 
     def _header(self, command: Command, argument_bytes: int = 0) -> None:
         _broadcast(torch.tensor([int(command), argument_bytes], dtype=torch.int64))
