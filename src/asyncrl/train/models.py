@@ -42,8 +42,9 @@ output). The CPU always computes in float32."""
 @contextmanager
 def head_matmuls(precision: HeadPrecision, device: torch.device) -> Iterator[None]:
     """Runs the float32 matmuls inside with ``precision`` on a CUDA ``device``; restores
-    the process's setting after (it is global in torch). Nothing changes on the CPU or for
-    ``float32``."""
+    the process's setting after. The setting is torch's, for the whole process: another
+    thread's float32 CUDA matmuls meanwhile run as TF32 too (a trainer process runs no
+    other model). Nothing changes on the CPU or for ``float32``."""
     if precision != "tf32" or device.type != "cuda":
         yield
         return
