@@ -279,6 +279,13 @@ def test_a_gguf_file_the_rollout_engines_do_not_read_is_warned_about() -> None:
     assert any("model.gguf_file" in w and "trainer only" in w for w in warnings)
 
 
+def test_a_tf32_head_on_the_cpu_is_warned_about() -> None:
+    _, warnings = problems('trainer.lm_head_precision="tf32"', "trainer.device=cpu")
+    assert any("trainer.lm_head_precision" in w and "float32" in w for w in warnings)
+    for sets in (['trainer.lm_head_precision="tf32"'], ["trainer.device=cpu"]):
+        assert not any("lm_head_precision" in w for w in problems(*sets)[1])
+
+
 def test_roles_whose_thread_pools_share_cores_are_warned_about() -> None:
     both = ("rollout.cpus=[0,1]", "trainer.cpus=[0,1]", "trainer.device=cpu")
     _, warnings = problems(*both, "rollout.threads=2")

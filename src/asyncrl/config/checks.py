@@ -135,6 +135,11 @@ def recipe_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             f"up to {k - 1} steps, so a trained sample may be up to η + k − 1 = {eta + k - 1} "
             f"trainer versions old (η = {eta} bounds published versions)"
         )
+    if t.lm_head_precision == "tf32" and t.device == "cpu":
+        warnings.append(
+            'trainer.lm_head_precision = "tf32" with trainer.device = "cpu": TF32 is a CUDA '
+            "tensor-core format; the CPU computes the LM head in float32 whatever it says"
+        )
     if t.nproc > 1 and t.device.startswith("cuda:"):
         errors.append(
             f'trainer.device = "{t.device}" with trainer.nproc = {t.nproc}: every rank would '
