@@ -91,10 +91,12 @@ from pathlib import Path
 
 def reward(completion, data):
     # once per reward actor, from its worker (a grandchild of up): a process in a session
-    # of its own, deaf to SIGTERM, that nobody waits for; its pid in <actor id>.pid
+    # of its own, deaf to SIGTERM, that nobody waits for; its pid in <actor id>.pid, which
+    # appears whole (renamed into place: the test reads it as soon as it exists)
     actor_id = os.environ["{env}"].split(":", 1)[1]
+    folder = Path({folder!r})
     try:
-        fd = os.open(Path({folder!r}) / f"{{actor_id}}.pid", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.close(os.open(folder / f"{{actor_id}}.once", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return 0.0
     child = subprocess.Popen(
@@ -105,8 +107,8 @@ def reward(completion, data):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    os.write(fd, str(child.pid).encode())
-    os.close(fd)
+    (folder / f"{{actor_id}}.tmp").write_text(str(child.pid))
+    os.replace(folder / f"{{actor_id}}.tmp", folder / f"{{actor_id}}.pid")
     return 0.0
 """
 
