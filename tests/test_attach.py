@@ -6,13 +6,13 @@ an attach that wrongly went ahead would connect and announce itself there."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from asyncrl.config.recipe import load_recipe
-from asyncrl.entry.cli import main as cli_main
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.wire.messages import ActorInfo
@@ -94,20 +94,35 @@ async def test_attach_names_the_roles_that_may_join(run_dir: Path, bus: Bus) -> 
     assert "the roles that can join a run are rollout, reward, eval" in err, err
 
 
-def test_an_attached_actor_that_raises_leaves_through_the_ranks_way_out(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+ATTACH_THAT_RAISES = """
+import sys
+import asyncrl.entry.actor
+from asyncrl.entry.cli import main
+
+
+def failing(*args, **kwargs):
+    raise RuntimeError("the actor failed after its stop")
+
+
+asyncrl.entry.actor.run_actor = failing
+try:
+    main(["attach", "rollout", "--run", sys.argv[1]])
+except RuntimeError:  # what rank_main must not let through
+    sys.exit(3)
+"""
+
+
+def test_an_attached_actor_that_raises_leaves_through_the_ranks_way_out(tmp_path: Path) -> None:
     """However an attached actor ends, it leaves as every actor process does (through
     ``rank_main``): an exception is printed and gives status 1, instead of escaping into
     the interpreter's finalization, where an engine's gloo thread still forming its group
-    with a trainer that just went away aborts the process (SIGABRT)."""
-
-    def failing(*args: object, **kwargs: object) -> int:
-        raise RuntimeError("the actor failed after its stop")
-
-    monkeypatch.setattr("asyncrl.entry.actor.run_actor", failing)
-    with pytest.raises(SystemExit) as leaving:
-        cli_main(["attach", "rollout", "--run", str(tmp_path)])
-    assert leaving.value.code == 1
-    err = capsys.readouterr().err
-    assert "Traceback" in err and "RuntimeError: the actor failed after its stop" in err
+    with a trainer that just went away aborts the process (SIGABRT). In a process of its
+    own: ``rank_main`` may leave by ``os._exit``, which must not end the test's."""
+    script = tmp_path / "attach_that_raises.py"
+    script.write_text(ATTACH_THAT_RAISES)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" in proc.stderr, proc.stderr[-3000:]
+    assert "RuntimeError: the actor failed after its stop" in proc.stderr, proc.stderr[-3000:]
