@@ -118,10 +118,11 @@ def test_an_attached_actor_that_raises_leaves_through_the_ranks_way_out(tmp_path
     the interpreter's finalization, where an engine's gloo thread still forming its group
     with a trainer that just went away aborts the process (SIGABRT). In a process of its
     own: ``rank_main`` may leave by ``os._exit``, which must not end the test's."""
-    script = tmp_path / "attach_that_raises.py"
-    script.write_text(ATTACH_THAT_RAISES)
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", ATTACH_THAT_RAISES, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" in proc.stderr, proc.stderr[-3000:]

@@ -165,11 +165,8 @@ class Leader:
             with self._one_at_a_time:
                 self._header(Command.STOP)
 
-        if within is None:
-            send()
-            return True
         try:
-            Lane("trainer-stop").submit(send).result(timeout=within)
+            Lane("trainer-stop").submit(send).result(timeout=within)  # None: until done
         except TimeoutError:
             return False
         return True
