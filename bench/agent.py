@@ -381,7 +381,9 @@ async def endpoint_latency(
     return out
 
 
-def build_engine(args: argparse.Namespace, cache_mb: int | None) -> tuple[Any, str]:
+def build_engine(
+    args: argparse.Namespace, cache_mb: int | None, shared: bool = True
+) -> tuple[Any, str]:
     """An unstarted engine and a line saying where it runs; ``cache_mb`` sizes the hf
     engine's prefix cache (None: its default)."""
     import platform
@@ -403,13 +405,14 @@ def build_engine(args: argparse.Namespace, cache_mb: int | None) -> tuple[Any, s
     from asyncrl.engines.hf import HFEngine
     from asyncrl.models.resolve import ModelConfig
 
-    config = HFEngineConfig(max_batch_size=max(args.concurrency))
+    hf_config = HFEngineConfig(max_batch_size=max(args.concurrency), shared_prefix_attention=shared)
     if cache_mb is not None:
-        config = config.model_copy(update={"prefix_cache_mb": cache_mb})
-    engine = HFEngine(ModelConfig(path=args.model, dtype=args.dtype), config)
+        hf_config = hf_config.model_copy(update={"prefix_cache_mb": cache_mb})
+    engine = HFEngine(ModelConfig(path=args.model, dtype=args.dtype), hf_config)
     return engine, (
         f"hf in process, {platform.processor() or 'cpu'} x{torch.get_num_threads()}, "
-        f"prefix cache {config.prefix_cache_mb} MiB"
+        f"prefix cache {hf_config.prefix_cache_mb} MiB, "
+        f"shared-prefix attention {'on' if shared else 'off'}"
     )
 
 
@@ -486,6 +489,15 @@ async def main() -> None:
         help="hf: MiB of the engine's prefix cache (rollout.engine.prefix_cache_mb; 0: off); "
         "several values run the workloads once per value, on a fresh engine each",
     )
+    ap.add_argument(
+        "--shared-prefix-attention",
+        choices=["on", "off"],
+        nargs="+",
+        default=["on"],
+        help="hf: decode rows sharing a cached prefix with cascade attention "
+        "(rollout.engine.shared_prefix_attention); several values run the workloads once "
+        "per value, on a fresh engine each",
+    )
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     ap.add_argument("--vllm-kvcache-gib", type=int, default=2)
     ap.add_argument(
@@ -523,9 +535,11 @@ async def main() -> None:
     cache_sizes: list[int | None] = (
         args.prefix_cache_mb if args.engine == "hf" and args.prefix_cache_mb else [None]
     )
+    shared_modes = args.shared_prefix_attention if args.engine == "hf" else ["on"]
+    runs = [(mb, mode) for mb in cache_sizes for mode in shared_modes]
     levels: dict[tuple[int, str, int], Level] = {}  # by (run, workload, concurrency)
-    for run, cache_mb in enumerate(cache_sizes):
-        engine, where = build_engine(args, cache_mb)
+    for run, (cache_mb, mode) in enumerate(runs):
+        engine, where = build_engine(args, cache_mb, mode == "on")
         t0 = time.perf_counter()
         async with engine:
             print(
@@ -550,8 +564,15 @@ async def main() -> None:
                     level = await run_level(engine, wf, name, records, c, args.rounds)
                     levels[run, name, c] = level
                     print_level(level)
+            stats = getattr(engine, "stats", None)
+            if stats is not None:
+                decoded = sum(n * k for n, k in stats.decode_batch_sizes.items())
+                print(
+                    f"# decoded rows that read a shared prefix once: {stats.shared_prefix_rows}"
+                    f" of {decoded}"
+                )
             print()
-            if run < len(cache_sizes) - 1 or not args.latency_requests:
+            if run < len(runs) - 1 or not args.latency_requests:
                 continue
             print(await per_turn_work(tok, tool))
             latencies = await endpoint_latency(engine, tool if list_tools else None, records, args)
@@ -568,8 +589,10 @@ async def main() -> None:
         print_latencies(
             floor, f"the same on the instant engine (no model, {args.latency_new} tokens)"
         )
-    for run, cache_mb in enumerate(cache_sizes):
+    for run, (cache_mb, mode) in enumerate(runs):
         label = "" if cache_mb is None else f"prefix cache {cache_mb} MiB, "
+        if len(shared_modes) > 1:
+            label += f"shared-prefix attention {mode}, "
         for c in args.concurrency:
             s, a = levels[run, "single-turn", c], levels[run, "3-turn tool", c]
             print(

@@ -28,6 +28,11 @@ class HFEngineConfig(Section):
     sequences, so that a prompt extending one (an agent's next turn, a shared system
     prompt) prefills only its new tail; least recently used blocks go first, and all of
     it at every weight update. 0 turns the cache off."""
+    shared_prefix_attention: bool = True
+    """Decode rows that hold the same cached prefix (a system prompt, a group's prompt)
+    with cascade attention: their queries read one copy of the prefix's keys and values,
+    each row's own columns only past it. Same results up to the order of float sums; text
+    models under SDPA with the prefix cache on."""
 
 
 class ServerEngineConfig(Section):

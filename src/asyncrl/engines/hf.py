@@ -122,7 +122,8 @@ class EngineStats:
     ``prefill_tokens`` counts prompt tokens actually computed (a prompt shared by several
     requests joining together is computed once); ``prefix_cache_hit_tokens`` the prompt
     tokens taken from the prefix cache instead; ``prefix_cache_bytes`` is what the cache
-    holds after the last step."""
+    holds after the last step; ``shared_prefix_rows`` counts decoded rows whose attention
+    read a prefix shared with other rows once (cascade attention, :mod:`.hf_cascade`)."""
 
     steps: int = 0
     generated_tokens: int = 0
@@ -130,6 +131,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_bytes: int = 0
     relayouts: int = 0
+    shared_prefix_rows: int = 0
     decode_batch_sizes: Counter[int] = field(default_factory=Counter)
     prefill_batch_sizes: Counter[int] = field(default_factory=Counter)
 
@@ -145,6 +147,7 @@ class EngineStats:
             "prefix_cache_hit_tokens": float(self.prefix_cache_hit_tokens),
             "prefix_cache_bytes": float(self.prefix_cache_bytes),
             "decode_steps": float(self.steps),
+            "shared_prefix_rows": float(self.shared_prefix_rows),
         }
 
 
@@ -308,6 +311,7 @@ class HFEngine(InferenceEngine):
             # shape was not this one's
             prefix_cache_bytes=0 if self.deterministic else self.config.prefix_cache_mb << 20,
             placeholder_ids=self.vision.placeholder_ids if self.vision is not None else None,
+            shared_prefix_attention=self.config.shared_prefix_attention,
         )
 
     def _load_model(self, local: Path) -> Any:
@@ -397,6 +401,7 @@ class HFEngine(InferenceEngine):
         st.prefix_cache_hit_tokens += result.prefix_hit_tokens
         st.prefix_cache_bytes = self._batch.prefix.nbytes
         st.relayouts += result.relayouts
+        st.shared_prefix_rows += result.shared_rows
         if result.decode_rows:
             st.decode_batch_sizes[result.decode_rows] += 1
         if result.prefill_rows:

@@ -22,6 +22,13 @@ tail's queries attend to the whole row (:class:`_WriteThroughPast`). Rows with a
 prefix are bucketed by tail length, apart from the rows prefilled from scratch, which run
 exactly as without the cache.
 
+Shared prefixes in decode. Rows whose first columns hold the same bits (copied from the
+same cached blocks, or the leader whose prefill filled them: :attr:`Sequence.kv_chain`)
+are decoded with cascade attention (:mod:`asyncrl.engines.hf_cascade`): their queries read
+one copy of the shared prefix, and each row's own columns only past it. A step where too
+few rows share, or where a row outside the group is as long as the prefix, runs plain
+attention.
+
 Images. A sequence with image inputs (``Sequence.pixels``) is prefilled alone, in its own
 forward pass with its pixel inputs, then decodes in the shared batch like any row. For
 Qwen2-VL that prefill takes the 3-D rotary positions of the whole prompt
@@ -51,12 +58,14 @@ that the old name goes away in 5.40).
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from asyncrl.api.inference import SamplingParams
+from asyncrl.engines import hf_cascade
 from asyncrl.engines.hf_prefix import BLOCK_TOKENS, PrefixCache
 from asyncrl.engines.sampling import LogprobMode, sample_next
 from asyncrl.models.vision import mask_placeholders, mrope_position_ids
@@ -64,6 +73,14 @@ from asyncrl.models.vision import mask_placeholders, mrope_position_ids
 COLUMN_SLACK = 64
 """Spare columns allocated past the current need, so that growth (one column per decode
 step) triggers a rebuild only every few dozen steps."""
+
+
+MIN_SHARED_SAVING = 4096
+"""Key columns (per layer and key head) that cascade attention must spare a decode step
+before the step takes it: plain attention reads every row's columns from the buffer's
+first, cascade reads one copy of the prefix and every row's from ``w0``. Below about this
+(32 rows sharing 128 tokens, 8 sharing 512) SmolLM2's decode on a CPU core was no faster
+with it, and its second kernel call a layer is then pure cost."""
 
 
 MAX_PREFILL_PADDING = 0.25
@@ -108,6 +125,11 @@ class Sequence:
     out_logprobs: list[float] = field(default_factory=list)
     out_versions: list[int] = field(default_factory=list)
     finish: str | None = None
+    kv_chain: tuple[int, ...] = ()
+    """Ids of the prefix cache's blocks whose very keys and values the sequence's first
+    ``kv_chain_tokens`` columns hold (copied from them, or copied into them from this
+    sequence's own prefill); empty when none."""
+    kv_chain_tokens: int = 0
 
     def append(self, token: int, logprob: float, version: int) -> None:
         self.out_ids.append(token)
@@ -145,6 +167,9 @@ class StepResult:
     padded_rows: int = 0
     tokens: int = 0
     relayouts: int = 0
+    shared_rows: int = 0
+    """Rows whose decode read a shared prefix once (cascade attention), and its length."""
+    shared_tokens: int = 0
 
 
 class _WriteThrough:
@@ -235,9 +260,12 @@ class DecodeBatch:
         max_prefill_padding: float = MAX_PREFILL_PADDING,
         prefix_cache_bytes: int = 0,
         placeholder_ids: list[int] | None = None,
+        shared_prefix_attention: bool = True,
     ) -> None:
         """``placeholder_ids``: a vision model's image tokens, never sampled (None or empty
-        for a text model)."""
+        for a text model). ``shared_prefix_attention``: decode rows that share cached
+        prefix blocks with cascade attention (a text model under SDPA on the CPU, with the
+        prefix cache on); the model's attention implementation becomes ``asyncrl_decode``."""
         cfg = model.config.get_text_config()
         layer_types = getattr(cfg, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
@@ -269,6 +297,15 @@ class DecodeBatch:
         self.mrope = hasattr(getattr(model, "model", None), "get_rope_index")
         image_token = getattr(model.config, "image_token_id", None)
         self.image_token_id = -1 if image_token is None else int(image_token)
+        self.cascade = (
+            shared_prefix_attention
+            and self.device.type == "cpu"
+            and self.prefix.enabled
+            and not self.placeholder_ids
+            and getattr(model.config, "_attn_implementation", None) == "sdpa"
+        )
+        if self.cascade:
+            model.set_attn_implementation(hf_cascade.ATTN_IMPLEMENTATION)
         self.rows: list[Sequence | None] = []
         self.length = 0  # L: the column the next decode step writes
         self._reset_buffers(0, 0)
@@ -370,11 +407,11 @@ class DecodeBatch:
                     self._offer(r, s.prompt + s.out_ids[:-1])
                 self._free(r)
 
-    def _offer(self, row: int, tokens: list[int]) -> None:
+    def _offer(self, row: int, tokens: list[int]) -> list[int]:
         """Offers the prefix cache the keys and values of ``tokens``, which ``row`` holds
-        in the columns just left of ``L``."""
+        in the columns just left of ``L``; returns the ids of the blocks made from them."""
         if not self.prefix.enabled:
-            return
+            return []
         start = self.length - len(tokens)
 
         def read(a: int, b: int) -> torch.Tensor:
@@ -386,7 +423,7 @@ class DecodeBatch:
             ]
             return torch.stack(layers).unflatten(0, (self.n_layers, 2))
 
-        self.prefix.insert(tokens, read)
+        return self.prefix.insert(tokens, read)
 
     def _admit(self, admit: list[Sequence], version: int, result: StepResult) -> None:
         active = self.active
@@ -402,6 +439,7 @@ class DecodeBatch:
         for r, s in zip(rows, admit, strict=True):
             self.rows[r] = s
             self.valid_RC[r] = False
+            s.kv_chain, s.kv_chain_tokens = (), 0
 
         # A GRPO group sends one prompt n times: prefill it once and copy its cache.
         source: dict[tuple[tuple[int, ...], tuple[str, ...]], int] = {}
@@ -425,7 +463,7 @@ class DecodeBatch:
             if s.pixels is not None:
                 vision.append(_Join(r, s))
                 continue
-            join = _Join(r, s, *self.prefix.lookup(s.prompt))
+            join = self._lookup(r, s)
             first = (
                 tokens[:BLOCK_TOKENS] if self.prefix.enabled and len(tokens) > BLOCK_TOKENS else ()
             )
@@ -441,10 +479,14 @@ class DecodeBatch:
         logits_by_row: dict[int, torch.Tensor] = {}
         self._prefill_joins(cold, logits_by_row)
         for leader in followed.values():
-            self._offer(leader.row, leader.seq.prompt)
+            # a leader missed the cache: the blocks of its prompt are made from its row
+            seq = leader.seq
+            made = tuple(self._offer(leader.row, seq.prompt))
+            if made and self.prefix.chain(seq.prompt, len(made) * BLOCK_TOKENS) == made:
+                seq.kv_chain, seq.kv_chain_tokens = made, len(made) * BLOCK_TOKENS
         late: list[_Join] = []
         for join in waiting:
-            join.cached, join.kv = self.prefix.lookup(join.seq.prompt)
+            join = self._lookup(join.row, join.seq)
             (warm if join.cached else late).append(join)
         for join in warm:
             self._fill_prefix(join)
@@ -463,12 +505,27 @@ class DecodeBatch:
             self.pos_R[dst] = self.pos_R[src]
             for d, c in copies:
                 logits_by_row[d] = logits_by_row[c]
+                dst_seq, src_seq = self.rows[d], self.rows[c]
+                assert dst_seq is not None and src_seq is not None
+                dst_seq.kv_chain, dst_seq.kv_chain_tokens = (
+                    src_seq.kv_chain,
+                    src_seq.kv_chain_tokens,
+                )
         logits_NV = torch.stack([logits_by_row[r] for r in rows])
         rows_N = torch.tensor(rows, device=self.device)
         result.tokens += self._sample(logits_NV, admit, rows_N, version)
         result.prefill_rows = len(admit)
         result.prefill_tokens = sum(j.tail for j in cold + late + warm + vision)
         result.prefix_hit_tokens = sum(j.cached for j in warm)
+
+    def _lookup(self, row: int, seq: Sequence) -> _Join:
+        """``seq`` joining in ``row`` with what the prefix cache holds of its prompt, and
+        the ids of the blocks it copies (read at once: an offer may evict them later)."""
+        join = _Join(row, seq, *self.prefix.lookup(seq.prompt))
+        if join.cached:
+            seq.kv_chain = self.prefix.chain(seq.prompt, join.cached)
+            seq.kv_chain_tokens = join.cached
+        return join
 
     def _fill_prefix(self, join: _Join) -> None:
         """Copies the cached prefix of ``join``'s prompt into the first columns of its row,
@@ -564,14 +621,21 @@ class DecodeBatch:
         col = self.length
         mask_R11C = self.valid_RC[:, : col + 1].clone()
         mask_R11C[:, col] = True
-        out = self.model(
-            input_ids=self.next_R[:, None],
-            attention_mask=mask_R11C[:, None, None, :],
-            position_ids=self.pos_R[:, None],
-            **{self.cache_kw: _InPlace(self)},
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        plan = self._shared_plan(active, mask_R11C) if self.cascade else None
+        if plan is not None:
+            result.shared_rows, result.shared_tokens = plan.group_G.numel(), plan.prefix
+        hf_cascade.set_plan(plan)
+        try:
+            out = self.model(
+                input_ids=self.next_R[:, None],
+                attention_mask=mask_R11C[:, None, None, :],
+                position_ids=self.pos_R[:, None],
+                **{self.cache_kw: _InPlace(self)},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            hf_cascade.set_plan(None)
         rows_A = torch.tensor(active, device=self.device)
         self.valid_RC[rows_A, col] = True
         self.pos_R[rows_A] += 1
@@ -580,6 +644,50 @@ class DecodeBatch:
         result.tokens += self._sample(out.logits[rows_A, -1], seqs, rows_A, version)
         result.decode_rows = len(active)
         result.padded_rows = len(self.rows)
+
+    def _shared_plan(
+        self, active: list[int], mask_RC: torch.Tensor
+    ) -> hf_cascade.CascadePlan | None:
+        """This decode step's cascade split (``mask_RC``: what each row attends to, the
+        column ``L`` included), or None where plain attention is as cheap: the rows with the
+        most common first cached block are the group, their longest common chain the shared
+        prefix."""
+        chained = [(r, s) for r in active if (s := self.rows[r]) is not None and s.kv_chain]
+        if len(chained) < 2:
+            return None
+        first = Counter(s.kv_chain[0] for _, s in chained).most_common(1)[0][0]
+        group = [(r, s) for r, s in chained if s.kv_chain[0] == first]
+        if len(group) < 2:
+            return None
+        chains = [s.kv_chain for _, s in group]
+        blocks = 0
+        while blocks < min(map(len, chains)) and len({c[blocks] for c in chains}) == 1:
+            blocks += 1
+        prefix = min(blocks * BLOCK_TOKENS, *(s.kv_chain_tokens for _, s in group))
+        if prefix < BLOCK_TOKENS:
+            return None
+        col = mask_RC.shape[1] - 1
+        start_R = mask_RC.to(torch.uint8).argmax(dim=1)  # each row's first column
+        end_R = start_R.clone()  # where each row's own columns begin
+        group_G = torch.tensor([r for r, _ in group], device=self.device)
+        end_R[group_G] += prefix
+        w0 = int(end_R.min())
+        if len(self.rows) * w0 - prefix < MIN_SHARED_SAVING:
+            return None
+        window_RW = mask_RC[:, w0:] & (
+            torch.arange(w0, col + 1, device=self.device)[None, :] >= end_R[:, None]
+        )
+        bias_RW = torch.zeros(window_RW.shape, dtype=self.dtype, device=self.device)
+        bias_RW.masked_fill_(~window_RW, float("-inf"))
+        ref = group[0][0]
+        return hf_cascade.CascadePlan(
+            group_G=group_G,
+            ref=ref,
+            ref_start=int(start_R[ref]),
+            prefix=prefix,
+            w0=w0,
+            window_bias=bias_RW[:, None, None, :],
+        )
 
     def _sample(
         self, logits_NV: torch.Tensor, seqs: list[Sequence], rows_N: torch.Tensor, version: int

@@ -142,18 +142,25 @@ class PrefixCache:
         kv = torch.cat([self.blocks[k].kv for k in keys], dim=3)
         return n, kv[:, :, :, :n]
 
-    def insert(self, tokens: list[int], read: Callable[[int, int], torch.Tensor]) -> None:
+    def chain(self, tokens: list[int], n: int) -> tuple[int, ...]:
+        """Ids of the held blocks that cover the first ``n`` tokens of ``tokens`` (as
+        :meth:`lookup` gave them); changes nothing."""
+        keys = self._held(tokens)[: -(-n // BLOCK_TOKENS)]
+        return tuple(self.blocks[k].id for k in keys)
+
+    def insert(self, tokens: list[int], read: Callable[[int, int], torch.Tensor]) -> list[int]:
         """Keeps the full blocks of ``tokens``, a sequence whose keys and values are all
         computed; ``read(a, b)`` gives those of its tokens ``a:b`` as ``[layers, 2, kv
         heads, b - a, head dim]`` and is called once, for the blocks not held yet. Makes
-        room by evicting; keeps only the first blocks of a sequence longer than the cap."""
+        room by evicting; keeps only the first blocks of a sequence longer than the cap.
+        Returns the ids of the blocks it added."""
         if not self.enabled:
-            return
+            return []
         held = self._held(tokens)
         self._touch(held)
         new = min(len(tokens) // BLOCK_TOKENS, self.max_blocks) - len(held)
         if new <= 0:
-            return
+            return []
         # The held chain is the most recent, so evicting from the old end spares it.
         for _ in range(len(self.blocks) + new - self.max_blocks):
             self.blocks.popitem(last=False)
@@ -172,3 +179,4 @@ class PrefixCache:
             added.append(key)
             parent = block.id
         self._touch(held + added)
+        return [self.blocks[k].id for k in added]

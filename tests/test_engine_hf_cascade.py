@@ -1,0 +1,141 @@
+"""Cascade attention in the hf engine's decode: rows that share cached prefix blocks read
+one copy of them, and every row's tokens and logprobs are those of plain attention over its
+own columns. The model runs in float64, so the two differ only in the order of the sums;
+the logprobs the engine records are float32, hence their tolerance (an ulp or two)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.api.inference import SamplingParams
+from asyncrl.engines import hf_batch, hf_cascade
+from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
+from asyncrl.engines.hf_prefix import BLOCK_TOKENS
+from asyncrl.models.tiny import tiny_model_dir
+
+SYSTEM = [5 + (7 * i) % 40 for i in range(3 * BLOCK_TOKENS + 5)]
+"""A system prompt of three whole blocks and a few tokens."""
+
+
+def model() -> torch.nn.Module:
+    m = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir(), dtype=torch.float64, attn_implementation="sdpa"
+    )
+    return m.eval()
+
+
+def seq(key: int, prompt: list[int], new: int, seed: int) -> Sequence:
+    return Sequence(
+        key=key,
+        prompt=prompt,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=()),
+        stop_ids=frozenset(),
+        max_new=new,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def run(batch: DecodeBatch, waves: list[list[Sequence]]) -> tuple[list[Sequence], list[StepResult]]:
+    """Admits each wave once the previous one finished; steps until all are done."""
+    done: list[Sequence] = []
+    results: list[StepResult] = []
+    for wave in waves:
+        admit = wave
+        while admit or batch.active:
+            result = batch.step(admit, set(), version=0)
+            admit = []
+            results.append(result)
+            done.extend(result.finished)
+    return sorted(done, key=lambda s: s.key), results
+
+
+def waves() -> list[list[Sequence]]:
+    """A first episode fills the cache with the system prompt; then rows that share it
+    (questions of different lengths, one a copy of another) beside a row that does not."""
+    first = [seq(0, [*SYSTEM, 9, 9, 9], 6, seed=0)]
+    questions = [[11, 12], [13] * 9, [14, 15, 16] * 7, [11, 12], [17] * 30]
+    shared = [seq(1 + i, SYSTEM + q, 12 + 3 * i, seed=1 + i) for i, q in enumerate(questions)]
+    other = [seq(9, [30 + i % 7 for i in range(20)], 14, seed=9)]
+    return [first, shared + other]
+
+
+@pytest.fixture
+def any_saving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cascade on for any prefix: the tiny model's rows are far shorter than the prefixes
+    the default threshold asks for."""
+    monkeypatch.setattr(hf_batch, "MIN_SHARED_SAVING", 0)
+
+
+def test_shared_rows_decode_as_plain_attention_gives(any_saving: None):
+    m = model()
+    plain_batch = DecodeBatch(
+        m, max_positions=4096, prefix_cache_bytes=64 << 20, shared_prefix_attention=False
+    )
+    assert not plain_batch.cascade
+    plain, plain_results = run(plain_batch, waves())
+    m2 = model()
+    batch = DecodeBatch(m2, max_positions=4096, prefix_cache_bytes=64 << 20)
+    assert batch.cascade and m2.config._attn_implementation == hf_cascade.ATTN_IMPLEMENTATION
+    shared, results = run(batch, waves())
+    assert not any(r.shared_rows for r in plain_results)
+    used = [r for r in results if r.shared_rows]
+    # the five rows of the second wave share the system prompt's three whole blocks; the
+    # row outside the group reads all of its columns
+    assert used and max(r.shared_rows for r in used) == 5
+    assert {r.shared_tokens for r in used} == {3 * BLOCK_TOKENS}
+    for a, b in zip(plain, shared, strict=True):
+        assert a.out_ids == b.out_ids, a.key
+        torch.testing.assert_close(
+            torch.tensor(a.out_logprobs), torch.tensor(b.out_logprobs), rtol=0, atol=2e-6
+        )
+
+
+def test_a_group_leader_shares_its_own_prefill(any_saving: None):
+    """With the cache empty (after a weight update), prompts that begin alike join
+    together: the first is prefilled and its blocks cached, the others copy them, and
+    all of them, the first included, share the prefix in decode."""
+    batch = DecodeBatch(model(), max_positions=4096, prefix_cache_bytes=64 << 20)
+    rows = [seq(i, SYSTEM + [20 + i] * (i + 1), 8, seed=i) for i in range(4)]
+    _, results = run(batch, [rows])
+    assert max(r.shared_rows for r in results) == 4
+
+
+def test_a_short_shared_prefix_keeps_plain_attention():
+    """Six rows sharing three blocks spare too few columns for a second kernel call."""
+    batch = DecodeBatch(model(), max_positions=4096, prefix_cache_bytes=64 << 20)
+    _, results = run(batch, waves())
+    assert batch.cascade and not any(r.shared_rows for r in results)
+
+
+def test_the_plan_splits_the_columns_exactly():
+    """cascade_attention on random keys against softmax attention over each row's columns:
+    a group of rows whose first columns are one copy, rows outside it, padding rows."""
+    g = torch.Generator().manual_seed(0)
+    rows, kv_heads, per_kv, dim, cols = 5, 2, 3, 8, 40
+    key = torch.randn(rows, kv_heads, cols, dim, generator=g, dtype=torch.float64)
+    value = torch.randn(rows, kv_heads, cols, dim, generator=g, dtype=torch.float64)
+    query = torch.randn(rows, kv_heads * per_kv, 1, dim, generator=g, dtype=torch.float64)
+    start = torch.tensor([4, 10, 0, 39, 7])  # row 3: padding (only the last column)
+    mask = torch.arange(cols)[None, :] >= start[:, None]
+    prefix, group = 16, [0, 1, 4]
+    for r in group[1:]:  # the group's prefixes are the same bits, at their own columns
+        key[r, :, start[r] : start[r] + prefix] = key[0, :, 4 : 4 + prefix]
+        value[r, :, start[r] : start[r] + prefix] = value[0, :, 4 : 4 + prefix]
+    end = start.clone()
+    end[group] += prefix
+    w0 = int(end.min())
+    window = mask[:, w0:] & (torch.arange(w0, cols)[None, :] >= end[:, None])
+    bias = torch.zeros(window.shape, dtype=torch.float64).masked_fill(~window, float("-inf"))
+    plan = hf_cascade.CascadePlan(
+        group_G=torch.tensor(group), ref=0, ref_start=4, prefix=prefix, w0=w0,
+        window_bias=bias[:, None, None, :],
+    )  # fmt: skip
+    got = hf_cascade.cascade_attention(plan, query, key, value, scale=dim**-0.5)
+    k = key.repeat_interleave(per_kv, dim=1)
+    v = value.repeat_interleave(per_kv, dim=1)
+    scores = (query @ k.transpose(-1, -2)) * dim**-0.5
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    want = (scores.softmax(-1) @ v).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
