@@ -102,6 +102,30 @@ def test_a_group_leader_shares_its_own_prefill(any_saving: None):
     assert max(r.shared_rows for r in results) == 4
 
 
+def test_a_group_of_one_prompt_shares_it_whole(any_saving: None):
+    """G samples of one prompt, the cache empty: prefilled once and copied, then decoded
+    against one copy of the whole prompt, as plain attention decodes them."""
+    prompt = [*SYSTEM, 21, 22, 23]
+    group = [seq(i, prompt, 10, seed=i) for i in range(6)]
+    plain, _ = run(
+        DecodeBatch(
+            model(), max_positions=4096, prefix_cache_bytes=64 << 20, shared_prefix_attention=False
+        ),
+        [group],
+    )
+    again = [seq(i, prompt, 10, seed=i) for i in range(6)]
+    shared, results = run(
+        DecodeBatch(model(), max_positions=4096, prefix_cache_bytes=64 << 20), [again]
+    )
+    assert {r.shared_tokens for r in results if r.shared_rows} == {len(prompt)}
+    assert max(r.shared_rows for r in results) == 6
+    for a, b in zip(plain, shared, strict=True):
+        assert a.out_ids == b.out_ids
+        torch.testing.assert_close(
+            torch.tensor(a.out_logprobs), torch.tensor(b.out_logprobs), rtol=0, atol=2e-6
+        )
+
+
 def test_a_short_shared_prefix_keeps_plain_attention():
     """Six rows sharing three blocks spare too few columns for a second kernel call."""
     batch = DecodeBatch(model(), max_positions=4096, prefix_cache_bytes=64 << 20)

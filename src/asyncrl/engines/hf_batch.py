@@ -23,8 +23,8 @@ prefix are bucketed by tail length, apart from the rows prefilled from scratch, 
 exactly as without the cache.
 
 Shared prefixes in decode. Rows whose first columns hold the same bits (copied from the
-same cached blocks, or the leader whose prefill filled them: :attr:`Sequence.kv_chain`)
-are decoded with cascade attention (:mod:`asyncrl.engines.hf_cascade`): their queries read
+same cached blocks, or the leader whose prefill filled them; a group's identical prompts,
+copied from one prefill: :attr:`Sequence.kv_chain`) are decoded with cascade attention (:mod:`asyncrl.engines.hf_cascade`): their queries read
 one copy of the shared prefix, and each row's own columns only past it. A step where too
 few rows share, or where a row outside the group is as long as the prefix, runs plain
 attention.
@@ -58,6 +58,7 @@ that the old name goes away in 5.40).
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -293,6 +294,7 @@ class DecodeBatch:
             * param.element_size()
         )
         self.prefix = PrefixCache(prefix_cache_bytes, block_bytes)
+        self._own_ids = itertools.count(-1, -1)
         self.placeholder_ids = list(placeholder_ids or [])
         # Qwen2-VL computes 3-D rotary positions from the image grids; Idefics3's are 1-D
         self.mrope = hasattr(getattr(model, "model", None), "get_rope_index")
@@ -508,10 +510,14 @@ class DecodeBatch:
                 logits_by_row[d] = logits_by_row[c]
                 dst_seq, src_seq = self.rows[d], self.rows[c]
                 assert dst_seq is not None and src_seq is not None
-                dst_seq.kv_chain, dst_seq.kv_chain_tokens = (
-                    src_seq.kv_chain,
-                    src_seq.kv_chain_tokens,
-                )
+                if not src_seq.kv_chain:
+                    # a group's prompt prefilled here: its rows share it whole, under ids
+                    # of their own (negative: no cache block has them)
+                    n = len(src_seq.prompt)
+                    own = tuple(next(self._own_ids) for _ in range(-(-n // BLOCK_TOKENS)))
+                    src_seq.kv_chain, src_seq.kv_chain_tokens = own, n
+                dst_seq.kv_chain = src_seq.kv_chain
+                dst_seq.kv_chain_tokens = src_seq.kv_chain_tokens
         logits_NV = torch.stack([logits_by_row[r] for r in rows])
         rows_N = torch.tensor(rows, device=self.device)
         result.tokens += self._sample(logits_NV, admit, rows_N, version)
