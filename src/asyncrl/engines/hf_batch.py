@@ -24,10 +24,10 @@ exactly as without the cache.
 
 Shared prefixes in decode. Rows whose first columns hold the same bits (copied from the
 same cached blocks, or the leader whose prefill filled them; a group's identical prompts,
-copied from one prefill: :attr:`Sequence.kv_chain`) are decoded with cascade attention (:mod:`asyncrl.engines.hf_cascade`): their queries read
-one copy of the shared prefix, and each row's own columns only past it. A step where too
-few rows share, or where a row outside the group is as long as the prefix, runs plain
-attention.
+copied from one prefill: :attr:`Sequence.kv_chain`) are decoded with cascade attention
+(:mod:`asyncrl.engines.hf_cascade`): their queries read one copy of the shared prefix, and
+each row's own columns only past it. A step that would spare fewer key columns than
+:data:`MIN_SHARED_SAVING` runs plain attention.
 
 Images. A sequence with image inputs (``Sequence.pixels``) is prefilled alone, in its own
 forward pass with its pixel inputs, then decodes in the shared batch like any row. For
@@ -527,12 +527,11 @@ class DecodeBatch:
 
     def _lookup(self, row: int, seq: Sequence) -> _Join:
         """``seq`` joining in ``row`` with what the prefix cache holds of its prompt, and
-        the ids of the blocks it copies (read at once: an offer may evict them later)."""
-        join = _Join(row, seq, *self.prefix.lookup(seq.prompt))
-        if join.cached:
-            seq.kv_chain = self.prefix.chain(seq.prompt, join.cached)
-            seq.kv_chain_tokens = join.cached
-        return join
+        the ids of the very blocks it copies (a later offer may evict them and make others
+        under the same tokens)."""
+        cached, kv, seq.kv_chain = self.prefix.lookup_blocks(seq.prompt)
+        seq.kv_chain_tokens = cached
+        return _Join(row, seq, cached, kv)
 
     def _fill_prefix(self, join: _Join) -> None:
         """Copies the cached prefix of ``join``'s prompt into the first columns of its row,

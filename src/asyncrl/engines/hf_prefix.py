@@ -132,19 +132,26 @@ class PrefixCache:
         """``(n, kv)``: the first ``n`` tokens of ``prompt`` are cached, ``kv`` their keys and
         values ``[layers, 2, kv heads, n, head dim]`` (a copy). ``n < len(prompt)``: the
         last prompt token is always left to compute. ``(0, None)`` on a miss."""
+        n, kv, _ = self.lookup_blocks(prompt)
+        return n, kv
+
+    def lookup_blocks(self, prompt: list[int]) -> tuple[int, torch.Tensor | None, tuple[int, ...]]:
+        """:meth:`lookup`, and the ids of the blocks ``kv`` was copied from (empty on a
+        miss)."""
         if not self.enabled:
-            return 0, None
+            return 0, None, ()
         keys = self._held(prompt)
         n = min(len(keys) * BLOCK_TOKENS, len(prompt) - 1)
         if n <= 0:
-            return 0, None
+            return 0, None, ()
         self._touch(keys)
-        kv = torch.cat([self.blocks[k].kv for k in keys], dim=3)
-        return n, kv[:, :, :, :n]
+        blocks = [self.blocks[k] for k in keys]
+        kv = torch.cat([b.kv for b in blocks], dim=3)
+        return n, kv[:, :, :, :n], tuple(b.id for b in blocks)
 
     def chain(self, tokens: list[int], n: int) -> tuple[int, ...]:
-        """Ids of the held blocks that cover the first ``n`` tokens of ``tokens`` (as
-        :meth:`lookup` gave them); changes nothing."""
+        """Ids of the held blocks that cover the first ``n`` tokens of ``tokens``; changes
+        nothing."""
         keys = self._held(tokens)[: -(-n // BLOCK_TOKENS)]
         return tuple(self.blocks[k].id for k in keys)
 
