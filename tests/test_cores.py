@@ -13,6 +13,7 @@ import pytest
 
 from asyncrl.config.recipe import load_recipe
 from asyncrl.launch.core_placement import (
+    WAIT_POLICY_ENV,
     CorePlacement,
     auto_placement,
     split_cores,
@@ -71,6 +72,28 @@ def test_threads_divide_each_set_among_its_processes() -> None:
     on_two = auto_placement(recipe, [0, 1], cuda=False)
     assert on_two is not None and on_two.threads == {"rollout": 1, "eval": 1, "trainer": 1}
     assert "training on [0,1] (generation's included)" in on_two.describe()
+
+
+def test_a_trainer_pool_on_generations_cores_sleeps_when_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(WAIT_POLICY_ENV, raising=False)  # the test session sets it
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    recipe = load_recipe(CI)
+    on_two = auto_placement(recipe, [0, 1], cuda=False)
+    assert on_two is not None and on_two.passive == ("trainer",)
+    assert on_two.env("trainer")[WAIT_POLICY_ENV] == "PASSIVE"
+    assert WAIT_POLICY_ENV not in on_two.env("rollout")
+    assert "2 thread(s) per trainer process, sleeping when idle" in on_two.describe()
+    # on cores of its own the pool may spin; with one thread it has no workers to spin
+    on_eight = auto_placement(recipe, list(range(8)), cuda=False)
+    assert on_eight is not None and on_eight.passive == ()
+    assert WAIT_POLICY_ENV not in on_eight.env("trainer")
+    two_ranks = auto_placement(load_recipe(CI, ["trainer.nproc=2"]), [0, 1], cuda=False)
+    assert two_ranks is not None and two_ranks.passive == ()
+    # the user's own word on waiting is kept
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert WAIT_POLICY_ENV not in on_two.env("trainer")
 
 
 @pytest.mark.parametrize(
