@@ -85,6 +85,7 @@ def test_a_trainer_pool_on_generations_cores_sleeps_when_idle(
     assert on_two.env("trainer")[WAIT_POLICY_ENV] == "PASSIVE"
     assert WAIT_POLICY_ENV not in on_two.env("rollout")
     assert "2 thread(s) per trainer process, sleeping when idle" in on_two.describe()
+    assert json.loads(on_two.to_json())["passive"] == ["trainer"]
     # on cores of its own the pool may spin; with one thread it has no workers to spin
     on_eight = auto_placement(recipe, list(range(8)), cuda=False)
     assert on_eight is not None and on_eight.passive == ()

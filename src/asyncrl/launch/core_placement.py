@@ -96,7 +96,12 @@ class CorePlacement:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"generation": self.generation, "training": self.training, "threads": self.threads}
+            {
+                "generation": self.generation,
+                "training": self.training,
+                "threads": self.threads,
+                "passive": list(self.passive),
+            }
         )
 
     def describe(self) -> str:
