@@ -95,6 +95,7 @@ def test_a_trainer_pool_on_generations_cores_sleeps_when_idle(
     # the user's own word on waiting is kept
     monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
     assert WAIT_POLICY_ENV not in on_two.env("trainer")
+    assert "sleeping" not in on_two.describe()
 
 
 @pytest.mark.parametrize(

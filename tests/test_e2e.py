@@ -106,6 +106,8 @@ async def test_ci_recipe_learns_within_the_staleness_bound(tmp_path: Path) -> No
         placed = json.loads((run_dir / "placement.json").read_text())
         gen, train = split_cores(sorted(os.sched_getaffinity(0)))
         assert (placed["generation"], placed["training"]) == (gen, train), placed
+        # a trainer pool on generation's cores is told to let its idle workers sleep
+        assert placed["passive"] == (["trainer"] if set(gen) & set(train) else []), placed
         assert f"cpus={placed['training']}" in trainer_log, "the trainer was not placed"
         assert f"cpus={placed['generation']}" in (run_dir / "logs" / "rollout-0.log").read_text()
 

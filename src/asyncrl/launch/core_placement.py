@@ -110,7 +110,8 @@ class CorePlacement:
 
         n = len(set(self.generation) | set(self.training))
         shared = " (generation's included)" if set(self.generation) & set(self.training) else ""
-        sleep = ", sleeping when idle" if "trainer" in self.passive else ""
+        sleeps = "trainer" in self.passive and not user_sets_wait_policy()
+        sleep = ", sleeping when idle" if sleeps else ""
         return (
             f"placement: {n} cores; generation (rollout, reward, eval, buffer) on "
             f"[{ids(self.generation)}], {self.threads.get('rollout', 1)} thread(s) per "
