@@ -354,3 +354,16 @@ def test_fleet_counts_a_role_whose_actors_went_silent_as_zero(
     assert stats["actors/buffer"] == 0.0 and "actors/reward" not in stats
     asyncio.run(view.on_heartbeat(info))
     assert view.fleet_stats()["actors/rollout"] == 1.0
+
+
+async def test_the_trainer_can_wait_for_a_roles_first_heartbeat() -> None:
+    view = fleet_module.FleetView(trainer_ranks=1)
+    assert not await view.wait_for("eval", 0.01)  # none yet: False at the limit
+    waiter = asyncio.create_task(view.wait_for("eval", 30))
+    await asyncio.sleep(0.01)
+    await view.on_heartbeat(ActorInfo(role="rollout", actor_id="rollout-0", pid=1, host="h"))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # another role's heartbeat is not the eval actor's
+    await view.on_heartbeat(ActorInfo(role="eval", actor_id="eval-0", pid=2, host="h"))
+    assert await asyncio.wait_for(waiter, 5)
+    assert await view.wait_for("eval", 0)  # heard from already: at once, even with no time

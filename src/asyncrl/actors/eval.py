@@ -4,7 +4,9 @@ It holds its own inference engine and reward pool, listens to ``WeightsUpdated``
 rollout actor and loads weights with the same helper, but only the versions it evaluates:
 0 (the starting policy; on resume, the restored one), every multiple of ``eval.every``,
 and ``trainer.max_steps``. When it falls behind, it evaluates the newest due version and
-skips the ones in between (counted in ``eval/skipped``). After the last version it
+skips the ones in between (counted in ``eval/skipped``). A version announced before it
+listens never reaches it, so the trainer of a run with ``eval.every`` holds its first step
+until this actor's first heartbeat (at most ``EVAL_WAIT_S``, 120 s). After the last version it
 returns, so ``up`` (which waits for it like for the trainer) ends the run only once the
 final evaluation is written.
 

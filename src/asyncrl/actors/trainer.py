@@ -64,6 +64,11 @@ STOP_RANKS_WITHIN_S = 5.0
 BATCH_WAIT_LOG_EVERY = 30.0
 """Seconds between two log lines that say what a batch request waits for."""
 
+EVAL_WAIT_S = 120.0
+"""Seconds the first step waits for the eval actor of a run with ``eval.every`` (see
+:meth:`TrainerActor._wait_for_eval`): a model server's start takes about as long; an eval
+actor that is not coming (one attached by hand later) costs a run this once."""
+
 
 class TrainerActor(Actor):
     role = "trainer"
@@ -174,6 +179,8 @@ class TrainerActor(Actor):
 
     async def run(self) -> None:
         cfg = self.recipe.trainer
+        if self.recipe.eval.every and self.step < cfg.max_steps:
+            await self._wait_for_eval()
         while self.step < cfg.max_steps:
             t0 = time.monotonic()
             with self.tracer.span("wait batch", step=self.step + 1):
@@ -228,6 +235,26 @@ class TrainerActor(Actor):
             await self.emit_metrics(values, step=self.step)
             if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
                 await self._checkpoint()
+
+    async def _wait_for_eval(self) -> None:
+        """Holds the first step until the eval actor is up (its first heartbeat, at most
+        :data:`EVAL_WAIT_S`). It listens for weights only once its engine is loaded, and a
+        version announced before that never reaches it: on a small model the trainer could
+        otherwise publish the first due versions (``eval.every``) before the eval actor
+        hears of them. Where its first batch takes longer than the eval actor's start, as
+        on any real model, this costs nothing."""
+        if await self.fleet.wait_for("eval", 0):
+            return
+        self.log.info("waiting for the eval actor before the first step", limit_s=EVAL_WAIT_S)
+        t0 = time.monotonic()
+        if await self.fleet.wait_for("eval", EVAL_WAIT_S):
+            self.log.info("the eval actor is up", waited_s=round(time.monotonic() - t0, 2))
+        else:
+            self.log.warning(
+                "no eval actor yet: training on; it evaluates the due versions published "
+                "after it starts",
+                waited_s=EVAL_WAIT_S,
+            )
 
     async def _take_the_device(self) -> dict[str, float]:
         """Colocation, before a step: the engines free their memory, then the trainer

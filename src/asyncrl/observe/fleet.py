@@ -4,6 +4,7 @@ and the messages the run's actors dropped."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from asyncrl.wire.messages import ActorInfo, Metrics
@@ -27,12 +28,29 @@ class FleetView:
         self._rollout_seen: dict[str, tuple[float, float]] = {}
         # each actor's latest drop counters, kept after it dies: they are totals of the run
         self._dropped: dict[str, dict[str, int]] = {}
+        self._heard: dict[str, asyncio.Event] = {}
+
+    def _heard_from(self, role: str) -> asyncio.Event:
+        return self._heard.setdefault(role, asyncio.Event())
 
     async def on_heartbeat(self, info: ActorInfo) -> None:
         self._last_heartbeat[info.actor_id] = (info.role, time.monotonic())
         self._roles.add(info.role)
+        self._heard_from(info.role).set()
         if info.dropped:
             self._dropped[info.actor_id] = info.dropped
+
+    async def wait_for(self, role: str, limit_s: float) -> bool:
+        """Waits until an actor of ``role`` has sent a heartbeat (at once if one has);
+        False if none came within ``limit_s`` seconds."""
+        heard = self._heard_from(role)
+        if heard.is_set():
+            return True
+        try:
+            await asyncio.wait_for(heard.wait(), limit_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def on_rollout_metrics(self, m: Metrics) -> None:
         # two kinds of record (progress, weight update): keep the latest of each value
