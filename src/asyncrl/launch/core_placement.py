@@ -85,12 +85,17 @@ class CorePlacement:
     def cpus(self, role: str) -> list[int]:
         return self.training if role == "trainer" else self.generation
 
+    def sleeps(self, role: str) -> bool:
+        """Whether ``role``'s process is started with :data:`WAIT_POLICY_ENV` set: the rule
+        chose it, and the user's environment does not decide itself."""
+        return role in self.passive and not user_sets_wait_policy()
+
     def env(self, role: str) -> dict[str, str]:
         """The environment a process of ``role`` is started with."""
         env = {CPUS_ENV: ",".join(map(str, self.cpus(role)))}
         if role in self.threads:
             env[THREADS_ENV] = str(self.threads[role])
-        if role in self.passive and not user_sets_wait_policy():
+        if self.sleeps(role):
             env[WAIT_POLICY_ENV] = "PASSIVE"
         return env
 
@@ -110,8 +115,7 @@ class CorePlacement:
 
         n = len(set(self.generation) | set(self.training))
         shared = " (generation's included)" if set(self.generation) & set(self.training) else ""
-        sleeps = "trainer" in self.passive and not user_sets_wait_policy()
-        sleep = ", sleeping when idle" if sleeps else ""
+        sleep = ", sleeping when idle" if self.sleeps("trainer") else ""
         return (
             f"placement: {n} cores; generation (rollout, reward, eval, buffer) on "
             f"[{ids(self.generation)}], {self.threads.get('rollout', 1)} thread(s) per "
