@@ -100,6 +100,10 @@ async def test_ci_recipe_learns_within_the_staleness_bound(tmp_path: Path) -> No
         # a CPU trainer runs under mimalloc (asyncrl.runtime.allocator), mapped, not just asked
         assert "memory allocator allocator=mimalloc" in trainer_log, trainer_log[:3000]
     assert oct((run_dir / "nats.json").stat().st_mode & 0o777) == "0o600"
+    # on a CPU machine every actor is a fork of one process that imported once
+    up_log = (run_dir / "logs" / "up.log").read_text()
+    for actor in ("buffer-0", "reward-0", "rollout-0", "trainer-0"):
+        assert f"forked actor={actor} " in up_log, up_log[-3000:]
     # the recipe pins nothing, so up placed generation and training by asyncrl.launch.core_placement's rule
     # where it may use two cores or more, and each process applied it
     if len(os.sched_getaffinity(0)) >= 2:
@@ -299,10 +303,14 @@ async def test_resume_continues_version_and_accounting(tmp_path: Path) -> None:
             "trainer.max_steps=6",
             "trainer.checkpoint_every=3",
             "weights.transport=dir",
+            # executed actors here, forked ones in the resumed run: the replay below then
+            # shows a forked trainer computes bit for bit what an executed one does
+            "run.actor_start=exec",
         )
     )
     assert code == 0, out
     run_dir = tmp_path / "resume"
+    assert "spawned actor=trainer-0 " in (run_dir / "logs" / "up.log").read_text()
     latest = latest_checkpoint_meta(run_dir)
     assert latest is not None and (latest["step"], latest["version"]) == (6, 6)
     # step 6 published and checkpointed its weights, exported once: the same file twice

@@ -304,7 +304,9 @@ if len(sys.argv) > 3:  # rank 1: follows rank 0's commands, or is alive but neve
     parent = os.getppid()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
     if follows:
-        print("rank 1 got", next_command()[0].name, flush=True)
+        # one write: with PYTHONUNBUFFERED each piece of a print is a write of its own, and
+        # rank 0's line could land between them
+        print(f"rank 1 got {next_command()[0].name}", flush=True)
     while not follows and os.getppid() == parent:  # deaf until rank 0 is gone
         time.sleep(0.1)
     sys.exit(0)

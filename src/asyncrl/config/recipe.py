@@ -117,6 +117,12 @@ class RunConfig(Section):
     the trainer to all of them (it takes generation's back while generation waits), with
     torch threads to match, and prints the placement first (:mod:`asyncrl.launch.core_placement`).
     ``none``: processes go where the OS puts them."""
+    actor_start: Literal["auto", "exec"] = "auto"
+    """``auto``: where every actor runs on this machine's CPU (no GPU visible, no Ray),
+    ``up`` starts one process that imports torch, transformers and the actors' modules
+    while NATS starts, and forks each actor, and each replacement, from it: an actor is
+    up in a fraction of a second rather than the 2-6 s of CPU its imports take
+    (:mod:`asyncrl.runtime.forks`). ``exec``: each actor is a fresh interpreter."""
     plots: bool = True
     """Draw the run's curves as PNG files under ``<run>/plots`` when it finishes (a few
     seconds; ``asyncrl plot --run RUN`` draws them at any time)."""

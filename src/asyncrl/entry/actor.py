@@ -12,6 +12,7 @@ import contextlib
 import gc
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,8 +52,9 @@ def dist_rank() -> int:
 
 def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
     """Pins this process to its role's cores and sizes torch's thread pools, before torch
-    is imported: the recipe's ``<role>.cpus`` and ``<role>.threads`` when set, else what
-    ``up``'s automatic placement chose (:mod:`asyncrl.launch.core_placement`). Returns (cores, threads),
+    is imported (a forked actor's torch is loaded already: its pool is sized then): the
+    recipe's ``<role>.cpus`` and ``<role>.threads`` when set, else what ``up``'s automatic
+    placement chose (:mod:`asyncrl.launch.core_placement`). Returns (cores, threads),
     empty and 0 where nothing was set."""
     threads = {
         "rollout": recipe.rollout.threads,
@@ -63,6 +65,11 @@ def place_process(role: str, recipe: Recipe) -> tuple[list[int], int]:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     cpus = role_cpus(recipe).get(role) or placed_cpus()
     pin_cpus(role, cpus)
+    torch = sys.modules.get("torch")
+    if torch is not None and (threads or cpus):
+        # a forked actor (asyncrl.entry.fork_server): torch was loaded by the fork server,
+        # whose pool size the variable above no longer changes
+        torch.set_num_threads(threads or len(cpus))
     if cpus or threads:
         get_logger(role=role).info("placed", cpus=cpus, threads=threads or "default")
     return cpus, threads

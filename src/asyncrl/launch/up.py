@@ -34,6 +34,7 @@ from asyncrl.observe.plot import plot_run
 from asyncrl.runtime.allocator import mimalloc_preload, system_malloc_reason
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.cores import VISIBLE_ENV
+from asyncrl.runtime.forks import ForkServer, fork_server_reason, forkable, server_env
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_cluster import NatsCluster
@@ -225,6 +226,32 @@ async def _up(
     gpus: list[str] | None = None,
 ) -> int:
     log = get_logger(role="up", run=recipe.run.name)
+    specs = actor_specs(recipe, run_dir, placement, gpus)
+    forks = None
+    if (why := fork_server_reason(recipe.run.actor_start, ray=ray is not None)) is None:
+        # started first: it imports while NATS starts and the stream is made
+        trainer = [s for s in specs if s.role == "trainer" and forkable(s.argv) and not s.gang]
+        forks = await ForkServer.start(run_dir, server_env(trainer[0].env if trainer else {}))
+        log.info("actors are forked", server_pid=forks.proc.pid)
+    else:
+        log.info("actors are executed", reason=why)
+    try:
+        return await _run_actors(recipe, run_dir, quiet, resume, specs, forks, ray)
+    finally:
+        if forks is not None:
+            await forks.close()
+
+
+async def _run_actors(
+    recipe: Recipe,
+    run_dir: Path,
+    quiet: bool,
+    resume: bool,
+    specs: list[ActorSpec],
+    forks: ForkServer | None,
+    ray: Any,
+) -> int:
+    log = get_logger(role="up", run=recipe.run.name)
     subjects = Subjects(recipe.run.name)
     server: Any = None
     # credentials come from the environment or are made here, and live in nats.json only
@@ -273,7 +300,6 @@ async def _up(
                 if not quiet and live is None:
                     print("all actors started", flush=True)
 
-            specs = actor_specs(recipe, run_dir, placement, gpus)
             sup = Supervisor(
                 bus,
                 subjects,
@@ -281,6 +307,7 @@ async def _up(
                 ray.specs(specs) if ray else specs,
                 startup_timeout=recipe.run.startup_timeout,
                 on_started=started,
+                forks=forks,
             )
             watcher = None
             if server is not None:

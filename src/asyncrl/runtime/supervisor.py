@@ -43,6 +43,7 @@ from typing import Any
 from asyncrl.runtime import lineage
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.exits import FATAL_EXIT
+from asyncrl.runtime.forks import ForkedProcess, ForkServer, forkable
 from asyncrl.runtime.log import get_logger
 from asyncrl.wire.messages import ActorExit, ActorInfo, Control
 from asyncrl.wire.subjects import Subjects
@@ -107,7 +108,7 @@ class ActorSpec:
 @dataclass
 class _Proc:
     spec: ActorSpec
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess
     log_path: Path
     started: bool = False
     exit_code: int | None = None
@@ -125,6 +126,7 @@ class Supervisor:
         startup_timeout: float = 600.0,
         grace: float = 30.0,
         on_started: Callable[[], Any] | None = None,
+        forks: ForkServer | None = None,
     ) -> None:
         self.bus = bus
         self.subjects = subjects
@@ -133,6 +135,11 @@ class Supervisor:
         self.startup_timeout = startup_timeout
         self.grace = grace
         self.on_started = on_started
+        self.forks = forks
+        """Where actor processes are forked from (:mod:`.forks`); None: each is executed.
+        The run fails should that server die: it alone can tell its actors' exit codes."""
+        if forks is not None:
+            forks.on_death = self.fail
         self.log = get_logger(role="supervisor", run=subjects.run)
         self.procs: dict[str, _Proc] = {}
         self._fatal_ids: set[str] = set()
@@ -189,20 +196,28 @@ class Supervisor:
     async def _spawn(self, spec: ActorSpec) -> _Proc:
         log_path = self.run_dir / "logs" / f"{spec.actor_id}.log"
         env = {**os.environ, **spec.env, **lineage.lineage_env(self.token, spec.actor_id)}
-        with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log file, opened once
-            proc = await asyncio.create_subprocess_exec(
-                *spec.argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=asyncio.subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        proc: asyncio.subprocess.Process | ForkedProcess | None = None
+        if self.forks is not None and forkable(spec.argv) and not spec.gang:
+            try:
+                proc = await self.forks.spawn(spec.argv, env, log_path)
+            except RuntimeError as exc:  # the server is gone: executed, as without one
+                self.log.warning("cannot fork", actor=spec.actor_id, error=str(exc))
+        if proc is None:
+            with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log file, opened once
+                proc = await asyncio.create_subprocess_exec(
+                    *spec.argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
         p = _Proc(spec, proc, log_path)
         self.procs[spec.actor_id] = p
         assert self._tg is not None
         self._tg.create_task(self._reap(p), name=f"reap-{spec.actor_id}")
-        self.log.info("spawned", actor=spec.actor_id, pid=proc.pid, log=str(log_path))
+        how = "forked" if isinstance(proc, ForkedProcess) else "spawned"
+        self.log.info(how, actor=spec.actor_id, pid=proc.pid, log=str(log_path))
         return p
 
     async def _reap(self, p: _Proc) -> None:
@@ -380,7 +395,7 @@ class Supervisor:
                 self.log.error("processes outlived SIGKILL", pids=left)
 
 
-def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+def _signal(proc: asyncio.subprocess.Process | ForkedProcess, sig: int) -> None:
     if proc.returncode is not None:
         return
     try:

@@ -1,0 +1,194 @@
+"""The fork server of ``asyncrl up`` (``python -m asyncrl.entry.fork_server --run-dir DIR``):
+one process that imports what every actor imports (torch, transformers, the actors'
+modules) once, then starts each actor process as a fork of itself.
+
+An actor process started afresh spends most of a short run importing: on a 2-core Intel
+Xeon, a ``recipes/ci.toml`` run's trainer, rollout, reward and buffer took some 17 s of
+CPU in imports together, of 21 s in all. Forked from here, an actor starts with its
+imports done and shares their memory with its siblings (copy on write).
+
+It speaks JSON lines: its standard input takes requests, ``{"id", "argv", "env", "log"}``
+(an actor's command line as :func:`asyncrl.runtime.supervisor.actor_argv` writes it, its
+whole environment and its log file); its standard output answers ``{"ready": pid}`` once
+the imports are done, ``{"id", "pid"}`` for each fork, and ``{"exit": pid, "code": c}``
+when a child ends (``c`` as :attr:`asyncio.subprocess.Process.returncode`: the exit
+status, or minus the signal that ended it). It ends when its standard input closes; the
+actors it started live on, each in a session of its own, as the supervisor's other
+processes do.
+
+A forked actor is the actor an executed command would be, with three differences that
+come from what a process reads only when it starts: the C library's variables read at
+load (torch's OpenMP pool's ``OMP_WAIT_POLICY``, ``LD_PRELOAD`` of an allocator) are the
+fork server's, which ``up`` starts with the trainer's (:mod:`asyncrl.runtime.forks`);
+``/proc/<pid>/environ`` and ``/proc/<pid>/cmdline`` show the fork server's (its command
+line names the run folder, so :func:`asyncrl.runtime.lineage.naming` still finds the
+run's actors; what an actor executes inherits the actor's own environment, marks
+included); and torch's thread count is set by ``torch.set_num_threads`` rather than
+``OMP_NUM_THREADS`` (:func:`asyncrl.entry.actor.place_process`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import gc
+import json
+import os
+import select
+import signal
+import sys
+import traceback
+from typing import Any, NoReturn
+
+import numpy as np
+
+from asyncrl.actors import ACTORS, actor_class
+from asyncrl.entry import actor as actor_entry
+
+ENTRY = "asyncrl.entry.actor"
+"""The module whose command lines this server runs as forks (``python -m`` it)."""
+
+
+def preload() -> None:
+    """Imports every role's actor module (torch, transformers, FSDP with the trainer's),
+    with the collector off, then moves what they built out of its passes for good
+    (``gc.freeze``): a forked child then never touches those pages to scan them, and
+    shares them with its siblings."""
+    gc.disable()
+    try:
+        for role in ACTORS:
+            actor_class(role)
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
+def exit_code(status: int) -> int:
+    """A ``waitpid`` status as asyncio's ``returncode``: the exit status, or minus the signal."""
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def run_child(request: dict[str, Any], close: list[int]) -> NoReturn:
+    """The forked child: becomes the actor ``request`` describes and exits with its code."""
+    code = 1
+    try:
+        os.setsid()  # a session of its own, as the supervisor starts every actor
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in close:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        argv: list[str] = request["argv"]
+        sys.orig_argv = argv  # what an allocator's re-execution runs (runtime.allocator)
+        sys.argv = [actor_entry.__file__ or ENTRY, *argv[3:]]
+        np.random.seed()  # numpy's global generator: not its parent's, nor a sibling's
+        code = actor_entry.main(argv[3:])
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+class Server:
+    """The request loop: forks on each request, reports each child's end."""
+
+    def __init__(self, replies: int) -> None:
+        self.replies = replies
+        self.children: set[int] = set()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        os.set_blocking(self.wake_r, False)
+
+    def reply(self, message: dict[str, Any]) -> None:
+        data = (json.dumps(message) + "\n").encode()
+        while data:
+            data = data[os.write(self.replies, data) :]
+
+    def fork(self, request: dict[str, Any]) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            run_child(request, [self.replies, self.wake_r, self.wake_w])
+        self.children.add(pid)
+        self.reply({"id": request["id"], "pid": pid})
+
+    def reap(self) -> None:
+        for pid in list(self.children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 255 << 8
+            if done:
+                self.children.discard(pid)
+                self.reply({"exit": pid, "code": exit_code(status)})
+
+    def serve(self) -> None:
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.reply({"ready": os.getpid()})
+        pending = b""
+        while True:
+            readable, _, _ = select.select([0, self.wake_r], [], [])
+            if self.wake_r in readable:
+                while True:
+                    try:
+                        if not os.read(self.wake_r, 512):
+                            break
+                    except BlockingIOError:
+                        break
+                self.reap()
+            if 0 in readable:
+                data = os.read(0, 1 << 16)
+                if not data:
+                    return  # up closed the pipe: the run is over, or up is gone
+                pending += data
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    self.fork(json.loads(line))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncrl.entry.fork_server")
+    # the run folder on the command line: lineage.naming finds this process and its forks
+    parser.add_argument("--run-dir", required=True)
+    parser.parse_args(argv)
+    # what up's process held when it started this one (its end of this process's pipes, a
+    # terminal's): every fork would inherit it, and a pipe stays open while anyone holds it
+    # (up would never see this process's answers end). An executed actor starts with 0-2.
+    inherited = [int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2]
+    for fd in inherited:
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed already
+            os.close(fd)
+    # the answers go through a copy of stdout; stdout itself becomes the log (stderr), so
+    # that nothing an import prints can reach the pipe
+    replies = os.dup(1)
+    os.dup2(2, 1)
+    preload()
+    Server(replies).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""``up``'s side of the fork server (:mod:`asyncrl.entry.fork_server`): it starts the
+server, asks it for actor processes, and hands the supervisor a process object for each
+that behaves as an ``asyncio`` subprocess does (``pid``, ``returncode``, ``wait()``).
+
+Where it is used (``run.actor_start = "auto"``, :func:`fork_server_reason`): a run whose
+actors all run on this machine's CPU. Not on a GPU machine, where a process must not
+inherit a CUDA context and an import is a small part of starting; not under Ray, whose
+workers start the processes. The trainer of several ranks or nodes (torchrun) and every
+command that is not an actor's are executed as before.
+
+The server is started with the trainer's load-time variables (its allocator preload and
+its OpenMP wait policy, where ``up`` gives it those), so a forked trainer runs as an
+executed one would; every forked role shares them. Should the server die, the actors it
+started are stopped and the run fails: their exit codes are lost with it (each is then
+reported as :data:`UNKNOWN_EXIT` once its process is gone), and ``--resume`` goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from asyncrl.runtime import lineage
+from asyncrl.runtime.cores import gpu_visible
+from asyncrl.runtime.log import get_logger
+from asyncrl.runtime.nats_server import PASSWORD_ENV, TOKEN_ENV, USER_ENV
+
+SERVER_MODULE = "asyncrl.entry.fork_server"
+ACTOR_MODULE = "asyncrl.entry.actor"
+
+UNKNOWN_EXIT = 255
+"""The return code of a forked actor that ended after the fork server that would have
+told its status."""
+
+CLOSE_WAIT_S = 10.0
+"""Seconds the server gets to exit once its input is closed, before SIGKILL."""
+
+LOAD_TIME_VARS = ("LD_PRELOAD", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+"""Variables that take effect only when a process starts (the dynamic loader, GNU
+OpenMP), so a forked actor has the server's: the server starts with the trainer's."""
+
+
+CREDENTIAL_VARS = (TOKEN_ENV, USER_ENV, PASSWORD_ENV)
+
+
+def fork_server_reason(actor_start: str, *, ray: bool) -> str | None:
+    """Why this run's actors are executed rather than forked, or None when they are
+    forked (``run.actor_start``, Ray, a GPU, the platform)."""
+    if actor_start == "exec":
+        return "run.actor_start = exec"
+    if ray:
+        return "Ray starts the processes"
+    if gpu_visible():
+        return "a GPU is visible (a fork must not inherit CUDA)"
+    if not sys.platform.startswith("linux"):
+        return f"forked actors are for Linux, not {sys.platform}"
+    return None
+
+
+def server_env(trainer_env: dict[str, str]) -> dict[str, str]:
+    """The server's environment: this process's, with the load-time variables of the
+    trainer's environment ``trainer_env`` (:data:`LOAD_TIME_VARS`, ``MIMALLOC_*``), and
+    without the NATS credentials, which ``up`` takes out of its own environment only
+    once the server is started (a forked actor's ``/proc/<pid>/environ`` is the server's)."""
+    load_time = {
+        k: v for k, v in trainer_env.items() if k in LOAD_TIME_VARS or k.startswith("MIMALLOC_")
+    }
+    env = {k: v for k, v in os.environ.items() if k not in CREDENTIAL_VARS}
+    return {**env, **load_time}
+
+
+def forkable(argv: list[str]) -> bool:
+    """Whether a command line is an actor's, which the server can run as a fork."""
+    return argv[:3] == [sys.executable, "-m", ACTOR_MODULE]
+
+
+class ForkedProcess:
+    """An actor the server forked: what the supervisor uses of an ``asyncio`` process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._ended = asyncio.Event()
+
+    def ended(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._ended.set()
+
+    async def wait(self) -> int:
+        await self._ended.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+
+class ForkServer:
+    """One fork server process and the actors it started."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.log = get_logger(role="up")
+        self.children: dict[int, ForkedProcess] = {}
+        self._asked: dict[int, asyncio.Future[ForkedProcess]] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._next_id = 0
+        self._ready = asyncio.Event()
+        self.gone = False
+        self._closing = False
+        self.on_death: Callable[[str], Any] | None = None
+        """Called with the reason when the server exits before :meth:`close` (the
+        supervisor's :meth:`~asyncrl.runtime.supervisor.Supervisor.fail`)."""
+        self._reader = asyncio.create_task(self._read(), name="fork-server")
+
+    @classmethod
+    async def start(cls, run_dir: Path, env: dict[str, str]) -> ForkServer:
+        """Starts the server (it begins importing at once; :meth:`spawn` waits for it)."""
+        log_path = run_dir / "logs" / "fork-server.log"
+        with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log file, opened once
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                SERVER_MODULE,
+                "--run-dir",
+                str(run_dir),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_file,
+                env=env,
+                start_new_session=True,
+            )
+        return cls(proc, log_path)
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            while line := await self.proc.stdout.readline():
+                try:
+                    self._on(json.loads(line))
+                except (ValueError, KeyError, TypeError) as exc:  # not from our server
+                    self.log.error("the fork server said something else", line=line, error=str(exc))
+        finally:
+            self.gone = True
+            self._ready.set()
+            code = await self.proc.wait()
+            if not self._closing and self.on_death is not None:
+                self.on_death(f"the fork server exited with code {code}; see {self.log_path}")
+            for future in self._asked.values():
+                if not future.done():
+                    future.set_exception(RuntimeError(f"the fork server exited ({code})"))
+            live = [c for c in self.children.values() if c.returncode is None]
+            if live:
+                self.log.error(
+                    "the fork server exited before its actors; their exit codes are lost",
+                    code=code,
+                    pids=[c.pid for c in live],
+                    log=str(self.log_path),
+                )
+            for child in live:
+                task = asyncio.create_task(self._await_gone(child))
+                self._watchers.add(task)
+                task.add_done_callback(self._watchers.discard)
+
+    async def _await_gone(self, child: ForkedProcess) -> None:
+        while lineage.alive(child.pid):
+            await lineage.wait_gone([child.pid], 3600.0)
+        child.ended(UNKNOWN_EXIT)
+
+    def _on(self, message: dict[str, Any]) -> None:
+        if "ready" in message:
+            self._ready.set()
+        elif "exit" in message:
+            child = self.children.get(int(message["exit"]))
+            if child is not None:
+                child.ended(int(message["code"]))
+        elif "id" in message:
+            # known from here on, so that an exit that follows at once is not missed
+            child = self.children[int(message["pid"])] = ForkedProcess(int(message["pid"]))
+            future = self._asked.pop(int(message["id"]), None)
+            if future is not None and not future.done():
+                future.set_result(child)
+
+    async def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess:
+        """A fork running ``argv`` (an actor's command line) with ``env``, its output
+        appended to ``log_path``. Raises RuntimeError when the server is gone."""
+        await self._ready.wait()
+        if self.gone or self.proc.stdin is None:
+            raise RuntimeError("the fork server is gone")
+        self._next_id += 1
+        future: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
+        self._asked[self._next_id] = future
+        request = {"id": self._next_id, "argv": argv, "env": env, "log": str(log_path)}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        await self.proc.stdin.drain()
+        return await future
+
+    async def close(self) -> None:
+        """Ends the server (closing its input); the actors it started are not touched."""
+        self._closing = True
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await self.proc.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader

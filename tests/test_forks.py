@@ -1,0 +1,121 @@
+"""The fork server: actors forked from one process that imported once (asyncrl.runtime.forks,
+asyncrl.entry.fork_server), against a real nats-server, and ``up`` when that server dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from e2e_kit import run_processes, running_up
+
+from asyncrl.config.recipe import Recipe
+from asyncrl.launch.up import ensure_trajectory_stream
+from asyncrl.runtime import lineage
+from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.forks import ForkServer, fork_server_reason, forkable, server_env
+from asyncrl.runtime.nats_server import EmbeddedNats
+from asyncrl.runtime.supervisor import actor_argv
+from asyncrl.wire.subjects import Subjects
+
+
+def test_which_runs_fork_their_actors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, whatever the machine has
+    assert fork_server_reason("auto", ray=False) is None
+    assert fork_server_reason("exec", ray=False) == "run.actor_start = exec"
+    assert fork_server_reason("auto", ray=True) == "Ray starts the processes"
+    assert forkable(actor_argv("rollout", Path("/r"), "rollout-0"))
+    assert not forkable(["torchrun", "--nproc-per-node=2", "-m", "asyncrl.entry.actor"])
+    # the trainer's load-time variables go to the server; its placement stays its own
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("ASYNCRL_NATS_PASSWORD", "secret")  # up takes it only after the start
+    env = server_env(
+        {
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "LD_PRELOAD": "/m.so",
+            "MIMALLOC_X": "0",
+            "ASYNCRL_CPUS": "0",
+        }
+    )
+    assert (env["OMP_WAIT_POLICY"], env["LD_PRELOAD"], env["MIMALLOC_X"]) == (
+        "PASSIVE",
+        "/m.so",
+        "0",
+    )
+    assert "ASYNCRL_NATS_PASSWORD" not in env
+    assert "ASYNCRL_CPUS" not in env or env["ASYNCRL_CPUS"] == os.environ.get("ASYNCRL_CPUS")
+
+
+async def wait_for_line(path: Path, needle: str, limit_s: float = 120.0) -> None:
+    async with asyncio.timeout(limit_s):
+        while not path.is_file() or needle not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes it
+            await asyncio.sleep(0.1)
+
+
+async def test_a_forked_actor_has_its_environment_log_session_and_exit_code(
+    tmp_path: Path, embedded_nats: EmbeddedNats, bus: Bus
+) -> None:
+    run_dir = tmp_path / "run"  # the embedded server's folder: nats.json is there
+    (run_dir / "logs").mkdir()
+    recipe = Recipe()
+    (run_dir / "recipe.json").write_text(recipe.model_dump_json())
+    await ensure_trajectory_stream(bus, Subjects(recipe.run.name))  # what a reward actor reads
+    server = await ForkServer.start(run_dir, dict(os.environ))
+    try:
+        logs = run_dir / "logs"
+        # the environment is the request's: a log level that does not exist fails the
+        # actor's first line, with the traceback in its own log and exit code 1
+        bad = await server.spawn(
+            actor_argv("reward", run_dir, "reward-0"),
+            {**os.environ, "ASYNCRL_LOG_LEVEL": "NO_SUCH_LEVEL"},
+            logs / "reward-0.log",
+        )
+        assert await asyncio.wait_for(bad.wait(), 60) == 1
+        assert "NO_SUCH_LEVEL" in (logs / "reward-0.log").read_text()
+        # a folder that is not a run's: the actor's own message, exit code 1
+        lost = await server.spawn(
+            actor_argv("reward", tmp_path / "nowhere", "reward-1"),
+            dict(os.environ),
+            logs / "reward-1.log",
+        )
+        assert await asyncio.wait_for(lost.wait(), 60) == 1
+        assert "is not a run folder" in (logs / "reward-1.log").read_text()
+        # a live actor: in a session of its own, on the run's bus; SIGKILL is reported as such
+        live = await server.spawn(
+            actor_argv("reward", run_dir, "reward-2"), dict(os.environ), logs / "reward-2.log"
+        )
+        await wait_for_line(logs / "reward-2.log", "started")
+        assert os.getsid(live.pid) == live.pid
+        assert live.returncode is None
+        os.kill(live.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(live.wait(), 30) == -signal.SIGKILL
+        # nothing of an actor's output reached the server's answers or its own log
+        assert "started" not in (logs / "fork-server.log").read_text()
+    finally:
+        await server.close()
+    assert server.proc.returncode == 0
+    assert not server.gone or server.proc.returncode == 0
+
+
+async def test_a_run_whose_fork_server_dies_fails_and_leaves_nothing(tmp_path: Path) -> None:
+    async with running_up(
+        tmp_path,
+        "forkdies",
+        "trainer.max_steps=400",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    ) as up:
+        up_log = up.run_dir / "logs" / "up.log"
+        await wait_for_line(up_log, "all actors started")
+        pid = int(re.findall(r"actors are forked .*server_pid=(\d+)", up_log.read_text())[0])
+        os.kill(pid, signal.SIGKILL)
+        assert up.proc.stdout is not None
+        out, _ = await asyncio.wait_for(up.proc.communicate(), 120)
+        assert up.proc.returncode == 1, out.decode()
+        assert "the fork server exited with code -9" in out.decode(), out.decode()
+        # its actors were stopped with the run: none outlived up
+        left = [p for p in run_processes(up.run_dir) if lineage.alive(p)]
+        assert not left, left
