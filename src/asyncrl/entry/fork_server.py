@@ -42,6 +42,7 @@ import traceback
 from typing import Any, NoReturn
 
 import numpy as np
+import torch
 
 from asyncrl.actors import ACTORS, actor_class
 from asyncrl.entry import actor as actor_entry
@@ -92,7 +93,10 @@ def run_child(request: dict[str, Any], close: list[int]) -> NoReturn:
         argv: list[str] = request["argv"]
         sys.orig_argv = argv  # what an allocator's re-execution runs (runtime.allocator)
         sys.argv = [actor_entry.__file__ or ENTRY, *argv[3:]]
-        np.random.seed()  # numpy's global generator: not its parent's, nor a sibling's
+        # fresh seeds, as a fresh interpreter draws them: a sibling's draws are not its own
+        # (Python's random module reseeds itself after a fork)
+        np.random.seed()
+        torch.seed()
         code = actor_entry.main(argv[3:])
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):

@@ -45,8 +45,8 @@ LOAD_TIME_VARS = ("LD_PRELOAD", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 """Variables that take effect only when a process starts (the dynamic loader, GNU
 OpenMP), so a forked actor has the server's: the server starts with the trainer's."""
 
-
 CREDENTIAL_VARS = (TOKEN_ENV, USER_ENV, PASSWORD_ENV)
+"""Kept out of the server's environment (:func:`server_env`)."""
 
 
 def fork_server_reason(actor_start: str, *, ray: bool) -> str | None:
