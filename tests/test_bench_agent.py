@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_agent_bench_quick_run_prints_its_tables() -> None:
     proc = subprocess.run(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from e2e_kit import run, up_args
 
@@ -14,6 +15,7 @@ from asyncrl.train.config import LORA_TARGETS
 from asyncrl.weights.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
 
 
+@pytest.mark.slow
 async def test_ci_recipe_with_lora_trains_and_publishes_adapters_only(tmp_path: Path) -> None:
     steps = 4
     code, out = await run(

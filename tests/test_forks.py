@@ -100,6 +100,7 @@ async def test_a_forked_actor_has_its_environment_log_session_and_exit_code(
     assert not server.gone or server.proc.returncode == 0
 
 
+@pytest.mark.slow
 async def test_a_run_whose_fork_server_dies_fails_and_leaves_nothing(tmp_path: Path) -> None:
     async with running_up(
         tmp_path,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from e2e_kit import running_up, wait_for_file
 
 from asyncrl.runtime import lineage
@@ -88,6 +89,8 @@ LEAVER = """
 import os, subprocess, sys
 from pathlib import Path
 
+import pytest
+
 
 def reward(completion, data):
     # once per reward actor, from its worker (a grandchild of up): a process in a session
@@ -113,6 +116,7 @@ def reward(completion, data):
 """
 
 
+@pytest.mark.slow
 async def test_what_an_actor_left_in_another_session_goes_before_its_replacement_and_up(
     tmp_path: Path,
 ) -> None:

@@ -83,6 +83,7 @@ def test_each_server_of_a_cluster_has_its_name_store_log_and_routes(tmp_path: Pa
         NatsCluster(tmp_path, cluster.servers[:2], replicas=3)
 
 
+@pytest.mark.slow
 async def test_a_consumer_goes_on_when_its_leader_server_dies(tmp_path: Path) -> None:
     """The pull consumer's leader is killed: pull requests find no responder (503) until
     another server leads it, and the consumer asks again rather than failing."""

@@ -123,6 +123,7 @@ def test_an_episode_split_over_micro_batches_weighs_once(loss_agg: str) -> None:
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_a_compiled_engine_takes_the_same_step() -> None:
     """``trainer.compile``: every decoder layer under ``torch.compile`` (dynamic shapes),
