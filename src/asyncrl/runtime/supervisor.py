@@ -1,6 +1,7 @@
 """The supervisor: the bones of ``asyncrl up``.
 
-It spawns one OS process per actor, waits until every actor has said ``started``
+It spawns one OS process per actor (a fork of ``up``'s fork server where it has one,
+:mod:`.forks`; else a fresh interpreter), waits until every actor has said ``started``
 (a handshake on NATS, never a sleep), and then watches them:
 
 - the run ends well when every *primary* actor (the trainer) has exited with code 0;
