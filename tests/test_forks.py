@@ -4,9 +4,12 @@ asyncrl.entry.fork_server), against a real nats-server, and ``up`` when that ser
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,53 @@ def test_which_runs_fork_their_actors(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     assert "ASYNCRL_NATS_PASSWORD" not in env
     assert "ASYNCRL_CPUS" not in env or env["ASYNCRL_CPUS"] == os.environ.get("ASYNCRL_CPUS")
+
+
+SIBLINGS = """
+import json, os, sys
+import numpy as np, torch
+from asyncrl.entry import actor as actor_entry, fork_server
+
+def stand_in(argv):  # an actor that tells what it drew and exits with its last argument
+    draws = {"torch": torch.initial_seed(), "numpy": int(np.random.randint(1 << 30))}
+    print(json.dumps({**draws, "who": os.environ.get("WHO"), "argv": sys.argv[1:]}), flush=True)
+    return int(argv[-1])
+
+actor_entry.main = stand_in
+replies = os.dup(1)
+os.dup2(2, 1)
+fork_server.Server(replies).serve()
+"""
+
+
+def test_forked_siblings_draw_their_own_seeds_and_exit_codes(tmp_path: Path) -> None:
+    """Two forks of one server: each gets its request's environment and arguments, draws
+    its own torch seed and numpy numbers (a fresh interpreter does; forks would share the
+    server's), and its exit code comes back with its pid."""
+    script = tmp_path / "siblings.py"
+    script.write_text(SIBLINGS)
+    server = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert server.stdin is not None and server.stdout is not None
+    try:
+        assert "ready" in json.loads(server.stdout.readline())
+        for k, who in enumerate(["a", "b"]):
+            argv = [*actor_argv("rollout", tmp_path, f"rollout-{k}"), str(3 * k)]
+            request = {"id": k, "argv": argv, "env": {"WHO": who}, "log": str(tmp_path / who)}
+            server.stdin.write((json.dumps(request) + "\n").encode())
+            server.stdin.flush()
+        said = [json.loads(server.stdout.readline()) for _ in range(4)]
+        pids = {m["id"]: m["pid"] for m in said if "id" in m}
+        codes = {m["exit"]: m["code"] for m in said if "exit" in m}
+        assert codes == {pids[0]: 0, pids[1]: 3}, said
+    finally:
+        server.stdin.close()
+        assert server.wait(30) == 0
+    a, b = (json.loads((tmp_path / who).read_text()) for who in "ab")
+    assert (a["who"], b["who"]) == ("a", "b")
+    assert a["argv"] == ["rollout", "--run-dir", str(tmp_path), "--actor-id", "rollout-0", "0"]
+    assert a["torch"] != b["torch"] and a["numpy"] != b["numpy"], (a, b)
 
 
 async def wait_for_line(path: Path, needle: str, limit_s: float = 120.0) -> None:
