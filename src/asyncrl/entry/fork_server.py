@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import gc
 import json
 import os
 import select
@@ -46,23 +45,17 @@ import torch
 
 from asyncrl.actors import ACTORS, actor_class
 from asyncrl.entry import actor as actor_entry
-
-ENTRY = "asyncrl.entry.actor"
-"""The module whose command lines this server runs as forks (``python -m`` it)."""
+from asyncrl.runtime.forks import ACTOR_MODULE
 
 
 def preload() -> None:
-    """Imports every role's actor module (torch, transformers, FSDP with the trainer's),
-    with the collector off, then moves what they built out of its passes for good
-    (``gc.freeze``): a forked child then never touches those pages to scan them, and
-    shares them with its siblings."""
-    gc.disable()
-    try:
+    """Imports every role's actor module (torch, transformers, FSDP with the trainer's)
+    as an executed actor imports its own (:func:`asyncrl.entry.actor.imports_without_collector`:
+    the collector off, then what they built frozen out of its passes): a forked child then
+    never touches those pages to scan them, and shares them with its siblings."""
+    with actor_entry.imports_without_collector():
         for role in ACTORS:
             actor_class(role)
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def exit_code(status: int) -> int:
@@ -92,7 +85,7 @@ def run_child(request: dict[str, Any], close: list[int]) -> NoReturn:
         os.environ.update(request["env"])
         argv: list[str] = request["argv"]
         sys.orig_argv = argv  # what an allocator's re-execution runs (runtime.allocator)
-        sys.argv = [actor_entry.__file__ or ENTRY, *argv[3:]]
+        sys.argv = [actor_entry.__file__ or ACTOR_MODULE, *argv[3:]]
         # fresh seeds, as a fresh interpreter draws them: a sibling's draws are not its own
         # (Python's random module reseeds itself after a fork)
         np.random.seed()

@@ -34,7 +34,7 @@ from asyncrl.observe.plot import plot_run
 from asyncrl.runtime.allocator import mimalloc_preload, system_malloc_reason
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.cores import VISIBLE_ENV
-from asyncrl.runtime.forks import ForkServer, fork_server_reason, forkable, server_env
+from asyncrl.runtime.forks import ForkServer, fork_server_reason, server_env
 from asyncrl.runtime.log import configure_logging, get_logger
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_cluster import NatsCluster
@@ -230,7 +230,7 @@ async def _up(
     forks = None
     if (why := fork_server_reason(recipe.run.actor_start, ray=ray is not None)) is None:
         # started first: it imports while NATS starts and the stream is made
-        trainer = [s for s in specs if s.role == "trainer" and forkable(s.argv) and not s.gang]
+        trainer = [s for s in specs if s.role == "trainer" and s.can_fork]
         forks = await ForkServer.start(run_dir, server_env(trainer[0].env if trainer else {}))
         log.info("actors are forked", server_pid=forks.proc.pid)
     else:

@@ -99,6 +99,12 @@ class ActorSpec:
             generation=self.generation + 1,
         )
 
+    @property
+    def can_fork(self) -> bool:
+        """Whether a fork server may start this process (:mod:`.forks`): an actor's own
+        command, not a member of a gang (torchrun starts those)."""
+        return forkable(self.argv) and not self.gang
+
     def delay(self) -> float:
         """How long to wait before starting this replacement."""
         if self.generation == 0:
@@ -198,7 +204,7 @@ class Supervisor:
         log_path = self.run_dir / "logs" / f"{spec.actor_id}.log"
         env = {**os.environ, **spec.env, **lineage.lineage_env(self.token, spec.actor_id)}
         proc: asyncio.subprocess.Process | ForkedProcess | None = None
-        if self.forks is not None and forkable(spec.argv) and not spec.gang:
+        if self.forks is not None and spec.can_fork:
             try:
                 proc = await self.forks.spawn(spec.argv, env, log_path)
             except RuntimeError as exc:  # the server is gone: executed, as without one
