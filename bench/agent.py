@@ -6,6 +6,9 @@
     python bench/agent.py --quick              # the tiny random model, seconds (a smoke run)
     python bench/agent.py --threads 1 --prefix-cache-mb 0 512 --latency-requests 0
                                                # the hf engine's prefix cache off, then on
+    python bench/agent.py --threads 1 --pairs 4 --latency-requests 0
+                                               # four pairs of levels a concurrency, in
+                                               # turns: the median ratio, less drift
 
 **Episodes.** Both workloads run on one engine, ``--concurrency`` episodes in flight (as a
 rollout actor keeps them), each client running ``--rounds`` episodes one after another; a
@@ -39,6 +42,12 @@ off), each on a fresh engine. ``host ms/ep``
 encoding, parsing and scoring, and waiting for the event loop (and the interpreter lock)
 that the other episodes and the hf engine's model thread share; the line under the table
 times the same per-turn work alone.
+
+A machine's speed drifts by up to a fifth within minutes, and a level lasts 10–60 s:
+``--pairs N`` runs the two workloads N times a concurrency in ABBA order (single-turn
+first in even pairs, 3-turn first in odd ones) and gives the median of the pairs' ratios
+with each pair's beside it. Every pair asks questions of its own (at each concurrency), so
+that no level finds its prompts cached by an earlier one.
 
 **Endpoint latency.** ``--latency-requests`` chat requests (the question, the calculator
 in ``tools``, ``--latency-new`` tokens, end-of-sequence ignored, one seed per request)
@@ -468,6 +477,13 @@ async def main() -> None:
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--rounds", type=int, default=1, help="episodes per client, in sequence")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="single-turn and 3-turn levels per concurrency, in turns (ABBA); the ratio "
+        "printed last is the median over the pairs",
+    )
     ap.add_argument("--new", type=int, default=64, help="tokens per reply")
     ap.add_argument(
         "--latency-requests", type=int, default=32, help="per path and level; 0: no latency rows"
@@ -531,13 +547,14 @@ async def main() -> None:
         torch.set_num_threads(args.threads)
     tool = calculator_tool()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new, stop_token_ids=())
-    records = make_records(max(args.concurrency) * args.rounds)
+    # every level pair its own questions: a repeated one would find its prompts cached
+    records = make_records(sum(args.concurrency) * args.rounds * args.pairs)
     cache_sizes: list[int | None] = (
         args.prefix_cache_mb if args.engine == "hf" and args.prefix_cache_mb else [None]
     )
     shared_modes = args.shared_prefix_attention if args.engine == "hf" else ["on"]
     runs = [(mb, mode) for mb in cache_sizes for mode in shared_modes]
-    levels: dict[tuple[int, str, int], Level] = {}  # by (run, workload, concurrency)
+    levels: dict[tuple[int, str, int], list[Level]] = {}  # by (run, workload, concurrency)
     for run, (cache_mb, mode) in enumerate(runs):
         engine, where = build_engine(args, cache_mb, mode == "on")
         t0 = time.perf_counter()
@@ -556,14 +573,20 @@ async def main() -> None:
                 f"{'tool listing and a worked example' if list_tools else 'no tool listing'} "
                 "in the 3-turn prompt"
             )
-            await run_level(engine, single, "warm-up", records, 1, 1)
+            await run_level(engine, single, "warm-up", make_records(1, seed=1), 1, 1)
             print()
             print_header()
+            workloads = [("single-turn", single), ("3-turn tool", agent)]
+            used = 0
             for c in args.concurrency:
-                for name, wf in (("single-turn", single), ("3-turn tool", agent)):
-                    level = await run_level(engine, wf, name, records, c, args.rounds)
-                    levels[run, name, c] = level
-                    print_level(level)
+                for pair in range(args.pairs):
+                    fresh = records[used : used + c * args.rounds]
+                    used += c * args.rounds
+                    # ABBA: the machine's drift during a pair weighs on both workloads
+                    for name, wf in workloads if pair % 2 == 0 else workloads[::-1]:
+                        level = await run_level(engine, wf, name, fresh, c, args.rounds)
+                        levels.setdefault((run, name, c), []).append(level)
+                        print_level(level)
             stats = getattr(engine, "stats", None)
             if stats is not None:
                 decoded = sum(n * k for n, k in stats.decode_batch_sizes.items())
@@ -594,11 +617,16 @@ async def main() -> None:
         if len(shared_modes) > 1:
             label += f"shared-prefix attention {mode}, "
         for c in args.concurrency:
-            s, a = levels[run, "single-turn", c], levels[run, "3-turn tool", c]
+            pairs = list(
+                zip(levels[run, "single-turn", c], levels[run, "3-turn tool", c], strict=True)
+            )
+            tokens = [a.tokens_per_s / s.tokens_per_s for s, a in pairs]
+            episodes = [a.episodes_per_s / s.episodes_per_s for s, a in pairs]
+            each = f" (pairs: {', '.join(f'{r:.2f}' for r in tokens)})" if len(pairs) > 1 else ""
             print(
                 f"# {label}concurrency {c}: 3-turn tool episodes at "
-                f"{a.tokens_per_s / s.tokens_per_s:.2f}x the single-turn tokens/s, "
-                f"{a.episodes_per_s / s.episodes_per_s:.2f}x its episodes/s"
+                f"{statistics.median(tokens):.2f}x the single-turn tokens/s{each}, "
+                f"{statistics.median(episodes):.2f}x its episodes/s"
             )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from asyncrl.api.inference import SamplingParams
 from asyncrl.engines import hf_batch, hf_cascade
@@ -163,3 +164,39 @@ def test_the_plan_splits_the_columns_exactly():
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     want = (scores.softmax(-1) @ v).transpose(1, 2)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_grouped_prefill_is_transformers_sdpa_bit_for_bit(dtype: torch.dtype):
+    """A CPU prefill's attention reads each key head once for its group of query heads and
+    gives exactly what transformers' SDPA gives after copying the heads: left-padded rows,
+    keys from a wider buffer (a cached prefix), queries right-aligned, a padding query
+    attending to itself."""
+    g = torch.Generator().manual_seed(1)
+    rows, kv_heads, per_kv, dim, tail, cols = 4, 3, 3, 16, 6, 20
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = per_kv
+        is_causal = True
+
+    buf = torch.randn(rows + 2, kv_heads, cols + 5, dim, generator=g).to(dtype)
+    key, value = buf[1 : rows + 1, :, 2 : 2 + cols], buf[1 : rows + 1, :, 3 : 3 + cols]
+    query = torch.randn(rows, tail, kv_heads * per_kv, dim, generator=g).to(dtype).transpose(1, 2)
+    tails, wholes = torch.tensor([6, 2, 4, 1]), torch.tensor([20, 9, 15, 1])
+    q_col = torch.arange(cols - tail, cols)[:, None]
+    k_col = torch.arange(cols)[None, :]
+    real_key = k_col >= (cols - wholes)[:, None]  # [rows, cols]
+    real_query = torch.arange(tail)[None, :] >= (tail - tails)[:, None]  # [rows, tail]
+    mask = ((k_col <= q_col)[None] & real_key[:, None]) | (k_col == q_col)[None]
+    mask = mask & (real_query[:, :, None] | (k_col == q_col)[None])
+    mask = mask[:, None]
+    layer = Layer()
+    assert hf_cascade._grouped_prefill(layer, query, mask, 0.0, {})
+    got, _ = hf_cascade.decode_attention(layer, query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    assert got.shape == (rows, tail, kv_heads * per_kv, dim)
+    assert torch.equal(got, want)
+    # what it leaves to SDPA: one query (decode without a plan), no mask, a softcap
+    assert not hf_cascade._grouped_prefill(layer, query[:, :, -1:], mask[:, :, -1:], 0.0, {})
+    assert not hf_cascade._grouped_prefill(layer, query, None, 0.0, {})
+    assert not hf_cascade._grouped_prefill(layer, query, mask, 0.0, {"softcap": 30.0})

@@ -181,14 +181,26 @@ class _WriteThrough:
     is_compileable = False
 
     def __init__(self, batch: DecodeBatch, rows_N: torch.Tensor, start: int, end: int) -> None:
-        self.batch, self.rows_N, self.start, self.end = batch, rows_N, start, end
+        self.batch, self.start, self.end = batch, start, end
+        self.rows = _as_span(rows_N)
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.batch.keys[layer_idx][self.rows_N, :, self.start : self.end] = key
-        self.batch.values[layer_idx][self.rows_N, :, self.start : self.end] = value
+        self.batch.keys[layer_idx][self.rows, :, self.start : self.end] = key
+        self.batch.values[layer_idx][self.rows, :, self.start : self.end] = value
         return key, value
+
+
+def _as_span(rows_N: torch.Tensor) -> torch.Tensor | slice:
+    """``rows_N`` as a slice where they are consecutive ascending rows (the rows a join
+    fills usually are): indexing a buffer with it gives a view, where a row tensor copies
+    the rows out (and an assignment scatters them back)."""
+    first = int(rows_N[0])
+    n = rows_N.numel()
+    if torch.equal(rows_N, torch.arange(first, first + n, device=rows_N.device)):
+        return slice(first, first + n)
+    return rows_N
 
 
 class _WriteThroughPast:
@@ -208,7 +220,8 @@ class _WriteThroughPast:
         keys: int,
         query_N1T1: torch.Tensor,
     ) -> None:
-        self.batch, self.rows_N, self.end, self.keys = batch, rows_N, end, keys
+        self.batch, self.end, self.keys = batch, end, keys
+        self.rows = _as_span(rows_N)
         self.query_N1T1 = query_N1T1
 
     def update(
@@ -217,10 +230,12 @@ class _WriteThroughPast:
         t = key.shape[2]
         out = []
         for buf, new in ((self.batch.keys[layer_idx], key), (self.batch.values[layer_idx], value)):
-            rows_NHPD = buf[self.rows_N, :, self.end - self.keys : self.end]
+            # a view of the buffer where the rows are a span (written in place), else a copy
+            rows_NHPD = buf[self.rows, :, self.end - self.keys : self.end]
             tail_NHTD = rows_NHPD[:, :, -t:]
             tail_NHTD.copy_(torch.where(self.query_N1T1, new, tail_NHTD))
-            buf[self.rows_N, :, self.end - t : self.end] = tail_NHTD
+            if not isinstance(self.rows, slice):
+                buf[self.rows, :, self.end - t : self.end] = tail_NHTD
             out.append(rows_NHPD)
         return out[0], out[1]
 
@@ -300,14 +315,15 @@ class DecodeBatch:
         self.mrope = hasattr(getattr(model, "model", None), "get_rope_index")
         image_token = getattr(model.config, "image_token_id", None)
         self.image_token_id = -1 if image_token is None else int(image_token)
-        self.cascade = (
-            shared_prefix_attention
-            and self.device.type == "cpu"
-            and self.prefix.enabled
+        # On the CPU the engine's own attention function: it prefills grouped-query heads
+        # without copying them (hf_cascade.grouped_attention) and runs the cascade steps
+        cpu_sdpa = (
+            self.device.type == "cpu"
             and not self.placeholder_ids
             and getattr(model.config, "_attn_implementation", None) == "sdpa"
         )
-        if self.cascade:
+        self.cascade = shared_prefix_attention and cpu_sdpa and self.prefix.enabled
+        if cpu_sdpa:
             model.set_attn_implementation(hf_cascade.ATTN_IMPLEMENTATION)
         self.rows: list[Sequence | None] = []
         self.length = 0  # L: the column the next decode step writes
@@ -324,10 +340,13 @@ class DecodeBatch:
         return self.valid_RC.shape[1]
 
     def _reset_buffers(self, rows: int, cols: int) -> None:
+        """New buffers; the keys and values are not initialised (:meth:`_relayout` fills the
+        columns left of ``L``: a column from ``L`` on is written before anything reads it,
+        by the decode step that writes column ``L`` of every row or by a prefill)."""
         shape = (rows, self.n_kv_heads, cols, self.head_dim)
         kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
-        self.keys = [torch.zeros(shape, **kw) for _ in range(self.n_layers)]
-        self.values = [torch.zeros(shape, **kw) for _ in range(self.n_layers)]
+        self.keys = [torch.empty(shape, **kw) for _ in range(self.n_layers)]
+        self.values = [torch.empty(shape, **kw) for _ in range(self.n_layers)]
         self.valid_RC = torch.zeros(rows, cols, dtype=torch.bool, device=self.device)
         self.next_R = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.pos_R = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -350,13 +369,19 @@ class DecodeBatch:
         old_k, old_v, old_valid = self.keys, self.values, self.valid_RC
         old_next, old_pos, old_rows = self.next_R, self.pos_R, self.rows
         self._reset_buffers(n_rows, cols)
-        if keep and used:
-            idx = torch.tensor(keep, device=self.device)
-            dst = slice(left, new_len)
-            for layer in range(self.n_layers):
-                self.keys[layer][: len(keep), :, dst] = old_k[layer][idx, :, trim : self.length]
-                self.values[layer][: len(keep), :, dst] = old_v[layer][idx, :, trim : self.length]
-            self.valid_RC[: len(keep), dst] = old_valid[idx, trim : self.length]
+        # Columns left of L hold the kept rows' keys and values, zeros elsewhere: masked
+        # columns are still read by the attention kernels (times a zero weight), so they
+        # must hold numbers; columns from L on are left as they are (see _reset_buffers).
+        kept = len(keep) if keep and used else 0
+        src = torch.tensor(keep, device=self.device) if kept else None
+        for layer in range(self.n_layers):
+            for buf, old in ((self.keys[layer], old_k[layer]), (self.values[layer], old_v[layer])):
+                if src is not None:
+                    buf[:kept, :, :left].zero_()
+                    buf[:kept, :, left:new_len] = old[src, :, trim : self.length]
+                buf[kept:, :, :new_len].zero_()
+        if src is not None:
+            self.valid_RC[:kept, left:new_len] = old_valid[src, trim : self.length]
         if keep:
             idx = torch.tensor(keep, device=self.device)
             self.next_R[: len(keep)] = old_next[idx]
@@ -546,6 +571,7 @@ class DecodeBatch:
     def _prefill_joins(self, joins: list[_Join], logits_by_row: dict[int, torch.Tensor]) -> None:
         """Prefills ``joins`` in length buckets; records each row's last logits."""
         for bucket in _length_buckets(joins, self.max_prefill_padding):
+            bucket.sort(key=lambda j: j.row)  # consecutive rows are written in place
             for join, logits_V in zip(bucket, self._prefill(bucket), strict=True):
                 logits_by_row[join.row] = logits_V
 
