@@ -373,7 +373,7 @@ class DecodeBatch:
         # columns are still read by the attention kernels (times a zero weight), so they
         # must hold numbers; columns from L on are left as they are (see _reset_buffers).
         kept = len(keep) if keep and used else 0
-        src = torch.tensor(keep, device=self.device) if kept else None
+        src = _as_span(torch.tensor(keep, device=self.device)) if kept else None
         for layer in range(self.n_layers):
             for buf, old in ((self.keys[layer], old_k[layer]), (self.values[layer], old_v[layer])):
                 if src is not None:
