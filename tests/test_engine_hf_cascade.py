@@ -200,3 +200,29 @@ def test_a_grouped_prefill_is_transformers_sdpa_bit_for_bit(dtype: torch.dtype):
     assert not hf_cascade._grouped_prefill(layer, query[:, :, -1:], mask[:, :, -1:], 0.0, {})
     assert not hf_cascade._grouped_prefill(layer, query, None, 0.0, {})
     assert not hf_cascade._grouped_prefill(layer, query, mask, 0.0, {"softcap": 30.0})
+
+
+def test_no_column_is_read_before_it_is_written(any_saving: None, monkeypatch: pytest.MonkeyPatch):
+    """The batch's key and value buffers are not initialised: every column a kernel reads
+    left of L is a row's keys or zeros, and every column from L on is written first. With
+    the buffers' memory full of NaN, the rebuilds, prefills after cached prefixes, group
+    copies and cascade and plain decode steps give what they give on clean memory."""
+    clean, _ = run(DecodeBatch(model(), max_positions=4096, prefix_cache_bytes=64 << 20), waves())
+    monkeypatch.setattr(
+        hf_batch, "_uninitialised", lambda shape, **kw: torch.full(shape, float("nan"), **kw)
+    )
+    for cascade in (True, False):
+        poisoned, _ = run(
+            DecodeBatch(
+                model(),
+                max_positions=4096,
+                prefix_cache_bytes=64 << 20,
+                shared_prefix_attention=cascade,
+            ),
+            waves(),
+        )
+        for a, b in zip(clean, poisoned, strict=True):
+            assert a.out_ids == b.out_ids, a.key
+            torch.testing.assert_close(
+                torch.tensor(a.out_logprobs), torch.tensor(b.out_logprobs), rtol=0, atol=2e-6
+            )

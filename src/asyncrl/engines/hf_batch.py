@@ -192,6 +192,11 @@ class _WriteThrough:
         return key, value
 
 
+def _uninitialised(shape: tuple[int, ...], **kw: Any) -> torch.Tensor:
+    """Memory for the batch's keys and values, as it comes (a test fills it with NaN)."""
+    return torch.empty(shape, **kw)
+
+
 def _as_span(rows_N: torch.Tensor) -> torch.Tensor | slice:
     """``rows_N`` as a slice where they are consecutive ascending rows (the rows a join
     fills usually are): indexing a buffer with it gives a view, where a row tensor copies
@@ -345,8 +350,8 @@ class DecodeBatch:
         by the decode step that writes column ``L`` of every row or by a prefill)."""
         shape = (rows, self.n_kv_heads, cols, self.head_dim)
         kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
-        self.keys = [torch.empty(shape, **kw) for _ in range(self.n_layers)]
-        self.values = [torch.empty(shape, **kw) for _ in range(self.n_layers)]
+        self.keys = [_uninitialised(shape, **kw) for _ in range(self.n_layers)]
+        self.values = [_uninitialised(shape, **kw) for _ in range(self.n_layers)]
         self.valid_RC = torch.zeros(rows, cols, dtype=torch.bool, device=self.device)
         self.next_R = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.pos_R = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -372,8 +377,9 @@ class DecodeBatch:
         # Columns left of L hold the kept rows' keys and values, zeros elsewhere: masked
         # columns are still read by the attention kernels (times a zero weight), so they
         # must hold numbers; columns from L on are left as they are (see _reset_buffers).
+        idx = torch.tensor(keep, device=self.device) if keep else None
         kept = len(keep) if keep and used else 0
-        src = _as_span(torch.tensor(keep, device=self.device)) if kept else None
+        src = _as_span(idx) if idx is not None and kept else None
         for layer in range(self.n_layers):
             for buf, old in ((self.keys[layer], old_k[layer]), (self.values[layer], old_v[layer])):
                 if src is not None:
@@ -382,8 +388,7 @@ class DecodeBatch:
                 buf[kept:, :, :new_len].zero_()
         if src is not None:
             self.valid_RC[:kept, left:new_len] = old_valid[src, trim : self.length]
-        if keep:
-            idx = torch.tensor(keep, device=self.device)
+        if idx is not None:
             self.next_R[: len(keep)] = old_next[idx]
             self.pos_R[: len(keep)] = old_pos[idx]
         self.rows = [old_rows[r] for r in keep] + [None] * (n_rows - len(keep))
