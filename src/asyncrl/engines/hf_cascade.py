@@ -131,7 +131,9 @@ def decode_attention(
     if plan is not None and query.shape[2] == 1:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return cascade_attention(plan, query, key, value, scale), None
-    if _grouped_prefill(module, query, attention_mask, dropout, kwargs):
+    if attention_mask is not None and _grouped_prefill(
+        module, query, attention_mask, dropout, kwargs
+    ):
         return grouped_attention(query, key, value, attention_mask, scaling), None
     out, weights = sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
