@@ -131,9 +131,7 @@ def decode_attention(
     if plan is not None and query.shape[2] == 1:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return cascade_attention(plan, query, key, value, scale), None
-    if attention_mask is not None and _grouped_prefill(
-        module, query, attention_mask, dropout, kwargs
-    ):
+    if _grouped_prefill(module, query, attention_mask, dropout, kwargs):
         return grouped_attention(query, key, value, attention_mask, scaling), None
     out, weights = sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -167,7 +165,7 @@ def grouped_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scaling: float | None,
 ) -> torch.Tensor:
     """A prefill's masked attention with each key head read by its group of query heads:
