@@ -52,6 +52,15 @@ def run(batch: DecodeBatch, waves: list[list[Sequence]]) -> tuple[list[Sequence]
     return sorted(done, key=lambda s: s.key), results
 
 
+def assert_same_samples(want: list[Sequence], got: list[Sequence]) -> None:
+    """The same tokens, and float32 logprobs within an ulp or two, sequence by sequence."""
+    for a, b in zip(want, got, strict=True):
+        assert a.out_ids == b.out_ids, a.key
+        torch.testing.assert_close(
+            torch.tensor(a.out_logprobs), torch.tensor(b.out_logprobs), rtol=0, atol=2e-6
+        )
+
+
 def waves() -> list[list[Sequence]]:
     """A first episode fills the cache with the system prompt; then rows that share it
     (questions of different lengths, one a copy of another) beside a row that does not."""
@@ -86,11 +95,7 @@ def test_shared_rows_decode_as_plain_attention_gives(any_saving: None):
     # row outside the group reads all of its columns
     assert used and max(r.shared_rows for r in used) == 5
     assert {r.shared_tokens for r in used} == {3 * BLOCK_TOKENS}
-    for a, b in zip(plain, shared, strict=True):
-        assert a.out_ids == b.out_ids, a.key
-        torch.testing.assert_close(
-            torch.tensor(a.out_logprobs), torch.tensor(b.out_logprobs), rtol=0, atol=2e-6
-        )
+    assert_same_samples(plain, shared)
 
 
 def test_a_group_leader_shares_its_own_prefill(any_saving: None):
@@ -120,11 +125,7 @@ def test_a_group_of_one_prompt_shares_it_whole(any_saving: None):
     )
     assert {r.shared_tokens for r in results if r.shared_rows} == {len(prompt)}
     assert max(r.shared_rows for r in results) == 6
-    for a, b in zip(plain, shared, strict=True):
-        assert a.out_ids == b.out_ids
-        torch.testing.assert_close(
-            torch.tensor(a.out_logprobs), torch.tensor(b.out_logprobs), rtol=0, atol=2e-6
-        )
+    assert_same_samples(plain, shared)
 
 
 def test_a_short_shared_prefix_keeps_plain_attention():
@@ -221,8 +222,4 @@ def test_no_column_is_read_before_it_is_written(any_saving: None, monkeypatch: p
             ),
             waves(),
         )
-        for a, b in zip(clean, poisoned, strict=True):
-            assert a.out_ids == b.out_ids, a.key
-            torch.testing.assert_close(
-                torch.tensor(a.out_logprobs), torch.tensor(b.out_logprobs), rtol=0, atol=2e-6
-            )
+        assert_same_samples(clean, poisoned)
