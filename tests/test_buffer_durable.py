@@ -16,7 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 from actor_helpers.buffer_kit import recipe, running_buffer
-from test_buffer_actor import S, sample, score, take_lease
+from test_buffer_actor import S, sample, score, take_lease, trainer
 
 from asyncrl.actors.buffer import actor as buffer_actor
 from asyncrl.actors.buffer.admission import Admission, admitted_group, raw_rewards
@@ -163,6 +163,34 @@ async def test_a_stopping_buffer_ends_its_batch_wait_and_writes_its_last_changes
         assert sorted(again.leases.leased) == sorted(
             p.uid for p in (*first.prompts, *second.prompts)
         )
+
+
+async def test_a_served_batch_is_written_without_waiting_out_the_pause_between_writes(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus
+) -> None:
+    """Writes are at most one per ``min_interval`` (many changes, one write), but a batch
+    is not: the trainer waits for its write. With a pause of an hour after each write,
+    scored samples stay unwritten (and unacked) while the batch is written and served at
+    once."""
+    r = recipe()
+    async with running_buffer(tmp_path, nats_server, bus, r) as buf:
+        assert buf.durable is not None
+        got = await take_lease(bus, 2)
+        await buf.durable.persisted()
+        buf.durable.min_interval = 3600.0  # after its next write, the writer waits
+        await take_lease(bus, 1)  # a change: written now, then the pause begins
+        await buf.durable.persisted()
+        writes = buf.durable.writes
+        await score(bus, *(sample(got, p, i) for p in range(2) for i in range(2)))
+        async with asyncio.timeout(30):  # taken, but not written: the pause holds them
+            while len(buf.admission.ready) < 2:  # noqa: ASYNC110 - no event marks it
+                await asyncio.sleep(0.02)
+        assert buf.durable.writes == writes
+        t = trainer(tmp_path, nats_server, bus, r)
+        async with asyncio.timeout(30):
+            batch = await t._fetch_batch(0)
+        assert {g.prompt_uid for g in batch.groups} == {p.uid for p in got.prompts}
+        assert buf.durable.writes == writes + 1
 
 
 def admission(tmp_path: Path, version: int) -> Admission:

@@ -145,9 +145,9 @@ class BufferActor(Actor):
             parts=self._encoded,
         )
 
-    def _changed(self) -> None:
+    def _changed(self, urgent: bool = False) -> None:
         if self.durable is not None:  # None before setup()
-            self.durable.touch()
+            self.durable.touch(urgent)
 
     async def _persisted(self) -> None:
         """Waits until the state as it is now is written (see :mod:`.durable`)."""
@@ -338,7 +338,7 @@ class BufferActor(Actor):
                     step=req.step, version=self.version, waiting=self.batcher.waiting()
                 )
             batch = self.batcher.take(req.step, self.leases.source.state())
-            self._changed()
+            self._changed(urgent=True)  # the trainer waits for this write
             await self._persisted()
             self.tracer.complete("serve batch", t_request, step=req.step)
             await self.emit_metrics({k: float(v) for k, v in batch.counters.items()}, step=req.step)

@@ -19,6 +19,9 @@ and a return it never wrote leaves that lease out until the actor's heartbeats f
 Writes are group commits, at most one per ``min_interval`` seconds:
 :meth:`DurableState.touch` marks the state changed and :meth:`DurableState.persisted`
 waits for the first write that began after it, so a burst of changes shares one write.
+A served batch is urgent (``touch(urgent=True)``): the trainer waits for its write, so
+it cuts the pause after the last write short and the write starts at once (or as soon
+as the one under way ends).
 Admitted groups and served batches never change, so each is encoded once
 (:class:`EncodedParts`). A buffer killed at any instant restarts from a snapshot that
 holds everything it ever acknowledged.
@@ -31,6 +34,7 @@ the trainer's checkpoint (:func:`keep_for_resume`), the one place that position 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -224,14 +228,19 @@ class DurableState:
         self._changes = 0
         self._written = 0
         self._changed = asyncio.Event()
+        self._urgent = asyncio.Event()
         self._cond = asyncio.Condition()
         self._closed = False
 
-    def touch(self) -> None:
-        """The state changed: the next write holds the change."""
+    def touch(self, urgent: bool = False) -> None:
+        """The state changed: the next write holds the change. ``urgent``: someone waits
+        for it (a trainer for its batch), so the next write does not wait out
+        ``min_interval``."""
         if self.enabled:
             self._changes += 1
             self._changed.set()
+            if urgent:
+                self._urgent.set()
 
     async def persisted(self) -> None:
         """Returns once a write that includes every change so far has finished."""
@@ -288,6 +297,7 @@ class DurableState:
         while True:
             await self._changed.wait()
             self._changed.clear()
+            self._urgent.clear()  # this write holds the urgent change too
             target = self._changes
             data = encode(self.take())
             while True:
@@ -307,8 +317,11 @@ class DurableState:
             async with self._cond:
                 self._written = target
                 self._cond.notify_all()
-            # what changes meanwhile waits for the next write: many changes, one write
-            await asyncio.sleep(self.min_interval)
+            # what changes meanwhile waits for the next write, many changes in one, unless
+            # an urgent one comes
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.min_interval):
+                    await self._urgent.wait()
 
 
 def _raise_if_cancelled() -> None:
