@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from asyncrl.wire.codec import (
     DecodeError,
@@ -616,3 +616,54 @@ def test_direct_encoding_writes_what_pydantic_and_msgpack_write(msg: _Holder) ->
     else:
         assert encode(msg) == expected
         _paths_agree(expected, _Holder)
+
+
+class _Open(Message):
+    """A type that encodes directly with open fields (``Any``, ``dict[str, Any]``), one of
+    them in a nested model, as a trajectory's record and reward info are."""
+
+    KIND: ClassVar[str] = "test_open"
+    data: dict[str, Any] = Field(default_factory=dict)
+    extra: Any = None
+    inner: list[_Holder] = Field(default_factory=list)
+
+
+class _Text(str):
+    pass
+
+
+class _Number(float):
+    pass
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"data": {"question": "2+2?", "answer": "4", "n": 3, "ok": True, "none": None}},
+        {"data": {"nested": {"a": [1, 2.5, "x", b"\0", None, (3, 4)]}}, "extra": (1, [2])},
+        {"extra": {"k": {"deeper": [{"x": -(2**63)}]}}},
+        {"extra": 2**64},  # too large for msgpack: refused as the careful path refuses it
+        {"data": {"s": {1, 2}}},  # a set: msgpack refuses it (msgspec would write an array)
+        {"extra": frozenset({1})},
+        {"data": {"t": _Text("x")}},  # subclasses of plain types: the careful path decides
+        {"data": {"f": _Number(0.5)}},
+        {"data": {"f": np.float64(0.5), "i": np.int64(3)}},
+        {"extra": {1: "a non-string key"}},
+        {"inner": [_Holder(arr=Array.of([1]))]},
+    ],
+)
+def test_open_fields_encode_directly_only_when_that_writes_the_same_bytes(
+    fields: dict[str, Any],
+) -> None:
+    """Fields typed ``Any`` or ``dict[str, Any]`` take the direct encoding when they hold
+    only plain values; anything else goes the careful way, with its result or its error."""
+    msg = _Open.model_construct(**{"data": {}, "extra": None, "inner": []} | fields)
+    assert _encodes_directly(_Open)
+    try:
+        body = msg.__pydantic_serializer__.to_python(msg)
+        expected = msgpack.Packer().pack({"k": msg.KIND, "v": SCHEMA_VERSION, "d": body})
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            encode(msg)
+    else:
+        assert encode(msg) == expected

@@ -68,6 +68,7 @@ def encode(msg: Message) -> bytes:
         # Python code in the middle of an encoding).
         envelope = {"k": msg.KIND, "v": SCHEMA_VERSION, "d": msg.__dict__}
         try:
+            _check_open_fields(msg)
             return _msgspec_encode(envelope, enc_hook=_fields_of)
         except Exception:  # e.g. an int too large for msgpack: the error comes from below
             pass
@@ -151,6 +152,8 @@ def _validate(cls: type[M], body: Any) -> M:
 # --- the fast path ---------------------------------------------------------------------------
 
 _DIRECT: dict[type[BaseModel], bool] = {}
+_OPEN_FIELDS: dict[type[BaseModel], tuple[str, ...]] = {}
+"""The fields typed ``Any`` or ``dict[str, Any]`` of each type that encodes directly."""
 _FAST: dict[type[Message], Callable[[bytes], Any] | None] = {}
 
 # What a pydantic model instance holds besides its __dict__; set the way pydantic-core sets
@@ -309,6 +312,8 @@ def _encodes_directly(model: type[BaseModel]) -> bool:
         return _DIRECT[model]
     _DIRECT[model] = False  # a model that contains itself is not direct
     decorators = model.__pydantic_decorators__
+    fields = model.model_fields
+    open_fields = tuple(name for name, f in fields.items() if _open(f.annotation))
     direct = not (
         decorators.field_serializers
         or decorators.model_serializers
@@ -320,12 +325,53 @@ def _encodes_directly(model: type[BaseModel]) -> bool:
             for attr in vars(klass).values()
         )
         or any(
-            f.exclude or f.alias or f.serialization_alias or not _plain(f.annotation)
-            for f in model.model_fields.values()
+            f.exclude
+            or f.alias
+            or f.serialization_alias
+            or not (name in open_fields or _plain(f.annotation))
+            for name, f in fields.items()
         )
     )
+    if direct and open_fields:
+        _OPEN_FIELDS[model] = open_fields
     _DIRECT[model] = direct
     return direct
+
+
+def _open(annotation: Any) -> bool:
+    """Whether a field is typed ``Any`` or ``dict[str, Any]``: its value encodes directly
+    when it holds only plain values (:func:`_plain_value`), checked as it is encoded."""
+    return annotation is Any or (
+        get_origin(annotation) is dict and get_args(annotation) == (str, Any)
+    )
+
+
+_PLAIN_VALUES = frozenset(_SAME_LEAVES)
+
+
+def _plain_value(value: Any) -> bool:
+    """Whether msgspec writes ``value`` as msgpack writes what pydantic's serializer makes
+    of it: exactly str, int, float, bool, bytes or None, or a list, tuple or dict with str
+    keys of those. Anything else (a set, which msgpack refuses and msgspec writes as an
+    array; a numpy number; a subclass of a plain type) is left to the careful path."""
+    kind = type(value)
+    if kind in _PLAIN_VALUES:
+        return True
+    if kind is dict:
+        return all(type(k) is str and _plain_value(v) for k, v in value.items())
+    if kind is list or kind is tuple:
+        return all(_plain_value(v) for v in value)
+    return False
+
+
+def _check_open_fields(obj: BaseModel) -> None:
+    """Raises TypeError unless every field of ``obj`` typed ``Any`` or ``dict[str, Any]``
+    holds plain values: the direct encoding is then exact, else the careful path writes
+    (or refuses) it."""
+    values = obj.__dict__
+    for name in _OPEN_FIELDS.get(type(obj), ()):
+        if not _plain_value(values[name]):
+            raise TypeError(f"{type(obj).__name__}.{name} holds a value that is not plain")
 
 
 def _plain(annotation: Any) -> bool:
@@ -342,8 +388,10 @@ def _plain(annotation: Any) -> bool:
 
 
 def _fields_of(obj: Any) -> dict[str, Any]:
-    """msgspec's hook for a nested model: its fields, if its type encodes directly."""
+    """msgspec's hook for a nested model: its fields, if its type encodes directly (and
+    its open fields hold plain values)."""
     if _DIRECT.get(type(obj)):
+        _check_open_fields(obj)
         return obj.__dict__  # type: ignore[no-any-return]
     raise TypeError(f"{type(obj).__name__} is not encoded directly")
 
