@@ -9,12 +9,14 @@ anywhere.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
+
+_M = TypeVar("_M", bound=BaseModel)
 
 ALLOWED_DTYPES = frozenset(
     {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
@@ -25,6 +27,23 @@ ALLOWED_DTYPES = frozenset(
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
 _LITTLE = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
 """Each allowed dtype, little-endian: looked up, not built, for every array read."""
+_LITTLE_NAMES = {dtype: name for name, dtype in _LITTLE.items()}
+"""The name of each allowed little-endian dtype: ``dtype.name`` costs more than making a
+small array."""
+_new = object.__new__
+_set_attr = object.__setattr__
+
+
+def _assembled(cls: type[_M], values: dict[str, Any]) -> _M:
+    """An instance of ``cls`` holding ``values`` (every field, each of its field's type,
+    and passing the model's checks) as validation would leave it, without validating:
+    for values this module made or took from an instance that was validated."""
+    obj = _new(cls)
+    _set_attr(obj, "__dict__", values)
+    _set_attr(obj, "__pydantic_fields_set__", set(values))
+    _set_attr(obj, "__pydantic_extra__", None)
+    _set_attr(obj, "__pydantic_private__", None)
+    return obj
 
 
 class Array(BaseModel):
@@ -59,6 +78,12 @@ class Array(BaseModel):
         if hasattr(values, "detach"):  # a torch tensor, without importing torch here
             values = values.detach().cpu().numpy()
         arr = np.asarray(values, dtype=dtype)
+        name = _LITTLE_NAMES.get(arr.dtype)
+        if name is not None and cls is Array:
+            # an allowed little-endian dtype (every one, on a little-endian machine): the
+            # bytes, C order, match dtype and shape by construction, which is all that
+            # validation checks; assembled, not validated (a rollout makes four a sample)
+            return _assembled(Array, {"dtype": name, "shape": arr.shape, "data": arr.tobytes()})
         # astype(order="C") keeps a 0-d array 0-d (ascontiguousarray would make it 1-d)
         arr = arr.astype(arr.dtype.newbyteorder("<"), order="C", copy=False)
         return cls(dtype=arr.dtype.name, shape=tuple(arr.shape), data=arr.tobytes())
@@ -316,12 +341,7 @@ class Trajectory(Message):
         values = {name: getattr(self, name) for name in _TRAIN_FIELDS}
         values["reward_info"] = dict(self.reward_info)
         values["images"] = list(self.images)
-        sample = _new(TrainSample)
-        _set_attr(sample, "__dict__", values)
-        _set_attr(sample, "__pydantic_fields_set__", set(values))
-        _set_attr(sample, "__pydantic_extra__", None)
-        _set_attr(sample, "__pydantic_private__", None)
-        return sample
+        return _assembled(TrainSample, values)
 
     @property
     def versions_spanned(self) -> int:
@@ -442,7 +462,12 @@ def _check_lengths(sample: Trajectory | TrainSample) -> None:
 
 def _versions_spanned(versions: Array) -> int:
     v = versions.numpy()
-    return len(set(v[v >= 0].tolist()))
+    generated = v[v >= 0]
+    if not generated.size:
+        return 0
+    if generated.min() == generated.max():
+        return 1  # the usual case, told without a set of every token's version
+    return len(set(generated.tolist()))
 
 
 def _head_version(versions: Array) -> int:
@@ -453,8 +478,6 @@ def _head_version(versions: Array) -> int:
 
 _TRAIN_FIELDS = tuple(TrainSample.model_fields)
 """The fields a :class:`Trajectory` hands on to training: each is one of its own too."""
-_new = object.__new__
-_set_attr = object.__setattr__
 
 
 class Group(Message):
