@@ -38,6 +38,8 @@ import uuid
 from collections import Counter, deque
 from pathlib import Path
 
+import numpy as np
+
 from asyncrl.actors.generation import build_workflow, latest_weights, serve_endpoint, supersedes
 from asyncrl.api.inference import InferenceEngine
 from asyncrl.api.workflow import RolloutWorkflow
@@ -301,7 +303,7 @@ class RolloutActor(Actor):
         stamped = [
             t.model_copy(update={**stamp, "epoch": epoch, "data": prompt.data})
             if t.reward is None
-            else t.past_scoring().model_copy(update={**stamp, "epoch": epoch})
+            else t.past_scoring(**stamp, epoch=epoch)
             for t in trajectories
         ]
         await self._publish(stamped)
@@ -350,7 +352,9 @@ class RolloutActor(Actor):
             self.delivered.append(prompt.uid)
             self.counters["episodes"] += 1
             self.counters["samples"] += len(result.value)
-            self.counters["tokens"] += sum(int(t.loss_mask.numpy().sum()) for t in result.value)
+            self.counters["tokens"] += sum(
+                int(np.count_nonzero(t.loss_mask.numpy())) for t in result.value
+            )
             # samples whose generated tokens came from more than one policy version: a
             # weight update landed while they were being generated
             self.counters["mixed_version_samples"] += sum(

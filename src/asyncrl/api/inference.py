@@ -257,7 +257,15 @@ class InferenceEngine(ABC):
                 "feed to a model"
             )
         sampling = request.sampling
-        result = GenerateResponse(rid=request.rid, input_ids=list(request.input_ids))
+        # the ids of a validated request, the rest empty: not validated again
+        result = GenerateResponse.model_construct(
+            rid=request.rid,
+            input_ids=list(request.input_ids),
+            output_ids=[],
+            output_logprobs=[],
+            output_versions=[],
+            finish_reason="length",
+        )
         while True:
             await self._resumed.wait()
             if self._stopping:

@@ -84,16 +84,21 @@ class RLVRWorkflow(RolloutWorkflow):
             prompt_ids, images = await asyncio.to_thread(self.prompt, record)
         else:
             prompt_ids, images = self.prompt(record)
-        requests = [
-            GenerateRequest(
-                input_ids=prompt_ids,
-                images=images,
-                sampling=self.sampling.model_copy(
-                    update={"seed": sample_seed(self.sampling.seed, uid, i, attempt)}
-                ),
-                rid=f"{uid}/{i}",
+        samplings = [
+            self.sampling
+            if self.sampling.seed is None
+            else self.sampling.model_copy(
+                update={"seed": sample_seed(self.sampling.seed, uid, i, attempt)}
             )
             for i in range(self.group_size)
+        ]
+        first = GenerateRequest(
+            input_ids=prompt_ids, images=images, sampling=samplings[0], rid=f"{uid}/0"
+        )
+        # the others copy the first (a request is frozen): the prompt ids validated once
+        requests = [first] + [
+            first.model_copy(update={"sampling": samplings[i], "rid": f"{uid}/{i}"})
+            for i in range(1, self.group_size)
         ]
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(engine.agenerate(r)) for r in requests]
