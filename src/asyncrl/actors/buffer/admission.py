@@ -110,10 +110,8 @@ def invalid_reason(
 
 
 def _joined(arrays: Sequence[Array]) -> np.ndarray:
-    """The 1-d ``arrays`` (of one dtype) end to end, as one read-only array."""
-    total = sum(a.shape[0] for a in arrays)
-    data = b"".join(a.data for a in arrays)
-    return Array(dtype=arrays[0].dtype, shape=(total,), data=data).numpy()
+    """The 1-d ``arrays`` (of one dtype, each of it) end to end, as one read-only array."""
+    return np.frombuffer(b"".join(a.data for a in arrays), dtype=arrays[0].numpy().dtype)
 
 
 def group_head_if_valid(
@@ -245,6 +243,9 @@ class Admission:
         self.refused: set[tuple[str, str]] = set()
         """(attempt, prompt uid) of groups abandoned for an invalid sample."""
         self.ready: deque[Group] = deque()
+        self._heads: dict[str, int] = {}
+        """The head version of ready groups by prompt id, as admission found it (a group
+        restored from a snapshot has none here: its own is read)."""
         self._fresh_at = -1
         """The version at which every ready group was last found admissible."""
         self.epoch = 0
@@ -326,6 +327,7 @@ class Admission:
             self.journal.event("filter", prompt=prompt_uid)
             return "filtered"
         self.ready.append(admitted)
+        self._heads[prompt_uid] = head
         self.journal.event("admit", prompt=prompt_uid, head=head, version=version)
         return "admitted"
 
@@ -406,11 +408,15 @@ class Admission:
             return 0
         self._fresh_at = self.staleness.version
         fresh: deque[Group] = deque()
+        heads, self._heads = self._heads, {}
         dropped = 0
         for group in self.ready:
-            head = group.head_version
+            head = heads.get(group.prompt_uid)
+            if head is None:
+                head = group.head_version
             if self.staleness.admissible(head):
                 fresh.append(group)
+                self._heads[group.prompt_uid] = head
                 continue
             dropped += 1
             self.staleness.expire_accepted(1)
