@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/scale.py            # 1, 2, 4, ..., 64 actors, about 6 minutes
     .venv/bin/python bench/scale.py --quick    # 1, 8, 64 actors, short levels
-    .venv/bin/python bench/scale.py --profile  # + cProfile of the buffer process
+    .venv/bin/python bench/scale.py --profile  # + cProfile of the buffer and a rollout host
 
 Everything but the model is real: an embedded nats-server, the JetStream trajectory
 stream, the real :class:`BufferActor` in its own process, the real :class:`RewardActor`
@@ -207,11 +207,17 @@ def actor_process(spec: dict[str, Any], role: str, profile: str) -> None:
 
 
 def rollout_host(
-    spec: dict[str, Any], actor_ids: list[str], out: str, window_over: MpEvent, dumped: MpEvent
+    spec: dict[str, Any],
+    actor_ids: list[str],
+    out: str,
+    window_over: MpEvent,
+    dumped: MpEvent,
+    profile: str,
 ) -> None:
     """Several rollout actors, each with its own NATS connection, in one event loop. The
     lease timings are written once ``window_over`` is set, then ``dumped`` is set (before
-    the actors are told to stop: an actor that does not stop in time is killed)."""
+    the actors are told to stop: an actor that does not stop in time is killed). The host
+    is cProfile'd into ``profile`` if it is given."""
     configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
     actors = [TimedRollout(make_context(spec, a)) for a in actor_ids]
 
@@ -227,7 +233,14 @@ def rollout_host(
             tasks = [tg.create_task(a.main()) for a in actors]
         return [t.result() for t in tasks]
 
-    sys.exit(max(run_async(main())))
+    profiler = cProfile.Profile(time.process_time) if profile else None
+    if profiler is not None:
+        profiler.enable()
+    codes = run_async(main())
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
+    sys.exit(max(codes))
 
 
 # -- one level ----------------------------------------------------------------------------------
@@ -360,6 +373,9 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
                     str(lease_files[-1]),
                     window_over,
                     dumped[-1],
+                    str(RESULTS / f"scale-rollout-{n_actors}.prof")
+                    if args.profile and h == 0
+                    else "",
                 )
             want = {"buffer": 1, "trainer": 1, "rollout": n_actors}
             if not null_reward:
@@ -471,9 +487,9 @@ def cpu_model() -> str:
     return "unknown"
 
 
-def print_profile(path: Path, top: int) -> None:
+def print_profile(what: str, path: Path, top: int) -> None:
     stats = pstats.Stats(str(path))
-    print(f"\nbuffer profile ({path.name}), top {top} by own time:")
+    print(f"\n{what} profile ({path.name}), top {top} by own time:")
     stats.sort_stats("tottime").print_stats(top)
     print(f"top {top} by cumulative time:")
     stats.sort_stats("cumulative").print_stats(top)
@@ -506,7 +522,11 @@ def main() -> None:
         default=0.25,
         help="stop once a level admits less than this share of the peak (0: never)",
     )
-    p.add_argument("--profile", action="store_true", help="cProfile the buffer process")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile the buffer process and the first rollout host",
+    )
     args = p.parse_args()
     if args.quick:
         args.actors, args.seconds, args.warmup = "1,8,64", 6.0, 2.0
@@ -578,7 +598,8 @@ def main() -> None:
     out.write_text(json.dumps({**header, "levels": results, "summary": summary}, indent=2))
     print(f"wrote {out.relative_to(HERE.parent.parent)}")
     if args.profile:
-        print_profile(RESULTS / f"scale-buffer-{last['actors']}.prof", 25)
+        for what in ("buffer", "rollout"):
+            print_profile(what, RESULTS / f"scale-{what}-{last['actors']}.prof", 25)
 
 
 if __name__ == "__main__":
