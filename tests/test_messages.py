@@ -619,13 +619,15 @@ def test_direct_encoding_writes_what_pydantic_and_msgpack_write(msg: _Holder) ->
 
 
 class _Open(Message):
-    """A type that encodes directly with open fields (``Any``, ``dict[str, Any]``), one of
-    them in a nested model, as a trajectory's record and reward info are."""
+    """A type that encodes directly with open fields (``Any``, ``dict[str, Any]``, Any
+    inside a container), one in a nested model, as a trajectory's record, its reward info
+    and the buffer snapshot's dataset positions are."""
 
     KIND: ClassVar[str] = "test_open"
     data: dict[str, Any] = Field(default_factory=dict)
     extra: Any = None
     inner: list[_Holder] = Field(default_factory=list)
+    pairs: list[tuple[int, dict[str, Any]]] = Field(default_factory=list)
 
 
 class _Text(str):
@@ -650,6 +652,8 @@ class _Number(float):
         {"data": {"f": np.float64(0.5), "i": np.int64(3)}},
         {"extra": {1: "a non-string key"}},
         {"inner": [_Holder(arr=Array.of([1]))]},
+        {"pairs": [(1, {"epoch": 0, "order": [3, 1]}), (2, {})]},
+        {"pairs": [(1, {"seen": {3}})]},
     ],
 )
 def test_open_fields_encode_directly_only_when_that_writes_the_same_bytes(
@@ -657,7 +661,7 @@ def test_open_fields_encode_directly_only_when_that_writes_the_same_bytes(
 ) -> None:
     """Fields typed ``Any`` or ``dict[str, Any]`` take the direct encoding when they hold
     only plain values; anything else goes the careful way, with its result or its error."""
-    msg = _Open.model_construct(**{"data": {}, "extra": None, "inner": []} | fields)
+    msg = _Open.model_construct(**{"data": {}, "extra": None, "inner": [], "pairs": []} | fields)
     assert _encodes_directly(_Open)
     try:
         body = msg.__pydantic_serializer__.to_python(msg)

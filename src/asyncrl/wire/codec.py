@@ -153,7 +153,7 @@ def _validate(cls: type[M], body: Any) -> M:
 
 _DIRECT: dict[type[BaseModel], bool] = {}
 _OPEN_FIELDS: dict[type[BaseModel], tuple[str, ...]] = {}
-"""The fields typed ``Any`` or ``dict[str, Any]`` of each type that encodes directly."""
+"""The open fields (see :func:`_open`) of each type that encodes directly."""
 _FAST: dict[type[Message], Callable[[bytes], Any] | None] = {}
 
 # What a pydantic model instance holds besides its __dict__; set the way pydantic-core sets
@@ -339,11 +339,25 @@ def _encodes_directly(model: type[BaseModel]) -> bool:
 
 
 def _open(annotation: Any) -> bool:
-    """Whether a field is typed ``Any`` or ``dict[str, Any]``: its value encodes directly
-    when it holds only plain values (:func:`_plain_value`), checked as it is encoded."""
-    return annotation is Any or (
-        get_origin(annotation) is dict and get_args(annotation) == (str, Any)
-    )
+    """Whether a field's type holds ``Any`` (``dict[str, Any]``, say) and, besides it, only
+    plain types, no model: its value encodes directly when it holds only plain values
+    (:func:`_plain_value`), checked as it is encoded."""
+    return _open_parts(annotation) == (True, True)
+
+
+def _open_parts(annotation: Any) -> tuple[bool, bool]:
+    """(every part of ``annotation`` is ``Any`` or plain and not a model, some part is ``Any``)."""
+    if annotation is Any:
+        return True, True
+    if annotation in _SAME_LEAVES:
+        return True, False
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return all(type(a) is str for a in args), False
+    if origin in (tuple, list, dict, Union, types.UnionType) and args:
+        parts = [_open_parts(a) for a in args if a is not Ellipsis]
+        return all(ok for ok, _ in parts), any(has for _, has in parts)
+    return False, False
 
 
 _PLAIN_VALUES = frozenset(_SAME_LEAVES)
@@ -365,9 +379,9 @@ def _plain_value(value: Any) -> bool:
 
 
 def _check_open_fields(obj: BaseModel) -> None:
-    """Raises TypeError unless every field of ``obj`` typed ``Any`` or ``dict[str, Any]``
-    holds plain values: the direct encoding is then exact, else the careful path writes
-    (or refuses) it."""
+    """Raises TypeError unless every open field of ``obj`` (see :func:`_open`) holds plain
+    values: the direct encoding is then exact, else the careful path writes (or refuses)
+    it."""
     values = obj.__dict__
     for name in _OPEN_FIELDS.get(type(obj), ()):
         if not _plain_value(values[name]):

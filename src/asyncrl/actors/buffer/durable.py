@@ -137,7 +137,9 @@ def capture(
             for a, (rid, lease) in leases.answers.items()
         ],
         partial=[t for group in admission.groups.values() for t in group.values()],
-        completed=sorted(admission.completed),
+        # as the set holds them: sorting every completed prompt at every write cost more
+        # than the rest of the snapshot once a run had admitted some ten thousand groups
+        completed=list(admission.completed),
         refused=sorted(admission.refused),
         ready=parts.groups(admission.ready),
         served=parts.batches(batcher.served.values()),
