@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -21,7 +22,13 @@ from test_buffer_actor import S, sample, score, take_lease, trainer
 from asyncrl.actors.buffer import actor as buffer_actor
 from asyncrl.actors.buffer.admission import Admission, admitted_group, raw_rewards
 from asyncrl.actors.buffer.batching import Batcher
-from asyncrl.actors.buffer.durable import OldSnapshotError, keep_for_resume, restore
+from asyncrl.actors.buffer.durable import (
+    OldSnapshotError,
+    keep_for_resume,
+    named_parts,
+    part_key,
+    restore,
+)
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.observe.records import drop_records_after
@@ -30,12 +37,16 @@ from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.runtime.supervisor import RESTART_ENV, ActorSpec
+from asyncrl.wire.codec import decode
 from asyncrl.wire.messages import (
     SCHEMA_VERSION,
     Array,
     BatchRequest,
+    BufferPart,
     BufferSnapshot,
     Group,
+    Lease,
+    LeaseRequest,
     TrainBatchRef,
     Trajectory,
 )
@@ -193,6 +204,55 @@ async def test_a_served_batch_is_written_without_waiting_out_the_pause_between_w
         assert buf.durable.writes == writes + 1
 
 
+async def test_each_group_is_written_once_and_its_part_deleted_once_no_snapshot_names_it(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admitted groups go into parts written once each, however many snapshots name
+    them while they are ready and then served; the snapshot names them by place. Once
+    the snapshot in the bucket no longer names a part (its batch is past the two kept),
+    the part is deleted."""
+    r = recipe()
+    written: list[bytes] = []
+    async with running_buffer(tmp_path, nats_server, bus, r) as buf:
+        assert buf.durable is not None
+        put = buf.bus.put_blob
+
+        async def recording_put(bucket: str, key: str, source: Any) -> int:
+            if key.startswith("part-"):
+                written.append(bytes(source))
+            return await put(bucket, key, source)
+
+        monkeypatch.setattr(buf.bus, "put_blob", recording_put)
+        t = trainer(tmp_path, nats_server, bus, r)
+        got = await take_lease(bus, 4)  # (v + η + 1)·B = 4 prompts
+        async with asyncio.timeout(30):
+            for step in range(2):  # a batch's groups scored apart from the other's
+                await score(
+                    bus, *(sample(got, p, i) for p in (2 * step, 2 * step + 1) for i in (0, 1))
+                )
+                t.version = step
+                await t._fetch_batch(step)
+            buf.version = 1  # room for two more prompts
+            req = LeaseRequest(actor_id="r0", max_episodes=2, request_id="m")
+            more = await bus.request(S.lease, req, Lease, timeout=10)
+            assert len(more.prompts) == 2
+            await score(bus, *(sample(more, p, i, 1) for p in range(2) for i in range(2)))
+            t.version = t.published_version = 2
+            await t._fetch_batch(2)
+        await buf.durable.persisted()
+        snap = await buf.durable.load()
+        assert snap is not None
+        store = await bus.js.object_store(S.buffer_bucket)
+        keys = {info.name for info in await store.list(ignore_deletes=True)}
+    uids = [
+        decode(g, Group).prompt_uid for part in written for g in decode(part, BufferPart).groups
+    ]
+    assert sorted(uids) == sorted(p.uid for p in (*got.prompts, *more.prompts))  # once each
+    assert [r.step for r in snap.served] == [1, 2]
+    assert keys == {"state"} | {part_key(n) for n in named_parts(snap)}
+    assert len(written) > len(named_parts(snap))  # the parts of step 0 alone were deleted
+
+
 def admission(tmp_path: Path, version: int) -> Admission:
     sm = StalenessManager(batch_size=2, max_concurrent=16, max_head_offpolicyness=1)
     sm.version = version
@@ -254,9 +314,13 @@ def test_a_snapshot_of_groups_kept_as_bare_samples_is_refused_naming_the_run(
             "d": {"samples": [t.__pydantic_serializer__.to_python(t) for t in samples]},
         }
     )
-    snap = BufferSnapshot(version=9, ready=[old])
+    snap = BufferSnapshot(version=9, ready=[(0, 0)])
     with pytest.raises(OldSnapshotError, match=str(tmp_path)):
-        restore(snap, a.leases, a, batcher, 0.0, run_dir=tmp_path)
+        restore(
+            snap, a.leases, a, batcher, 0.0, run_dir=tmp_path, parts={0: BufferPart(groups=[old])}
+        )
+    with pytest.raises(OldSnapshotError, match="part 0, which its bucket does not hold"):
+        restore(snap, a.leases, a, batcher, 0.0, run_dir=tmp_path)  # the part is missing
     assert a.staleness.version == 3 and not a.ready
 
 

@@ -172,6 +172,13 @@ class BlobMixin(Connection):
                 "or a SHA-256 mismatch"
             )
 
+    async def delete_bucket(self, bucket: str) -> None:
+        """Deletes the bucket with every blob in it; one that does not exist is not an
+        error. The next :meth:`put_blob` to it creates it again."""
+        self._stores.pop(bucket, None)
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_object_store(bucket)
+
     async def delete_blob(self, bucket: str, key: str) -> None:
         """Deletes the blob; a blob or bucket that does not exist is not an error."""
         store = await self._store(bucket, create=False)

@@ -697,8 +697,30 @@ class AnswerRecord(BaseModel):
     lease: Lease
 
 
+class ServedRecord(BaseModel):
+    """A batch the buffer served, as its snapshot keeps it: the batch's own fields, and
+    its groups by where they are written (``(part, index)``, see :class:`BufferPart`)."""
+
+    step: int
+    version: int
+    blob_key: str = ""
+    counters: dict[str, int] = Field(default_factory=dict)
+    groups: list[tuple[int, int]] = Field(default_factory=list)
+
+
+class BufferPart(Message):
+    """Admitted groups written once, each as an encoded :class:`Group`: the buffer's
+    snapshot names a group by its part's number and its index here, so a group that
+    stays in the buffer through many writes of the snapshot is written once."""
+
+    KIND: ClassVar[str] = "buffer_part"
+    groups: list[bytes]
+
+
 class BufferSnapshot(Message):
-    """Everything a restarted buffer needs to go on where the dead one stood."""
+    """Everything a restarted buffer needs to go on where the dead one stood. The
+    admitted groups and the served batches' groups are named, not held: each lives in a
+    :class:`BufferPart` written once."""
 
     KIND: ClassVar[str] = "buffer_snapshot"
     epoch: int = 0
@@ -717,11 +739,11 @@ class BufferSnapshot(Message):
     """Samples of the groups still in the making (past scoring: no prompt records)."""
     completed: list[str] = Field(default_factory=list)
     refused: list[tuple[str, str]] = Field(default_factory=list)
-    ready: list[bytes] = Field(default_factory=list)
-    """Each admitted group as an encoded :class:`Group` (see
-    :class:`~asyncrl.actors.buffer.durable.EncodedParts`)."""
-    served: list[bytes] = Field(default_factory=list)
-    """Each served batch as an encoded :class:`TrainBatchRef`."""
+    ready: list[tuple[int, int]] = Field(default_factory=list)
+    """Each admitted group, in order, by ``(part, index)`` (see :class:`BufferPart`)."""
+    served: list[ServedRecord] = Field(default_factory=list)
+    """Each served batch still kept (for a repeated request, or a roll-back)."""
+    next_part: int = Field(default=0, description="the number the next BufferPart takes")
     since_checkpoint: list[tuple[int, list[str]]] = Field(default_factory=list)
     """(step, the prompt uids of its batch): pairs, as the wire takes only string keys."""
     positions: list[tuple[int, dict[str, Any]]] = Field(default_factory=list)

@@ -157,7 +157,11 @@ class BufferActor(Actor):
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         s = self.subjects
         self.durable = DurableState(
-            self.bus, s.buffer_bucket, self._snapshot, enabled=self.recipe.buffer.durable
+            self.bus,
+            s.buffer_bucket,
+            self._snapshot,
+            enabled=self.recipe.buffer.durable,
+            parts=self._encoded,
         )
         if self.durable.enabled:
             snap = await self.durable.load()
@@ -169,6 +173,8 @@ class BufferActor(Actor):
                     self.batcher,
                     time.monotonic(),
                     run_dir=self.ctx.run_dir,
+                    parts=await self.durable.load_parts(snap),
+                    encoded=self._encoded,
                 )
                 self.admission.epoch = snap.epoch
                 if snap.weights is not None:  # else those of the checkpoint, if any
