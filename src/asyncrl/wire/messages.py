@@ -707,6 +707,27 @@ class ServedRecord(BaseModel):
     counters: dict[str, int] = Field(default_factory=dict)
     groups: list[tuple[int, int]] = Field(default_factory=list)
 
+    @classmethod
+    def of(cls, batch: TrainBatchRef, places: list[tuple[int, int]]) -> ServedRecord:
+        """``batch``, its groups at ``places``."""
+        return cls(
+            step=batch.step,
+            version=batch.version,
+            blob_key=batch.blob_key,
+            counters=batch.counters,
+            groups=places,
+        )
+
+    def batch(self, groups: list[Group]) -> TrainBatchRef:
+        """The batch again, with its ``groups`` (read from their places)."""
+        return TrainBatchRef(
+            step=self.step,
+            version=self.version,
+            blob_key=self.blob_key,
+            counters=self.counters,
+            groups=groups,
+        )
+
 
 class BufferPart(Message):
     """Admitted groups written once, each as an encoded :class:`Group`: the buffer's

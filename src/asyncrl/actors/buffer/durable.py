@@ -122,16 +122,7 @@ class EncodedParts:
             return where
 
         places = [place(g) for g in ready]
-        records = [
-            ServedRecord(
-                step=b.step,
-                version=b.version,
-                blob_key=b.blob_key,
-                counters=b.counters,
-                groups=[place(g) for g in b.groups],
-            )
-            for b in served
-        ]
+        records = [ServedRecord.of(b, [place(g) for g in b.groups]) for b in served]
         if fresh:
             self._unwritten[number] = BufferPart(groups=fresh)
             self.next_part = number + 1
@@ -251,16 +242,7 @@ def restore(
         return places[where]
 
     ready = [group_at(w) for w in snap.ready]
-    served = [
-        TrainBatchRef(
-            step=r.step,
-            version=r.version,
-            blob_key=r.blob_key,
-            counters=r.counters,
-            groups=[group_at(w) for w in r.groups],
-        )
-        for r in snap.served
-    ]
+    served = [r.batch([group_at(w) for w in r.groups]) for r in snap.served]
     if encoded is not None:
         encoded.restored(snap.next_part, places)
     sm = leases.staleness
