@@ -30,8 +30,8 @@ seconds, then a window of ``--seconds`` over which it counts
 - wire bytes per sample: the mean payload of the first ``WIRE_SAMPLES`` messages of the
   window on the raw subjects and on the scored subjects (as JetStream stores them; a
   group message, one per group for the RLVR workflow, counts its size over its samples),
-  and the encoded size of each batch the trainer received (inline or by the object
-  store) divided by its samples.
+  and the encoded size of the first ``WIRE_STEPS`` batches the trainer received (inline
+  or by the object store) divided by their samples.
 
 The rollout actors of a level live in at most ``--hosts`` processes (default 2), each
 actor an asyncio task in its host's loop with its *own* NATS connection, actor id,
@@ -89,6 +89,9 @@ RUN = "scale"
 WIRE_SAMPLES = 256
 """Trajectories per subject whose payload sizes a level averages (then it unsubscribes:
 the count costs the server one more delivery per message only that long)."""
+WIRE_STEPS = 8
+"""Trainer steps per process whose batch the null trainer encodes again to measure its size
+(-1 in ``trainer-steps.jsonl`` for the steps after)."""
 STOP_GRACE = 15.0
 """Seconds an actor process has to stop after the level's ``stop``; then it is killed and
 named in ``killed_at_stop``. Before ``Bus.request`` kept its own deadline, actors now and
@@ -124,7 +127,10 @@ class NullTrainer(TrainerActor):
             self.step += 1
             self.version += 1
             samples = sum(len(g.samples) for g in batch.groups)
-            self._note_step(samples, len(encode(batch)))
+            # sizes settle within a few steps; encoding a batch again to measure it costs the
+            # machine what a step's decode does, so only the first steps are measured
+            size = len(encode(batch)) if self.step <= WIRE_STEPS else -1
+            self._note_step(samples, size)
             if self.step % self.recipe.trainer.update_every == 0:
                 msg = WeightsUpdated(
                     version=self.version, kind="dir", location=location, step=self.step
@@ -291,8 +297,11 @@ def pct(values: list[float], q: float) -> float:
 
 def read_window(
     run_dir: Path, lease_files: list[Path], t0: float, t1: float
-) -> tuple[Counter[str], list[tuple[float, float, int]], list[tuple[float, int]]]:
-    """Buffer events by kind, lease timings and trainer steps of the window [t0, t1)."""
+) -> tuple[
+    Counter[str], list[tuple[float, float, int]], list[tuple[Any, ...]], list[tuple[Any, ...]]
+]:
+    """Buffer events by kind, lease timings and trainer steps of the window [t0, t1), and
+    the steps whose batch size was measured (the first ``WIRE_STEPS``, in or before it)."""
     events: Counter[str] = Counter()
     with open(run_dir / "buffer_events.jsonl") as f:
         for line in f:
@@ -306,8 +315,10 @@ def read_window(
         if t0 <= t < t1
     ]
     with open(run_dir / "trainer-steps.jsonl") as f:
-        steps = [(t, n, b) for t, n, b in map(json.loads, f) if t0 <= t < t1]
-    return events, leases, steps
+        every = [tuple(json.loads(line)) for line in f]
+    steps = [(t, n, b) for t, n, b in every if t0 <= t < t1]
+    measured = [(t, n, b) for t, n, b in every if b >= 0]  # the first WIRE_STEPS, whenever
+    return events, leases, steps, measured
 
 
 def mean(values: list[float]) -> float:
@@ -434,7 +445,7 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
                 elif p.exitcode != 0:
                     raise RuntimeError(f"{name} exited with {p.exitcode}")
             await bus.close()
-            events, leases, steps = read_window(run_dir, lease_files, t0, t1)
+            events, leases, steps, measured = read_window(run_dir, lease_files, t0, t1)
     window = t1 - t0
     admitted = events["admit"] * recipe.rollout.group_size
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
@@ -466,7 +477,7 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
         "wire_bytes_per_sample": {
             "raw": mean(wire["raw"]),
             "scored": mean(wire["scored"]),
-            "batch": sum(b for _, _, b in steps) / max(1, sum(n for _, n, _ in steps)),
+            "batch": sum(b for _, _, b in measured) / max(1, sum(n for _, n, _ in measured)),
         },
         "events": dict(events),
         "killed_at_stop": killed,
