@@ -342,22 +342,7 @@ def _open(annotation: Any) -> bool:
     """Whether a field's type holds ``Any`` (``dict[str, Any]``, say) and, besides it, only
     plain types, no model: its value encodes directly when it holds only plain values
     (:func:`_plain_value`), checked as it is encoded."""
-    return _open_parts(annotation) == (True, True)
-
-
-def _open_parts(annotation: Any) -> tuple[bool, bool]:
-    """(every part of ``annotation`` is ``Any`` or plain and not a model, some part is ``Any``)."""
-    if annotation is Any:
-        return True, True
-    if annotation in _SAME_LEAVES:
-        return True, False
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Literal:
-        return all(type(a) is str for a in args), False
-    if origin in (tuple, list, dict, Union, types.UnionType) and args:
-        parts = [_open_parts(a) for a in args if a is not Ellipsis]
-        return all(ok for ok, _ in parts), any(has for _, has in parts)
-    return False, False
+    return _plain(annotation, open_=True) and not _plain(annotation)
 
 
 _PLAIN_VALUES = frozenset(_SAME_LEAVES)
@@ -388,16 +373,18 @@ def _check_open_fields(obj: BaseModel) -> None:
             raise TypeError(f"{type(obj).__name__}.{name} holds a value that is not plain")
 
 
-def _plain(annotation: Any) -> bool:
-    if annotation in _SAME_LEAVES:
+def _plain(annotation: Any, *, open_: bool = False) -> bool:
+    """Whether a field of this type encodes directly as it is. With ``open_``, ``Any``
+    counts as plain and a model does not (the type of an open field, see :func:`_open`)."""
+    if annotation in _SAME_LEAVES or (open_ and annotation is Any):
         return True
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
-        return _encodes_directly(annotation)
+        return not open_ and _encodes_directly(annotation)
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Literal:
         return all(type(a) is str for a in args)
     if origin in (tuple, list, dict, Union, types.UnionType):
-        return all(a is Ellipsis or _plain(a) for a in args)
+        return all(a is Ellipsis or _plain(a, open_=open_) for a in args)
     return False
 
 

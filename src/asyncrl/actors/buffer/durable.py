@@ -137,7 +137,7 @@ class EncodedParts:
 
     def unnamed(self, snap: BufferSnapshot) -> list[int]:
         """The written parts that ``snap`` (written) no longer names: to delete."""
-        return sorted(self._written - named_parts(snap) - set(self._unwritten))
+        return sorted(self._written - named_parts(snap))
 
     def deleted(self, number: int) -> None:
         self._written.discard(number)
