@@ -22,8 +22,11 @@ seconds, then a window of ``--seconds`` over which it counts
 - admitted samples/s: ``admit`` events in the buffer's ``buffer_events.jsonl`` whose
   time falls in the window, times the group size;
 - lease round trip p50/p99: every lease request of every rollout actor that ended in
-  the window, timed around ``RolloutActor._ask_for_lease`` (empty leases included: the
-  staleness budget caps what is in flight, so many requests are answered "nothing now");
+  the window, timed around ``RolloutActor._ask_for_lease``. A request that finds the
+  staleness budget spent is held at the buffer until capacity frees (a long poll, at most
+  ``LEASE_WAIT``), so the round trip includes that wait: with many actors it is mostly
+  the time to the next trainer step. "empty" is the share answered with nothing (a
+  whole wait without capacity);
 - buffer CPU per sample: the buffer process's user + system CPU time over the window
   (``psutil``) divided by the admitted samples, and the same for the other processes, so
   one sees which part of the machine the run saturates;

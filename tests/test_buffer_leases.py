@@ -13,7 +13,15 @@ from asyncrl.actors.rollout import RolloutActor
 from asyncrl.config.recipe import Recipe
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.nats_server import NatsInfo
-from asyncrl.wire.messages import ActorInfo, EpisodeAborted, Lease, LeaseRequest
+from asyncrl.wire.messages import (
+    Ack,
+    ActorExit,
+    ActorInfo,
+    EpisodeAborted,
+    Lease,
+    LeaseRequest,
+    WeightsUpdated,
+)
 
 
 async def test_a_repeated_request_id_gets_the_same_lease(tmp_path: Path) -> None:
@@ -156,3 +164,60 @@ async def test_heartbeats_list_what_the_rollout_actor_holds(
     await bus.publish(actor.subjects.heartbeat("rollout"), actor.info())
     info = await asyncio.wait_for(seen.get(), 10)
     assert info.holding == ["e0-1", "e0-3"] and info.delivered == ["e0-2"]
+
+
+async def test_a_held_lease_request_is_granted_as_capacity_frees_the_longest_held_first(
+    tmp_path: Path, nats_server: NatsInfo, bus: Bus
+) -> None:
+    """A request that finds no capacity waits at the buffer (a long poll) instead of
+    coming back empty: granted the moment capacity frees, the requests held longest
+    first, each at most what it asked; answered with nothing when its wait ends, when its
+    actor exits, or when the buffer stops. Requests that do not wait are answered at once
+    all along."""
+    r = recipe()  # capacity (0 + 1 + 1)·2 = 4
+    async with running_buffer(tmp_path, nats_server, bus, r) as buf:
+        s = buf.subjects
+
+        def ask(actor: str, n: int, wait: float) -> asyncio.Task[Lease]:
+            req = LeaseRequest(actor_id=actor, max_episodes=n, request_id=actor, wait=wait)
+            return asyncio.create_task(bus.request(s.lease, req, Lease, timeout=10))
+
+        async def held(*actors: str) -> None:
+            async with asyncio.timeout(10):
+                while list(buf._held) != list(actors):  # noqa: ASYNC110 - in this process
+                    await asyncio.sleep(0.01)
+
+        first = await ask("r0", 4, 30.0)
+        assert len(first.prompts) == 4  # capacity there: answered at once
+        r1 = ask("r1", 3, 30.0)
+        await held("r1")
+        r2 = ask("r2", 3, 30.0)
+        await held("r1", "r2")
+        now = await ask("r3", 2, 0.0)  # no wait: answered empty at once, past the held
+        assert now.prompts == [] and now.retry_after > 0 and not r1.done()
+
+        # a new version frees (1 + 1 + 1)·2 − 4 = 2: all to the longest held, r2 waits on
+        await bus.publish(s.weights, WeightsUpdated(version=1, kind="dir", location="w"))
+        got = await r1
+        assert len(got.prompts) == 2 and got.version == 1 and not r2.done()
+        assert buf.counters["held_leases"] == 1
+        # an abort frees one more: r2 has it
+        aborted = first.prompts[0]
+        msg = EpisodeAborted(actor_id="r0", prompt_uid=aborted.uid, lease_id=first.lease_id)
+        await bus.request(s.episode_aborted, msg, Ack, timeout=10)
+        assert [p.uid for p in (await r2).prompts] == [aborted.uid]
+        assert buf.staleness.running == 4 + 2 + 1 - 1 == len(buf.leases.leased)
+
+        # no capacity for its whole wait: answered with nothing, to ask again at once
+        late = await ask("r4", 1, 0.2)
+        assert late.prompts == [] and late.retry_after == 0 and not buf._held
+        # its actor exits: answered with nothing, and nothing is leased to it later
+        gone = ask("r5", 2, 30.0)
+        await held("r5")
+        await bus.publish(s.exited, ActorExit(role="rollout", actor_id="r5", ok=True))
+        assert (await gone).prompts == [] and not buf._held
+        last = ask("r6", 2, 30.0)
+        await held("r6")
+    # the buffer stopped: the held request was answered (with nothing) first
+    assert (await last).prompts == []
+    assert buf.staleness.running == 6

@@ -176,6 +176,51 @@ async def test_request_timeout_and_no_responders_raise_bus_timeout(bus: Bus) -> 
     release.set()
 
 
+async def test_a_concurrent_serve_answers_requests_behind_one_that_waits(
+    nats_server: NatsInfo, bus: Bus
+) -> None:
+    release = asyncio.Event()
+
+    async def held(req: LeaseRequest) -> Lease:
+        if req.wait:
+            await release.wait()  # a long poll: answered when something frees
+        return Lease(lease_id=req.request_id, actor_id=req.actor_id, version=0)
+
+    await bus.serve("t.held", LeaseRequest, held, concurrent=True)
+
+    def ask(actor: str, wait: float) -> Awaitable[Lease]:
+        req = LeaseRequest(actor_id=actor, max_episodes=1, request_id=actor, wait=wait)
+        return bus.request("t.held", req, Lease, timeout=WAIT)
+
+    first = asyncio.create_task(ask("r0", 1.0))
+    assert (await ask("r1", 0.0)).lease_id == "r1"  # not behind r0
+    assert not first.done()
+    release.set()
+    assert (await first).lease_id == "r0"
+
+    # a request still being answered when the responder's bus closes is answered first
+    release.clear()
+    async with await Bus.connect(nats_server, name="responder") as responder:
+        await responder.serve("t.late", LeaseRequest, held, concurrent=True)
+        late = asyncio.create_task(
+            bus.request(
+                "t.late",
+                LeaseRequest(actor_id="r2", max_episodes=1, request_id="r2", wait=1.0),
+                Lease,
+                timeout=WAIT,
+            )
+        )
+        async with asyncio.timeout(WAIT):
+            while not responder._answering:  # noqa: ASYNC110 - the request is in
+                await asyncio.sleep(0.01)
+        closing = asyncio.create_task(responder.close())
+        await asyncio.sleep(0.05)
+        assert not closing.done()  # waits for the answer being made
+        release.set()
+        await closing
+    assert (await late).lease_id == "r2"
+
+
 async def test_serve_answers_failures_with_a_remote_error(bus: Bus) -> None:
     async def picky(req: LeaseRequest) -> Lease:
         raise RuntimeError(f"no capacity for {req.actor_id}")

@@ -68,6 +68,11 @@ LEASE_TIMEOUT = 5.0
 """Seconds to wait for the buffer's answer to a lease request (or an abort report)
 before asking again."""
 
+LEASE_WAIT = 2.0
+"""Seconds the buffer may hold a lease request while it has nothing to lease (a long
+poll: it answers as soon as capacity frees); well below :data:`LEASE_TIMEOUT`, so a held
+request is answered before its asker gives up on it."""
+
 RETRY_PAUSE = 0.5
 """Seconds between a request to the buffer that timed out and its repeat."""
 
@@ -214,7 +219,12 @@ class RolloutActor(Actor):
         """Asks the buffer for up to ``n`` episodes until it answers. Every repeat carries
         the first request's id: if the buffer granted a lease whose reply was lost, the
         repeat gets that lease again instead of a second one."""
-        req = LeaseRequest(actor_id=self.actor_id, max_episodes=n, request_id=uuid.uuid4().hex)
+        req = LeaseRequest(
+            actor_id=self.actor_id,
+            max_episodes=n,
+            request_id=uuid.uuid4().hex,
+            wait=LEASE_WAIT,
+        )
         while True:
             try:
                 with self.tracer.span("lease", max_episodes=n):

@@ -137,12 +137,15 @@ class Bus(JetStreamMixin, BlobMixin):
         handler: Callable[[M], Awaitable[Message]],
         *,
         queue: str = "",
+        concurrent: bool = False,
     ) -> Subscription:
         """Answers each request on ``subject`` with what ``handler`` returns.
 
-        Requests are handled one at a time, in arrival order. A request that does not
-        decode, a handler exception and a reply over ``max_payload`` are counted and
-        answered with ``Ack(ok=False, error=...)``, so the requester fails fast with
+        Requests are handled one at a time, in arrival order; with ``concurrent``, each in
+        a task of its own, started in arrival order, so a handler may wait (a long poll)
+        without holding the requests behind it. A request that does not decode, a handler
+        exception and a reply over ``max_payload`` are counted and answered with
+        ``Ack(ok=False, error=...)``, so the requester fails fast with
         :class:`RemoteError` instead of waiting for its timeout.
         """
 
@@ -169,7 +172,15 @@ class Bus(JetStreamMixin, BlobMixin):
                 data = encode(Ack(ok=False, error=str(too_large)))
             await self.nc.publish(raw.reply, data)
 
-        return await self._subscribe_raw(subject, queue, on_request)
+        if not concurrent:
+            return await self._subscribe_raw(subject, queue, on_request)
+
+        async def start(raw: Msg) -> None:
+            task = asyncio.create_task(on_request(raw), name=f"answer {subject}")
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
+
+        return await self._subscribe_raw(subject, queue, start)
 
     async def _subscribe_raw(
         self, subject: str, queue: str, cb: Callable[[Msg], Awaitable[None]]

@@ -11,6 +11,7 @@ The errors of the bus live here too, so that every part raises the same ones.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from types import TracebackType
 from typing import Any, Self
@@ -87,6 +88,8 @@ class Connection:
         self.drops: collections.Counter[str] = collections.Counter()
         self.js = nc.jetstream()
         self._stores: dict[str, ObjectStore] = {}
+        # requests of concurrent ``serve`` subscriptions being answered (see Bus.serve)
+        self._answering: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(
@@ -134,6 +137,8 @@ class Connection:
             return
         if self.nc.is_connected:
             try:
+                if self._answering:  # their replies are publishes the drain must flush
+                    await asyncio.wait(self._answering, timeout=DRAIN_TIMEOUT_S)
                 await self.nc.drain()
                 return
             except nats.errors.Error as exc:

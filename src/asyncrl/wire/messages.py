@@ -207,11 +207,19 @@ class LeaseRequest(Message):
         description="the same id on a retry after a timeout gets the same lease, never a "
         "second one",
     )
+    wait: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=60.0,
+        description="seconds the buffer may hold the request while it has nothing to lease, "
+        "answering as soon as capacity frees (a long poll); 0 answers at once",
+    )
 
 
 class Lease(Message):
-    """Episodes an actor may start now. Empty ``prompts`` means: no capacity, ask again
-    after ``retry_after`` seconds or on the next ``WeightsUpdated``."""
+    """Episodes an actor may start now. Empty ``prompts`` means: no capacity (for the
+    request's whole ``wait``), ask again after ``retry_after`` seconds or on the next
+    ``WeightsUpdated``."""
 
     KIND: ClassVar[str] = "lease"
     lease_id: str

@@ -2,6 +2,8 @@
 
 - **Leases** (:mod:`.leases`): a rollout actor asks for up to k episodes and gets
   min(k, capacity) prompts (returned prompts first, then the dataset in a seeded order).
+  A request that finds no capacity may be held (its ``wait``, a long poll) and is granted
+  as soon as capacity frees, the requests held longest first: the actors do not poll.
 - **Admission** (:mod:`.admission`): scored samples arrive on JetStream and are judged,
   one message a sample or one a group (:class:`~asyncrl.wire.messages.TrajectoryGroup`).
 - **Batches** (:mod:`.batching`): the trainer asks for the batch of step s.
@@ -44,6 +46,7 @@ from asyncrl.wire.messages import (
     ActorInfo,
     BatchRequest,
     EpisodeAborted,
+    Lease,
     LeaseRequest,
     Message,
     TrainBatchRef,
@@ -107,6 +110,8 @@ class BufferActor(Actor):
         self.weights: WeightsUpdated | None = None
         self.durable: DurableState | None = None
         self._encoded = EncodedParts()
+        # lease requests held until capacity frees, by actor, the oldest first
+        self._held: dict[str, tuple[LeaseRequest, asyncio.Future[Lease | None]]] = {}
         meta = latest_checkpoint_meta(ctx.run_dir)
         if meta is not None:
             self.staleness.restore(int(meta["version"]))
@@ -146,8 +151,12 @@ class BufferActor(Actor):
         )
 
     def _changed(self, urgent: bool = False) -> None:
+        """The state changed: it is written (see :mod:`.durable`), and capacity it freed
+        goes to the held lease requests."""
         if self.durable is not None:  # None before setup()
             self.durable.touch(urgent)
+        if self._held:
+            self._grant_held()
 
     async def _persisted(self) -> None:
         """Waits until the state as it is now is written (see :mod:`.durable`)."""
@@ -189,7 +198,7 @@ class BufferActor(Actor):
                     served=sorted(self.batcher.served),
                 )
             tg.create_task(self.durable.run(), name="state-writer")
-        await self.bus.serve(s.lease, LeaseRequest, self.on_lease)
+        await self.bus.serve(s.lease, LeaseRequest, self.on_lease, concurrent=True)
         await self.bus.serve(s.batch, BatchRequest, self.on_batch_request)
         await self.bus.serve(s.weights_query, WeightsQuery, self.on_weights_query)
         await self.bus.serve(s.episode_aborted, EpisodeAborted, self.on_aborted)
@@ -227,6 +236,10 @@ class BufferActor(Actor):
         # the stop has cancelled.
         self.stopping = True
         self.ready_changed.set()
+        for _, held in self._held.values():  # answered now, with nothing
+            if not held.done():
+                held.set_result(None)
+        self._held.clear()
         if self.durable is not None:
             await self.durable.close()
         self.journal.event("stop", **self._state_summary())
@@ -252,13 +265,46 @@ class BufferActor(Actor):
 
     async def on_lease(self, req: LeaseRequest) -> Message:
         t0 = now_us()
+        if self._held:
+            self._grant_held()  # those who waited longer come first
         lease = self.leases.grant(req, time.monotonic())
+        if not lease.prompts and req.wait > 0 and not self.stopping:
+            lease = await self._held_until_free(req, lease)
         if lease.prompts:
             # not awaited: a lease the buffer forgets in a crash only runs its prompts once
             # more (the dataset position rewinds), and the duplicate samples are dropped
             self._changed()
         self.tracer.complete("grant lease", t0, actor=req.actor_id, prompts=len(lease.prompts))
         return lease.model_copy(update={"epoch": self.epoch}) if self.epoch else lease
+
+    async def _held_until_free(self, req: LeaseRequest, empty: Lease) -> Lease:
+        """Holds a request that found no capacity until capacity frees (it is granted
+        then, see :meth:`_grant_held`) or its ``wait`` ends (it is answered with nothing,
+        to be asked again at once)."""
+        earlier = self._held.pop(req.actor_id, None)
+        if earlier is not None and not earlier[1].done():
+            earlier[1].set_result(None)  # the actor asks anew: it gave that request up
+        held: asyncio.Future[Lease | None] = asyncio.get_running_loop().create_future()
+        self._held[req.actor_id] = (req, held)
+        try:
+            await asyncio.wait([held], timeout=req.wait)
+        finally:
+            if self._held.get(req.actor_id, (req, None))[1] is held:
+                del self._held[req.actor_id]
+        granted = held.result() if held.done() else None
+        held.cancel()
+        if granted is None:
+            return empty.model_copy(update={"retry_after": 0.0})
+        self.journal.count("held_leases")
+        return granted
+
+    def _grant_held(self) -> None:
+        """Grants free capacity to the held lease requests, the longest held first, each
+        as much as it asked for and capacity allows."""
+        while self._held and self.staleness.capacity() > 0:
+            req, held = self._held.pop(next(iter(self._held)))
+            if not held.done():
+                held.set_result(self.leases.grant(req, time.monotonic()))
 
     async def on_heartbeat(self, info: ActorInfo) -> None:
         # what an actor holds is settled only while it runs (not while it starts or stops)
@@ -272,6 +318,9 @@ class BufferActor(Actor):
 
     async def on_exit(self, msg: ActorExit) -> None:
         if msg.role == "rollout":
+            held = self._held.pop(msg.actor_id, None)
+            if held is not None and not held[1].done():
+                held[1].set_result(None)  # granted nothing: nobody would run it
             n = self.leases.release_actor(msg.actor_id, "actor exited")
             if n:
                 self._changed()
@@ -295,6 +344,8 @@ class BufferActor(Actor):
             for actor_id in self.leases.expire(time.monotonic()):
                 self._changed()
                 self.log.info("leases expired", actor=actor_id)
+            if self._held:  # capacity freed by a path that does not say so
+                self._grant_held()
 
     # -- scored samples ----------------------------------------------------------------------
 
@@ -330,6 +381,8 @@ class BufferActor(Actor):
         if batch is None:
             published = req.published_version if req.published_version >= 0 else req.version
             self.version = published
+            if self._held:
+                self._grant_held()  # a newer version frees capacity
             try:
                 async with asyncio.timeout(BATCH_WAIT):
                     while True:

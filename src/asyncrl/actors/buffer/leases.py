@@ -105,7 +105,7 @@ class LeaseBook:
         self.leased: dict[str, Leased] = {}
         self.attempts: Counter[str] = Counter()
         self.last_seen: dict[str, float] = {}
-        # one request in flight per actor, so its last answer is all a retry can need
+        # one request in flight per actor, so its last lease is all a retry can need
         self.answers: dict[str, tuple[str, Lease]] = {}
         self.issued = 0
 
@@ -137,7 +137,8 @@ class LeaseBook:
             prompts=prompts,
             retry_after=0.0 if n else 0.5,
         )
-        if req.request_id:
+        if req.request_id and prompts:
+            # an empty answer is not kept: a repeat of it may be granted what is free now
             self.answers[req.actor_id] = (req.request_id, lease)
         return lease
 
