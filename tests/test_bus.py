@@ -17,7 +17,7 @@ import nats.errors
 import numpy as np
 import pytest
 
-from asyncrl.runtime.bus import Bus, BusTimeout, PayloadTooLarge, RemoteError
+from asyncrl.runtime.bus import Bus, BusTimeout, Encoded, PayloadTooLarge, RemoteError
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo, nats_info_for_run
 from asyncrl.wire.codec import encode
 from asyncrl.wire.messages import (
@@ -157,6 +157,18 @@ async def test_request_reply_round_trip(bus: Bus) -> None:
         "t.lease", LeaseRequest(actor_id="r0", max_episodes=2), Lease, timeout=WAIT
     )
     assert lease.actor_id == "r0" and [p.uid for p in lease.prompts] == ["q0", "q1"]
+
+
+async def test_a_reply_encoded_by_its_handler_is_sent_as_it_is(bus: Bus) -> None:
+    lease = Lease(lease_id="L2", actor_id="r0", version=1, prompts=[Prompt(uid="q", data={})])
+    data = encode(lease)
+
+    async def grant(_: LeaseRequest) -> Encoded:
+        return Encoded(data)
+
+    await bus.serve("t.encoded", LeaseRequest, grant)
+    req = LeaseRequest(actor_id="r0", max_episodes=1)
+    assert await bus.request("t.encoded", req, Lease, timeout=WAIT) == lease
 
 
 async def test_request_timeout_and_no_responders_raise_bus_timeout(bus: Bus) -> None:

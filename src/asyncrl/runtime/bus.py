@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import nats.errors
@@ -37,7 +38,7 @@ from asyncrl.runtime.jetstream import JetStreamMixin, JsConsumer
 from asyncrl.wire.codec import DecodeError, decode, encode
 from asyncrl.wire.messages import Ack, Message
 
-__all__ = ["Bus", "BusTimeout", "JsConsumer", "PayloadTooLarge", "RemoteError"]
+__all__ = ["Bus", "BusTimeout", "Encoded", "JsConsumer", "PayloadTooLarge", "RemoteError"]
 
 M = TypeVar("M", bound=Message)
 R = TypeVar("R", bound=Message)
@@ -48,6 +49,14 @@ R = TypeVar("R", bound=Message)
 # a backlog this deep means the handler is stuck, and durable data goes by JetStream.
 SUB_PENDING_MSGS = 65_536
 SUB_PENDING_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A reply a ``serve`` handler has encoded already (with :func:`encode`, to measure
+    it, say): sent as it is, not encoded a second time."""
+
+    data: bytes
 
 
 class Bus(JetStreamMixin, BlobMixin):
@@ -134,7 +143,7 @@ class Bus(JetStreamMixin, BlobMixin):
         self,
         subject: str,
         request_type: type[M],
-        handler: Callable[[M], Awaitable[Message]],
+        handler: Callable[[M], Awaitable[Message | Encoded]],
         *,
         queue: str = "",
         concurrent: bool = False,
@@ -161,7 +170,8 @@ class Bus(JetStreamMixin, BlobMixin):
                 data = encode(Ack(ok=False, error=f"bad request: {exc}"))
             else:
                 try:
-                    data = encode(await handler(req))
+                    reply = await handler(req)
+                    data = reply.data if isinstance(reply, Encoded) else encode(reply)
                 except Exception as exc:  # encode too: a handler that returns no Message
                     self._count_handler(request_type, raw.subject, exc, subject)
                     data = encode(Ack(ok=False, error=f"{type(exc).__name__}: {exc}"))

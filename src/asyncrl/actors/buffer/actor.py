@@ -35,6 +35,7 @@ from asyncrl.algo.shaping import shaped_sample_rewards
 from asyncrl.config.recipe import sample_budget
 from asyncrl.data import load_prompt_records
 from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.bus import Encoded
 from asyncrl.runtime.connection import worth_logging
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.runtime.trace import now_us
@@ -371,7 +372,7 @@ class BufferActor(Actor):
 
     # -- batches and weights --------------------------------------------------------------------
 
-    async def on_batch_request(self, req: BatchRequest) -> Message:
+    async def on_batch_request(self, req: BatchRequest) -> Message | Encoded:
         if req.epoch > self.epoch:  # it may come before the restarted trainer's weights
             published = req.published_version if req.published_version >= 0 else req.version
             self._roll_back(published, req.epoch)
@@ -403,7 +404,7 @@ class BufferActor(Actor):
             await self.emit_metrics({k: float(v) for k, v in batch.counters.items()}, step=req.step)
         data = encode(batch)
         if len(data) <= BLOB_FRACTION * self.bus.max_payload:
-            return batch
+            return Encoded(data)
         # put again on a repeated request: the trainer deletes a blob once it has it
         ref = as_reference(batch)
         await self.bus.put_blob(self.subjects.batch_bucket, ref.blob_key, data)
