@@ -272,6 +272,8 @@ class RolloutActor(Actor):
                 await self._query_weights()
             if lease.prompts and self.recipe.rollout.deterministic:
                 await self._weights_of(lease)
+            elif lease.prompts:
+                await self._announced_weights(lease)
             for prompt in lease.prompts:
                 await runner.submit(
                     self._episode, prompt, lease.lease_id, tag=(prompt, lease.lease_id)
@@ -298,6 +300,22 @@ class RolloutActor(Actor):
                 await self._query_weights()  # not announced to us: a missed broadcast
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(LEASE_TIMEOUT):
+                    await self._version_changed.wait()
+
+    async def _announced_weights(self, lease: Lease) -> None:
+        """Waits, for at most :data:`LEASE_TIMEOUT`, until the engine holds the weights of
+        the lease's version where they are announced and not loaded yet. A request held at
+        the buffer is granted the moment a trainer step frees capacity, which is when that
+        step's weights are on their way here: episodes started at once would begin with
+        the old ones (their samples a version staler, more of them refused as stale)."""
+        wanted = (lease.epoch, lease.version)
+        pending = self._pending_weights
+        if pending is None or supersedes(*wanted, (pending.epoch, pending.version)):
+            return  # not announced: the episodes start with the weights there are
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LEASE_TIMEOUT):
+                while supersedes(*wanted, (self.weights_epoch, self._engine.version)):
+                    self._version_changed.clear()
                     await self._version_changed.wait()
 
     async def _episode(self, prompt: Prompt, lease_id: str) -> list[Trajectory]:
