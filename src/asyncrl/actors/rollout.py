@@ -270,10 +270,8 @@ class RolloutActor(Actor):
             ):
                 # the run is ahead of our weights (a missed broadcast, a resume): ask for them
                 await self._query_weights()
-            if lease.prompts and self.recipe.rollout.deterministic:
-                await self._weights_of(lease)
-            elif lease.prompts:
-                await self._announced_weights(lease)
+            if lease.prompts:
+                await self._weights_of(lease, strict=self.recipe.rollout.deterministic)
             for prompt in lease.prompts:
                 await runner.submit(
                     self._episode, prompt, lease.lease_id, tag=(prompt, lease.lease_id)
@@ -287,35 +285,33 @@ class RolloutActor(Actor):
                 except TimeoutError:
                     pass
 
-    async def _weights_of(self, lease: Lease) -> None:
-        """Waits until the engine holds the weights of the lease's version (or newer), so
-        that its episodes (``rollout.deterministic``) start under the weights the buffer
-        leased them at, not under those a broadcast is still replacing: a weight load in
-        mid-episode would make its tokens depend on when it landed."""
+    async def _weights_of(self, lease: Lease, *, strict: bool = True) -> None:
+        """Waits until the engine holds the weights of the lease's version (or newer).
+
+        ``strict`` (``rollout.deterministic``): until it does, asking for weights not
+        announced to us (a missed broadcast), so that the episodes start under the weights
+        the buffer leased them at, not under those a broadcast is still replacing: a weight
+        load in mid-episode would make their tokens depend on when it landed.
+
+        Otherwise only for weights announced and not loaded yet, and at most
+        :data:`LEASE_TIMEOUT` in all. A request held at the buffer is granted the moment a
+        trainer step frees capacity, which is when that step's weights are on their way
+        here: episodes started at once would begin with the old ones (their samples a
+        version staler, more of them refused as stale)."""
         wanted = (lease.epoch, lease.version)
+        deadline = None if strict else time.monotonic() + LEASE_TIMEOUT
         while supersedes(*wanted, (self.weights_epoch, self._engine.version)):
             self._version_changed.clear()
             pending = self._pending_weights
             if pending is None or supersedes(*wanted, (pending.epoch, pending.version)):
+                if not strict:
+                    return  # not announced: the episodes start with the weights there are
                 await self._query_weights()  # not announced to us: a missed broadcast
+            wait = LEASE_TIMEOUT if deadline is None else deadline - time.monotonic()
+            if wait <= 0:
+                return
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(LEASE_TIMEOUT):
-                    await self._version_changed.wait()
-
-    async def _announced_weights(self, lease: Lease) -> None:
-        """Waits, for at most :data:`LEASE_TIMEOUT`, until the engine holds the weights of
-        the lease's version where they are announced and not loaded yet. A request held at
-        the buffer is granted the moment a trainer step frees capacity, which is when that
-        step's weights are on their way here: episodes started at once would begin with
-        the old ones (their samples a version staler, more of them refused as stale)."""
-        wanted = (lease.epoch, lease.version)
-        pending = self._pending_weights
-        if pending is None or supersedes(*wanted, (pending.epoch, pending.version)):
-            return  # not announced: the episodes start with the weights there are
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(LEASE_TIMEOUT):
-                while supersedes(*wanted, (self.weights_epoch, self._engine.version)):
-                    self._version_changed.clear()
+                async with asyncio.timeout(wait):
                     await self._version_changed.wait()
 
     async def _episode(self, prompt: Prompt, lease_id: str) -> list[Trajectory]:

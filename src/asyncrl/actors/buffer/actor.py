@@ -131,6 +131,7 @@ class BufferActor(Actor):
     @version.setter
     def version(self, value: int) -> None:
         self.staleness.set_version(value)
+        self._grant_held()  # a newer version frees capacity
 
     @property
     def counters(self) -> Counter[str]:
@@ -156,8 +157,7 @@ class BufferActor(Actor):
         goes to the held lease requests."""
         if self.durable is not None:  # None before setup()
             self.durable.touch(urgent)
-        if self._held:
-            self._grant_held()
+        self._grant_held()
 
     async def _persisted(self) -> None:
         """Waits until the state as it is now is written (see :mod:`.durable`)."""
@@ -266,8 +266,7 @@ class BufferActor(Actor):
 
     async def on_lease(self, req: LeaseRequest) -> Message:
         t0 = now_us()
-        if self._held:
-            self._grant_held()  # those who waited longer come first
+        self._grant_held()  # those who waited longer come first
         lease = self.leases.grant(req, time.monotonic())
         if not lease.prompts and req.wait > 0 and not self.stopping:
             lease = await self._held_until_free(req, lease)
@@ -345,8 +344,7 @@ class BufferActor(Actor):
             for actor_id in self.leases.expire(time.monotonic()):
                 self._changed()
                 self.log.info("leases expired", actor=actor_id)
-            if self._held:  # capacity freed by a path that does not say so
-                self._grant_held()
+            self._grant_held()  # capacity freed by a path that does not say so
 
     # -- scored samples ----------------------------------------------------------------------
 
@@ -382,8 +380,6 @@ class BufferActor(Actor):
         if batch is None:
             published = req.published_version if req.published_version >= 0 else req.version
             self.version = published
-            if self._held:
-                self._grant_held()  # a newer version frees capacity
             try:
                 async with asyncio.timeout(BATCH_WAIT):
                     while True:
