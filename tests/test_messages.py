@@ -26,6 +26,8 @@ from asyncrl.wire.codec import (
     decode,
     decode_any,
     encode,
+    encode_fields,
+    enveloped,
 )
 from asyncrl.wire.messages import (
     ALLOWED_DTYPES,
@@ -183,6 +185,27 @@ def test_every_message_type_round_trips(cls: type[Message], data: st.DataObject)
     with pytest.raises(DecodeError) as err:
         decode(payload, other)
     assert err.value.reason == "kind"
+
+
+@CODEC
+@given(data=st.data())
+def test_fields_encoded_once_write_the_bytes_of_encoding_them_again(data: st.DataObject) -> None:
+    """The buffer encodes a group's fields once, for its state, and puts those bytes into
+    every batch that holds the group: the bytes are the ones encoding the batch makes."""
+    group = data.draw(instances(Group))
+    fields = encode_fields(group)
+    assert fields is not None and enveloped(group, fields) == encode(group)
+    # the group, another object of the same, then the group again: one encoded apart
+    batch = TrainBatchRef(step=3, version=2, groups=[group, group.model_copy(), group])
+    assert encode(batch, {id(group): fields}) == encode(batch)
+    assert decode(encode(batch, {id(group): fields}), TrainBatchRef) == batch
+
+
+def test_fields_that_do_not_encode_directly_are_not_encoded_apart() -> None:
+    msg = _Open.model_construct(data={"s": {1, 2}}, extra=None, inner=[], pairs=[])
+    assert encode_fields(msg) is None
+    fine = _Open(data={"s": [1, 2]})
+    assert enveloped(fine, encode_fields(fine) or b"") == encode(fine)
 
 
 def test_registry_names_each_type_by_its_kind() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgpack
@@ -55,8 +55,13 @@ M = TypeVar("M", bound=Message)
 # send than before, and no message skips validation.
 
 
-def encode(msg: Message) -> bytes:
-    """msgpack bytes of ``{"k": kind, "v": schema version, "d": fields}``."""
+def encode(msg: Message, encoded: Mapping[int, bytes] | None = None) -> bytes:
+    """msgpack bytes of ``{"k": kind, "v": schema version, "d": fields}``.
+
+    ``encoded``: models nested in ``msg`` whose fields are encoded already, by ``id`` of the
+    model, each the bytes :func:`encode_fields` made of it (a model that has not changed
+    since): they are written as they are (the buffer's groups, encoded once when they are
+    first written, go into a batch that way)."""
     direct = _DIRECT.get(type(msg))
     if direct is None:
         direct = _DIRECT[type(msg)] = _encodes_directly(type(msg))
@@ -67,15 +72,34 @@ def encode(msg: Message) -> bytes:
         # thread may call it (an Encoder object shares one buffer, and _fields_of runs
         # Python code in the middle of an encoding).
         envelope = {"k": msg.KIND, "v": SCHEMA_VERSION, "d": msg.__dict__}
+        hook = _fields_of if not encoded else functools.partial(_fields_or_known, encoded)
         try:
             _check_open_fields(msg)
-            return _msgspec_encode(envelope, enc_hook=_fields_of)
+            return _msgspec_encode(envelope, enc_hook=hook)
         except Exception:  # e.g. an int too large for msgpack: the error comes from below
             pass
     body = msg.__pydantic_serializer__.to_python(msg)
     # A fresh Packer per call (packb makes one too, through a Python frame and keyword
     # arguments): a shared one is not promised to be safe from two threads.
     return msgpack.Packer().pack({"k": msg.KIND, "v": SCHEMA_VERSION, "d": body})
+
+
+def encode_fields(msg: Message) -> bytes | None:
+    """The msgpack of ``msg``'s fields alone (what :func:`encode` writes under ``"d"``, and
+    where ``msg`` is nested in another message), or None where its type does not encode
+    directly. :func:`enveloped` makes the message of them."""
+    if not _encodes_directly(type(msg)):
+        return None
+    try:
+        _check_open_fields(msg)
+        return _msgspec_encode(msg.__dict__, enc_hook=_fields_of)
+    except Exception:
+        return None
+
+
+def enveloped(msg: Message, fields: bytes) -> bytes:
+    """What :func:`encode` makes of ``msg``, given :func:`encode_fields`' bytes of it."""
+    return _msgspec_encode({"k": msg.KIND, "v": SCHEMA_VERSION, "d": msgspec.Raw(fields)})
 
 
 def decode(payload: bytes, expected: type[M]) -> M:
@@ -395,6 +419,12 @@ def _fields_of(obj: Any) -> dict[str, Any]:
         _check_open_fields(obj)
         return obj.__dict__  # type: ignore[no-any-return]
     raise TypeError(f"{type(obj).__name__} is not encoded directly")
+
+
+def _fields_or_known(known: Mapping[int, bytes], obj: Any) -> Any:
+    """:func:`_fields_of`, or the bytes ``known`` holds for ``obj``."""
+    fields = known.get(id(obj))
+    return _fields_of(obj) if fields is None else msgspec.Raw(fields)
 
 
 _msgspec_encode = msgspec.msgpack.encode

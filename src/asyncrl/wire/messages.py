@@ -765,6 +765,15 @@ class ServedRecord(BaseModel):
         )
 
 
+class CompletedEpoch(BaseModel):
+    """The complete prompts of one data epoch in a :class:`BufferSnapshot`: bit ``i`` of
+    ``bits`` (little-endian within each byte) set for record ``i``'s prompt
+    (``e<epoch>-<i>``)."""
+
+    epoch: int
+    bits: bytes
+
+
 class BufferPart(Message):
     """Admitted groups written once, each as an encoded :class:`Group`: the buffer's
     snapshot names a group by its part's number and its index here, so a group that
@@ -795,6 +804,12 @@ class BufferSnapshot(Message):
     partial: list[Trajectory] = Field(default_factory=list)
     """Samples of the groups still in the making (past scoring: no prompt records)."""
     completed: list[str] = Field(default_factory=list)
+    """Complete prompts whose ids are not ``e<data epoch>-<record index>`` of the dataset
+    (an older asyncrl kept every complete prompt here)."""
+    completed_epochs: list[int] = Field(default_factory=list)
+    """Data epochs whose every prompt is complete."""
+    completed_bits: list[CompletedEpoch] = Field(default_factory=list)
+    """The complete prompts of the other data epochs that have any."""
     refused: list[tuple[str, str]] = Field(default_factory=list)
     ready: list[tuple[int, int]] = Field(default_factory=list)
     """Each admitted group, in order, by ``(part, index)`` (see :class:`BufferPart`)."""

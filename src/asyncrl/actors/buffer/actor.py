@@ -398,7 +398,7 @@ class BufferActor(Actor):
             await self._persisted()
             self.tracer.complete("serve batch", t_request, step=req.step)
             await self.emit_metrics({k: float(v) for k, v in batch.counters.items()}, step=req.step)
-        data = encode(batch)
+        data = encode(batch, self._encoded.fields)  # its groups' fields encoded once
         if len(data) <= BLOB_FRACTION * self.bus.max_payload:
             return Encoded(data)
         # put again on a repeated request: the trainer deletes a blob once it has it

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from asyncrl.actors.buffer.completed import CompletedPrompts
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook
 from asyncrl.runtime.staleness import StalenessManager
@@ -239,7 +240,7 @@ class Admission:
         self.groups: dict[str, dict[tuple[str, str], Trajectory]] = {}
         """The groups in the making: by prompt id, their samples by (attempt, sample id)
         (:meth:`hold`); a finished group is known by its prompt (``completed``)."""
-        self.completed: set[str] = set()
+        self.completed = CompletedPrompts(len(leases.source.records))
         self.refused: set[tuple[str, str]] = set()
         """(attempt, prompt uid) of groups abandoned for an invalid sample."""
         self.ready: deque[Group] = deque()

@@ -48,10 +48,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from asyncrl.actors.buffer.completed import CompletedPrompts
 from asyncrl.actors.buffer.leases import LeaseBook, Leased
 from asyncrl.runtime.connection import worth_logging
 from asyncrl.runtime.log import get_logger
-from asyncrl.wire.codec import DecodeError, decode, encode
+from asyncrl.wire.codec import DecodeError, decode, encode, encode_fields, enveloped
 from asyncrl.wire.messages import (
     AnswerRecord,
     BufferPart,
@@ -92,11 +93,14 @@ class EncodedParts:
     writes, then sits in a served batch, is written once.
 
     A group is known by its identity (the object itself, held with its place, so its id
-    cannot be reused while held)."""
+    cannot be reused while held). ``fields`` keeps the encoded fields of each group this
+    buffer wrote, by that id, while the snapshot names it: a batch is encoded with them
+    (:func:`~asyncrl.wire.codec.encode`), not group by group again."""
 
     def __init__(self) -> None:
         self.next_part = 0
         self._places: dict[int, tuple[Group, tuple[int, int]]] = {}
+        self.fields: dict[int, bytes] = {}
         self._unwritten: dict[int, BufferPart] = {}
         """Parts made by captures and not written yet (each write writes them first)."""
         self._written: set[int] = set()
@@ -108,17 +112,23 @@ class EncodedParts:
         """The places of the ``ready`` groups, and the ``served`` batches with their groups'
         places; the groups without one go into a new part (numbered ``next_part``)."""
         known, self._places = self._places, {}
+        known_fields, self.fields = self.fields, {}
         number = self.next_part
         fresh: list[bytes] = []
 
         def place(g: Group) -> tuple[int, int]:
-            hit = self._places.get(id(g)) or known.get(id(g))
+            key = id(g)
+            hit = self._places.get(key) or known.get(key)
             if hit is not None and hit[0] is g:
                 where = hit[1]
+                fields = known_fields.get(key) or self.fields.get(key)
             else:
                 where = (number, len(fresh))
-                fresh.append(encode(g))
-            self._places[id(g)] = (g, where)
+                fields = encode_fields(g)
+                fresh.append(encode(g) if fields is None else enveloped(g, fields))
+            self._places[key] = (g, where)
+            if fields is not None:
+                self.fields[key] = fields
             return where
 
         places = [place(g) for g in ready]
@@ -171,6 +181,7 @@ def capture(
     parts = parts or EncodedParts()
     ready, served = parts.name(admission.ready, batcher.served.values())
     sm = leases.staleness
+    full, partial = admission.completed.epochs()
     return BufferSnapshot(
         epoch=epoch,
         version=sm.version,
@@ -193,9 +204,9 @@ def capture(
             for a, (rid, lease) in leases.answers.items()
         ],
         partial=[t for group in admission.groups.values() for t in group.values()],
-        # as the set holds them: sorting every completed prompt at every write cost more
-        # than the rest of the snapshot once a run had admitted some ten thousand groups
-        completed=list(admission.completed),
+        completed=admission.completed.others(),
+        completed_epochs=full,
+        completed_bits=partial,
         refused=sorted(admission.refused),
         ready=ready,
         served=served,
@@ -266,7 +277,9 @@ def restore(
     admission.groups = {}
     for t in snap.partial:
         admission.hold(t)
-    admission.completed = set(snap.completed)
+    admission.completed = CompletedPrompts.restored(
+        len(leases.source.records), snap.completed_epochs, snap.completed_bits, snap.completed
+    )
     admission.refused = {(a, p) for a, p in snap.refused}
     admission.ready = deque(ready)
     batcher.served = {b.step: b for b in served}

@@ -239,7 +239,10 @@ class LeaseBook:
     def finish(self, uid: str) -> None:
         """A prompt's group is complete. If its lease had already been returned (a slow
         actor, not a dead one), it runs again as far as the budget knows and must not be
-        leased a second time."""
+        leased a second time. A prompt leased once is forgotten here (the count would grow
+        with the run, in every snapshot): a rerun counts from 0 either way (:meth:`rerun`)."""
+        if self.attempts.get(uid) == 1:
+            del self.attempts[uid]
         if self.leased.pop(uid, None) is None:
             self.source.discard_from_pool(uid)
             self.staleness.on_start(1)

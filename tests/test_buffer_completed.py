@@ -1,0 +1,142 @@
+"""The buffer's set of complete prompts: a set of ids, in a size that does not grow with
+the run (one bit a record per data epoch, a number per whole epoch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from asyncrl.actors.buffer.admission import Admission
+from asyncrl.actors.buffer.batching import Batcher
+from asyncrl.actors.buffer.completed import CompletedPrompts
+from asyncrl.actors.buffer.durable import capture
+from asyncrl.actors.buffer.journal import Journal
+from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
+from asyncrl.runtime.staleness import StalenessManager
+from asyncrl.wire.codec import decode, encode
+from asyncrl.wire.messages import Array, BufferSnapshot, LeaseRequest, Trajectory
+
+SIZE = 5
+
+# ids of the dataset's form (epochs 0-1 of 5 records, so whole epochs happen), and others:
+# an index past the dataset, a leading zero, foreign ids
+uids = st.one_of(
+    st.builds(lambda e, i: f"e{e}-{i}", st.integers(0, 1), st.integers(0, SIZE - 1)),
+    st.sampled_from(["e0-5", "e0-17", "e01-2", "e-1-2", "e0-", "e0", "p7", "", "e1-02", "x0-1"]),
+)
+ops = st.lists(st.tuples(st.sampled_from(["add", "discard"]), uids), max_size=80)
+
+
+def snapshot_of(done: CompletedPrompts) -> BufferSnapshot:
+    full, partial = done.epochs()
+    return BufferSnapshot(completed=done.others(), completed_epochs=full, completed_bits=partial)
+
+
+def restored(snap: BufferSnapshot) -> CompletedPrompts:
+    return CompletedPrompts.restored(
+        SIZE, snap.completed_epochs, snap.completed_bits, snap.completed
+    )
+
+
+FILL = [("add", f"e0-{i}") for i in range(SIZE - 1)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+@example(FILL)  # all but one: not whole
+@example([*FILL, ("add", f"e0-{SIZE - 1}"), ("discard", "e0-2"), ("add", "e0-2")])
+@example([*FILL, ("add", f"e0-{SIZE - 1}"), ("discard", "e0-0"), ("discard", "e0-0")])
+@example([("add", "e1-02"), ("add", "e1-2"), ("discard", "e1-02")])
+def test_the_complete_prompts_hold_what_a_set_of_their_ids_holds(steps) -> None:
+    done, model = CompletedPrompts(SIZE), set()
+    for op, uid in steps:
+        getattr(done, op)(uid)
+        getattr(model, op)(uid)
+        assert len(done) == len(model)
+    probes = {f"e{e}-{i}" for e in range(4) for i in range(SIZE + 1)} | {u for _, u in steps}
+    assert {u for u in probes if u in done} == model & probes
+    # through a snapshot, encoded and decoded, the same set
+    back = restored(decode(encode(snapshot_of(done)), BufferSnapshot))
+    assert len(back) == len(model)
+    assert {u for u in probes if u in back} == model & probes
+
+
+def test_a_whole_data_epoch_is_kept_as_its_number_and_parts_again_when_one_leaves() -> None:
+    done = CompletedPrompts(SIZE)
+    for i in range(SIZE):
+        done.add(f"e3-{i}")
+    done.add("e4-2")
+    assert done.epochs()[0] == [3]
+    assert [(p.epoch, p.bits) for p in done.epochs()[1]] == [(4, bytes([0b100]))]
+    done.discard("e3-1")  # a rolled-back group: its prompt runs again
+    assert "e3-1" not in done and "e3-0" in done and "e3-4" in done and len(done) == 5
+    assert done.epochs()[0] == []
+    assert [(p.epoch, p.bits) for p in done.epochs()[1]] == [(3, bytes([0b11101])), (4, bytes([4]))]
+
+
+def test_the_snapshot_of_a_long_run_does_not_grow_with_its_groups() -> None:
+    size = 7473  # GSM8K's train split
+    done = CompletedPrompts(size)
+    sizes = []
+    for epoch in range(20):
+        for i in range(size):
+            done.add(f"e{epoch}-{i}")
+        done.add(f"e{epoch + 1}-{epoch}")
+        sizes.append(len(encode(snapshot_of(done))))
+    assert len(done) == 20 * size + 1
+    # one whole epoch more is a few bytes more; the bits of the epoch under way ~size/8
+    assert sizes[-1] - sizes[0] < 100 and sizes[-1] < size // 8 + 400
+
+
+def test_an_older_snapshot_that_kept_every_id_restores_to_the_same_set() -> None:
+    ids = [f"e0-{i}" for i in range(SIZE)] + ["e1-3", "p9"]
+    done = restored(BufferSnapshot(completed=ids))
+    assert len(done) == len(ids) and all(u in done for u in ids)
+    assert done.epochs()[0] == [0] and done.others() == ["p9"]
+
+
+def test_admitting_groups_keeps_no_per_prompt_record_that_grows_with_the_run(
+    tmp_path: Path,
+) -> None:
+    """Leases granted and their groups admitted through the buffer's own lease book and
+    admission, three data epochs of a 10-record dataset: the snapshot neither lists the
+    complete prompts nor counts their single attempts; a prompt that failed once keeps
+    its count (its next lease after a roll-back is its second attempt, as before)."""
+    sm = StalenessManager(batch_size=2, max_concurrent=64, max_head_offpolicyness=100)
+    journal = Journal(tmp_path / "events.jsonl")
+    records = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
+    leases = LeaseBook(PromptSource(records, 1), sm, journal, ttl=30, incarnation="x")
+    a = Admission(sm, leases, journal, group_size=2, dynamic_filter=False)
+    batcher = Batcher(a, sm, journal, batch_size=2)
+    failed = None
+    for n in range(30):
+        lease = leases.grant(LeaseRequest(actor_id="r0", max_episodes=1), now=0.0)
+        (p,) = lease.prompts
+        if n == 3:  # its episode fails once: back to the pool, leased again next
+            assert leases.return_prompt(p.uid, "aborted", lease_id=lease.lease_id)
+            failed = p.uid
+            continue
+        outcomes = a.on_scored_group([traj(p.uid, i, lease.lease_id) for i in range(2)])
+        assert outcomes[-1] == "admitted", outcomes
+    snap = capture(leases, a, batcher, epoch=0, weights=None)
+    assert len(a.completed) == 29 and failed in a.completed
+    assert snap.completed == [] and snap.completed_epochs == [0, 1]
+    assert [e.epoch for e in snap.completed_bits] == [2]
+    assert snap.attempts == {failed: 2}
+
+
+def traj(prompt: str, i: int, lease_id: str) -> Trajectory:
+    return Trajectory(
+        uid=f"{prompt}/{i}",
+        prompt_uid=prompt,
+        group_index=i,
+        group_size=2,
+        attempt=lease_id,
+        input_ids=Array.of([5, 6, 7], "int32"),
+        loss_mask=Array.of([False, True, True], "bool"),
+        logprobs=Array.of([0.0, -1.0, -1.0], "float32"),
+        versions=Array.of([-1, 0, 0], "int32"),
+        reward=float(i),
+    )
