@@ -103,7 +103,8 @@ def test_admitting_groups_keeps_no_per_prompt_record_that_grows_with_the_run(
     """Leases granted and their groups admitted through the buffer's own lease book and
     admission, three data epochs of a 10-record dataset: the snapshot neither lists the
     complete prompts nor counts their single attempts; a prompt that failed once keeps
-    its count (its next lease after a roll-back is its second attempt, as before)."""
+    its count (its next lease after a roll-back is its second attempt, as before), and an
+    attempt refused for an invalid sample is kept only until its prompt completes."""
     sm = StalenessManager(batch_size=2, max_concurrent=64, max_head_offpolicyness=100)
     journal = Journal(tmp_path / "events.jsonl")
     records = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
@@ -118,13 +119,24 @@ def test_admitting_groups_keeps_no_per_prompt_record_that_grows_with_the_run(
             assert leases.return_prompt(p.uid, "aborted", lease_id=lease.lease_id)
             failed = p.uid
             continue
+        if n == 5:  # an invalid sample: the attempt is refused, the prompt runs again
+            bad = traj(p.uid, 0, lease.lease_id).model_copy(update={"reward": float("nan")})
+            assert a.on_scored_group([bad]) == ["invalid"]
+            assert lease.lease_id in a.refused[p.uid]
+            refused = (p.uid, lease.lease_id)
+            continue
         outcomes = a.on_scored_group([traj(p.uid, i, lease.lease_id) for i in range(2)])
         assert outcomes[-1] == "admitted", outcomes
     snap = capture(leases, a, batcher, epoch=0, weights=None)
-    assert len(a.completed) == 29 and failed in a.completed
+    assert len(a.completed) == 28 and failed in a.completed
     assert snap.completed == [] and snap.completed_epochs == [0, 1]
     assert [e.epoch for e in snap.completed_bits] == [2]
-    assert snap.attempts == {failed: 2}
+    assert snap.attempts == {failed: 2, refused[0]: 2}
+    # the refused attempt is forgotten once its prompt completed: a late sample of it is
+    # a duplicate of the complete group, as it was while the attempt was still kept
+    assert snap.refused == [] and not a.refused
+    late = traj(refused[0], 1, refused[1])
+    assert a.on_scored(late) == "duplicate"
 
 
 def traj(prompt: str, i: int, lease_id: str) -> Trajectory:

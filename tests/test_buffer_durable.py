@@ -295,7 +295,7 @@ def test_roll_back_keeps_the_groups_of_the_versions_that_remain(tmp_path: Path) 
     assert "e0-7" not in a.completed and "e0-3" not in a.completed
     assert "e0-1" in a.completed and "e0-5" in a.completed
     # the group in the making is abandoned and its prompt returned through its lease
-    assert not a.groups and "e0-8" not in a.leases.leased and ("L9", "e0-8") in a.refused
+    assert not a.groups and "e0-8" not in a.leases.leased and "L9" in a.refused["e0-8"]
     assert a.staleness.running == 0
     # accepted = v·B + groups kept = 2·2 + 2; the version went back
     assert (a.staleness.version, a.staleness.accepted) == (2, 6)

@@ -380,10 +380,18 @@ def _plain_value(value: Any) -> bool:
     kind = type(value)
     if kind in _PLAIN_VALUES:
         return True
+    # loops, not all() over a generator, and a leaf told without a call: a sample's
+    # reward info is checked each time it is encoded
     if kind is dict:
-        return all(type(k) is str and _plain_value(v) for k, v in value.items())
+        for k, v in value.items():
+            if type(k) is not str or (type(v) not in _PLAIN_VALUES and not _plain_value(v)):
+                return False
+        return True
     if kind is list or kind is tuple:
-        return all(_plain_value(v) for v in value)
+        for v in value:
+            if type(v) not in _PLAIN_VALUES and not _plain_value(v):
+                return False
+        return True
     return False
 
 
@@ -415,10 +423,12 @@ def _plain(annotation: Any, *, open_: bool = False) -> bool:
 def _fields_of(obj: Any) -> dict[str, Any]:
     """msgspec's hook for a nested model: its fields, if its type encodes directly (and
     its open fields hold plain values)."""
-    if _DIRECT.get(type(obj)):
-        _check_open_fields(obj)
+    kind = type(obj)
+    if _DIRECT.get(kind):
+        if kind in _OPEN_FIELDS:  # most nested models (arrays) have none to check
+            _check_open_fields(obj)
         return obj.__dict__  # type: ignore[no-any-return]
-    raise TypeError(f"{type(obj).__name__} is not encoded directly")
+    raise TypeError(f"{kind.__name__} is not encoded directly")
 
 
 def _fields_or_known(known: Mapping[int, bytes], obj: Any) -> Any:
@@ -434,7 +444,12 @@ def _unpack_raw(raw: msgspec.Raw) -> Any:
     return msgpack.unpackb(raw)
 
 
+_EMPTY_MAP = msgspec.Raw(b"\x80")
+
+
 def _unpack_raw_dict(raw: msgspec.Raw) -> dict[str, Any]:
+    if raw == _EMPTY_MAP:  # the common case (a scored sample's record), without msgpack
+        return {}
     value = msgpack.unpackb(raw)
     if type(value) is not dict or not all(type(k) is str for k in value):
         raise ValueError("not a dict with str keys")  # the careful path says what pydantic says

@@ -374,7 +374,8 @@ class Trajectory(Message):
         # lengths check this sample passed: assembled as validation would, not validated
         # again (about a tenth of what admitting a sample cost); its dict copied as
         # validation would copy it
-        values = {name: getattr(self, name) for name in _TRAIN_FIELDS}
+        fields = self.__dict__
+        values = {name: fields[name] for name in _TRAIN_FIELDS}
         values["reward_info"] = dict(self.reward_info)
         values["images"] = list(self.images)
         return _assembled(TrainSample, values)

@@ -241,8 +241,10 @@ class Admission:
         """The groups in the making: by prompt id, their samples by (attempt, sample id)
         (:meth:`hold`); a finished group is known by its prompt (``completed``)."""
         self.completed = CompletedPrompts(len(leases.source.records))
-        self.refused: set[tuple[str, str]] = set()
-        """(attempt, prompt uid) of groups abandoned for an invalid sample."""
+        self.refused: dict[str, set[str]] = {}
+        """The attempts (lease ids) whose group was abandoned for an invalid sample, by
+        prompt id; forgotten when the prompt's group completes (a later sample of it is
+        then a duplicate), so it holds only prompts still to complete."""
         self.ready: deque[Group] = deque()
         self._heads: dict[str, int] = {}
         """The head version of ready groups by prompt id, as admission found it (a group
@@ -274,7 +276,7 @@ class Admission:
         if (traj.attempt, traj.uid) in held or traj.group_index in whole:
             self.journal.count("duplicates")
             return "duplicate"
-        if (traj.attempt, traj.prompt_uid) in self.refused:
+        if traj.attempt in self.refused.get(traj.prompt_uid, ()):
             self.journal.count("invalid_group_rest")
             return "invalid"
         reason = invalid_reason(
@@ -311,6 +313,7 @@ class Admission:
         """The group of ``samples`` is whole: admits, rejects or filters it (``head``: its
         head version, when the caller has it)."""
         self.completed.add(prompt_uid)  # from now on the prompt tells duplicates
+        self.refused.pop(prompt_uid, None)  # its samples are duplicates before refused
         self.leases.finish(prompt_uid)
         admitted = admitted_group(samples, self.shape)
         if head is None:
@@ -346,7 +349,7 @@ class Admission:
             fresh = (
                 uid not in self.completed
                 and uid not in self.groups
-                and (first.attempt, uid) not in self.refused
+                and first.attempt not in self.refused.get(uid, ())
             )
             head = (
                 group_head_if_valid(
@@ -392,7 +395,7 @@ class Admission:
         self.journal.event(
             "invalid", prompt=traj.prompt_uid, uid=traj.uid, actor=traj.actor_id, reason=reason
         )
-        self.refused.add((traj.attempt, traj.prompt_uid))
+        self.refused.setdefault(traj.prompt_uid, set()).add(traj.attempt)
         group = self.groups.get(traj.prompt_uid, {})
         for key in [k for k, t in group.items() if t.attempt == traj.attempt]:
             del group[key]
@@ -477,7 +480,7 @@ class Admission:
         self.ready = keep
         for prompt_uid, partial in list(self.groups.items()):
             for attempt in {t.attempt for t in partial.values()}:
-                self.refused.add((attempt, prompt_uid))
+                self.refused.setdefault(prompt_uid, set()).add(attempt)
                 self.leases.return_prompt(prompt_uid, "rolled back", lease_id=attempt)
             del self.groups[prompt_uid]
         self.staleness.accepted = version * self.staleness.batch_size + len(keep)

@@ -207,7 +207,7 @@ def capture(
         completed=admission.completed.others(),
         completed_epochs=full,
         completed_bits=partial,
-        refused=sorted(admission.refused),
+        refused=sorted((a, p) for p, attempts in admission.refused.items() for a in attempts),
         ready=ready,
         served=served,
         next_part=parts.next_part,
@@ -280,7 +280,9 @@ def restore(
     admission.completed = CompletedPrompts.restored(
         len(leases.source.records), snap.completed_epochs, snap.completed_bits, snap.completed
     )
-    admission.refused = {(a, p) for a, p in snap.refused}
+    admission.refused = {}
+    for attempt, prompt_uid in snap.refused:
+        admission.refused.setdefault(prompt_uid, set()).add(attempt)
     admission.ready = deque(ready)
     batcher.served = {b.step: b for b in served}
     batcher.since_checkpoint = dict(snap.since_checkpoint)
