@@ -192,7 +192,16 @@ def test_every_message_type_round_trips(cls: type[Message], data: st.DataObject)
 def test_fields_encoded_once_write_the_bytes_of_encoding_them_again(data: st.DataObject) -> None:
     """The buffer encodes a group's fields once, for its state, and puts those bytes into
     every batch that holds the group: the bytes are the ones encoding the batch makes."""
-    group = data.draw(instances(Group))
+    # a group made of drawn samples (a drawn Group rarely holds samples of one prompt)
+    samples = data.draw(st.lists(instances(TrainSample), min_size=1, max_size=3))
+    uid = samples[0].prompt_uid
+    group = Group(
+        prompt_uid=uid,
+        samples=[t.model_copy(update={"prompt_uid": uid}) for t in samples],
+        shaped_rewards=data.draw(
+            st.lists(st.floats(allow_nan=False), min_size=len(samples), max_size=len(samples))
+        ),
+    )
     fields = encode_fields(group)
     assert fields is not None and enveloped(group, fields) == encode(group)
     # the group, another object of the same, then the group again: one encoded apart
