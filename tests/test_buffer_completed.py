@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from test_buffer_durable import traj
 
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.batching import Batcher
@@ -16,7 +17,7 @@ from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.wire.codec import decode, encode
-from asyncrl.wire.messages import Array, BufferSnapshot, LeaseRequest, Trajectory
+from asyncrl.wire.messages import BufferSnapshot, LeaseRequest
 
 SIZE = 5
 
@@ -120,12 +121,14 @@ def test_admitting_groups_keeps_no_per_prompt_record_that_grows_with_the_run(
             failed = p.uid
             continue
         if n == 5:  # an invalid sample: the attempt is refused, the prompt runs again
-            bad = traj(p.uid, 0, lease.lease_id).model_copy(update={"reward": float("nan")})
+            bad = traj(p.uid, 0, 0, attempt=lease.lease_id).model_copy(
+                update={"reward": float("nan")}
+            )
             assert a.on_scored_group([bad]) == ["invalid"]
             assert lease.lease_id in a.refused[p.uid]
             refused = (p.uid, lease.lease_id)
             continue
-        outcomes = a.on_scored_group([traj(p.uid, i, lease.lease_id) for i in range(2)])
+        outcomes = a.on_scored_group([traj(p.uid, i, 0, attempt=lease.lease_id) for i in range(2)])
         assert outcomes[-1] == "admitted", outcomes
     snap = capture(leases, a, batcher, epoch=0, weights=None)
     assert len(a.completed) == 28 and failed in a.completed
@@ -135,20 +138,5 @@ def test_admitting_groups_keeps_no_per_prompt_record_that_grows_with_the_run(
     # the refused attempt is forgotten once its prompt completed: a late sample of it is
     # a duplicate of the complete group, as it was while the attempt was still kept
     assert snap.refused == [] and not a.refused
-    late = traj(refused[0], 1, refused[1])
+    late = traj(refused[0], 1, 0, attempt=refused[1])
     assert a.on_scored(late) == "duplicate"
-
-
-def traj(prompt: str, i: int, lease_id: str) -> Trajectory:
-    return Trajectory(
-        uid=f"{prompt}/{i}",
-        prompt_uid=prompt,
-        group_index=i,
-        group_size=2,
-        attempt=lease_id,
-        input_ids=Array.of([5, 6, 7], "int32"),
-        loss_mask=Array.of([False, True, True], "bool"),
-        logprobs=Array.of([0.0, -1.0, -1.0], "float32"),
-        versions=Array.of([-1, 0, 0], "int32"),
-        reward=float(i),
-    )
