@@ -140,3 +140,30 @@ def test_admitting_groups_keeps_no_per_prompt_record_that_grows_with_the_run(
     assert snap.refused == [] and not a.refused
     late = traj(refused[0], 1, 0, attempt=refused[1])
     assert a.on_scored(late) == "duplicate"
+
+
+def test_a_prompt_dropped_after_its_last_attempt_counts_as_complete(tmp_path: Path) -> None:
+    """Three failed attempts drop a prompt for good: it counts as complete, what is held
+    of it goes (counted), and a late sample of it (an actor thought dead) is a duplicate,
+    not a group in the making kept in every snapshot for the rest of the run."""
+    sm = StalenessManager(batch_size=2, max_concurrent=64, max_head_offpolicyness=100)
+    journal = Journal(tmp_path / "events.jsonl")
+    records = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
+    leases = LeaseBook(PromptSource(records, 1), sm, journal, ttl=30, incarnation="x")
+    a = Admission(sm, leases, journal, group_size=2, dynamic_filter=False)
+    first = leases.grant(LeaseRequest(actor_id="r0", max_episodes=1), now=0.0)
+    uid = first.prompts[0].uid
+    lease = first
+    for attempt in (1, 2, 3):
+        assert lease.prompts[0].uid == uid and lease.prompts[0].attempt == attempt
+        if attempt == 3:  # half of a group arrives before the last lease is given up
+            assert a.on_scored(traj(uid, 0, 0, attempt=lease.lease_id)) == "pending"
+        assert leases.return_prompt(uid, "aborted", lease_id=lease.lease_id)
+        if attempt < 3:
+            lease = leases.grant(LeaseRequest(actor_id="r0", max_episodes=1), now=0.0)
+    assert journal.counters["dropped_prompts"] == 1 and uid not in leases.leased
+    assert uid in a.completed and uid not in a.groups
+    assert journal.counters["dropped_prompt_samples"] == 1
+    assert a.on_scored(traj(uid, 1, 0, attempt=lease.lease_id)) == "duplicate"
+    snap = capture(leases, a, Batcher(a, sm, journal, batch_size=2), epoch=0, weights=None)
+    assert snap.partial == [] and uid not in [p.uid for p in snap.pool]

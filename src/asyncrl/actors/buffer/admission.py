@@ -241,6 +241,7 @@ class Admission:
         """The groups in the making: by prompt id, their samples by (attempt, sample id)
         (:meth:`hold`); a finished group is known by its prompt (``completed``)."""
         self.completed = CompletedPrompts(len(leases.source.records))
+        leases.on_drop = self._dropped
         self.refused: dict[str, set[str]] = {}
         """The attempts (lease ids) whose group was abandoned for an invalid sample, by
         prompt id; forgotten when the prompt's group completes (a later sample of it is
@@ -253,6 +254,17 @@ class Admission:
         """The version at which every ready group was last found admissible."""
         self.epoch = 0
         """The trainer's epoch: how many times it restarted from a checkpoint in this run."""
+
+    def _dropped(self, prompt_uid: str) -> None:
+        """A prompt dropped after its last failed attempt is never leased again: it counts
+        as complete, so a late sample of it (an expired lease's actor was slow, not dead)
+        is a duplicate rather than the start of a group that never fills, and what is held
+        of it goes (counted ``dropped_prompt_samples``)."""
+        self.completed.add(prompt_uid)
+        self.refused.pop(prompt_uid, None)
+        held = self.groups.pop(prompt_uid, {})
+        if held:
+            self.journal.count("dropped_prompt_samples", len(held))
 
     def reported(self, prompt_uid: str) -> bool:
         """Whether a scored sample of this prompt has arrived (its group is under way)."""

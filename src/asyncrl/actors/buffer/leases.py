@@ -108,6 +108,8 @@ class LeaseBook:
         # one request in flight per actor, so its last lease is all a retry can need
         self.answers: dict[str, tuple[str, Lease]] = {}
         self.issued = 0
+        self.on_drop: Callable[[str], None] = lambda uid: None
+        """Called with a prompt dropped after its last failed attempt (the admission's)."""
 
     def grant(self, req: LeaseRequest, now: float) -> Lease:
         """Up to ``req.max_episodes`` prompts, as many as the capacity allows; the same
@@ -154,6 +156,7 @@ class LeaseBook:
         if self.attempts[uid] >= MAX_EPISODE_ATTEMPTS:
             self.journal.count("dropped_prompts")
             self.journal.event("drop", prompt=uid, why=why)
+            self.on_drop(uid)
             return True
         self.source.give_back(entry.prompt)
         self.journal.count("returned")
