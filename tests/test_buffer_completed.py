@@ -106,11 +106,7 @@ def test_admitting_groups_keeps_no_per_prompt_record_that_grows_with_the_run(
     complete prompts nor counts their single attempts; a prompt that failed once keeps
     its count (its next lease after a roll-back is its second attempt, as before), and an
     attempt refused for an invalid sample is kept only until its prompt completes."""
-    sm = StalenessManager(batch_size=2, max_concurrent=64, max_head_offpolicyness=100)
-    journal = Journal(tmp_path / "events.jsonl")
-    records = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
-    leases = LeaseBook(PromptSource(records, 1), sm, journal, ttl=30, incarnation="x")
-    a = Admission(sm, leases, journal, group_size=2, dynamic_filter=False)
+    sm, journal, leases, a = buffer_parts(tmp_path)
     batcher = Batcher(a, sm, journal, batch_size=2)
     failed = None
     for n in range(30):
@@ -146,11 +142,7 @@ def test_a_prompt_dropped_after_its_last_attempt_counts_as_complete(tmp_path: Pa
     """Three failed attempts drop a prompt for good: it counts as complete, what is held
     of it goes (counted), and a late sample of it (an actor thought dead) is a duplicate,
     not a group in the making kept in every snapshot for the rest of the run."""
-    sm = StalenessManager(batch_size=2, max_concurrent=64, max_head_offpolicyness=100)
-    journal = Journal(tmp_path / "events.jsonl")
-    records = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
-    leases = LeaseBook(PromptSource(records, 1), sm, journal, ttl=30, incarnation="x")
-    a = Admission(sm, leases, journal, group_size=2, dynamic_filter=False)
+    sm, journal, leases, a = buffer_parts(tmp_path)
     first = leases.grant(LeaseRequest(actor_id="r0", max_episodes=1), now=0.0)
     uid = first.prompts[0].uid
     lease = first
@@ -167,3 +159,13 @@ def test_a_prompt_dropped_after_its_last_attempt_counts_as_complete(tmp_path: Pa
     assert a.on_scored(traj(uid, 1, 0, attempt=lease.lease_id)) == "duplicate"
     snap = capture(leases, a, Batcher(a, sm, journal, batch_size=2), epoch=0, weights=None)
     assert snap.partial == [] and uid not in [p.uid for p in snap.pool]
+
+
+def buffer_parts(tmp_path: Path) -> tuple[StalenessManager, Journal, LeaseBook, Admission]:
+    """The buffer's staleness, journal, lease book (10 prompts) and admission (groups of
+    2), as the buffer wires them."""
+    sm = StalenessManager(batch_size=2, max_concurrent=64, max_head_offpolicyness=100)
+    journal = Journal(tmp_path / "events.jsonl")
+    records = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
+    leases = LeaseBook(PromptSource(records, 1), sm, journal, ttl=30, incarnation="x")
+    return sm, journal, leases, Admission(sm, leases, journal, group_size=2, dynamic_filter=False)
