@@ -161,6 +161,21 @@ def test_a_prompt_dropped_after_its_last_attempt_counts_as_complete(tmp_path: Pa
     assert snap.partial == [] and uid not in [p.uid for p in snap.pool]
 
 
+def test_a_roll_back_that_drops_a_prompt_in_the_making_abandons_it_once(tmp_path: Path) -> None:
+    """A trainer restart abandons the groups in the making and returns their leases; a
+    prompt on its last attempt is dropped by that return, with its group already gone."""
+    _, journal, leases, a = buffer_parts(tmp_path)
+    lease = leases.grant(LeaseRequest(actor_id="r0", max_episodes=1), now=0.0)
+    uid = lease.prompts[0].uid
+    for _ in range(2):  # two failed attempts
+        assert leases.return_prompt(uid, "aborted", lease_id=lease.lease_id)
+        lease = leases.grant(LeaseRequest(actor_id="r0", max_episodes=1), now=0.0)
+    assert a.on_scored(traj(uid, 0, 0, attempt=lease.lease_id)) == "pending"
+    assert a.roll_back(0, epoch=1, served=[]) == 0
+    assert journal.counters["dropped_prompts"] == 1 and uid in a.completed
+    assert not a.groups and "dropped_prompt_samples" not in journal.counters
+
+
 def buffer_parts(tmp_path: Path) -> tuple[StalenessManager, Journal, LeaseBook, Admission]:
     """The buffer's staleness, journal, lease book (10 prompts) and admission (groups of
     2), as the buffer wires them."""

@@ -491,9 +491,9 @@ class Admission:
             self.journal.event("roll_back", prompt=uid, version=version, epoch=epoch)
         self.ready = keep
         for prompt_uid, partial in list(self.groups.items()):
+            del self.groups[prompt_uid]  # before its lease goes: that may drop the prompt
             for attempt in {t.attempt for t in partial.values()}:
                 self.refused.setdefault(prompt_uid, set()).add(attempt)
                 self.leases.return_prompt(prompt_uid, "rolled back", lease_id=attempt)
-            del self.groups[prompt_uid]
         self.staleness.accepted = version * self.staleness.batch_size + len(keep)
         return dropped
