@@ -237,10 +237,8 @@ class BufferActor(Actor):
         # the stop has cancelled.
         self.stopping = True
         self.ready_changed.set()
-        for _, held in self._held.values():  # answered now, with nothing
-            if not held.done():
-                held.set_result(None)
-        self._held.clear()
+        for actor_id in list(self._held):  # answered now, with nothing
+            self._unhold(actor_id)
         if self.durable is not None:
             await self.durable.close()
         self.journal.event("stop", **self._state_summary())
@@ -281,9 +279,7 @@ class BufferActor(Actor):
         """Holds a request that found no capacity until capacity frees (it is granted
         then, see :meth:`_grant_held`) or its ``wait`` ends (it is answered with nothing,
         to be asked again at once)."""
-        earlier = self._held.pop(req.actor_id, None)
-        if earlier is not None and not earlier[1].done():
-            earlier[1].set_result(None)  # the actor asks anew: it gave that request up
+        self._unhold(req.actor_id)  # the actor asks anew: it gave that request up
         held: asyncio.Future[Lease | None] = asyncio.get_running_loop().create_future()
         self._held[req.actor_id] = (req, held)
         try:
@@ -297,6 +293,12 @@ class BufferActor(Actor):
             return empty.model_copy(update={"retry_after": 0.0})
         self.journal.count("held_leases")
         return granted
+
+    def _unhold(self, actor_id: str) -> None:
+        """Answers the request ``actor_id`` has held, if any, with nothing."""
+        held = self._held.pop(actor_id, None)
+        if held is not None and not held[1].done():
+            held[1].set_result(None)
 
     def _grant_held(self) -> None:
         """Grants free capacity to the held lease requests, the longest held first, each
@@ -318,9 +320,7 @@ class BufferActor(Actor):
 
     async def on_exit(self, msg: ActorExit) -> None:
         if msg.role == "rollout":
-            held = self._held.pop(msg.actor_id, None)
-            if held is not None and not held[1].done():
-                held[1].set_result(None)  # granted nothing: nobody would run it
+            self._unhold(msg.actor_id)  # granted nothing: nobody would run it
             n = self.leases.release_actor(msg.actor_id, "actor exited")
             if n:
                 self._changed()
