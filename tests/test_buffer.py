@@ -11,6 +11,7 @@ import pytest
 from asyncrl.actors.buffer import BufferActor
 from asyncrl.actors.buffer.admission import group_head_if_valid
 from asyncrl.config.recipe import load_recipe
+from asyncrl.observe.audit import read_jsonl
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.nats_server import NatsInfo
 from asyncrl.wire.messages import (
@@ -130,8 +131,8 @@ async def test_an_exited_actor_returns_its_prompts_first_in_line(tmp_path: Path)
     again = [p.uid for p in (await lease(buf, 2, actor="alive")).prompts]
     assert sorted(again) == sorted(held)
     buf.journal.close()
-    log = (tmp_path / "buffer_events.jsonl").read_text()
-    assert log.count('"event": "return"') == 2
+    events = read_jsonl(tmp_path / "buffer_events.jsonl")
+    assert [e["event"] for e in events].count("return") == 2
 
 
 async def deliver(buf: BufferActor, samples: list[Trajectory], as_group: bool) -> None:

@@ -9,6 +9,7 @@ import pytest
 from test_buffer import lease, make_buffer
 
 from asyncrl.actors.buffer.admission import invalid_reason
+from asyncrl.observe.audit import read_jsonl
 from asyncrl.wire.messages import Array, LeaseRequest, Trajectory
 
 
@@ -115,5 +116,5 @@ async def test_an_invalid_sample_abandons_its_group_and_returns_the_prompt(
         await buf.on_scored(scored(bad, i, again.lease_id))
     assert [g.prompt_uid for g in buf.admission.ready] == [good, bad]
     buf.journal.close()
-    events = (tmp_path / "buffer_events.jsonl").read_text()
-    assert '"event": "invalid"' in events and '"reason": "missing_reward"' in events
+    events = read_jsonl(tmp_path / "buffer_events.jsonl")
+    assert any(e["event"] == "invalid" and e["reason"] == "missing_reward" for e in events)

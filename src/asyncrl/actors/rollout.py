@@ -63,6 +63,7 @@ from asyncrl.wire.messages import (
     TrajectoryGroup,
     WeightsUpdated,
 )
+from asyncrl.wire.unchecked import updated
 
 LEASE_TIMEOUT = 5.0
 """Seconds to wait for the buffer's answer to a lease request (or an abort report)
@@ -83,6 +84,15 @@ the dashboard's "generating" line, rare enough to cost nothing."""
 
 class EpisodeProducedNothing(RuntimeError):
     pass
+
+
+def _generated_tokens(t: Trajectory) -> int:
+    """The tokens ``t`` trains on (its loss mask's ones): a bool mask's bytes are 0 and 1,
+    counted without making an array."""
+    mask = t.loss_mask
+    if mask.dtype == "bool":
+        return mask.data.count(1)
+    return int(np.count_nonzero(mask.numpy()))
 
 
 class RolloutActor(Actor):
@@ -325,7 +335,7 @@ class RolloutActor(Actor):
             raise EpisodeProducedNothing("the workflow returned no trajectory")
         stamp = {"actor_id": self.actor_id, "prompt_uid": prompt.uid, "attempt": lease_id}
         stamped = [
-            t.model_copy(update={**stamp, "epoch": epoch, "data": prompt.data})
+            updated(t, {**stamp, "epoch": epoch, "data": prompt.data})
             if t.reward is None
             else t.past_scoring(**stamp, epoch=epoch)
             for t in trajectories
@@ -376,9 +386,7 @@ class RolloutActor(Actor):
             self.delivered.append(prompt.uid)
             self.counters["episodes"] += 1
             self.counters["samples"] += len(result.value)
-            self.counters["tokens"] += sum(
-                int(np.count_nonzero(t.loss_mask.numpy())) for t in result.value
-            )
+            self.counters["tokens"] += sum(_generated_tokens(t) for t in result.value)
             # samples whose generated tokens came from more than one policy version: a
             # weight update landed while they were being generated
             self.counters["mixed_version_samples"] += sum(

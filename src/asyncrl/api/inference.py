@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from asyncrl.wire.unchecked import assembled
+
 if TYPE_CHECKING:
     import torch
 
@@ -258,13 +260,16 @@ class InferenceEngine(ABC):
             )
         sampling = request.sampling
         # the ids of a validated request, the rest empty: not validated again
-        result = GenerateResponse.model_construct(
-            rid=request.rid,
-            input_ids=list(request.input_ids),
-            output_ids=[],
-            output_logprobs=[],
-            output_versions=[],
-            finish_reason="length",
+        result = assembled(
+            GenerateResponse,
+            {
+                "rid": request.rid,
+                "input_ids": list(request.input_ids),
+                "output_ids": [],
+                "output_logprobs": [],
+                "output_versions": [],
+                "finish_reason": "length",
+            },
         )
         while True:
             await self._resumed.wait()

@@ -17,6 +17,7 @@ from typing import Any
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, InferenceEngine, WeightSource
 from asyncrl.engines.config import InstantEngineConfig
 from asyncrl.models.resolve import ModelConfig
+from asyncrl.wire.unchecked import assembled
 
 RESPONSE_TOKEN = ord("7")
 """What every response is made of: a digit, so a math reward parses it (and scores 0)."""
@@ -76,13 +77,16 @@ class InstantEngine(InferenceEngine):
         n = min(self.response_tokens, request.sampling.max_new_tokens)
         # every field given, of its type by construction (the ids of a validated request):
         # not validated again, so the bench measures the protocol, not this null model
-        return GenerateResponse.model_construct(
-            rid=request.rid,
-            input_ids=list(request.input_ids),
-            output_ids=[RESPONSE_TOKEN] * n,
-            output_logprobs=[-1.0] * n,
-            output_versions=[self.version] * n,
-            finish_reason="length",
+        return assembled(
+            GenerateResponse,
+            {
+                "rid": request.rid,
+                "input_ids": list(request.input_ids),
+                "output_ids": [RESPONSE_TOKEN] * n,
+                "output_logprobs": [-1.0] * n,
+                "output_versions": [self.version] * n,
+                "finish_reason": "length",
+            },
         )
 
     async def _interrupt(self) -> None:

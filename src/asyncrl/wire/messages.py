@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 1
+from asyncrl.wire.unchecked import assembled, updated
 
-_M = TypeVar("_M", bound=BaseModel)
+SCHEMA_VERSION = 1
 
 ALLOWED_DTYPES = frozenset(
     {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
@@ -39,20 +39,6 @@ _LIST_CODES = (
 )
 """The :mod:`array` type code of a dtype whose bytes it writes exactly as numpy does (on
 a little-endian machine): a flat list of Python numbers converts several times faster."""
-_new = object.__new__
-_set_attr = object.__setattr__
-
-
-def _assembled(cls: type[_M], values: dict[str, Any]) -> _M:
-    """An instance of ``cls`` holding ``values`` (every field, each of its field's type,
-    and passing the model's checks) as validation would leave it, without validating:
-    for values this module made or took from an instance that was validated."""
-    obj = _new(cls)
-    _set_attr(obj, "__dict__", values)
-    _set_attr(obj, "__pydantic_fields_set__", set(values))
-    _set_attr(obj, "__pydantic_extra__", None)
-    _set_attr(obj, "__pydantic_private__", None)
-    return obj
 
 
 class Array(BaseModel):
@@ -67,6 +53,11 @@ class Array(BaseModel):
     @model_validator(mode="after")
     def _check_size(self) -> Array:
         itemsize = _ITEMSIZE.get(self.dtype)
+        shape = self.shape
+        if itemsize is not None and len(shape) == 1 and len(self.data) == itemsize * shape[0]:
+            # the usual array, 1-d (a length that matches cannot be negative): told in one
+            # step; every other case goes through the checks below, which name the fault
+            return self
         if itemsize is None:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(ALLOWED_DTYPES)}")
         expected = itemsize
@@ -87,7 +78,7 @@ class Array(BaseModel):
         if type(values) is list and dtype is not None and cls is Array:
             data = _list_bytes(values, dtype)
             if data is not None:
-                return _assembled(Array, {"dtype": dtype, "shape": (len(values),), "data": data})
+                return assembled(Array, {"dtype": dtype, "shape": (len(values),), "data": data})
         if hasattr(values, "detach"):  # a torch tensor, without importing torch here
             values = values.detach().cpu().numpy()
         arr = np.asarray(values, dtype=dtype)
@@ -96,7 +87,7 @@ class Array(BaseModel):
             # an allowed little-endian dtype (every one, on a little-endian machine): the
             # bytes, C order, match dtype and shape by construction, which is all that
             # validation checks; assembled, not validated (a rollout makes four a sample)
-            return _assembled(Array, {"dtype": name, "shape": arr.shape, "data": arr.tobytes()})
+            return assembled(Array, {"dtype": name, "shape": arr.shape, "data": arr.tobytes()})
         # astype(order="C") keeps a 0-d array 0-d (ascontiguousarray would make it 1-d)
         arr = arr.astype(arr.dtype.newbyteorder("<"), order="C", copy=False)
         return cls(dtype=arr.dtype.name, shape=tuple(arr.shape), data=arr.tobytes())
@@ -357,7 +348,7 @@ class Trajectory(Message):
         score)."""
         if not update and not self.data and not self.completion:
             return self
-        return self.model_copy(update={**update, "data": {}, "completion": ""})
+        return updated(self, {**update, "data": {}, "completion": ""})
 
     def msg_id(self, stage: str) -> str:
         """JetStream dedup id at ``stage`` (``raw``, ``scored``): the same publish retried
@@ -378,7 +369,7 @@ class Trajectory(Message):
         values = {name: fields[name] for name in _TRAIN_FIELDS}
         values["reward_info"] = dict(self.reward_info)
         values["images"] = list(self.images)
-        return _assembled(TrainSample, values)
+        return assembled(TrainSample, values)
 
     @property
     def versions_spanned(self) -> int:
@@ -429,14 +420,12 @@ class TrajectoryGroup(Message):
             prompt_uid=first.prompt_uid,
             attempt=first.attempt,
             data=first.data,
-            samples=[t.model_copy(update={"data": {}}) if t.data else t for t in samples],
+            samples=[updated(t, {"data": {}}) if t.data else t for t in samples],
         )
 
     def past_scoring(self) -> TrajectoryGroup:
         """The group as it goes on once scored (see :meth:`Trajectory.past_scoring`)."""
-        return self.model_copy(
-            update={"data": {}, "samples": [t.past_scoring() for t in self.samples]}
-        )
+        return updated(self, {"data": {}, "samples": [t.past_scoring() for t in self.samples]})
 
     def msg_id(self, stage: str) -> str:
         """JetStream dedup id at ``stage``, as :meth:`Trajectory.msg_id` (a sample's uid

@@ -20,6 +20,7 @@ from asyncrl.api.inference import GenerateRequest, InferenceEngine, SamplingPara
 from asyncrl.api.workflow import RolloutWorkflow, Scorer
 from asyncrl.models.vision import VisionProcessor, open_image, record_images, with_images
 from asyncrl.wire.messages import Prompt, Trajectory
+from asyncrl.wire.unchecked import updated
 from asyncrl.workflows.base import (
     TokenTrace,
     chat_messages,
@@ -97,7 +98,7 @@ class RLVRWorkflow(RolloutWorkflow):
         )
         # the others copy the first (a request is frozen): the prompt ids validated once
         requests = [first] + [
-            first.model_copy(update={"sampling": samplings[i], "rid": f"{uid}/{i}"})
+            updated(first, {"sampling": samplings[i], "rid": f"{uid}/{i}"})
             for i in range(1, self.group_size)
         ]
         async with asyncio.TaskGroup() as tg:
