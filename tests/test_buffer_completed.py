@@ -12,12 +12,12 @@ from test_buffer_durable import traj
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.batching import Batcher
 from asyncrl.actors.buffer.completed import CompletedPrompts
-from asyncrl.actors.buffer.durable import capture
+from asyncrl.actors.buffer.durable import capture, restore
 from asyncrl.actors.buffer.journal import Journal
 from asyncrl.actors.buffer.leases import LeaseBook, PromptSource
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.wire.codec import decode, encode
-from asyncrl.wire.messages import BufferSnapshot, LeaseRequest
+from asyncrl.wire.messages import BufferSnapshot, LeaseRequest, Prompt
 
 SIZE = 5
 
@@ -176,11 +176,70 @@ def test_a_roll_back_that_drops_a_prompt_in_the_making_abandons_it_once(tmp_path
     assert not a.groups and "dropped_prompt_samples" not in journal.counters
 
 
-def buffer_parts(tmp_path: Path) -> tuple[StalenessManager, Journal, LeaseBook, Admission]:
-    """The buffer's staleness, journal, lease book (10 prompts) and admission (groups of
-    2), as the buffer wires them."""
+def test_a_snapshot_holds_leased_prompts_by_id_and_restores_them_with_their_records(
+    tmp_path: Path,
+) -> None:
+    """The prompts out on lease, the answered leases (which hold them again) and the
+    returned ones in the pool are written without their records: a snapshot does not grow
+    with the records' length. A restored buffer gets each record back from its dataset
+    (the record itself, not a copy), and a prompt that names no record of it (or an older
+    snapshot's prompt with its record) comes back as it was written."""
+    # records of 5 KB: written with every prompt (11 leased, 12 in the answers, 1 in the
+    # pool), the snapshot was 122 KB
+    big = "x" * 5_000
+    sm, journal, leases, a = buffer_parts(tmp_path, text=big)
+    batcher = Batcher(a, sm, journal, batch_size=2)
+    for actor in range(4):
+        lease = leases.grant(
+            LeaseRequest(actor_id=f"r{actor}", max_episodes=3, request_id=f"q{actor}"), now=0.0
+        )
+        assert len(lease.prompts) == 3
+    returned = leases.leased[next(iter(leases.leased))]
+    assert leases.return_prompt(returned.prompt.uid, "aborted", lease_id=returned.lease_id)
+    leases.source.pool.append(Prompt(uid="elsewhere-x", data={}))  # names no record
+    data = encode(capture(leases, a, batcher, epoch=0, weights=None))
+    assert len(data) < 3_000, len(data)
+    snap = decode(data, BufferSnapshot)
+    assert all(not r.prompt.data for r in snap.leased) and len(snap.leased) == 11
+    assert all(not p.data for ans in snap.answers for p in ans.lease.prompts)
+
+    _, _, again, b = buffer_parts(tmp_path / "again", text=big)
+    restore(snap, again, b, Batcher(b, sm, journal, batch_size=2), 0.0, run_dir=tmp_path)
+    records = again.source.records
+    for uid, entry in again.leased.items():
+        assert entry.prompt.data is records[int(uid.split("-")[1])]  # held once, not copied
+        assert entry.prompt == leases.leased[uid].prompt
+    assert [p.uid for p in again.source.pool] == [returned.prompt.uid, "elsewhere-x"]
+    assert again.source.pool[0] == leases.source.pool[0]
+    assert again.source.pool[1].data == {}
+    assert {k: (rid, lease) for k, (rid, lease) in again.answers.items()} == leases.answers
+    # the same request again gets the same lease, its prompts with their records
+    repeat = again.grant(LeaseRequest(actor_id="r1", max_episodes=3, request_id="q1"), 1.0)
+    assert repeat == leases.answers["r1"][1] and all(p.data["prompt"] for p in repeat.prompts)
+    # an older snapshot, its prompts with their records, restores the same
+    old = snap.model_copy(
+        update={
+            "leased": [
+                r.model_copy(update={"prompt": e.prompt})
+                for r, e in zip(snap.leased, leases.leased.values(), strict=True)
+            ]
+        }
+    )
+    _, _, third, c = buffer_parts(tmp_path / "third", text=big)
+    restore(old, third, c, Batcher(c, sm, journal, batch_size=2), 0.0, run_dir=tmp_path)
+    assert {u: e.prompt for u, e in third.leased.items()} == {
+        u: e.prompt for u, e in leases.leased.items()
+    }
+
+
+def buffer_parts(
+    tmp_path: Path, text: str = ""
+) -> tuple[StalenessManager, Journal, LeaseBook, Admission]:
+    """The buffer's staleness, journal, lease book (10 prompts, ``text`` in each) and
+    admission (groups of 2), as the buffer wires them."""
     sm = StalenessManager(batch_size=2, max_concurrent=64, max_head_offpolicyness=100)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     journal = Journal(tmp_path / "events.jsonl")
-    records = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
+    records = [{"prompt": f"q{i}{text}", "answer": str(i)} for i in range(10)]
     leases = LeaseBook(PromptSource(records, 1), sm, journal, ttl=30, incarnation="x")
     return sm, journal, leases, Admission(sm, leases, journal, group_size=2, dynamic_filter=False)

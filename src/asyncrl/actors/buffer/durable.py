@@ -64,6 +64,7 @@ from asyncrl.wire.messages import (
     TrainBatchRef,
     WeightsUpdated,
 )
+from asyncrl.wire.unchecked import assembled
 
 if TYPE_CHECKING:
     from asyncrl.actors.buffer.admission import Admission
@@ -182,6 +183,7 @@ def capture(
     ready, served = parts.name(admission.ready, batcher.served.values())
     sm = leases.staleness
     full, partial = admission.completed.epochs()
+    source = leases.source
     return BufferSnapshot(
         epoch=epoch,
         version=sm.version,
@@ -190,17 +192,24 @@ def capture(
         rejected=sm.rejected,
         counters=dict(leases.journal.counters),
         sampler=leases.source.state(),
-        pool=list(leases.source.pool),
+        pool=[source.without_record(p) for p in source.pool],
         leased=[
-            LeasedRecord(
-                prompt=e.prompt, actor_id=e.actor_id, lease_id=e.lease_id, delivered=e.delivered
+            # of the types the record's fields have (the lease book's own): not validated
+            assembled(
+                LeasedRecord,
+                {
+                    "prompt": leases.kept_prompt(e),
+                    "actor_id": e.actor_id,
+                    "lease_id": e.lease_id,
+                    "delivered": e.delivered,
+                },
             )
             for e in leases.leased.values()
         ],
         attempts=dict(leases.attempts),
         issued=leases.issued,
         answers=[
-            AnswerRecord(actor_id=a, request_id=rid, lease=lease)
+            AnswerRecord(actor_id=a, request_id=rid, lease=leases.kept_answer(a, lease))
             for a, (rid, lease) in leases.answers.items()
         ],
         partial=[t for group in admission.groups.values() for t in group.values()],
@@ -265,15 +274,20 @@ def restore(
     )
     leases.journal.counters = Counter(snap.counters)
     leases.source.restore(snap.sampler)
-    leases.source.pool = deque(snap.pool)
+    source = leases.source
+    source.pool = deque(source.with_record(p) for p in snap.pool)
     leases.leased = {
-        r.prompt.uid: Leased(r.prompt, r.actor_id, r.lease_id, delivered=r.delivered)
+        r.prompt.uid: Leased(
+            source.with_record(r.prompt), r.actor_id, r.lease_id, delivered=r.delivered
+        )
         for r in snap.leased
     }
     leases.last_seen = {r.actor_id: now for r in snap.leased}
     leases.attempts = Counter(snap.attempts)
     leases.issued = snap.issued
-    leases.answers = {a.actor_id: (a.request_id, a.lease) for a in snap.answers}
+    leases.answers = {
+        a.actor_id: (a.request_id, source.lease_with_records(a.lease)) for a in snap.answers
+    }
     admission.groups = {}
     for t in snap.partial:
         admission.hold(t)

@@ -21,6 +21,7 @@ from asyncrl.actors.buffer.journal import Journal
 from asyncrl.data.sampler import ShardSampler
 from asyncrl.runtime.staleness import StalenessManager
 from asyncrl.wire.messages import Lease, LeaseRequest, Prompt
+from asyncrl.wire.unchecked import updated
 
 MAX_EPISODE_ATTEMPTS = 3
 """A prompt whose episode fails this many times is dropped (and counted), so one poison
@@ -46,17 +47,53 @@ class PromptSource:
         epoch, idx = self.sampler.next()
         return Prompt(uid=f"e{epoch}-{idx}", data=self.records[idx])
 
+    def _index(self, uid: str) -> int | None:
+        """The record index that ``uid`` names, None if it names none of this dataset."""
+        try:
+            idx = int(uid.split("-", 1)[1])
+        except (IndexError, ValueError):
+            return None
+        return idx if 0 <= idx < len(self.records) else None
+
     def prompt(self, uid: str) -> Prompt:
         """The prompt of ``uid`` with its record: samples past scoring carry only the id,
         and a prompt that runs again (a roll-back) gets its record from here."""
-        try:
-            idx = int(uid.split("-", 1)[1])
-            if idx < 0:
-                raise IndexError(idx)
-            record = self.records[idx]
-        except (IndexError, ValueError):
-            raise ValueError(f"{uid!r} is no prompt id of this dataset") from None
-        return Prompt(uid=uid, data=record)
+        idx = self._index(uid)
+        if idx is None:
+            raise ValueError(f"{uid!r} is no prompt id of this dataset")
+        return Prompt(uid=uid, data=self.records[idx])
+
+    def without_record(self, prompt: Prompt) -> Prompt:
+        """``prompt`` as the buffer's state keeps it: a prompt of this dataset (its data the
+        record its id names) without the record, which :meth:`with_record` puts back from
+        the dataset; any other as it is. A snapshot then holds a prompt in a few bytes,
+        not a record a lease: its size no longer grows with the records' length times the
+        episodes out (and the leases answered, which hold the same prompts again)."""
+        idx = self._index(prompt.uid)
+        if idx is not None and prompt.data == self.records[idx]:
+            return updated(prompt, {"data": {}})
+        return prompt
+
+    def with_record(self, prompt: Prompt) -> Prompt:
+        """A prompt of a snapshot as it was: its record put back where
+        :meth:`without_record` left it out (a prompt with a record, as an older asyncrl
+        kept every one, stays as it is)."""
+        if prompt.data:
+            return prompt
+        idx = self._index(prompt.uid)
+        return prompt if idx is None else updated(prompt, {"data": self.records[idx]})
+
+    def lease_without_records(self, lease: Lease) -> Lease:
+        """``lease`` with its prompts :meth:`without_record`."""
+        if not lease.prompts:
+            return lease
+        return updated(lease, {"prompts": [self.without_record(p) for p in lease.prompts]})
+
+    def lease_with_records(self, lease: Lease) -> Lease:
+        """``lease`` with its prompts :meth:`with_record`."""
+        if not lease.prompts:
+            return lease
+        return updated(lease, {"prompts": [self.with_record(p) for p in lease.prompts]})
 
     def give_back(self, prompt: Prompt) -> None:
         self.pool.appendleft(prompt)
@@ -81,6 +118,9 @@ class Leased:
     """When the actor's heartbeats first stopped listing this prompt (None: listed)."""
     delivered: bool = False
     """The actor said its trajectories are on the stream: only their scores are awaited."""
+    kept: Prompt | None = None
+    """The prompt as the buffer's state writes it (:meth:`PromptSource.without_record`),
+    made by the first write that holds it (:meth:`LeaseBook.kept_prompt`)."""
 
 
 class LeaseBook:
@@ -107,6 +147,8 @@ class LeaseBook:
         self.last_seen: dict[str, float] = {}
         # one request in flight per actor, so its last lease is all a retry can need
         self.answers: dict[str, tuple[str, Lease]] = {}
+        self._kept_answers: dict[str, tuple[Lease, Lease]] = {}
+        """Each answer's lease and that lease as the state writes it (``kept_answer``)."""
         self.issued = 0
         self.on_drop: Callable[[str], None] = lambda uid: None
         """Called with a prompt dropped after its last failed attempt (the admission's)."""
@@ -170,7 +212,23 @@ class LeaseBook:
             self.return_prompt(uid, why)
         self.last_seen.pop(actor_id, None)
         self.answers.pop(actor_id, None)
+        self._kept_answers.pop(actor_id, None)
         return len(uids)
+
+    def kept_prompt(self, entry: Leased) -> Prompt:
+        """``entry``'s prompt as the buffer's state writes it, without its record: made
+        once a lease, not at every write (twenty a second) that holds it."""
+        if entry.kept is None:
+            entry.kept = self.source.without_record(entry.prompt)
+        return entry.kept
+
+    def kept_answer(self, actor_id: str, lease: Lease) -> Lease:
+        """``lease``, the answer kept for ``actor_id``, as the state writes it (its prompts
+        without their records), made once an answer."""
+        hit = self._kept_answers.get(actor_id)
+        if hit is None or hit[0] is not lease:
+            hit = self._kept_answers[actor_id] = (lease, self.source.lease_without_records(lease))
+        return hit[1]
 
     def reconcile(
         self,
