@@ -3,6 +3,7 @@
     .venv/bin/python bench/scale.py            # 1, 2, 4, ..., 64 actors, about 6 minutes
     .venv/bin/python bench/scale.py --quick    # 1, 8, 64 actors, short levels
     .venv/bin/python bench/scale.py --profile  # + cProfile of the buffer and a rollout host
+    .venv/bin/python bench/scale.py --producers light  # the buffer's own limit (see below)
 
 Everything but the model is real: an embedded nats-server, the JetStream trajectory
 stream, the real :class:`BufferActor` in its own process, the real :class:`RewardActor`
@@ -45,6 +46,13 @@ is exactly what one event loop can host many of. The price: actors of one host s
 core, so at high counts the rollout side itself may be what saturates (its CPU share is
 printed). The buffer's CPU per sample does not depend on that: 1 / (CPU s per sample)
 is what the buffer alone could admit on one core, the "buffer ceiling" column.
+
+On a machine of few cores the rollout hosts' CPU (250 µs a sample on a 2-core Intel Xeon,
+more than the buffer's) is what bounds a level, not the buffer. ``--producers light``
+puts :class:`LightProducer` in the rollout actors' place: the same lease protocol and the
+same scored group messages, made at about a quarter of the CPU; everything else is as
+above. Its levels show what the buffer admits once it is the busiest process (its CPU
+share near one core), not what a rollout fleet produces.
 """
 
 from __future__ import annotations
@@ -62,7 +70,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+import uuid
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event as MpEvent
@@ -72,18 +81,31 @@ from typing import Any
 import psutil
 
 from asyncrl.actors.buffer import BufferActor
+from asyncrl.actors.generation import build_workflow
 from asyncrl.actors.reward import RewardActor
-from asyncrl.actors.rollout import RolloutActor
+from asyncrl.actors.rollout import LEASE_TIMEOUT, LEASE_WAIT, RETRY_PAUSE, RolloutActor
 from asyncrl.actors.trainer import TrainerActor
 from asyncrl.config.recipe import Recipe, load_recipe
+from asyncrl.engines import build_engine
+from asyncrl.engines.instant import RESPONSE_TOKEN
 from asyncrl.launch.up import ensure_trajectory_stream
-from asyncrl.runtime.actor import ActorContext
-from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.actor import Actor, ActorContext
+from asyncrl.runtime.bus import Bus, BusTimeout
 from asyncrl.runtime.log import configure_logging
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
 from asyncrl.wire.codec import encode
-from asyncrl.wire.messages import ActorInfo, Control, Lease, WeightsUpdated
+from asyncrl.wire.messages import (
+    ActorInfo,
+    Array,
+    Control,
+    Lease,
+    LeaseRequest,
+    Prompt,
+    Trajectory,
+    TrajectoryGroup,
+    WeightsUpdated,
+)
 from asyncrl.wire.subjects import Subjects
 
 HERE = Path(__file__).resolve()
@@ -187,6 +209,107 @@ class TimedRollout(RolloutActor):
         return lease
 
 
+class LightProducer(Actor):
+    """The rollout side at the least CPU it can take (``--producers light``): the lease
+    protocol as :class:`RolloutActor` speaks it (the same held request, the same request
+    id on a repeat, heartbeats that list what it holds and delivered), and for each leased
+    prompt at once the scored :class:`TrajectoryGroup` that a rollout actor scoring inline
+    publishes: ``group_size`` samples of the prompt's ids (the recipe's workflow makes
+    them, as the rollout actor's does) and ``--tokens`` generated tokens at the lease's
+    version, reward 0; no engine calls, no weights loop. The buffer, the stream, NATS and
+    the trainer are what they are with rollout actors; what is left out is what a rollout
+    actor spends per sample, so a level shows what the buffer admits when the cores are
+    not spent on producing."""
+
+    role = "rollout"
+
+    def __init__(self, ctx: ActorContext) -> None:
+        super().__init__(ctx)
+        self.leases_timed: list[tuple[float, float, int]] = []
+        self.held: set[str] = set()
+        self.delivered: deque[str] = deque(maxlen=64)
+        r = self.recipe.rollout
+        self.group_size, self.episodes = r.group_size, r.max_concurrent
+        self.tokens = r.sampling.max_new_tokens
+        self.workflow: Any = None
+
+    async def setup(self, tg: asyncio.TaskGroup) -> None:
+        r = self.recipe.rollout
+        self.workflow = build_workflow(
+            self, build_engine(self.recipe), r.sampling, r.group_size,
+            reward=None, endpoint=None, tools=None,
+        )  # fmt: skip
+
+    def lease_report(self) -> dict[str, list[str]]:
+        return {"holding": sorted(self.held), "delivered": list(self.delivered)}
+
+    def group(self, prompt: Prompt, lease: Lease) -> TrajectoryGroup:
+        """The scored group of ``prompt`` under ``lease``, as the rollout actor sends it."""
+        prompt_ids, _ = self.workflow.prompt(prompt.data)
+        p, n = len(prompt_ids), self.tokens
+        arrays = {
+            "input_ids": Array.of(prompt_ids + [RESPONSE_TOKEN] * n, "int32"),
+            "loss_mask": Array.of([False] * p + [True] * n, "bool"),
+            "logprobs": Array.of([0.0] * p + [-1.0] * n, "float32"),
+            "versions": Array.of([-1] * p + [lease.version] * n, "int32"),
+        }
+        samples = [
+            Trajectory(
+                uid=f"{prompt.uid}/{i}",
+                prompt_uid=prompt.uid,
+                group_index=i,
+                group_size=self.group_size,
+                actor_id=self.actor_id,
+                attempt=lease.lease_id,
+                reward=0.0,
+                finish_reason="length",
+                epoch=lease.epoch,
+                **arrays,
+            )
+            for i in range(self.group_size)
+        ]
+        return TrajectoryGroup(prompt_uid=prompt.uid, attempt=lease.lease_id, samples=samples)
+
+    async def run(self) -> None:
+        subject = self.subjects.scored_groups
+        while True:
+            req = LeaseRequest(
+                actor_id=self.actor_id,
+                max_episodes=self.episodes,
+                request_id=uuid.uuid4().hex,
+                wait=LEASE_WAIT,
+            )
+            t0 = time.perf_counter()
+            while True:
+                try:
+                    lease = await self.bus.request(
+                        self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT
+                    )
+                    break
+                except BusTimeout:  # the buffer stopped first at the level's end, say
+                    await asyncio.sleep(RETRY_PAUSE)
+            _raise_if_cancelled()
+            rtt_ms = (time.perf_counter() - t0) * 1e3
+            self.leases_timed.append((time.time(), rtt_ms, len(lease.prompts)))
+            self.held.update(p.uid for p in lease.prompts)
+            for p in lease.prompts:
+                group = self.group(p, lease)
+                await self.bus.js_publish(subject, group, msg_id=group.msg_id("scored"))
+                _raise_if_cancelled()
+                self.held.discard(p.uid)
+                self.delivered.append(p.uid)
+            if not lease.prompts:
+                await asyncio.sleep(max(lease.retry_after, 0.05))
+
+
+def _raise_if_cancelled() -> None:
+    """Re-raises a stop that came with a reply: nats-py waits with ``asyncio.wait_for``,
+    which on Python 3.11 can swallow it, and the producer would go on asking."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def make_context(spec: dict[str, Any], actor_id: str) -> ActorContext:
     return ActorContext(
         run_name=RUN,
@@ -228,7 +351,8 @@ def rollout_host(
     the actors are told to stop: an actor that does not stop in time is killed). The host
     is cProfile'd into ``profile`` if it is given."""
     configure_logging(os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
-    actors = [TimedRollout(make_context(spec, a)) for a in actor_ids]
+    kind = LightProducer if spec["producers"] == "light" else TimedRollout
+    actors = [kind(make_context(spec, a)) for a in actor_ids]
 
     async def dump() -> None:
         await asyncio.to_thread(window_over.wait)
@@ -346,6 +470,7 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
                 "token": info.token,
                 "recipe": recipe.model_dump_json(),
                 "null_reward": null_reward,
+                "producers": args.producers,
             }
             bus = await Bus.connect(info, name="bench-scale")
             await ensure_trajectory_stream(bus, subjects)
@@ -517,6 +642,13 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=5.0, help="seconds before the window")
     p.add_argument("--hosts", type=int, default=2, help="processes the rollout actors share")
     p.add_argument("--reward", choices=["actor", "null"], default="actor")
+    p.add_argument(
+        "--producers",
+        choices=["rollout", "light"],
+        default="rollout",
+        help="rollout: real RolloutActors on the instant engine; light: the lease protocol "
+        "and pre-built scored groups (LightProducer; implies --reward null)",
+    )
     p.add_argument("--tokens", type=int, default=32, help="tokens per response")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="groups per trainer step (B)")
@@ -544,6 +676,8 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.actors, args.seconds, args.warmup = "1,8,64", 6.0, 2.0
+    if args.producers == "light":
+        args.reward = "null"  # its groups are scored: no reward actor on the path
     levels = [int(x) for x in args.actors.split(",")]
     recipe = level_recipe(args)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -559,7 +693,7 @@ def main() -> None:
         f"group {args.group_size} x {args.tokens} tokens, B = {args.batch_size} groups, "
         f"eta = {args.eta}, {args.episodes_per_actor} episodes per actor, "
         f"reward: {'null (inline)' if args.reward == 'null' else 'reward actor'}, "
-        f"{args.seconds:.0f} s per level"
+        f"producers: {args.producers}, {args.seconds:.0f} s per level"
     )
     cols = (
         f"{'actors':>6}{'admitted/s':>11}{'lease p50':>10}{'p99 ms':>8}{'empty':>7}"
