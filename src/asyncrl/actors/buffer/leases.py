@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.actors.buffer.journal import Journal
@@ -118,7 +118,7 @@ class Leased:
     """When the actor's heartbeats first stopped listing this prompt (None: listed)."""
     delivered: bool = False
     """The actor said its trajectories are on the stream: only their scores are awaited."""
-    kept: Prompt | None = None
+    kept: Prompt | None = field(default=None, compare=False, repr=False)
     """The prompt as the buffer's state writes it (:meth:`PromptSource.without_record`),
     made by the first write that holds it (:meth:`LeaseBook.kept_prompt`)."""
 
