@@ -83,13 +83,9 @@ def main() -> None:
             admission.on_scored_group([sample(prompt.uid, i, lease.lease_id) for i in range(2)])
             admission.ready.clear()  # served and trained: the state keeps no group
             done += 1
-        times = []
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            data = encode(capture(leases, admission, batcher, epoch=0, weights=None))
-            times.append(time.perf_counter() - t)
+        data, ms = timed_write(leases, admission, batcher, args.reps)
         print(
-            f"{mark:>9,} {len(data):>15,} {1e3 * statistics.median(times):>9.2f}"
+            f"{mark:>9,} {len(data):>15,} {ms:>9.2f}"
             f" {len(admission.completed):>9,} {len(leases.attempts):>9,}"
         )
     episodes_out(args.actors, args.reps)
@@ -118,15 +114,23 @@ def episodes_out(counts: list[int], reps: int) -> None:
             who = f"r{k % actors}"
             leases.grant(LeaseRequest(actor_id=who, max_episodes=4, request_id=f"q{k}"), 0.0)
             k += 1
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            data = encode(capture(leases, admission, batcher, epoch=0, weights=None))
-            times.append(time.perf_counter() - t)
+        data, ms = timed_write(leases, admission, batcher, reps)
         print(
             f"{actors:>7} {len(leases.leased):>7} {len(leases.answers):>8} {len(data):>15,}"
-            f" {1e3 * statistics.median(times):>9.2f}"
+            f" {ms:>9.2f}"
         )
+
+
+def timed_write(
+    leases: LeaseBook, admission: Admission, batcher: Batcher, reps: int
+) -> tuple[bytes, float]:
+    """The snapshot a write makes now, and the median ms of its capture and encoding."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        data = encode(capture(leases, admission, batcher, epoch=0, weights=None))
+        times.append(time.perf_counter() - t)
+    return data, 1e3 * statistics.median(times)
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
