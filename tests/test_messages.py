@@ -45,6 +45,7 @@ from asyncrl.wire.messages import (
     Trajectory,
     TrajectoryGroup,
 )
+from asyncrl.wire.unchecked import updated
 
 # Deterministic: a fixed seed and no example database, so every run tests the same inputs.
 CODEC = settings(derandomize=True, database=None, max_examples=60, deadline=None)
@@ -752,3 +753,28 @@ def test_open_fields_encode_directly_only_when_that_writes_the_same_bytes(
             encode(msg)
     else:
         assert encode(msg) == expected
+
+
+# -- copies without pydantic -------------------------------------------------------------------
+
+
+@CODEC
+@given(
+    st.sampled_from([Trajectory, TrajectoryGroup, Lease, TrainSample]).flatmap(
+        lambda cls: st.tuples(instances(cls), instances(cls), st.data())
+    )
+)
+def test_updated_makes_what_model_copy_makes(case: tuple[BaseModel, BaseModel, Any]) -> None:
+    """``unchecked.updated`` (the rollout actor's stamps, a group's copies) against pydantic's
+    own ``model_copy``: the same fields, the same fields counted as set, the same bytes on the
+    wire, and the original left as it was; the update's values drawn from another instance."""
+    original, other, data = case
+    names = data.draw(st.sets(st.sampled_from(sorted(type(original).model_fields)), max_size=4))
+    update = {name: getattr(other, name) for name in names}
+    before = encode(original)
+    got, want = updated(original, update), original.model_copy(update=update)
+    assert type(got) is type(want)
+    assert got.__dict__ == want.__dict__
+    assert got.model_fields_set == want.model_fields_set
+    assert encode(got) == encode(want)
+    assert encode(original) == before and got is not original
