@@ -298,7 +298,9 @@ PARENT = textwrap.dedent(
         if hostile and os.fork() == 0:  # a forked child holds the pipe's write end on
             time.sleep(60)
             os._exit(0)
-        out.joinpath("guard.pid").write_text(str(server.proc.pid))
+        # written whole under another name, then renamed: the test never reads it half-written
+        out.joinpath("guard.tmp").write_text(str(server.proc.pid))
+        out.joinpath("guard.tmp").rename(out / "guard.pid")
         await asyncio.sleep(600)
 
     asyncio.run(main())
