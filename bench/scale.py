@@ -47,10 +47,10 @@ core, so at high counts the rollout side itself may be what saturates (its CPU s
 printed). The buffer's CPU per sample does not depend on that: 1 / (CPU s per sample)
 is what the buffer alone could admit on one core, the "buffer ceiling" column.
 
-On a machine of few cores the rollout hosts' CPU (250 µs a sample on a 2-core Intel Xeon,
+On a machine of few cores the rollout hosts' CPU (185–250 µs a sample on a 2-core Xeon,
 more than the buffer's) is what bounds a level, not the buffer. ``--producers light``
 puts :class:`LightProducer` in the rollout actors' place: the same lease protocol and the
-same scored group messages, made at about a quarter of the CPU; everything else is as
+same scored group messages, made at about a third of the CPU; everything else is as
 above. Its levels show what the buffer admits once it is the busiest process (its CPU
 share near one core), not what a rollout fleet produces.
 """
