@@ -70,8 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event as MpEvent
@@ -83,14 +82,14 @@ import psutil
 from asyncrl.actors.buffer import BufferActor
 from asyncrl.actors.generation import build_workflow
 from asyncrl.actors.reward import RewardActor
-from asyncrl.actors.rollout import LEASE_TIMEOUT, LEASE_WAIT, RETRY_PAUSE, RolloutActor
+from asyncrl.actors.rollout import RolloutActor
 from asyncrl.actors.trainer import TrainerActor
 from asyncrl.config.recipe import Recipe, load_recipe
 from asyncrl.engines import build_engine
 from asyncrl.engines.instant import RESPONSE_TOKEN
 from asyncrl.launch.up import ensure_trajectory_stream
-from asyncrl.runtime.actor import Actor, ActorContext
-from asyncrl.runtime.bus import Bus, BusTimeout
+from asyncrl.runtime.actor import ActorContext
+from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import configure_logging
 from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
@@ -100,7 +99,6 @@ from asyncrl.wire.messages import (
     Array,
     Control,
     Lease,
-    LeaseRequest,
     Prompt,
     Trajectory,
     TrajectoryGroup,
@@ -209,29 +207,17 @@ class TimedRollout(RolloutActor):
         return lease
 
 
-class LightProducer(Actor):
-    """The rollout side at the least CPU it can take (``--producers light``): the lease
-    protocol as :class:`RolloutActor` speaks it (the same held request, the same request
-    id on a repeat, heartbeats that list what it holds and delivered), and for each leased
-    prompt at once the scored :class:`TrajectoryGroup` that a rollout actor scoring inline
-    publishes: ``group_size`` samples of the prompt's ids (the recipe's workflow makes
-    them, as the rollout actor's does) and ``--tokens`` generated tokens at the lease's
-    version, reward 0; no engine calls, no weights loop. The buffer, the stream, NATS and
-    the trainer are what they are with rollout actors; what is left out is what a rollout
-    actor spends per sample, so a level shows what the buffer admits when the cores are
-    not spent on producing."""
-
-    role = "rollout"
-
-    def __init__(self, ctx: ActorContext) -> None:
-        super().__init__(ctx)
-        self.leases_timed: list[tuple[float, float, int]] = []
-        self.held: set[str] = set()
-        self.delivered: deque[str] = deque(maxlen=64)
-        r = self.recipe.rollout
-        self.group_size, self.episodes = r.group_size, r.max_concurrent
-        self.tokens = r.sampling.max_new_tokens
-        self.workflow: Any = None
+class LightProducer(TimedRollout):
+    """The rollout side at the least CPU it can take (``--producers light``): the rollout
+    actor's own lease protocol (its ``_ask_for_lease``: the held request, the same request
+    id on a repeat; its heartbeats, listing what it holds and delivered), and for each
+    leased prompt at once the scored :class:`TrajectoryGroup` that a rollout actor scoring
+    inline publishes: ``group_size`` samples of the prompt's ids (the recipe's workflow
+    makes them, as the rollout actor's does) and ``--tokens`` generated tokens at the
+    lease's version, reward 0; no engine calls, no episode runner, no weights loop. The
+    buffer, the stream, NATS and the trainer are what they are with rollout actors; what is
+    left out is what a rollout actor spends per sample, so a level shows what the buffer
+    admits when the cores are not spent on producing."""
 
     async def setup(self, tg: asyncio.TaskGroup) -> None:
         r = self.recipe.rollout
@@ -240,13 +226,12 @@ class LightProducer(Actor):
             reward=None, endpoint=None, tools=None,
         )  # fmt: skip
 
-    def lease_report(self) -> dict[str, list[str]]:
-        return {"holding": sorted(self.held), "delivered": list(self.delivered)}
-
     def group(self, prompt: Prompt, lease: Lease) -> TrajectoryGroup:
         """The scored group of ``prompt`` under ``lease``, as the rollout actor sends it."""
-        prompt_ids, _ = self.workflow.prompt(prompt.data)
-        p, n = len(prompt_ids), self.tokens
+        assert self.workflow is not None, "the workflow is built in setup"
+        r = self.recipe.rollout
+        prompt_ids, _ = self.workflow.prompt(prompt.data)  # the RLVR workflow's
+        p, n = len(prompt_ids), r.sampling.max_new_tokens
         arrays = {
             "input_ids": Array.of(prompt_ids + [RESPONSE_TOKEN] * n, "int32"),
             "loss_mask": Array.of([False] * p + [True] * n, "bool"),
@@ -258,7 +243,7 @@ class LightProducer(Actor):
                 uid=f"{prompt.uid}/{i}",
                 prompt_uid=prompt.uid,
                 group_index=i,
-                group_size=self.group_size,
+                group_size=r.group_size,
                 actor_id=self.actor_id,
                 attempt=lease.lease_id,
                 reward=0.0,
@@ -266,32 +251,15 @@ class LightProducer(Actor):
                 epoch=lease.epoch,
                 **arrays,
             )
-            for i in range(self.group_size)
+            for i in range(r.group_size)
         ]
         return TrajectoryGroup(prompt_uid=prompt.uid, attempt=lease.lease_id, samples=samples)
 
     async def run(self) -> None:
         subject = self.subjects.scored_groups
         while True:
-            req = LeaseRequest(
-                actor_id=self.actor_id,
-                max_episodes=self.episodes,
-                request_id=uuid.uuid4().hex,
-                wait=LEASE_WAIT,
-            )
-            t0 = time.perf_counter()
-            while True:
-                try:
-                    lease = await self.bus.request(
-                        self.subjects.lease, req, Lease, timeout=LEASE_TIMEOUT
-                    )
-                    break
-                except BusTimeout:  # the buffer stopped first at the level's end, say
-                    await asyncio.sleep(RETRY_PAUSE)
+            lease = await self._ask_for_lease(self.recipe.rollout.max_concurrent)
             _raise_if_cancelled()
-            rtt_ms = (time.perf_counter() - t0) * 1e3
-            self.leases_timed.append((time.time(), rtt_ms, len(lease.prompts)))
-            self.held.update(p.uid for p in lease.prompts)
             for p in lease.prompts:
                 group = self.group(p, lease)
                 await self.bus.js_publish(subject, group, msg_id=group.msg_id("scored"))

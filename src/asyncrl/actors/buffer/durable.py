@@ -191,7 +191,7 @@ def capture(
         running=sm.running,
         rejected=sm.rejected,
         counters=dict(leases.journal.counters),
-        sampler=leases.source.state(),
+        sampler=source.state(),
         pool=[source.without_record(p) for p in source.pool],
         leased=[
             # of the types the record's fields have (the lease book's own): not validated
@@ -273,8 +273,8 @@ def restore(
         snap.rejected,
     )
     leases.journal.counters = Counter(snap.counters)
-    leases.source.restore(snap.sampler)
     source = leases.source
+    source.restore(snap.sampler)
     source.pool = deque(source.with_record(p) for p in snap.pool)
     leases.leased = {
         r.prompt.uid: Leased(
