@@ -16,6 +16,7 @@ import nats
 import nats.errors
 import numpy as np
 import pytest
+from nats.aio.subscription import Subscription
 
 from asyncrl.runtime.bus import Bus, BusTimeout, Encoded, PayloadTooLarge, RemoteError
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo, nats_info_for_run
@@ -363,6 +364,53 @@ async def test_js_cancelled_consumer_hands_its_message_back(bus: Bus) -> None:
         tg.create_task(second.run())
         assert [m.step for m in await inbox.wait(1)] == [5]
         await second.stop()
+
+
+@pytest.mark.parametrize("end", ["cancel", "stop"])
+async def test_a_consumer_that_ends_hands_every_held_message_to_the_next_at_once(
+    bus: Bus, end: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four handlers hang on four messages and the consumer ends (cancelled, or stopped).
+    Its pull request is still open on the server, asking for twelve more: a message nak'ed
+    before that request's inbox is gone is redelivered into the dead inbox and waits out
+    ack_wait (60 s here). Every message must reach the next consumer at once, whichever
+    order the consumer's own tasks end in: here the inbox is withdrawn late, as when the
+    handlers' cancellations run before the pull loop's."""
+    withdraw = Subscription.unsubscribe
+
+    async def late(sub: Subscription, limit: int = 0) -> None:
+        await asyncio.sleep(0.3)
+        await withdraw(sub, limit)
+
+    monkeypatch.setattr(Subscription, "unsubscribe", late)
+    await bus.ensure_stream("HELD", ["t.held"])
+    hung = asyncio.Semaphore(0)
+
+    async def hang(_: Metrics) -> None:
+        hung.release()
+        await asyncio.Event().wait()
+
+    first = await bus.js_consume(
+        "HELD", "t.held", "d", Metrics, hang, ack_wait=60.0, batch=16, concurrency=4
+    )
+    for step in range(4):
+        await bus.js_publish("t.held", metrics(step), msg_id=f"h{step}")
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(first.run())
+        async with asyncio.timeout(WAIT):
+            for _ in range(4):
+                await hung.acquire()
+        if end == "cancel":
+            task.cancel()
+        else:
+            await first.stop()
+    inbox = Inbox()
+    second = await bus.js_consume("HELD", "t.held", "d", Metrics, inbox, ack_wait=60.0)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(second.run())
+        assert sorted(m.step for m in await inbox.wait(4)) == [0, 1, 2, 3]
+        await second.stop()
+    assert first.acked == 0 and second.acked == 4
 
 
 async def test_js_consumer_ends_even_if_a_handler_swallows_its_cancellation(bus: Bus) -> None:

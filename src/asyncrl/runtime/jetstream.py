@@ -196,7 +196,8 @@ class JsConsumer(Generic[M]):
     terminated (never redelivered) and counted as a drop under ``subject``. While a message is held, the consumer tells the
     server every ``ack_wait / 3`` seconds that it is still in progress, so a slow handler
     keeps its message and only a dead consumer's messages go to others. On cancellation
-    the messages it holds are nak'ed so that they go to others at once.
+    or ``stop()`` the messages it holds are nak'ed, once its pull request is withdrawn, so
+    that they go to others at once.
     """
 
     def __init__(
@@ -347,11 +348,10 @@ class JsConsumer(Generic[M]):
         task = asyncio.current_task()
         while True:
             msg = await self._queue.get()
-            try:
-                await self._handle(msg)
-            finally:
-                self._held.pop(id(msg), None)
-                self._room.release()
+            # cancelled in the handler, the message stays held: run() hands it back
+            await self._handle(msg)
+            self._held.pop(id(msg), None)
+            self._room.release()
             if task is not None and task.cancelling():
                 # the handler swallowed its cancellation (Python 3.11's asyncio.wait_for
                 # can, when a result arrives with the cancel): end as asked, or the task
@@ -367,10 +367,6 @@ class JsConsumer(Generic[M]):
             return
         try:
             await self.handler(msg)
-        except asyncio.CancelledError:
-            with contextlib.suppress(nats.errors.Error):
-                await raw.nak()
-            raise
         except Exception as exc:
             # not a drop: the message is redelivered, to this consumer or another
             self.bus._count_handler(self.msg_type, raw.subject, exc, None)
@@ -386,9 +382,15 @@ class JsConsumer(Generic[M]):
                 await msg.in_progress()
 
     async def _hand_back(self) -> None:
-        """Naks what was fetched but never handled, so it is redelivered at once."""
+        """Naks every message fetched and not acked (queued, or its handler cancelled), so
+        it is redelivered at once. Only once the pull request's inbox is gone (``run()``'s
+        tasks have all ended): the server redelivers a nak'ed message to a waiting pull
+        request, and one whose inbox still listens would take it back into this consumer,
+        which drops it, for the whole ``ack_wait``."""
+        held = list(self._held.values())
+        self._held.clear()
         while not self._queue.empty():
-            msg = self._queue.get_nowait()
-            self._held.pop(id(msg), None)
+            self._queue.get_nowait()
+        for msg in held:
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak()
