@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers.once import made_once
 from train_helpers.tiny import fsdp_engine, full_weights, one_torch_thread, random_batch
 
 from asyncrl.train.engine import TrainEngine
@@ -35,13 +36,21 @@ _results: dict[str, dict] = {}
 
 
 def launch(kind: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The worker's ``fsdp`` job as ``kind`` (once per module): its stats, logprobs and
-    weights, with the folder of its checkpoint and export. Nodes are started with the
+    """The worker's ``fsdp`` job as ``kind`` (once per session, whichever worker's tests
+    ask: :func:`made_once`): its stats, logprobs and weights, with the folder of its
+    checkpoint and export."""
+    if kind not in _results:
+        tmp = made_once(tmp_path_factory, f"fsdp-{kind}", lambda folder: run_fsdp(kind, folder))
+        result: dict = torch.load(tmp / "out.pt", weights_only=True)
+        result.update(dir=tmp, world=LAUNCHES[kind][0] * LAUNCHES[kind][1])
+        _results[kind] = result
+    return _results[kind]
+
+
+def run_fsdp(kind: str, tmp: Path) -> None:
+    """The torchrun job ``kind`` of the worker into ``tmp``. Nodes are started with the
     command lines ``asyncrl up`` uses for a trainer across nodes on one machine."""
-    if kind in _results:
-        return _results[kind]
     nodes, nproc = LAUNCHES[kind]
-    tmp = tmp_path_factory.mktemp(kind)
     out = tmp / "out.pt"
     target = [str(WORKER), "fsdp", "--out", str(out), "--ckpt", str(tmp / "ckpt")]
     target += ["--export", str(tmp / "hf")]
@@ -77,10 +86,6 @@ def launch(kind: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             f.close()
         text = "\n".join(f"== {log.name}\n{log.read_text()[-3000:]}" for log in logs)
         assert codes == [0] * nodes, f"torchrun nodes ended {codes}\n{text}"
-    result: dict = torch.load(out, weights_only=True)
-    result.update(dir=tmp, world=nodes * nproc)
-    _results[kind] = result
-    return result
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:

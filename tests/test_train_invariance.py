@@ -45,6 +45,7 @@ from train_helpers.invariance import (
     run_case,
     world2_cases,
 )
+from train_helpers.once import made_once
 from train_helpers.tiny import one_torch_thread
 
 from asyncrl.train.batch import Sample
@@ -239,12 +240,16 @@ def test_segments_weigh_as_the_aggregation_formula_says(agg: str, terms: str) ->
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
-    """Every two-rank case's loss and gradient, from one torchrun of the worker."""
-    out = tmp_path_factory.mktemp("invariance") / "out.pt"
-    argv = torchrun_argv([str(WORKER), "invariance", "--out", str(out)], nproc=2)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(argv, check=True, timeout=240, env=env)
-    results: dict[str, Result] = torch.load(out, weights_only=True)
+    """Every two-rank case's loss and gradient, from one torchrun of the worker (once per
+    session, whichever worker's tests ask: :func:`made_once`)."""
+
+    def make(folder: Path) -> None:
+        argv = torchrun_argv([str(WORKER), "invariance", "--out", str(folder / "out.pt")], nproc=2)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(argv, check=True, timeout=240, env=env)
+
+    folder = made_once(tmp_path_factory, "invariance", make)
+    results: dict[str, Result] = torch.load(folder / "out.pt", weights_only=True)
     return results
 
 
