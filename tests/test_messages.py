@@ -6,6 +6,7 @@ covered without touching this file (an unknown field type fails loudly instead).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
@@ -69,6 +70,12 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+# The strategy builders below are cached: each call of one defines a composite strategy,
+# which hypothesis compiles and inspects, and values() asks for them at every draw (three
+# quarters of this module's time before they were cached).
+
+
+@functools.cache
 def arrays(shape: tuple[int, ...]) -> st.SearchStrategy[Array]:
     """Arrays of any allowed dtype; the bytes are arbitrary (NaN payloads included)."""
 
@@ -131,6 +138,7 @@ def values(annotation: Any, metadata: list[Any], length: int) -> st.SearchStrate
     raise TypeError(f"no strategy for field type {annotation!r}: extend values()")
 
 
+@functools.cache
 def instances(cls: type[BaseModel]) -> st.SearchStrategy[Any]:
     if cls is TrajectoryGroup:
         return trajectory_groups()
@@ -150,6 +158,7 @@ def instances(cls: type[BaseModel]) -> st.SearchStrategy[Any]:
     return build()
 
 
+@functools.cache
 def trajectory_groups() -> st.SearchStrategy[TrajectoryGroup]:
     """Groups of random samples made one prompt's and one attempt's, the rule a group
     keeps (the generic strategy would almost never draw samples that share them)."""
