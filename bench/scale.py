@@ -91,7 +91,7 @@ from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime.actor import ActorContext
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import configure_logging
-from asyncrl.runtime.loop import run_async
+from asyncrl.runtime.loop import raise_if_cancelled, run_async
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
 from asyncrl.wire.codec import encode
 from asyncrl.wire.messages import (
@@ -259,23 +259,15 @@ class LightProducer(TimedRollout):
         subject = self.subjects.scored_groups
         while True:
             lease = await self._ask_for_lease(self.recipe.rollout.max_concurrent)
-            _raise_if_cancelled()
+            raise_if_cancelled()
             for p in lease.prompts:
                 group = self.group(p, lease)
                 await self.bus.js_publish(subject, group, msg_id=group.msg_id("scored"))
-                _raise_if_cancelled()
+                raise_if_cancelled()
                 self.held.discard(p.uid)
                 self.delivered.append(p.uid)
             if not lease.prompts:
                 await asyncio.sleep(max(lease.retry_after, 0.05))
-
-
-def _raise_if_cancelled() -> None:
-    """Re-raises a stop that came with a reply: nats-py waits with ``asyncio.wait_for``,
-    which on Python 3.11 can swallow it, and the producer would go on asking."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def make_context(spec: dict[str, Any], actor_id: str) -> ActorContext:

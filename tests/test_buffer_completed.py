@@ -212,7 +212,7 @@ def test_a_snapshot_holds_leased_prompts_by_id_and_restores_them_with_their_reco
     assert [p.uid for p in again.source.pool] == [returned.prompt.uid, "elsewhere-x"]
     assert again.source.pool[0] == leases.source.pool[0]
     assert again.source.pool[1].data == {}
-    assert {k: (rid, lease) for k, (rid, lease) in again.answers.items()} == leases.answers
+    assert again.answers == leases.answers
     # the same request again gets the same lease, its prompts with their records
     repeat = again.grant(LeaseRequest(actor_id="r1", max_episodes=3, request_id="q1"), 1.0)
     assert repeat == leases.answers["r1"][1] and all(p.data["prompt"] for p in repeat.prompts)

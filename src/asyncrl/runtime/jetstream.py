@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from asyncrl.runtime.connection import BusTimeout, Connection, log
+from asyncrl.runtime.loop import raise_if_cancelled
 from asyncrl.wire.codec import DecodeError, decode, encode
 from asyncrl.wire.messages import Message
 
@@ -345,18 +346,15 @@ class JsConsumer(Generic[M]):
                 await sub.unsubscribe()
 
     async def _work(self) -> None:
-        task = asyncio.current_task()
         while True:
             msg = await self._queue.get()
             # cancelled in the handler, the message stays held: run() hands it back
             await self._handle(msg)
             self._held.pop(id(msg), None)
             self._room.release()
-            if task is not None and task.cancelling():
-                # the handler swallowed its cancellation (Python 3.11's asyncio.wait_for
-                # can, when a result arrives with the cancel): end as asked, or the task
-                # group that cancelled this worker waits for it forever
-                raise asyncio.CancelledError
+            # the handler may have swallowed its cancellation: end as asked, or the task
+            # group that cancelled this worker waits for it forever
+            raise_if_cancelled()
 
     async def _handle(self, raw: Msg) -> None:
         try:

@@ -52,6 +52,7 @@ from asyncrl.actors.buffer.completed import CompletedPrompts
 from asyncrl.actors.buffer.leases import LeaseBook, Leased
 from asyncrl.runtime.connection import worth_logging
 from asyncrl.runtime.log import get_logger
+from asyncrl.runtime.loop import raise_if_cancelled
 from asyncrl.wire.codec import DecodeError, decode, encode, encode_fields, enveloped
 from asyncrl.wire.messages import (
     AnswerRecord,
@@ -446,10 +447,10 @@ class DurableState:
             while True:
                 try:
                     await self._write(snap)
-                    _raise_if_cancelled()
+                    raise_if_cancelled()
                     break
                 except Exception as exc:  # the server may be restarting: try again
-                    _raise_if_cancelled()
+                    raise_if_cancelled()
                     self.write_failures += 1
                     n = self.write_failures
                     if worth_logging(n):
@@ -464,15 +465,6 @@ class DurableState:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.min_interval):
                     await self._urgent.wait()
-
-
-def _raise_if_cancelled() -> None:
-    """Re-raises a cancellation that nats-py swallowed: its requests wait with
-    ``asyncio.wait_for``, which on Python 3.11 drops a cancel that comes with the reply,
-    and a writer that went on would keep its actor from ever stopping."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 async def forget(bus: Bus, bucket: str) -> None:

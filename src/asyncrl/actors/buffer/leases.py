@@ -85,15 +85,11 @@ class PromptSource:
 
     def lease_without_records(self, lease: Lease) -> Lease:
         """``lease`` with its prompts :meth:`without_record`."""
-        if not lease.prompts:
-            return lease
-        return updated(lease, {"prompts": [self.without_record(p) for p in lease.prompts]})
+        return _each_prompt(lease, self.without_record)
 
     def lease_with_records(self, lease: Lease) -> Lease:
         """``lease`` with its prompts :meth:`with_record`."""
-        if not lease.prompts:
-            return lease
-        return updated(lease, {"prompts": [self.with_record(p) for p in lease.prompts]})
+        return _each_prompt(lease, self.with_record)
 
     def give_back(self, prompt: Prompt) -> None:
         self.pool.appendleft(prompt)
@@ -107,6 +103,13 @@ class PromptSource:
     def restore(self, state: dict[str, Any]) -> None:
         if state:
             self.sampler.restore(state)
+
+
+def _each_prompt(lease: Lease, change: Callable[[Prompt], Prompt]) -> Lease:
+    """``lease`` with ``change`` applied to each of its prompts (itself if it has none)."""
+    if not lease.prompts:
+        return lease
+    return updated(lease, {"prompts": [change(p) for p in lease.prompts]})
 
 
 @dataclass
