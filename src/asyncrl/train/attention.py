@@ -178,11 +178,33 @@ def varlen_causal_attention(
         out = _varlen_cuda(query, key, value, (cu_seqlens, cu_seqlens_k), (max_q, max_k), scaling)
         return out.contiguous(), None
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    out = _per_segment(
+        query, key, value, cu_seqlens, cu_seqlens_k, key_index is None, dropout_p, scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+@torch.compiler.disable(recursive=True)
+def _per_segment(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    same_keys: bool,
+    dropout_p: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One sdpa call per segment of a packed row → ``[1, Hq, T, D]``. Kept out of
+    ``torch.compile`` (``trainer.compile``): the segments' count is the data's, so a traced
+    loop was a graph per count, each compiled forward and backward (a step whose micro-batch
+    held one more sequence compiled the layer again); eager, the compiled layer has one graph
+    before attention and one after, whatever the batch."""
     bounds = cu_seqlens.tolist()
     sizes = [e - s for s, e in itertools.pairwise(bounds)]
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds} does not cover the row of {query.shape[2]}")
-    bounds_k = bounds if key_index is None else cu_seqlens_k.tolist()
+    bounds_k = bounds if same_keys else cu_seqlens_k.tolist()
     sizes_k = [e - s for s, e in itertools.pairwise(bounds_k)]
     if len(sizes_k) != len(sizes) or bounds_k[-1] != key.shape[2]:
         raise ValueError(f"cu_seq_lens_k {bounds_k} does not match the keys of {bounds}")
@@ -203,7 +225,7 @@ def varlen_causal_attention(
             sizes, sizes_k, strict=True,
         )
     ]  # fmt: skip
-    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(pieces, dim=2)
 
 
 def register() -> None:
