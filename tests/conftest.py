@@ -11,15 +11,22 @@ import os
 # each with the spinning, 20 s without.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from collections.abc import AsyncIterator
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncrl.data.shapes import shapes_records
+from asyncrl.entry.zygote import MODULE as ZYGOTE_MODULE
 from asyncrl.models.tiny_vlm import IDEFICS3_NAME, QWEN2_5_VL_NAME, QWEN2_VL_NAME, tiny_vlm_dir
+from asyncrl.runtime.allocator import mimalloc_preload
 from asyncrl.runtime.bus import Bus
+from asyncrl.runtime.forks import ZYGOTE_ENV
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo
 
 
@@ -44,6 +51,54 @@ async def bus(nats_server: NatsInfo) -> AsyncIterator[Bus]:
         yield b
     finally:
         await b.close()
+
+
+RUN_STARTERS = ("up_args", "running_up", "cli")
+"""Names a test module takes from tests/e2e_kit.py when its tests start ``asyncrl up``."""
+
+
+def _starts_runs(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    return any(hasattr(module, name) for name in RUN_STARTERS)
+
+
+@pytest.fixture(scope="session")
+def fork_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A fork-server zygote (asyncrl.entry.fork_server) for this test process, its socket
+    named in ``ASYNCRL_FORK_ZYGOTE`` so that every ``asyncrl up`` the tests start forks its
+    fork server from it: some 40 runs then skip the imports of torch and transformers that
+    are most of a short run's start (8 s of CPU each on a 2-core AMD EPYC). It has the
+    load-time variables ``up`` gives a trainer on a machine of few cores (mimalloc
+    preloaded, OpenMP's passive wait, set above); a run whose differ starts its own server,
+    as do those whose test takes the variable out of the environment."""
+    folder = tmp_path_factory.mktemp("zygote")
+    path = folder / "z.sock"
+    with open(folder / "zygote.log", "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", ZYGOTE_MODULE, str(path)],
+            env={**os.environ, **mimalloc_preload()},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # it binds its socket before it imports; up waits for the imports
+    os.environ[ZYGOTE_ENV] = str(path)
+    try:
+        yield str(path)
+    finally:
+        os.environ.pop(ZYGOTE_ENV, None)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zygote_for_runs(request: pytest.FixtureRequest) -> None:
+    """Starts :func:`fork_zygote` in a test process whose tests start runs."""
+    if any(_starts_runs(item) for item in request.session.items):
+        request.getfixturevalue("fork_zygote")
 
 
 VLM_NAMES = [QWEN2_VL_NAME, QWEN2_5_VL_NAME, IDEFICS3_NAME]

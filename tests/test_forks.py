@@ -1,5 +1,6 @@
 """The fork server: actors forked from one process that imported once (asyncrl.runtime.forks,
-asyncrl.entry.fork_server), against a real nats-server, and ``up`` when that server dies."""
+asyncrl.entry.fork_server), against a real nats-server, and ``up`` when that server dies;
+each with a server executed afresh and with one a zygote forked (asyncrl.entry.zygote)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,17 @@ from e2e_kit import run_processes, running_up
 from asyncrl.config.recipe import Recipe
 from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime import lineage
+from asyncrl.runtime.allocator import mimalloc_preload
 from asyncrl.runtime.bus import Bus
-from asyncrl.runtime.forks import ForkServer, fork_server_reason, forkable, server_env
+from asyncrl.runtime.forks import (
+    UNKNOWN_EXIT,
+    ZYGOTE_ENV,
+    ForkServer,
+    ZygoteServer,
+    fork_server_reason,
+    forkable,
+    server_env,
+)
 from asyncrl.runtime.nats_server import EmbeddedNats
 from asyncrl.runtime.supervisor import actor_argv
 from asyncrl.wire.subjects import Subjects
@@ -99,6 +109,16 @@ def test_forked_siblings_draw_their_own_seeds_and_exit_codes(tmp_path: Path) -> 
     assert a["torch"] != b["torch"] and a["numpy"] != b["numpy"], (a, b)
 
 
+@pytest.fixture(params=["exec", "zygote"])
+def server_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the fork server starts: executed afresh, or forked by the session's zygote."""
+    if request.param == "exec":
+        monkeypatch.delenv(ZYGOTE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ZYGOTE_ENV, request.getfixturevalue("fork_zygote"))
+    return str(request.param)
+
+
 async def wait_for_line(path: Path, needle: str, limit_s: float = 120.0) -> None:
     async with asyncio.timeout(limit_s):
         while not path.is_file() or needle not in path.read_text():  # noqa: ASYNC110, ASYNC240 - another process writes it
@@ -106,15 +126,17 @@ async def wait_for_line(path: Path, needle: str, limit_s: float = 120.0) -> None
 
 
 async def test_a_forked_actor_has_its_environment_log_session_and_exit_code(
-    tmp_path: Path, embedded_nats: EmbeddedNats, bus: Bus
+    tmp_path: Path, embedded_nats: EmbeddedNats, bus: Bus, server_start: str
 ) -> None:
     run_dir = tmp_path / "run"  # the embedded server's folder: nats.json is there
     (run_dir / "logs").mkdir()
     recipe = Recipe()
     (run_dir / "recipe.json").write_text(recipe.model_dump_json())
     await ensure_trajectory_stream(bus, Subjects(recipe.run.name))  # what a reward actor reads
-    server = await ForkServer.start(run_dir, dict(os.environ))
+    # the load-time variables up gives a trainer here, which the zygote has (conftest.py)
+    server = await ForkServer.start(run_dir, {**os.environ, **mimalloc_preload()})
     try:
+        assert isinstance(server.proc, ZygoteServer) == (server_start == "zygote")
         logs = run_dir / "logs"
         # the environment is the request's: a log level that does not exist fails the
         # actor's first line, with the traceback in its own log and exit code 1
@@ -144,14 +166,21 @@ async def test_a_forked_actor_has_its_environment_log_session_and_exit_code(
         assert await asyncio.wait_for(live.wait(), 30) == -signal.SIGKILL
         # nothing of an actor's output reached the server's answers or its own log
         assert "started" not in (logs / "fork-server.log").read_text()
+        # the server itself: found by the run folder on its command line (a zygote's fork
+        # has its own rewritten), in a session of its own, its log the run's
+        assert server.proc.pid in lineage.naming(run_dir)
+        assert os.getsid(server.proc.pid) == server.proc.pid
     finally:
         await server.close()
-    assert server.proc.returncode == 0
-    assert not server.gone or server.proc.returncode == 0
+    # an executed server's exit status is up's to see; a zygote's fork's is not
+    assert server.proc.returncode == (0 if server_start == "exec" else UNKNOWN_EXIT)
+    assert not lineage.alive(server.proc.pid)
 
 
 @pytest.mark.slow
-async def test_a_run_whose_fork_server_dies_fails_and_leaves_nothing(tmp_path: Path) -> None:
+async def test_a_run_whose_fork_server_dies_fails_and_leaves_nothing(
+    tmp_path: Path, server_start: str
+) -> None:
     async with running_up(
         tmp_path,
         "forkdies",
@@ -162,11 +191,33 @@ async def test_a_run_whose_fork_server_dies_fails_and_leaves_nothing(tmp_path: P
         up_log = up.run_dir / "logs" / "up.log"
         await wait_for_line(up_log, "all actors started")
         pid = int(re.findall(r"actors are forked .*server_pid=(\d+)", up_log.read_text())[0])
+        assert pid in run_processes(up.run_dir)
         os.kill(pid, signal.SIGKILL)
         assert up.proc.stdout is not None
         out, _ = await asyncio.wait_for(up.proc.communicate(), 120)
         assert up.proc.returncode == 1, out.decode()
-        assert "the fork server exited with code -9" in out.decode(), out.decode()
+        code = -signal.SIGKILL if server_start == "exec" else UNKNOWN_EXIT
+        assert f"the fork server exited with code {code}" in out.decode(), out.decode()
         # its actors were stopped with the run: none outlived up
         left = [p for p in run_processes(up.run_dir) if lineage.alive(p)]
         assert not left, left
+
+
+async def test_a_zygote_refuses_what_a_fork_of_it_cannot_be(
+    tmp_path: Path, fork_zygote: str
+) -> None:
+    """Variables read when a process starts (an allocator's preload, OpenMP's wait) that
+    differ from the zygote's own, and a run folder too long for the command line it keeps,
+    are refused with the reason (``up`` then starts its own server); so is a socket where
+    no zygote listens."""
+    log = tmp_path / "fork-server.log"
+    same = {**os.environ, **mimalloc_preload()}  # the zygote's (conftest.py)
+    other = {**same, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"}
+    why = await ZygoteServer.ask(fork_zygote, tmp_path, other, log)
+    assert isinstance(why, str)
+    assert "load-time variables differ from the zygote's: GOMP_SPINCOUNT, OMP_WAIT_POLICY" in why
+    why = await ZygoteServer.ask(fork_zygote, tmp_path.joinpath(*["x" * 200] * 25), same, log)
+    assert isinstance(why, str) and "does not fit in the zygote's command line" in why, why
+    why = await ZygoteServer.ask(str(tmp_path / "none.sock"), tmp_path, same, log)
+    assert isinstance(why, str) and why.startswith("no zygote at"), why
+    assert not log.exists()  # nothing was forked

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,12 +39,19 @@ UNKNOWN_EXIT = 255
 """The return code of a forked actor that ended after the fork server that would have
 told its status."""
 
+ZYGOTE_WAIT_S = 120.0
+"""Seconds ``up`` waits for a zygote's answer (it may still be importing)."""
+
 CLOSE_WAIT_S = 10.0
 """Seconds the server gets to exit once its input is closed, before SIGKILL."""
 
 LOAD_TIME_VARS = ("LD_PRELOAD", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 """Variables that take effect only when a process starts (the dynamic loader, GNU
 OpenMP), so a forked actor has the server's: the server starts with the trainer's."""
+
+ZYGOTE_ENV = "ASYNCRL_FORK_ZYGOTE"
+"""The Unix socket of a zygote (:mod:`asyncrl.entry.fork_server`) that ``up`` asks for the
+run's fork server, where its environment has it."""
 
 CREDENTIAL_VARS = (TOKEN_ENV, USER_ENV, PASSWORD_ENV)
 """Kept out of the server's environment (:func:`server_env`)."""
@@ -68,11 +76,13 @@ def server_env(trainer_env: dict[str, str]) -> dict[str, str]:
     trainer's environment ``trainer_env`` (:data:`LOAD_TIME_VARS`, ``MIMALLOC_*``), and
     without the NATS credentials, which ``up`` takes out of its own environment only
     once the server is started (a forked actor's ``/proc/<pid>/environ`` is the server's)."""
-    load_time = {
-        k: v for k, v in trainer_env.items() if k in LOAD_TIME_VARS or k.startswith("MIMALLOC_")
-    }
     env = {k: v for k, v in os.environ.items() if k not in CREDENTIAL_VARS}
-    return {**env, **load_time}
+    return {**env, **load_time_vars(trainer_env)}
+
+
+def load_time_vars(env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that take effect only when a process starts."""
+    return {k: v for k, v in env.items() if k in LOAD_TIME_VARS or k.startswith("MIMALLOC_")}
 
 
 def forkable(argv: list[str]) -> bool:
@@ -99,10 +109,59 @@ class ForkedProcess:
         return self.returncode
 
 
+class ZygoteServer:
+    """A fork server that a zygote forked, speaking over a Unix socket: what
+    :class:`ForkServer` uses of an ``asyncio`` process (``pid``, ``stdin``, ``stdout``,
+    ``wait()``, ``kill()``). It is the zygote's child, not ``up``'s: its end is seen as its
+    process going, and its exit status is :data:`UNKNOWN_EXIT`."""
+
+    def __init__(
+        self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.pid = pid
+        self.stdout = reader
+        self.stdin = writer
+        self.returncode: int | None = None
+
+    async def wait(self) -> int:
+        while lineage.alive(self.pid):
+            await lineage.wait_gone([self.pid], 3600.0)
+        self.returncode = UNKNOWN_EXIT
+        return self.returncode
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    @classmethod
+    async def ask(
+        cls, socket_path: str, run_dir: Path, env: dict[str, str], log_path: Path
+    ) -> ZygoteServer | str:
+        """The run's fork server from the zygote at ``socket_path``, or why there is none
+        (the zygote refused, or cannot be reached)."""
+        request = {"run_dir": str(run_dir), "env": env, "cwd": os.getcwd(), "log": str(log_path)}
+        try:
+            reader, writer = await asyncio.open_unix_connection(socket_path, limit=1 << 20)
+        except OSError as exc:
+            return f"no zygote at {socket_path}: {exc}"
+        try:
+            writer.write((json.dumps(request) + "\n").encode())
+            await writer.drain()
+            # the first line is the server's "ready" (the zygote's imports are done)
+            async with asyncio.timeout(ZYGOTE_WAIT_S):
+                line = await reader.readline()
+            answer = json.loads(line) if line else {"refused": "the zygote closed the connection"}
+            if "ready" not in answer:
+                raise ValueError(answer.get("refused", answer))
+        except (OSError, ValueError, TimeoutError) as exc:
+            writer.close()
+            return f"the zygote at {socket_path} refused: {exc}"
+        return cls(int(answer["ready"]), reader, writer)
+
+
 class ForkServer:
     """One fork server process and the actors it started."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process | ZygoteServer, log_path: Path) -> None:
         self.proc = proc
         self.log_path = log_path
         self.log = get_logger(role="up")
@@ -116,12 +175,20 @@ class ForkServer:
         self.on_death: Callable[[str], Any] | None = None
         """Called with the reason when the server exits before :meth:`close` (the
         supervisor's :meth:`~asyncrl.runtime.supervisor.Supervisor.fail`)."""
+        if isinstance(proc, ZygoteServer):
+            self._ready.set()  # its "ready" was the zygote's answer
         self._reader = asyncio.create_task(self._read(), name="fork-server")
 
     @classmethod
     async def start(cls, run_dir: Path, env: dict[str, str]) -> ForkServer:
-        """Starts the server (it begins importing at once; :meth:`spawn` waits for it)."""
+        """Starts the server (it begins importing at once; :meth:`spawn` waits for it), or
+        has the zygote that ``ZYGOTE_ENV`` names fork it."""
         log_path = run_dir / "logs" / "fork-server.log"
+        if socket_path := os.environ.get(ZYGOTE_ENV):
+            served = await ZygoteServer.ask(socket_path, run_dir, env, log_path)
+            if isinstance(served, ZygoteServer):
+                return cls(served, log_path)
+            get_logger(role="up").warning("the fork server is started afresh", reason=served)
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local log file, opened once
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
