@@ -206,16 +206,17 @@ async def test_a_run_whose_fork_server_dies_fails_and_leaves_nothing(
 async def test_a_zygote_refuses_what_a_fork_of_it_cannot_be(
     tmp_path: Path, fork_zygote: str
 ) -> None:
-    """Variables read when a process starts (an allocator's preload, OpenMP's wait) that
-    differ from the zygote's own, and a run folder too long for the command line it keeps,
+    """Variables read when a process starts (an allocator's preload, OpenMP's wait, the
+    interpreter's path) that differ from the zygote's own, and a run folder too long for the command line it keeps,
     are refused with the reason (``up`` then starts its own server); so is a socket where
     no zygote listens."""
     log = tmp_path / "fork-server.log"
     same = {**os.environ, **mimalloc_preload()}  # the zygote's (conftest.py)
-    other = {**same, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"}
+    other = {**same, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000", "PYTHONPATH": "/x"}
     why = await ZygoteServer.ask(fork_zygote, tmp_path, other, log)
     assert isinstance(why, str)
-    assert "load-time variables differ from the zygote's: GOMP_SPINCOUNT, OMP_WAIT_POLICY" in why
+    differ = "GOMP_SPINCOUNT, OMP_WAIT_POLICY, PYTHONPATH"
+    assert f"variables read at a start differ from the zygote's: {differ}" in why, why
     why = await ZygoteServer.ask(fork_zygote, tmp_path.joinpath(*["x" * 200] * 25), same, log)
     assert isinstance(why, str) and "does not fit in the zygote's command line" in why, why
     why = await ZygoteServer.ask(str(tmp_path / "none.sock"), tmp_path, same, log)

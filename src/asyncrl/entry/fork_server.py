@@ -30,11 +30,11 @@ included); and torch's thread count is set by ``torch.set_num_threads`` rather t
 for many runs: where ``up``'s environment names its socket in ``ASYNCRL_FORK_ZYGOTE``, ``up``
 asks it for the run's fork server instead of starting one, and the zygote forks it, with
 ``up``'s environment, working folder and log, its command line rewritten to name the run
-(:func:`retitle`), talking over the socket as it would over its pipes. For a machine that
-starts many short runs (a test suite, a sweep): the imports are most of a short run's
-start (8 s of CPU on a 2-core AMD EPYC). A request whose load-time variables differ from
-the zygote's own (:data:`asyncrl.runtime.forks.LOAD_TIME_VARS`, ``MIMALLOC_*``; a fork
-cannot change them) is refused, and ``up`` starts its own server as without one. The
+(:func:`asyncrl.entry.zygote.retitle`), talking over the socket as it would over its
+pipes. For a machine that starts many short runs (a test suite, a sweep): the imports are
+most of a short run's start (8 s of CPU on a 2-core AMD EPYC). A request whose variables
+read at a process's start differ from the zygote's own (:func:`start_vars`: a fork cannot
+change what they did) is refused, and ``up`` starts its own server as without one. The
 server's exit status is the zygote's to collect, so ``up`` reports a zygote's server that
 died with code :data:`asyncrl.runtime.forks.UNKNOWN_EXIT`.
 """
@@ -196,12 +196,19 @@ def _read_request(conn: socket.socket) -> dict[str, Any]:
     return request
 
 
+def start_vars(env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that a process reads as it starts: the C library's and
+    OpenMP's (:func:`asyncrl.runtime.forks.load_time_vars`) and the interpreter's own
+    (``PYTHON*``: ``PYTHONPATH`` makes ``sys.path``)."""
+    return {**load_time_vars(env), **{k: v for k, v in env.items() if k.startswith("PYTHON")}}
+
+
 def refusal(request: dict[str, Any]) -> str | None:
     """Why the zygote cannot start the fork server ``request`` asks for, or None."""
-    own, asked = load_time_vars(dict(os.environ)), load_time_vars(request["env"])
+    own, asked = start_vars(dict(os.environ)), start_vars(request["env"])
     if own != asked:
         differ = sorted(k for k in own.keys() | asked.keys() if own.get(k) != asked.get(k))
-        return f"the load-time variables differ from the zygote's: {', '.join(differ)}"
+        return f"the variables read at a start differ from the zygote's: {', '.join(differ)}"
     if not title_fits(server_title(request["run_dir"])):
         return "the run folder's name does not fit in the zygote's command line"
     return None
@@ -213,6 +220,8 @@ def become_server(conn: socket.socket, request: dict[str, Any]) -> NoReturn:
     try:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if sys.path and sys.path[0] == os.getcwd():
+            sys.path[0] = request["cwd"]  # as ``python -m`` started there would have it
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
