@@ -50,7 +50,7 @@ LOAD_TIME_VARS = ("LD_PRELOAD", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 OpenMP), so a forked actor has the server's: the server starts with the trainer's."""
 
 ZYGOTE_ENV = "ASYNCRL_FORK_ZYGOTE"
-"""The Unix socket of a zygote (:mod:`asyncrl.entry.fork_server`) that ``up`` asks for the
+"""The Unix socket of a zygote (:mod:`asyncrl.entry.zygote`) that ``up`` asks for the
 run's fork server, where its environment has it."""
 
 CREDENTIAL_VARS = (TOKEN_ENV, USER_ENV, PASSWORD_ENV)
@@ -154,7 +154,7 @@ class ZygoteServer:
                 raise ValueError(answer.get("refused", answer))
         except (OSError, ValueError, TimeoutError) as exc:
             writer.close()
-            return f"the zygote at {socket_path} refused: {exc}"
+            return f"the zygote at {socket_path} gave no fork server: {exc or repr(exc)}"
         return cls(int(answer["ready"]), reader, writer)
 
 
