@@ -64,7 +64,7 @@ def _starts_runs(item: pytest.Item) -> bool:
 
 @pytest.fixture(scope="session")
 def fork_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A fork-server zygote (asyncrl.entry.fork_server) for this test process, its socket
+    """A fork-server zygote (asyncrl.entry.zygote) for this test process, its socket
     named in ``ASYNCRL_FORK_ZYGOTE`` so that every ``asyncrl up`` the tests start forks its
     fork server from it: some 40 runs then skip the imports of torch and transformers that
     are most of a short run's start (8 s of CPU each on a 2-core AMD EPYC). It has the

@@ -373,9 +373,10 @@ async def test_a_consumer_that_ends_hands_every_held_message_to_the_next_at_once
     """Four handlers hang on four messages and the consumer ends (cancelled, or stopped).
     Its pull request is still open on the server, asking for twelve more: a message nak'ed
     before that request's inbox is withdrawn is redelivered into that request, which the
-    ended consumer no longer reads, and waits out ack_wait (60 s here). Every message must reach the next consumer at once, whichever
-    order the consumer's own tasks end in: here the inbox is withdrawn late, as when the
-    handlers' cancellations run before the pull loop's."""
+    ended consumer no longer reads, and waits out ack_wait (60 s here). Every message must
+    reach the next consumer at once, whichever order the consumer's own tasks end in: here
+    the inbox is withdrawn late, as when the handlers' cancellations run before the pull
+    loop's."""
     withdraw = Subscription.unsubscribe
 
     async def late(sub: Subscription, limit: int = 0) -> None:

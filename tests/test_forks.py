@@ -207,9 +207,9 @@ async def test_a_zygote_refuses_what_a_fork_of_it_cannot_be(
     tmp_path: Path, fork_zygote: str
 ) -> None:
     """Variables read when a process starts (an allocator's preload, OpenMP's wait, the
-    interpreter's path) that differ from the zygote's own, and a run folder too long for the command line it keeps,
-    are refused with the reason (``up`` then starts its own server); so is a socket where
-    no zygote listens."""
+    interpreter's path) that differ from the zygote's own, and a run folder too long for
+    the command line it keeps, are refused with the reason (``up`` then starts its own
+    server); so is a socket where no zygote listens."""
     log = tmp_path / "fork-server.log"
     same = {**os.environ, **mimalloc_preload()}  # the zygote's (conftest.py)
     other = {**same, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000", "PYTHONPATH": "/x"}

@@ -79,6 +79,17 @@ def exit_code(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
+def take_request(request: dict[str, Any]) -> None:
+    """A fork's output appended to the request's ``log`` and its environment the request's
+    ``env`` (both the actor's, or a zygote's fork server's)."""
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(request["env"])
+
+
 def run_child(request: dict[str, Any], close: list[int]) -> NoReturn:
     """The forked child: becomes the actor ``request`` describes and exits with its code."""
     code = 1
@@ -91,12 +102,7 @@ def run_child(request: dict[str, Any], close: list[int]) -> NoReturn:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.environ.clear()
-        os.environ.update(request["env"])
+        take_request(request)
         argv: list[str] = request["argv"]
         sys.orig_argv = argv  # what an allocator's re-execution runs (runtime.allocator)
         sys.argv = [actor_entry.__file__ or ACTOR_MODULE, *argv[3:]]
@@ -223,14 +229,9 @@ def become_server(conn: socket.socket, request: dict[str, Any]) -> NoReturn:
         if sys.path and sys.path[0] == os.getcwd():
             sys.path[0] = request["cwd"]  # as ``python -m`` started there would have it
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
+        take_request(request)
         retitle(server_title(request["run_dir"]))
         sys.argv = [__file__ or SERVER_MODULE, "--run-dir", request["run_dir"]]
-        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
         replies = conn.detach()
         os.dup2(replies, 0)
         Server(replies).serve()

@@ -38,10 +38,14 @@ def _packed(argv: list[str]) -> bytes:
     return b"\0".join(a.encode() for a in argv) + b"\0"
 
 
+def _room(area: tuple[int, int] | None) -> int:
+    """Bytes of command line in ``area`` (none where it is unknown)."""
+    return 0 if area is None else area[1] - area[0]
+
+
 def title_fits(argv: list[str]) -> bool:
     """Whether :func:`retitle` can write ``argv``."""
-    area = _arg_area()
-    return area is not None and len(_packed(argv)) <= area[1] - area[0]
+    return len(_packed(argv)) <= _room(_arg_area())
 
 
 def retitle(argv: list[str]) -> bool:
@@ -49,10 +53,9 @@ def retitle(argv: list[str]) -> bool:
     to ``argv`` (in place, in the memory the kernel reads it from; what is left is zeroed);
     False, and nothing written, where it does not fit in what the process started with."""
     area, data = _arg_area(), _packed(argv)
-    if area is None or len(data) > area[1] - area[0]:
+    if area is None or len(data) > _room(area):
         return False
-    start, end = area
-    ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
+    ctypes.memmove(area[0], data.ljust(_room(area), b"\0"), _room(area))
     return True
 
 
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = args[0]
     area = _arg_area()
-    if area is not None and area[1] - area[0] < TITLE_ROOM:
+    if area is not None and _room(area) < TITLE_ROOM:
         room = "--title-room=" + " " * TITLE_ROOM
         os.execv(sys.executable, [sys.executable, "-m", MODULE, path, room])
     with contextlib.suppress(FileNotFoundError):

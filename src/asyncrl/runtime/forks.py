@@ -109,6 +109,12 @@ class ForkedProcess:
         return self.returncode
 
 
+async def _gone(pid: int) -> None:
+    """Returns once ``pid``, a process this one cannot wait for (not its child), is gone."""
+    while lineage.alive(pid):
+        await lineage.wait_gone([pid], 3600.0)
+
+
 class ZygoteServer:
     """A fork server that a zygote forked, speaking over a Unix socket: what
     :class:`ForkServer` uses of an ``asyncio`` process (``pid``, ``stdin``, ``stdout``,
@@ -124,8 +130,7 @@ class ZygoteServer:
         self.returncode: int | None = None
 
     async def wait(self) -> int:
-        while lineage.alive(self.pid):
-            await lineage.wait_gone([self.pid], 3600.0)
+        await _gone(self.pid)
         self.returncode = UNKNOWN_EXIT
         return self.returncode
 
@@ -235,8 +240,7 @@ class ForkServer:
                 task.add_done_callback(self._watchers.discard)
 
     async def _await_gone(self, child: ForkedProcess) -> None:
-        while lineage.alive(child.pid):
-            await lineage.wait_gone([child.pid], 3600.0)
+        await _gone(child.pid)
         child.ended(UNKNOWN_EXIT)
 
     def _on(self, message: dict[str, Any]) -> None:

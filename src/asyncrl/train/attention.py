@@ -178,9 +178,7 @@ def varlen_causal_attention(
         out = _varlen_cuda(query, key, value, (cu_seqlens, cu_seqlens_k), (max_q, max_k), scaling)
         return out.contiguous(), None
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-    out = _per_segment(
-        query, key, value, cu_seqlens, cu_seqlens_k, key_index is None, dropout_p, scaling
-    )
+    out = _per_segment(query, key, value, cu_seqlens, cu_seqlens_k, dropout_p, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -191,7 +189,6 @@ def _per_segment(
     value: torch.Tensor,
     cu_seqlens: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
-    same_keys: bool,
     dropout_p: float,
     scaling: float | None,
 ) -> torch.Tensor:
@@ -204,7 +201,7 @@ def _per_segment(
     sizes = [e - s for s, e in itertools.pairwise(bounds)]
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds} does not cover the row of {query.shape[2]}")
-    bounds_k = bounds if same_keys else cu_seqlens_k.tolist()
+    bounds_k = bounds if cu_seqlens_k is cu_seqlens else cu_seqlens_k.tolist()
     sizes_k = [e - s for s, e in itertools.pairwise(bounds_k)]
     if len(sizes_k) != len(sizes) or bounds_k[-1] != key.shape[2]:
         raise ValueError(f"cu_seq_lens_k {bounds_k} does not match the keys of {bounds}")
