@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.entry.zygote import ZYGOTE_ENV, run_argv
 from asyncrl.runtime import lineage
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,6 +28,14 @@ CI_RECIPE = REPO / "recipes" / "ci.toml"
 
 
 def cli(*args: str) -> list[str]:
+    """The command line of ``asyncrl ARGS``. Where the test process has a zygote
+    (conftest.py), every command but ``up`` runs forked from it
+    (:func:`asyncrl.entry.zygote.run_argv`), its imports done: an ``asyncrl replay`` or an
+    attached actor then starts at once rather than after its imports (~10 s of CPU each on
+    2 cores, while a live run goes on stepping). ``up`` is executed: its tests signal its
+    process group, and it asks the zygote for its own fork server."""
+    if args[:1] != ("up",) and os.environ.get(ZYGOTE_ENV):
+        return run_argv("asyncrl.entry.cli", *args)
     return [sys.executable, "-m", "asyncrl.entry.cli", *args]
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 async def test_colocated_run_releases_memory_every_step_and_reports_update_pauses(
     tmp_path: Path,
 ) -> None:
-    steps = 6
+    steps = 4
     updates: list[Metrics] = []
     async with running_up(
         tmp_path,
@@ -32,7 +32,7 @@ async def test_colocated_run_releases_memory_every_step_and_reports_update_pause
         # so generation is slower than a trainer step and each release finds sequences
         # running (with 24-token answers it kept pace, and the rollout sometimes waited at
         # the staleness bound through every release: tests/test_e2e_staleness.py says more)
-        "rollout.sampling.max_new_tokens=256",
+        "rollout.sampling.max_new_tokens=128",
         "rollout.engine.max_batch_size=1",
         "rollout.group_size=4",
         "trainer.threads=1",

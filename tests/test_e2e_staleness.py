@@ -1,6 +1,6 @@
 """The staleness bound, checked from the raw data rather than the trainer's own records.
 
-A whole ``asyncrl up recipes/ci.toml`` run whose answers are long enough (up to 256
+A whole ``asyncrl up recipes/ci.toml`` run whose answers are long enough (up to 128
 tokens) that weight updates land while a sample is being generated, so one sample carries
 tokens of two policy versions. The test reads every raw trajectory the rollout actor published, as it
 was published, and recomputes from their per-token versions what the buffer and the
@@ -37,7 +37,7 @@ from asyncrl.wire.subjects import Subjects
 pytestmark = pytest.mark.slow
 
 ETA = 1  # recipes/ci.toml's buffer.max_head_offpolicyness
-STEPS = 6  # every update lands mid-sequence (see below), so a few suffice
+STEPS = 4  # every update lands mid-sequence (see below), so a few suffice
 MIRROR_LIMIT_S = 30.0
 
 
@@ -137,12 +137,12 @@ async def test_head_version_and_staleness_hold_on_the_raw_per_token_versions(
         # a step's samples has to take longer than training on them: were
         # generation as fast, the rollout would reach the staleness bound just
         # before each update and wait for it between samples. So one row
-        # decodes at a time, answers run up to 256 tokens, and the trainer
+        # decodes at a time, answers run up to 128 tokens, and the trainer
         # keeps to one thread: with two, its threads wait on the core that
         # decodes, and a step of this tiny model took ~1 s instead of ~0.05 s,
         # as long as generating the batch (the test failed every time once
         # the trainer's allocator made its steps faster).
-        "rollout.sampling.max_new_tokens=256",
+        "rollout.sampling.max_new_tokens=128",
         "rollout.engine.max_batch_size=1",
         "rollout.group_size=4",
         "trainer.threads=1",

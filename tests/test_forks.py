@@ -11,12 +11,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from e2e_kit import run_processes, running_up
 
 from asyncrl.config.recipe import Recipe
+from asyncrl.entry.zygote import run_argv
 from asyncrl.launch.up import ensure_trajectory_stream
 from asyncrl.runtime import lineage
 from asyncrl.runtime.allocator import mimalloc_preload
@@ -222,3 +224,114 @@ async def test_a_zygote_refuses_what_a_fork_of_it_cannot_be(
     why = await ZygoteServer.ask(str(tmp_path / "none.sock"), tmp_path, same, log)
     assert isinstance(why, str) and why.startswith("no zygote at"), why
     assert not log.exists()  # nothing was forked
+
+
+COMMAND = r"""
+import json, os, signal, sys, time
+out = os.environ["OUT"]
+
+
+def stop(signum, frame):
+    with open(os.path.join(out, "stopped"), "w") as f:
+        f.write(str(signum))
+    sys.exit(0)
+
+
+signal.signal(signal.SIGTERM, stop)
+with open("/proc/self/cmdline", "rb") as f:
+    cmdline = f.read().rstrip(b"\0").decode().split("\0")  # a retitled one is zero-padded
+record = {"pid": os.getpid(), "session": os.getsid(0), "cwd": os.getcwd(), "argv": sys.argv[1:],
+          "name": __name__, "cmdline": cmdline}
+with open(os.path.join(out, "ran.json"), "w") as f:
+    json.dump(record, f)
+print("out", sys.stdin.read().strip(), flush=True)
+print("err", file=sys.stderr, flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(120)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def command_env(tmp_path: Path, zygote: str | None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
+    return {**env, **({ZYGOTE_ENV: zygote} if zygote else {}), "OUT": str(tmp_path), **extra}
+
+
+def ran(tmp_path: Path, limit_s: float = 60.0) -> dict:
+    path = tmp_path / "ran.json"
+    deadline = time.monotonic() + limit_s
+    while not path.is_file() or not path.read_text().endswith("}"):
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def test_the_zygote_runs_a_command_with_its_streams_folder_and_status(
+    tmp_path: Path, fork_zygote: str
+) -> None:
+    """``python -m asyncrl.entry.zygote --run MODULE ARGS`` is ``python -m MODULE ARGS``
+    forked from the zygote: the caller's standard streams, working folder, arguments and
+    status, the command line ``python -m`` would show, a session of its own. Where the
+    zygote refuses (a start variable differs) or none is named, the command is executed,
+    as the same process."""
+    (tmp_path / "job.py").write_text(COMMAND)
+    argv = run_argv("job", "exit", "3")
+    for zygote, extra, forked in [
+        (fork_zygote, {}, True),
+        (fork_zygote, {"OMP_WAIT_POLICY": "ACTIVE"}, False),
+        (None, {}, False),
+    ]:
+        proc = subprocess.Popen(
+            argv,
+            cwd=tmp_path,
+            env=command_env(tmp_path, zygote, **extra),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = proc.communicate("in", timeout=120)
+        assert (proc.returncode, out, err) == (3, "out in\n", "err\n"), (zygote, extra)
+        record = ran(tmp_path)
+        (tmp_path / "ran.json").unlink()
+        assert (record["pid"] != proc.pid) == forked, (zygote, extra)
+        assert record["argv"] == ["exit", "3"] and record["name"] == "__main__"
+        assert record["cwd"] == str(tmp_path)
+        assert record["cmdline"] == [sys.executable, "-m", "job", "exit", "3"]
+        if forked:
+            assert record["session"] == record["pid"]
+
+
+def test_the_command_takes_the_callers_signals_and_ends_with_it(
+    tmp_path: Path, fork_zygote: str
+) -> None:
+    """SIGTERM to the caller reaches the command (which stops cleanly: status 0); a command
+    killed by a signal has its caller end by that signal; a caller killed takes its
+    command with it."""
+    (tmp_path / "job.py").write_text(COMMAND)
+    env = command_env(tmp_path, fork_zygote)
+    argv = run_argv("job", "wait", "0")
+
+    def start() -> tuple[subprocess.Popen, int]:
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
+        pid = ran(tmp_path)["pid"]
+        (tmp_path / "ran.json").unlink()
+        assert pid != proc.pid
+        return proc, pid
+
+    proc, pid = start()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert (tmp_path / "stopped").read_text() == str(signal.SIGTERM)
+
+    proc, pid = start()
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(60) == -signal.SIGKILL
+
+    proc, pid = start()
+    proc.kill()
+    proc.wait(60)
+    deadline = time.monotonic() + 30
+    while lineage.alive(pid):
+        assert time.monotonic() < deadline, "the command outlived its caller"
+        time.sleep(0.05)

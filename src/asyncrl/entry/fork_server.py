@@ -46,6 +46,7 @@ import atexit
 import contextlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -191,15 +192,20 @@ def server_title(run_dir: str) -> list[str]:
     return [sys.executable, "-m", SERVER_MODULE, "--run-dir", run_dir]
 
 
-def _read_request(conn: socket.socket) -> dict[str, Any]:
-    line = b""
+def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """A request's JSON line, and the descriptors sent with it (a command's standard
+    streams, :func:`asyncrl.entry.zygote.run_through`)."""
+    line, fds = b"", []
     while not line.endswith(b"\n"):
-        chunk = conn.recv(1 << 16)
+        chunk, received, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        fds += received
         if not chunk:
+            for fd in fds:
+                os.close(fd)
             raise ValueError("the connection closed before its request ended")
         line += chunk
     request: dict[str, Any] = json.loads(line)
-    return request
+    return request, fds
 
 
 def start_vars(env: dict[str, str]) -> dict[str, str]:
@@ -209,13 +215,24 @@ def start_vars(env: dict[str, str]) -> dict[str, str]:
     return {**load_time_vars(env), **{k: v for k, v in env.items() if k.startswith("PYTHON")}}
 
 
+ALLOCATOR_VARS = ("LD_PRELOAD",)
+"""Start variables a command run by the zygote may differ in (with ``MIMALLOC_*``): it runs
+under the zygote's allocator, which changes how fast memory comes, not what it computes."""
+
+
 def refusal(request: dict[str, Any]) -> str | None:
-    """Why the zygote cannot start the fork server ``request`` asks for, or None."""
+    """Why the zygote cannot start the fork server, or run the command (``module``),
+    that ``request`` asks for; None where it can."""
     own, asked = start_vars(dict(os.environ)), start_vars(request["env"])
-    if own != asked:
-        differ = sorted(k for k in own.keys() | asked.keys() if own.get(k) != asked.get(k))
+    differ = sorted(k for k in own.keys() | asked.keys() if own.get(k) != asked.get(k))
+    if "module" in request:
+        differ = [k for k in differ if k not in ALLOCATOR_VARS and not k.startswith("MIMALLOC_")]
+    if differ:
         return f"the variables read at a start differ from the zygote's: {', '.join(differ)}"
-    if not title_fits(server_title(request["run_dir"])):
+    if "module" in request:
+        if not title_fits(request["title"]):
+            return "the command line does not fit in the zygote's"
+    elif not title_fits(server_title(request["run_dir"])):
         return "the run folder's name does not fit in the zygote's command line"
     return None
 
@@ -245,6 +262,86 @@ def become_server(conn: socket.socket, request: dict[str, Any]) -> NoReturn:
         os._exit(code)
 
 
+def run_command(request: dict[str, Any], streams: list[int]) -> NoReturn:
+    """The zygote's grandchild: ``python -m MODULE ARGS`` as ``request`` asks
+    (:func:`asyncrl.entry.zygote.run_through`), with the client's standard streams,
+    environment, working folder and command line, in a session of its own; it exits with
+    the command's status (killed by SIGINT where an interrupt went unhandled, as the
+    interpreter ends then)."""
+    code, interrupted = 1, False
+    try:
+        os.setsid()
+        for target, fd in zip((0, 1, 2), streams, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+        for stream in (sys.stdout, sys.stderr):  # a terminal's output by lines, as at a start
+            with contextlib.suppress(AttributeError, ValueError):
+                stream.reconfigure(line_buffering=stream.isatty())  # type: ignore[union-attr]
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if sys.path and sys.path[0] == os.getcwd():
+            sys.path[0] = request["cwd"]  # as ``python -m`` started there would have it
+        os.chdir(request["cwd"])
+        retitle(request["title"])
+        sys.orig_argv = request["title"]
+        sys.argv = [request["module"], *request["args"]]
+        np.random.seed()
+        torch.seed()
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException as exc:
+        traceback.print_exc()
+        interrupted = isinstance(exc, KeyboardInterrupt)
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            if interrupted:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            os._exit(code)
+
+
+def become_runner(conn: socket.socket, request: dict[str, Any], streams: list[int]) -> NoReturn:
+    """The zygote's fork for a command: forks :func:`run_command`, tells the client its pid,
+    then its status (``{"exit": code}``, as :func:`exit_code`); should the client go first,
+    the command's session is killed."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            run_command(request, streams)
+        for fd in streams:
+            os.close(fd)
+        conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+        ended, client = os.pidfd_open(pid), conn.fileno()
+        while ended not in select.select([client, ended], [], [])[0]:
+            if not conn.recv(1 << 10):  # the client is gone: so is its command
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                break
+        _, status = os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            conn.sendall((json.dumps({"exit": exit_code(status)}) + "\n").encode())
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
 def serve_zygote(listener: socket.socket) -> NoReturn:
     """A zygote's loop (:mod:`asyncrl.entry.zygote` binds ``listener`` and calls it): the
     imports, then a fork server forked for each request it does not refuse."""
@@ -254,21 +351,28 @@ def serve_zygote(listener: socket.socket) -> NoReturn:
     while True:
         conn, _ = listener.accept()
         with conn:
+            streams: list[int] = []
             try:
-                request = _read_request(conn)
+                request, streams = _read_request(conn)
                 why = refusal(request)
+                if "module" in request and len(streams) != 3:
+                    why = f"a command comes with its 3 standard streams, not {len(streams)}"
             except (ValueError, KeyError, TypeError, OSError) as exc:
                 why = f"a bad request: {exc!r}"
-            if why is not None:
+            if why is None:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                if os.fork() == 0:
+                    listener.close()
+                    if "module" in request:
+                        become_runner(conn, request, streams)
+                    become_server(conn, request)
+            else:
                 print(json.dumps({"refused": why}), flush=True)
                 with contextlib.suppress(OSError):
                     conn.sendall((json.dumps({"refused": why}) + "\n").encode())
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if os.fork() == 0:
-                listener.close()
-                become_server(conn, request)
+            for fd in streams:
+                os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:

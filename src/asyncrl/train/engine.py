@@ -31,6 +31,7 @@ from asyncrl.algo.mismatch import mismatch_stats
 from asyncrl.config.schema import resolve_device
 from asyncrl.models.resolve import (
     ModelConfig,
+    dequantized_gguf,
     load_causal_lm,
     resolve_dtype,
     resolve_model_path,
@@ -131,6 +132,13 @@ class TrainEngine:
         self._source: Any = (
             architecture if architecture is not None else resolve_model_path(model.path)
         )
+        # model.gguf_file: loaded from its dequantized copy in the cache where it is a
+        # local file (read once per machine), else by transformers from the file
+        self._gguf = model.gguf_file
+        if self._gguf and architecture is None:
+            dequantized = dequantized_gguf(self._source, self._gguf)
+            if dequantized is not None:
+                self._source, self._gguf = str(dequantized), None
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -229,7 +237,7 @@ class TrainEngine:
             self._source,
             attn_implementation=self.config.attn_implementation,
             seed=self.seed,
-            gguf_file=self.model_config.gguf_file,
+            gguf_file=self._gguf,
         )
         lm.config.use_cache = False
         return lm  # type: ignore[no-any-return]
@@ -791,8 +799,7 @@ class TrainEngine:
             if implicit:
                 source = self._source
             if source is not None:
-                gguf = self.model_config.gguf_file
-                kwargs = {"gguf_file": gguf} if gguf else {}
+                kwargs = {"gguf_file": self._gguf} if self._gguf else {}
                 try:
                     self._tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
                 except (OSError, ValueError):

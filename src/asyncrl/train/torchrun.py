@@ -1,7 +1,9 @@
 """How the trainer's processes start: torchrun command lines, one per trainer node.
 
 A trainer is ``trainer.nodes`` nodes of ``trainer.nproc`` ranks each (world size
-nodes × nproc). One node is torchrun's ``--standalone`` mode; several join through a c10d
+nodes × nproc). One node without a GPU is :mod:`asyncrl.entry.ranks`, which forks its ranks
+from one process that imported torch once; one node with GPUs is torchrun's
+``--standalone`` mode. Several nodes join through a c10d
 rendezvous at ``HOST:PORT`` (``--rdzv-backend c10d``), hosted by the first trainer node's
 torchrun. The rendezvous numbers the nodes itself, in the order of their addresses (then
 process ids): global rank 0, the one rank that is an actor on NATS and publishes the
@@ -26,10 +28,15 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from asyncrl.runtime.cores import gpu_visible
+
 UP_NODE_ENV = "ASYNCRL_TRAINER_NODE"
 """Set by ``up`` on the trainer nodes it starts itself: that node's index."""
 
 LOOPBACK = "127.0.0.1"
+
+RANKS_MODULE = "asyncrl.entry.ranks"
+"""The launcher of one CPU node's ranks (:mod:`asyncrl.entry.ranks`)."""
 
 
 def torchrun_argv(
@@ -43,13 +50,17 @@ def torchrun_argv(
     local_addr: str = "",
 ) -> list[str]:
     """The command line of one trainer node: torchrun with ``nproc`` ranks running
-    ``target`` (``["-m", "module", ...]`` or ``["script.py", ...]``).
+    ``target`` (``["-m", "module", ...]`` or ``["script.py", ...]``); for one node where no
+    GPU is visible, :mod:`asyncrl.entry.ranks`, which forks the ranks instead.
 
     ``nodes`` > 1 needs ``endpoint`` (``HOST:PORT`` of the c10d rendezvous) and ``run_id``
     (the same on every node). ``is_host``: whether this node's torchrun hosts the
     rendezvous store (None: torchrun decides from ``HOST``, which can be wrong where every
     node is one machine). ``local_addr``: the address this node is known by (it orders the
     nodes, and rank 0's is where the other ranks find its store); empty: its host name."""
+    if nodes == 1 and not gpu_visible():
+        # the ranks forked from one process that imported once (asyncrl.entry.ranks)
+        return [sys.executable, "-m", RANKS_MODULE, f"--nproc-per-node={nproc}", *target]
     argv = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
         argv += ["--standalone", f"--nproc-per-node={nproc}"]
