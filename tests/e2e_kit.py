@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.entry.zygote import ZYGOTE_ENV, run_argv
+from asyncrl.entry.zygote import run_argv
 from asyncrl.runtime import lineage
+from asyncrl.runtime.zygote_socket import ZYGOTE_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 CI_RECIPE = REPO / "recipes" / "ci.toml"

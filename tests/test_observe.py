@@ -14,6 +14,7 @@ from rich.console import Console
 
 from asyncrl.actors.eval import is_due, mean_at_k, pass_at_k
 from asyncrl.config import recipe as config_module
+from asyncrl.config import run as run_section
 from asyncrl.config.recipe import RecipeError, load_recipe
 from asyncrl.data import held_out_indices, load_eval_records, load_prompt_records
 from asyncrl.observe import fleet as fleet_module
@@ -45,7 +46,7 @@ def test_eval_config_errors_name_the_key(tmp_path: Path) -> None:
 def test_missing_optional_sink_packages_fail_at_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(config_module, "_importable", lambda name: False)
+    monkeypatch.setattr(run_section, "_importable", lambda name: False)
     with pytest.raises(RecipeError, match=r"run\.wandb.*pip install wandb"):
         recipe_with(tmp_path, "run.tensorboard=false", 'run.wandb.project="p"')
     with pytest.raises(RecipeError, match=r"run\.tensorboard"):

@@ -66,6 +66,14 @@ class SamplingParams(BaseModel):
     ] = None
 
 
+SamplingMode = Literal["recipe", "per_call"]
+"""Whether a call to the OpenAI-compatible endpoint samples as the endpoint does
+(``recipe``: its :class:`SamplingParams`, which the trainer scores with) or as it asks
+(``per_call``); the recipe's ``rollout.endpoint_sampling``. Defined here rather than in
+:mod:`asyncrl.endpoint.requests`, which explains it, so that the recipe's schema takes it
+without loading the endpoint's server."""
+
+
 class GenerateRequest(BaseModel):
     """One generation: token ids in, token ids out. ``rid`` only labels logs.
 

@@ -18,10 +18,11 @@ prompt/environment tokens with mask 0, logprob 0, version -1. A trajectory whose
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncrl.api.inference import InferenceEngine
-from asyncrl.wire.messages import Prompt, Trajectory
+if TYPE_CHECKING:
+    from asyncrl.api.inference import InferenceEngine
+    from asyncrl.wire.messages import Prompt, Trajectory
 
 
 class RewardOutcome(Protocol):

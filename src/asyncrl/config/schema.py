@@ -1,6 +1,6 @@
-"""The parts every recipe section shares: the section base class, the dtype and device
-types, the one function that turns a device choice into a device, and the device a
-rollout engine's section names.
+"""The parts every recipe section shares: the section base class, the error a recipe that
+cannot run raises, the dtype and device types, the one function that turns a device choice
+into a device, and the device a rollout engine's section names.
 
 Imports no torch (the device check imports it when it runs), so the recipe schema built
 on it parses instantly.
@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names every offending key."""
 
 
 class Section(BaseModel):

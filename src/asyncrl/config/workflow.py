@@ -20,7 +20,9 @@ settings stay where they were: ``rollout.max_turns``, ``rollout.turn_discount``,
 ``rollout.agent`` (tools, limits, and a verifiers environment's ``env_args``).
 
 Each config builds its workflow from the rollout section and the :class:`WorkflowParts`
-an actor hands it; the rollout and eval actors build the same way. Imports no torch.
+an actor hands it; the rollout and eval actors build the same way. Imports no torch, and
+a workflow's implementation (on the wire messages and numpy, or the endpoint's aiohttp
+server) only when it is built: the recipe's schema is on the path of every command.
 """
 
 from __future__ import annotations
@@ -34,25 +36,20 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from asyncrl.api.inference import SamplingParams
-from asyncrl.api.workflow import RolloutWorkflow, Scorer
 from asyncrl.config.agent import AgentConfig
 from asyncrl.config.schema import Section
-from asyncrl.endpoint.server import OpenAIEndpoint
-from asyncrl.endpoint.verifiers_env import load_verifiers_env, verifiers_workflow
-from asyncrl.endpoint.workflow import OpenAIAgentWorkflow, load_agent
-from asyncrl.models.vision import VisionProcessor
-from asyncrl.tools.base import Tool
 from asyncrl.tools.calls import PARSERS
 from asyncrl.tools.mcp import MCPTools
-from asyncrl.workflows.agent import AgentWorkflow
 from asyncrl.workflows.code import is_agent_code, user_workflow
 from asyncrl.workflows.loader import SpecError, load_callable, split_spec
-from asyncrl.workflows.multi_turn import MultiTurnWorkflow
-from asyncrl.workflows.rlvr import RLVRWorkflow
 
 if TYPE_CHECKING:
+    from asyncrl.api.inference import SamplingParams
+    from asyncrl.api.workflow import RolloutWorkflow, Scorer
     from asyncrl.config.recipe import RolloutConfig
+    from asyncrl.endpoint.server import OpenAIEndpoint
+    from asyncrl.models.vision import VisionProcessor
+    from asyncrl.tools.base import Tool
 
 ENDPOINT_CALLS = "endpoint_calls.jsonl"
 """Where ``rollout.endpoint_record`` appends the calls of agent code's episodes."""
@@ -172,6 +169,8 @@ class RLVRWorkflowConfig(WorkflowConfigBase):
     whole_groups: ClassVar[bool] = True
 
     def build(self, rollout: RolloutConfig, parts: WorkflowParts) -> RolloutWorkflow:
+        from asyncrl.workflows.rlvr import RLVRWorkflow  # noqa: PLC0415 - heavy: the wire messages, numpy
+
         return RLVRWorkflow(
             parts.tokenizer,
             parts.sampling,
@@ -190,6 +189,8 @@ class MultiTurnWorkflowConfig(WorkflowConfigBase):
     turns: ClassVar[bool] = True
 
     def build(self, rollout: RolloutConfig, parts: WorkflowParts) -> RolloutWorkflow:
+        from asyncrl.workflows.multi_turn import MultiTurnWorkflow  # noqa: PLC0415 - heavy: the wire messages, numpy
+
         return MultiTurnWorkflow(
             parts.tokenizer,
             parts.sampling,
@@ -211,6 +212,8 @@ class AgentWorkflowConfig(WorkflowConfigBase):
     turns: ClassVar[bool] = True
 
     def build(self, rollout: RolloutConfig, parts: WorkflowParts) -> RolloutWorkflow:
+        from asyncrl.workflows.agent import AgentWorkflow  # noqa: PLC0415 - heavy: the wire messages, numpy
+
         a = rollout.agent
         options: dict[str, Any] = {}
         if a.env:
@@ -308,6 +311,11 @@ class AgentCodeWorkflowConfig(WorkflowConfigBase):
     _fn_spec = field_validator("fn")(_spec)
 
     def build(self, rollout: RolloutConfig, parts: WorkflowParts) -> RolloutWorkflow:
+        from asyncrl.endpoint.workflow import (  # noqa: PLC0415 - heavy: the endpoint's aiohttp server
+            OpenAIAgentWorkflow,
+            load_agent,
+        )
+
         return OpenAIAgentWorkflow(
             parts.need_endpoint(repr(self.fn)),
             load_agent(self.fn),
@@ -349,6 +357,8 @@ class VerifiersWorkflowConfig(WorkflowConfigBase):
     needs_endpoint: ClassVar[bool] = True
 
     def build(self, rollout: RolloutConfig, parts: WorkflowParts) -> RolloutWorkflow:
+        from asyncrl.endpoint.verifiers_env import verifiers_workflow  # noqa: PLC0415 - heavy: the endpoint's aiohttp server
+
         workflow = verifiers_workflow(
             self.env,
             endpoint=parts.need_endpoint(repr(self.spec())),
@@ -362,6 +372,8 @@ class VerifiersWorkflowConfig(WorkflowConfigBase):
         """The endpoint turned off, or an environment that does not load (``verifiers``
         missing, no ``load_environment``, arguments that do not fit, not an Environment).
         Builds the environment once, as each actor will."""
+        from asyncrl.endpoint.verifiers_env import load_verifiers_env  # noqa: PLC0415 - heavy: the endpoint's aiohttp server
+
         errors = super().problems(rollout)
         try:
             load_verifiers_env(self.env, rollout.agent.env_args)

@@ -1,8 +1,8 @@
 """The request bodies the endpoint accepts, validated; OpenAI fields it does not use are
 ignored, fields it cannot honour are refused by name.
 
-How a call may sample depends on the endpoint's :data:`SamplingMode`
-(``rollout.endpoint_sampling``):
+How a call may sample depends on the endpoint's
+:data:`~asyncrl.api.inference.SamplingMode` (``rollout.endpoint_sampling``):
 
 - ``"recipe"``: a call may not change the distribution it samples from. The trainer then
   scores every token with the recipe's sampling (``rollout.sampling``), so a token drawn
@@ -28,11 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from asyncrl.api.inference import SamplingParams
-
-SamplingMode = Literal["recipe", "per_call"]
-"""Whether a call samples as the endpoint does (``recipe``) or as it asks (``per_call``);
-see the module docstring."""
+from asyncrl.api.inference import SamplingMode, SamplingParams
 
 SAMPLING_KEYS: Mapping[str, str] = {
     "temperature": "rollout.sampling.temperature",

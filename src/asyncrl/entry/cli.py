@@ -2,7 +2,8 @@
 
 Only argparse, the config schema and the launchers that need neither torch nor NATS load
 at start; what runs a run (``up``, an actor, the NATS clients of ``metrics`` and
-``status``) is imported by the command that needs it, so ``asyncrl --help`` and
+``status``) and what reads its step records (``replay``, ``audit``, ``plot``: the wire
+codec, numpy) is imported by the command that needs it, so ``asyncrl --help`` and
 ``asyncrl check`` are instant (``tests/test_config.py`` holds the CLI to that).
 """
 
@@ -16,10 +17,7 @@ from pathlib import Path
 from asyncrl import __version__
 from asyncrl.config.checks import check_report, enforce_recipe
 from asyncrl.config.recipe import RecipeError, dump_recipe, load_recipe, path_problems
-from asyncrl.entry.replay import add_replay_args, replay
 from asyncrl.launch.slurm import slurm_job_problems, write_and_submit
-from asyncrl.observe.audit import audit
-from asyncrl.observe.plot import plot_run
 from asyncrl.sft.config import is_sft_data, load_sft_recipe, read_recipe_data
 from asyncrl.sft.run import sft
 from asyncrl.train.torchrun import rank_main
@@ -35,6 +33,26 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override a recipe key, e.g. --set trainer.optim.lr=1e-6 (repeatable)",
+    )
+
+
+def add_replay_args(p: argparse.ArgumentParser) -> None:
+    """``asyncrl replay``'s arguments, which the ranks of a replay under torchrun
+    (:mod:`asyncrl.entry.replay`) parse too."""
+    p.add_argument("run", type=Path, help="the run folder")
+    p.add_argument(
+        "--from",
+        dest="start_from",
+        metavar="CKPT",
+        default=None,
+        help="start from this checkpoint (its folder, or its step) instead of the initial weights",
+    )
+    p.add_argument("--until", type=int, default=None, metavar="STEP", help="stop after this step")
+    p.add_argument(
+        "--export",
+        metavar="DIR",
+        default=None,
+        help="write the replayed weights of the last step there (HF, as the run published)",
     )
 
 
@@ -267,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.run, as_json=args.json, role=args.role, count=args.count, lines=args.lines
             )
         if args.command == "plot":
+            from asyncrl.observe.plot import plot_run  # noqa: PLC0415 - heavy: reads step records (the wire codec, numpy)
+
             try:
                 paths = plot_run(args.run, vs=args.vs, out=args.out)
             except FileNotFoundError as exc:
@@ -276,8 +296,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
             return 0
         if args.command == "replay":
+            from asyncrl.entry.replay import replay  # noqa: PLC0415 - heavy: reads step records (the wire codec, numpy)
+
             return replay(args.run, args.start_from, args.until, args.export)
         if args.command == "audit":
+            from asyncrl.observe.audit import audit  # noqa: PLC0415 - heavy: reads step records (the wire codec, numpy)
+
             return audit(args.run)
         if args.command == "status":
             from asyncrl.observe.watch import show_status  # noqa: PLC0415 - loads NATS

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from asyncrl.entry.cli import add_replay_args
 from asyncrl.runtime.allocator import loaded_mimalloc, mimalloc_preload, use_mimalloc
 from asyncrl.runtime.cores import THREADS_ENV
 from asyncrl.train.replay_log import ReplayError, ReplayPlan, plan_replay
@@ -32,24 +33,6 @@ VERDICT_ENV = "ASYNCRL_REPLAY_VERDICT"
 """A file where rank 0 of a replay under torchrun leaves its exit status: the ranks
 themselves end with 0, so that a checkpoint that differs is not reported by torchrun as a
 failed rank."""
-
-
-def add_replay_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", type=Path, help="the run folder")
-    p.add_argument(
-        "--from",
-        dest="start_from",
-        metavar="CKPT",
-        default=None,
-        help="start from this checkpoint (its folder, or its step) instead of the initial weights",
-    )
-    p.add_argument("--until", type=int, default=None, metavar="STEP", help="stop after this step")
-    p.add_argument(
-        "--export",
-        metavar="DIR",
-        default=None,
-        help="write the replayed weights of the last step there (HF, as the run published)",
-    )
 
 
 def replay(

@@ -11,7 +11,7 @@ This module is what the zygote runs before its imports: it makes room in its own
 line for the titles of the fork servers it will start (by executing itself again with a
 longer one, where the first is short), binds its socket, and only then imports torch and
 transformers, so that a client can connect at once and wait for them. Nothing here imports
-more than the standard library.
+more than the standard library and the name of the zygote's variable.
 """
 
 from __future__ import annotations
@@ -26,14 +26,12 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from asyncrl.runtime.zygote_socket import ZYGOTE_ENV
+
 TITLE_ROOM = 4096
 """Bytes of command line a zygote keeps for the title of each fork server it starts."""
 
 MODULE = "asyncrl.entry.zygote"
-
-ZYGOTE_ENV = "ASYNCRL_FORK_ZYGOTE"
-"""The Unix socket of a zygote that ``up`` asks for the run's fork server, and that
-:func:`run_through` asks to run a command, where the environment has it."""
 
 RUN_FLAG = "--run"
 

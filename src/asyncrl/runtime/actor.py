@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from asyncrl import __version__
-from asyncrl.config.recipe import Recipe, trace_window
+from asyncrl.config.run import trace_window
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.exits import FATAL_EXIT, FatalError
 from asyncrl.runtime.log import get_logger
@@ -39,6 +39,7 @@ from asyncrl.wire.messages import ActorExit, ActorInfo, Control, Message, Metric
 from asyncrl.wire.subjects import Subjects
 
 if TYPE_CHECKING:
+    from asyncrl.config.recipe import Recipe
     from asyncrl.runtime.nats_server import NatsInfo
 
 

@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.entry.zygote import ZYGOTE_ENV as ZYGOTE_ENV
 from asyncrl.runtime import lineage
 from asyncrl.runtime.cores import gpu_visible
 from asyncrl.runtime.log import get_logger
 from asyncrl.runtime.nats_server import PASSWORD_ENV, TOKEN_ENV, USER_ENV
+from asyncrl.runtime.zygote_socket import ZYGOTE_ENV as ZYGOTE_ENV
 
 SERVER_MODULE = "asyncrl.entry.fork_server"
 ACTOR_MODULE = "asyncrl.entry.actor"

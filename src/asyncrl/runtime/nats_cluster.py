@@ -31,7 +31,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from asyncrl.config.recipe import RunConfig
+from asyncrl.config.run import RunConfig
 from asyncrl.runtime.nats_server import (
     NATS_JSON,
     WILDCARD_HOSTS,

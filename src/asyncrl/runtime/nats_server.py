@@ -40,7 +40,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import nats
 
-from asyncrl.config.recipe import RecipeError, RunConfig, listen_address
+from asyncrl.config.run import RunConfig, listen_address
+from asyncrl.config.schema import RecipeError
 
 NATS_JSON = "nats.json"
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from asyncrl.api.inference import InferenceEngine
 from asyncrl.api.workflow import RolloutWorkflow
-from asyncrl.wire.messages import Prompt, Trajectory
 from asyncrl.workflows.loader import SpecError, load_callable
 
-EpisodeFn = Callable[[InferenceEngine, Any], Awaitable[list[Trajectory] | None]]
+if TYPE_CHECKING:
+    from asyncrl.api.inference import InferenceEngine
+    from asyncrl.wire.messages import Prompt, Trajectory
+
+    EpisodeFn = Callable[[InferenceEngine, Any], Awaitable[list[Trajectory] | None]]
 
 
 class FunctionWorkflow(RolloutWorkflow):
