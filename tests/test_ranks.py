@@ -128,7 +128,8 @@ def test_a_failed_rank_stops_the_others_and_gives_its_status(tmp_path: Path) -> 
     assert not (tmp_path / "stopped1").exists()
 
 
-def test_sigterm_reaches_every_rank_and_a_clean_stop_is_status_0(tmp_path: Path) -> None:
+def waiting_ranks(tmp_path: Path) -> subprocess.Popen:
+    """Two ranks of :data:`WAITER` that wait until stopped, once both have started."""
     script = tmp_path / "waiter.py"
     script.write_text(WAITER)
     proc = subprocess.Popen(
@@ -139,6 +140,15 @@ def test_sigterm_reaches_every_rank_and_a_clean_stop_is_status_0(tmp_path: Path)
     )
     try:
         wait_for([tmp_path / "up0", tmp_path / "up1"])
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def test_sigterm_reaches_every_rank_and_a_clean_stop_is_status_0(tmp_path: Path) -> None:
+    proc = waiting_ranks(tmp_path)
+    try:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -149,16 +159,8 @@ def test_sigterm_reaches_every_rank_and_a_clean_stop_is_status_0(tmp_path: Path)
 
 
 def test_a_rank_killed_by_a_signal_is_128_plus_it(tmp_path: Path) -> None:
-    script = tmp_path / "waiter.py"
-    script.write_text(WAITER)
-    proc = subprocess.Popen(
-        launch(2, [str(script), str(tmp_path), "none", "0"]),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = waiting_ranks(tmp_path)
     try:
-        wait_for([tmp_path / "up0", tmp_path / "up1"])
         os.kill(int((tmp_path / "up1").read_text()), signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
     finally:

@@ -367,7 +367,11 @@ async def test_a_listening_run_keeps_its_secret_and_a_copy_of_nats_json_attaches
                 async def on_metrics(m: Metrics) -> None:
                     stepped.set()
 
+                # the run's own actors may have announced their start before this
+                # subscription (forked, they start within a second or two): their
+                # heartbeats, which carry the same record, say it again
                 await bus.subscribe(Subjects("sec").started, ActorInfo, on_started)
+                await bus.subscribe(Subjects("sec").heartbeat(), ActorInfo, on_started)
                 await bus.subscribe(Subjects("sec").metrics("trainer"), Metrics, on_metrics)
                 remote = await asyncio.create_subprocess_exec(
                     *[sys.executable, "-m", "asyncrl.entry.cli", "attach", "rollout", "--run", "."],

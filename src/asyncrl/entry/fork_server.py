@@ -80,6 +80,33 @@ def exit_code(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
+def system_exit_code(exc: SystemExit) -> int:
+    """The status a ``SystemExit`` ends a process with, as the interpreter gives it (a
+    message is printed, and is status 1)."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def leave(code: int, *, exit_handlers: bool, interrupted: bool = False) -> NoReturn:
+    """Ends a fork with ``code``, its output flushed, without the interpreter's
+    finalization (its state is the zygote's or the server's, and their threads' locks may
+    be held): after its exit handlers where it ran an actor or a command of its own; killed
+    by SIGINT where ``interrupted``, as an interpreter ends on an unhandled interrupt."""
+    try:
+        with contextlib.suppress(BaseException):  # a closed stream cannot say why: the code stands
+            if exit_handlers:
+                atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+    finally:
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code)
+
+
 def take_request(request: dict[str, Any]) -> None:
     """A fork's output appended to the request's ``log`` and its environment the request's
     ``env`` (both the actor's, or a zygote's fork server's)."""
@@ -113,19 +140,11 @@ def run_child(request: dict[str, Any], close: list[int]) -> NoReturn:
         torch.seed()
         code = actor_entry.main(argv[3:])
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
+        code = system_exit_code(exc)
     except BaseException:
         traceback.print_exc()
     finally:
-        try:
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        leave(code, exit_handlers=True)
 
 
 class Server:
@@ -256,10 +275,7 @@ def become_server(conn: socket.socket, request: dict[str, Any]) -> NoReturn:
     except BaseException:
         traceback.print_exc()
     finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        leave(code, exit_handlers=False)
 
 
 def run_command(request: dict[str, Any], streams: list[int]) -> NoReturn:
@@ -290,23 +306,12 @@ def run_command(request: dict[str, Any], streams: list[int]) -> NoReturn:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
+        code = system_exit_code(exc)
     except BaseException as exc:
         traceback.print_exc()
         interrupted = isinstance(exc, KeyboardInterrupt)
     finally:
-        try:
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            if interrupted:
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            os._exit(code)
+        leave(code, exit_handlers=True, interrupted=interrupted)
 
 
 def become_runner(conn: socket.socket, request: dict[str, Any], streams: list[int]) -> NoReturn:
@@ -336,10 +341,7 @@ def become_runner(conn: socket.socket, request: dict[str, Any], streams: list[in
     except BaseException:
         traceback.print_exc()
     finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        leave(code, exit_handlers=False)
 
 
 def serve_zygote(listener: socket.socket) -> NoReturn:
