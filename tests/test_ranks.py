@@ -187,5 +187,13 @@ def test_the_command_line_is_checked_and_one_cpu_node_uses_it(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, whatever the machine
     argv = torchrun_argv(["-m", "x"], nproc=2)
     assert argv == [sys.executable, "-m", RANKS_MODULE, "--nproc-per-node=2", "-m", "x"]
+    assert torchrun_argv(["-m", "x"], nproc=2, forked=False)[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "x",
+    ]  # what the launcher executes in its place where a GPU is visible
     nodes = torchrun_argv(["-m", "x"], nproc=2, nodes=2, endpoint="h:1", run_id="r")
     assert nodes[1:3] == ["-m", "torch.distributed.run"]

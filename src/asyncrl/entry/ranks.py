@@ -11,7 +11,8 @@ variables torchrun gives a rank of a standalone node (``RANK``, ``LOCAL_RANK``,
 ...): ``init_process_group`` finds its peers through rank 0's store on a free loopback
 port. :func:`asyncrl.train.torchrun.torchrun_argv` chooses it for one node where no GPU is
 visible; a GPU machine keeps torchrun, since a fork must not inherit a CUDA driver that an
-import touched, and several nodes keep torchrun's rendezvous.
+import touched (and where this command was made elsewhere for a machine with a GPU, it
+executes torchrun in its place), and several nodes keep torchrun's rendezvous.
 
 As under torchrun, each rank runs in a session of its own and shares this process's
 standard streams; SIGTERM, SIGINT, SIGHUP and SIGQUIT are passed on to every rank; a rank
@@ -31,7 +32,8 @@ import time
 import traceback
 import uuid
 
-from asyncrl.train.torchrun import LOOPBACK, free_port
+from asyncrl.runtime.cores import gpu_visible
+from asyncrl.train.torchrun import LOOPBACK, free_port, torchrun_argv
 
 STOP_GRACE_S = 30.0
 """Seconds the other ranks have to end after one failed, before SIGKILL."""
@@ -183,6 +185,10 @@ def parse(argv: list[str]) -> tuple[int, tuple[str, ...], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     nproc, preload, target = parse(sys.argv[1:] if argv is None else argv)
+    if gpu_visible():
+        # the command was made on a machine without a GPU (a head node) for this one, which
+        # has one: an import may touch the CUDA driver, which a fork must not inherit
+        os.execv(sys.executable, torchrun_argv(target, nproc=nproc, forked=False))
     if nproc > 1:
         # as torchrun: a rank's OpenMP threads default to one (read once, at torch's load)
         os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -48,6 +48,7 @@ def torchrun_argv(
     run_id: str = "",
     is_host: bool | None = None,
     local_addr: str = "",
+    forked: bool | None = None,
 ) -> list[str]:
     """The command line of one trainer node: torchrun with ``nproc`` ranks running
     ``target`` (``["-m", "module", ...]`` or ``["script.py", ...]``); for one node where no
@@ -57,8 +58,11 @@ def torchrun_argv(
     (the same on every node). ``is_host``: whether this node's torchrun hosts the
     rendezvous store (None: torchrun decides from ``HOST``, which can be wrong where every
     node is one machine). ``local_addr``: the address this node is known by (it orders the
-    nodes, and rank 0's is where the other ranks find its store); empty: its host name."""
-    if nodes == 1 and not gpu_visible():
+    nodes, and rank 0's is where the other ranks find its store); empty: its host name.
+    ``forked``: one node's ranks forked by :mod:`asyncrl.entry.ranks` (None: where no GPU
+    is visible here; the launcher itself hands over to torchrun on a machine that has one,
+    should the command run elsewhere)."""
+    if nodes == 1 and (not gpu_visible() if forked is None else forked):
         # the ranks forked from one process that imported once (asyncrl.entry.ranks)
         return [sys.executable, "-m", RANKS_MODULE, f"--nproc-per-node={nproc}", *target]
     argv = [sys.executable, "-m", "torch.distributed.run"]
