@@ -18,8 +18,8 @@ As under torchrun, each rank runs in a session of its own and shares this proces
 standard streams; SIGTERM, SIGINT, SIGHUP and SIGQUIT are passed on to every rank; a rank
 that fails (a non-zero status, or a signal) has the others sent SIGTERM, then SIGKILL after
 :data:`STOP_GRACE_S`. This process then ends with the status of the first rank that failed
-(128 + the signal for one killed by a signal), 0 where every rank ended with 0: unlike
-torchrun, which says 1 for any failure and fails a run it was asked to stop.
+(128 + the signal for one killed by a signal), 0 where every rank ended with 0 (torchrun
+says 1 for any failure).
 """
 
 from __future__ import annotations
