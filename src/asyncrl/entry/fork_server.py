@@ -118,6 +118,14 @@ def take_request(request: dict[str, Any]) -> None:
     os.environ.update(request["env"])
 
 
+def enter_folder(cwd: str) -> None:
+    """Makes ``cwd`` this fork's working folder, and the first entry of ``sys.path`` where
+    the zygote's own folder was, as ``python -m`` started there would have it."""
+    if sys.path and sys.path[0] == os.getcwd():
+        sys.path[0] = cwd
+    os.chdir(cwd)
+
+
 def run_child(request: dict[str, Any], close: list[int]) -> NoReturn:
     """The forked child: becomes the actor ``request`` describes and exits with its code."""
     code = 1
@@ -262,9 +270,7 @@ def become_server(conn: socket.socket, request: dict[str, Any]) -> NoReturn:
     try:
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        if sys.path and sys.path[0] == os.getcwd():
-            sys.path[0] = request["cwd"]  # as ``python -m`` started there would have it
-        os.chdir(request["cwd"])
+        enter_folder(request["cwd"])
         take_request(request)
         retitle(server_title(request["run_dir"]))
         sys.argv = [__file__ or SERVER_MODULE, "--run-dir", request["run_dir"]]
@@ -295,9 +301,7 @@ def run_command(request: dict[str, Any], streams: list[int]) -> NoReturn:
                 stream.reconfigure(line_buffering=stream.isatty())  # type: ignore[union-attr]
         os.environ.clear()
         os.environ.update(request["env"])
-        if sys.path and sys.path[0] == os.getcwd():
-            sys.path[0] = request["cwd"]  # as ``python -m`` started there would have it
-        os.chdir(request["cwd"])
+        enter_folder(request["cwd"])
         retitle(request["title"])
         sys.orig_argv = request["title"]
         sys.argv = [request["module"], *request["args"]]

@@ -81,13 +81,11 @@ def _run_target(target: list[str]) -> None:
 
 
 def _become_rank(rank: int, env: dict[str, str], target: list[str]) -> None:
-    """The forked child's part: its own session, default signals, the rank's variables,
-    then the target; a target that returns ends the process with 0 and one that raises with
-    1, as the interpreter would (a ``SystemExit`` passes through)."""
+    """The forked child's part: its own session, the rank's variables, then the target (its
+    signals as this process started with them: :func:`supervise` sets its own only after
+    the forks); a target that returns ends the process with 0 and one that raises with 1,
+    as the interpreter would (a ``SystemExit`` passes through)."""
     os.setsid()
-    for sig in FORWARDED:
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update(env)
     try:
         _run_target(target)
