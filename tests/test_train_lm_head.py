@@ -108,6 +108,63 @@ def test_fused_equals_checkpointed_chunks(
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+class CountVocabOps(TorchDispatchMode):
+    """Counts ops whose output is ``[rows, vocab]``: passes over a chunk's logits."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.calls = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[-1] == self.vocab:
+            self.calls += 1
+        return out
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_an_entropy_the_loss_does_not_use_costs_no_pass_in_backward(top_k: int) -> None:
+    """The entropy is computed for the step's report; without an entropy bonus its
+    gradient is not needed, and backward takes no pass over the logits for it: the
+    gradients of a loss of the logprobs alone equal autograd's through the chunks, with
+    fewer ``[rows, V]`` ops than a loss that uses the entropy. Without a cut (and no
+    never-sampled ids) ``log q`` has no −inf, and the entropy skips the finite mask: the
+    same values as with it, to the bit."""
+    g = torch.Generator().manual_seed(1)
+    rows, hid, vocab, chunk = 9, 8, 40, 4
+    h0, w0 = torch.randn(rows, hid, generator=g), torch.randn(vocab, hid, generator=g)
+    targets = torch.randint(vocab, (rows,), generator=g)
+
+    def backward_ops(use_entropy: bool) -> tuple[int, list[torch.Tensor]]:
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        lp, ent = fused(h, w, None, targets, 0.8, top_k, 1.0, True, chunk)
+        loss = lp.sum() + (ent.sum() if use_entropy else 0.0)
+        counter = CountVocabOps(vocab)
+        with counter:
+            loss.backward()
+        assert h.grad is not None and w.grad is not None
+        return counter.calls, [lp.detach(), ent.detach(), h.grad, w.grad]
+
+    unused, got = backward_ops(False)
+    used, _ = backward_ops(True)
+    assert unused < used
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    parts = [
+        chunk_logprobs(h[i : i + chunk], w, None, targets[i : i + chunk], 0.8, top_k, 1.0)
+        for i in range(0, rows, chunk)
+    ]
+    lp = torch.cat([p[0] for p in parts])
+    lp.sum().backward()
+    want = [lp.detach(), torch.cat([p[1] for p in parts]).detach(), h.grad, w.grad]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    logq = torch.log_softmax(h0 @ w0.T, dim=-1)
+    assert torch.equal(models._entropy(logq, finite=True), models._entropy(logq, finite=False))
+    assert models._all_finite(0, 1.0, None)
+    assert not models._all_finite(5, 1.0, None) and not models._all_finite(0, 0.9, None)
+    assert not models._all_finite(0, 1.0, torch.tensor([3]))
+
+
 class CountLogits(TorchDispatchMode):
     """Counts matmuls whose output is ``[rows, VOCAB]``: the LM head's logits."""
 

@@ -276,3 +276,61 @@ def test_varlen_attention_backward_is_linear_in_the_row() -> None:
         for got_g, want_g in zip(grads, want_grads, strict=True):
             torch.testing.assert_close(got_g[:, :, rows], want_g, atol=1e-6, rtol=1e-5)
         start += length
+
+
+def test_cpu_bf16_attention_takes_float32_for_short_segments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under bf16 autocast on the CPU, a segment of at most ``CPU_FLOAT32_KEYS`` keys
+    attends in float32 (faster there for short segments) and a longer one in bf16, each
+    output in bf16: the values those two computations give alone, and gradients that reach
+    every position's q, k and v."""
+    from asyncrl.train import attention
+
+    monkeypatch.setattr(attention, "CPU_FLOAT32_KEYS", 5)
+    calls: list[tuple[int, torch.dtype]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append((q.shape[2], q.dtype))
+        return sdpa(q, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 9, 5, 7]
+    n = sum(lengths)
+    # float32 q/k/v, as a bf16 model's rotary embedding hands them over under autocast
+    q = torch.randn(1, 4, n, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    module = torch.nn.Module().eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention.varlen_causal_attention(module, q, k, v, None, cu_seq_lens_q=cu)
+    assert out.dtype == torch.bfloat16
+    wide = [n_k <= 5 for n_k in lengths]
+    assert calls == [
+        (n_k, torch.float32 if w else torch.bfloat16) for n_k, w in zip(lengths, wide, strict=True)
+    ]
+    weight = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out.float() * weight).sum(), (q, k, v))
+    start = 0
+    for length, as_float32 in zip(lengths, wide, strict=True):
+        rows = slice(start, start + length)
+        dtype = torch.float32 if as_float32 else torch.bfloat16
+        qs, ks, vs = (t.detach()[:, :, rows].clone().requires_grad_() for t in (q, k, v))
+        want = sdpa(
+            qs.to(dtype),
+            ks.to(dtype).repeat_interleave(2, 1),
+            vs.to(dtype).repeat_interleave(2, 1),
+            is_causal=True,
+        ).to(torch.bfloat16)
+        torch.testing.assert_close(out[:, rows], want.transpose(1, 2), rtol=0, atol=0)
+        want_grads = torch.autograd.grad(
+            (want.transpose(1, 2).float() * weight[:, rows]).sum(), (qs, ks, vs)
+        )
+        # (the row's bf16 gradients are summed in another order than one segment's alone)
+        tol = 1e-6 if as_float32 else 1e-2
+        for got_g, want_g in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(got_g[:, :, rows], want_g, rtol=tol, atol=tol)
+        start += length

@@ -121,7 +121,17 @@ def _chunk_logq(
     return logq_MV
 
 
-def _entropy(logq_MV: torch.Tensor) -> torch.Tensor:
+def _all_finite(top_k: Setting, top_p: Setting, never_sampled: torch.Tensor | None) -> bool:
+    """Whether ``log q`` of :func:`_chunk_logq` is finite everywhere (finite logits
+    given): nothing was cut and no token id is ``never_sampled``, so no ``−inf`` was set."""
+    return never_sampled is None and not _cuts(top_k, top_p)
+
+
+def _entropy(logq_MV: torch.Tensor, finite: bool = False) -> torch.Tensor:
+    """``H = −Σ q·log q`` per row. ``finite``: ``log q`` holds no ``−inf``
+    (:func:`_all_finite`), which spares three passes over ``[M, V]``."""
+    if finite:
+        return -(logq_MV.exp() * logq_MV).sum(dim=-1)
     # log q set to 0 outside K before the product: 0·(−inf) would be NaN, in the value and
     # in the gradient (where() after the product still sends 0·(−inf) backward)
     finite_logq_MV = torch.where(torch.isfinite(logq_MV), logq_MV, torch.zeros_like(logq_MV))
@@ -169,7 +179,7 @@ def chunk_logprobs(
     picked_M = logq_MV.gather(-1, targets_M[:, None]).squeeze(-1)
     if not entropy:
         return picked_M, torch.zeros_like(picked_M)
-    return picked_M, _entropy(logq_MV)
+    return picked_M, _entropy(logq_MV, _all_finite(top_k, top_p, never_sampled))
 
 
 class FusedLogprobs(torch.autograd.Function):
@@ -206,7 +216,12 @@ class FusedLogprobs(torch.autograd.Function):
         never_sampled: torch.Tensor | None = None,
         precision: HeadPrecision = "float32",
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # An output that the loss does not use (the entropy, without an entropy bonus) gets
+        # None in backward, not a tensor of zeros whose gradient would take four passes
+        # over every chunk's [chunk, V] to come out zero.
+        ctx.set_materialize_grads(False)
         logprobs, entropies, logqs = [], [], []
+        finite = []  # per chunk: log q has no −inf (no cut, no never-sampled id)
         for start in range(0, targets_M.numel(), chunk_tokens):
             end = start + chunk_tokens
             logq_MV = _chunk_logq(
@@ -214,12 +229,18 @@ class FusedLogprobs(torch.autograd.Function):
                 rows_of(temperature, start, end), rows_of(top_k, start, end),
                 rows_of(top_p, start, end), never_sampled, precision,
             )  # fmt: skip
+            finite.append(
+                _all_finite(rows_of(top_k, start, end), rows_of(top_p, start, end), never_sampled)
+            )
             logprobs.append(logq_MV.gather(-1, targets_M[start:end, None]).squeeze(-1))
-            entropies.append(_entropy(logq_MV) if entropy else torch.zeros_like(logprobs[-1]))
+            entropies.append(
+                _entropy(logq_MV, finite[-1]) if entropy else torch.zeros_like(logprobs[-1])
+            )
             logqs.append(logq_MV)
         lp_M, ent_M = torch.cat(logprobs), torch.cat(entropies)
         ctx.save_for_backward(hidden_MH, weight_VH, bias_V, targets_M, ent_M, *logqs)
         ctx.temperature, ctx.entropy, ctx.chunk_tokens = temperature, entropy, chunk_tokens
+        ctx.finite = finite
         ctx.precision = precision
         return lp_M, ent_M
 
@@ -253,8 +274,13 @@ class FusedLogprobs(torch.autograd.Function):
                 grad_MV = logq_MV.exp()
                 if ctx.entropy and grad_ent_M is not None:
                     b_M = grad_ent_M[rows].to(dtype) / -temperature
-                    term_MV = torch.nan_to_num(logq_MV, neginf=0.0)  # 0 outside the cut
-                    term_MV.add_(ent_M[rows, None]).mul_(b_M[:, None]).sub_(g_M[:, None])
+                    # log q + H, with log q read as 0 outside the cut
+                    term_MV = (
+                        logq_MV.add(ent_M[rows, None])
+                        if ctx.finite[i]
+                        else torch.nan_to_num(logq_MV, neginf=0.0).add_(ent_M[rows, None])
+                    )
+                    term_MV.mul_(b_M[:, None]).sub_(g_M[:, None])
                     grad_MV.mul_(term_MV)
                     del term_MV
                 else:
