@@ -10,7 +10,8 @@ the ``cu_seq_lens_q`` boundaries that the engine passes down through the model's
 
 - CUDA, bf16/fp16: one flash varlen kernel (``torch.nn.attention.varlen``) when this torch
   has it;
-- otherwise: one causal sdpa call per sequence.
+- otherwise: one causal sdpa call per sequence (on the CPU, a bf16 or fp16 sequence of
+  up to :data:`CPU_FLOAT32_KEYS` keys computed in float32, which is faster there).
 
 Without boundaries it is plain causal attention per row, which is exact for the real
 tokens of right-padded rows (a real token only sees earlier, real tokens); padded
