@@ -235,7 +235,8 @@ def _per_segment(
     # per layer; split's backward is one concatenation. Each row is cast once per dtype
     # that some segment needs.
     dtype = dtype or query.dtype
-    wide = [n_k <= float32_keys and dtype != torch.float32 for n_k in sizes_k]
+    narrow = dtype in (torch.bfloat16, torch.float16)
+    wide = [narrow and n_k <= float32_keys for n_k in sizes_k]
     splits: dict[torch.dtype, list[tuple[torch.Tensor, ...]]] = {}
     for as_dtype, needed in ((torch.float32, any(wide)), (dtype, not all(wide))):
         if needed and as_dtype not in splits:
