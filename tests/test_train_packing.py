@@ -278,8 +278,9 @@ def test_varlen_attention_backward_is_linear_in_the_row() -> None:
         start += length
 
 
+@pytest.mark.parametrize("float32_keys", [5, 100])  # some segments, every segment
 def test_cpu_bf16_attention_takes_float32_for_short_segments(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, float32_keys: int
 ) -> None:
     """Under bf16 autocast on the CPU, a segment of at most ``CPU_FLOAT32_KEYS`` keys
     attends in float32 (faster there for short segments) and a longer one in bf16, each
@@ -287,7 +288,7 @@ def test_cpu_bf16_attention_takes_float32_for_short_segments(
     every position's q, k and v."""
     from asyncrl.train import attention
 
-    monkeypatch.setattr(attention, "CPU_FLOAT32_KEYS", 5)
+    monkeypatch.setattr(attention, "CPU_FLOAT32_KEYS", float32_keys)
     calls: list[tuple[int, torch.dtype]] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -308,7 +309,7 @@ def test_cpu_bf16_attention_takes_float32_for_short_segments(
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = attention.varlen_causal_attention(module, q, k, v, None, cu_seq_lens_q=cu)
     assert out.dtype == torch.bfloat16
-    wide = [n_k <= 5 for n_k in lengths]
+    wide = [n_k <= float32_keys for n_k in lengths]
     assert calls == [
         (n_k, torch.float32 if w else torch.bfloat16) for n_k, w in zip(lengths, wide, strict=True)
     ]

@@ -260,8 +260,10 @@ def _per_segment(
                 q, k, v, attn_mask=_bottom_right_causal(n_q, n_k, q.device),
                 dropout_p=dropout_p, scale=scaling,
             )  # fmt: skip
-        pieces.append(out.to(dtype))
-    return torch.cat(pieces, dim=2)
+        pieces.append(out)
+    if all(wide) and narrow:  # one cast of the row rather than one a segment
+        return torch.cat(pieces, dim=2).to(dtype)
+    return torch.cat([piece.to(dtype) for piece in pieces], dim=2)
 
 
 def register() -> None:
