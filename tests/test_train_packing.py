@@ -237,6 +237,18 @@ def test_split_minibatches_whole_sequences_even_tokens() -> None:
         split_minibatches([1, 2, 3], 4)
 
 
+def packed_qkv(
+    lengths: list[int], g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed row of ``lengths`` sequences: float32 ``q`` (4 heads of 8), ``k`` and ``v``
+    (2 heads: grouped-query), each requiring grad, and its ``cu_seq_lens_q``."""
+    n = sum(lengths)
+    q = torch.randn(1, 4, n, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
+    return q, k, v, torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
 def test_varlen_attention_backward_is_linear_in_the_row() -> None:
     """Per-sequence attention on the CPU: values and gradients equal those of each sequence
     attended alone, and backward writes no whole-row gradient per sequence (slicing the
@@ -255,11 +267,7 @@ def test_varlen_attention_backward_is_linear_in_the_row() -> None:
 
     g = torch.Generator().manual_seed(0)
     lengths = [5, 3, 8, 1]
-    n = sum(lengths)
-    q = torch.randn(1, 4, n, 8, generator=g, requires_grad=True)
-    k = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
-    v = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    q, k, v, cu = packed_qkv(lengths, g)
     module = torch.nn.Module()
     out, _ = attention.varlen_causal_attention(module, q, k, v, None, cu_seq_lens_q=cu)
     weight = torch.randn(out.shape, generator=g)
@@ -299,12 +307,8 @@ def test_cpu_bf16_attention_takes_float32_for_short_segments(
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
     g = torch.Generator().manual_seed(0)
     lengths = [3, 9, 5, 7]
-    n = sum(lengths)
     # float32 q/k/v, as a bf16 model's rotary embedding hands them over under autocast
-    q = torch.randn(1, 4, n, 8, generator=g, requires_grad=True)
-    k = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
-    v = torch.randn(1, 2, n, 8, generator=g, requires_grad=True)
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    q, k, v, cu = packed_qkv(lengths, g)
     module = torch.nn.Module().eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = attention.varlen_causal_attention(module, q, k, v, None, cu_seq_lens_q=cu)

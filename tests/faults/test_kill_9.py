@@ -56,10 +56,12 @@ async def kill_in_mid_run(
     ) as run:
         bus = await connect(run.run_dir)
         pids: dict[str, int] = {}
-        reached = asyncio.Event()
+        reached, beat = asyncio.Event(), asyncio.Event()
 
         async def on_beat(info: ActorInfo) -> None:
             pids.setdefault(info.actor_id, info.pid)
+            if info.actor_id == f"{role}-0":
+                beat.set()
 
         async def on_metrics(m: Metrics) -> None:
             if m.step >= after_step:
@@ -70,6 +72,9 @@ async def kill_in_mid_run(
             await bus.subscribe(subjects.heartbeat("*"), ActorInfo, on_beat)
             await bus.subscribe(subjects.metrics("trainer"), Metrics, on_metrics)
             await asyncio.wait_for(reached.wait(), RUN_TIMEOUT)
+            # The step can come first: a fast run reaches it before the test has seen a
+            # heartbeat (one a second) of the actor to kill.
+            await asyncio.wait_for(beat.wait(), 30)
         finally:
             await bus.close()
         os.kill(pids[f"{role}-0"], signal.SIGKILL)
