@@ -293,16 +293,18 @@ def test_cpu_bf16_attention_takes_float32_for_short_segments(
     """Under bf16 autocast on the CPU, a segment of at most ``CPU_FLOAT32_KEYS`` keys
     attends in float32 (faster there for short segments) and a longer one in bf16, each
     output in bf16: the values those two computations give alone, and gradients that reach
-    every position's q, k and v."""
+    every position's q, k and v. The grouped-query heads are sdpa's to group."""
     from asyncrl.train import attention
 
     monkeypatch.setattr(attention, "CPU_FLOAT32_KEYS", float32_keys)
-    calls: list[tuple[int, torch.dtype]] = []
+    calls: list[tuple[int, torch.dtype, int]] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def recording_sdpa(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        calls.append((q.shape[2], q.dtype))
-        return sdpa(q, *args, **kwargs)  # type: ignore[arg-type]
+    def recording_sdpa(
+        q: torch.Tensor, k: torch.Tensor, *args: object, **kwargs: object
+    ) -> torch.Tensor:
+        calls.append((q.shape[2], q.dtype, k.shape[1]))
+        return sdpa(q, k, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
     g = torch.Generator().manual_seed(0)
@@ -314,8 +316,10 @@ def test_cpu_bf16_attention_takes_float32_for_short_segments(
         out, _ = attention.varlen_causal_attention(module, q, k, v, None, cu_seq_lens_q=cu)
     assert out.dtype == torch.bfloat16
     wide = [n_k <= float32_keys for n_k in lengths]
+    # (the keys' 2 heads as they are: sdpa groups the 4 query heads over them)
     assert calls == [
-        (n_k, torch.float32 if w else torch.bfloat16) for n_k, w in zip(lengths, wide, strict=True)
+        (n_k, torch.float32 if w else torch.bfloat16, 2)
+        for n_k, w in zip(lengths, wide, strict=True)
     ]
     weight = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad((out.float() * weight).sum(), (q, k, v))

@@ -178,15 +178,20 @@ def varlen_causal_attention(
         max_k = int(kwargs.get("max_length_k") or max_q) if key_index is not None else max_q
         out = _varlen_cuda(query, key, value, (cu_seqlens, cu_seqlens_k), (max_q, max_k), scaling)
         return out.contiguous(), None
-    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-    if query.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        # autocast off: each segment's sdpa gets the dtype _per_segment chose for it
+    if query.device.type == "cpu":
+        # Grouped-query heads by sdpa itself (the same values; on the CPU a third less time
+        # than repeating the keys and values a layer, and summing their gradients back),
+        # and autocast off (it is on only where dtype is narrow): each segment's sdpa gets
+        # the dtype _per_segment chose for it.
+        narrow = dtype in (torch.bfloat16, torch.float16)
         with torch.autocast("cpu", enabled=False):
             out = _per_segment(
                 query, key, value, cu_seqlens, cu_seqlens_k, dropout_p, scaling,
-                dtype=dtype, float32_keys=CPU_FLOAT32_KEYS,
+                dtype=dtype if narrow else None, float32_keys=CPU_FLOAT32_KEYS if narrow else 0,
+                gqa=n_rep > 1,
             )  # fmt: skip
     else:
+        key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
         out = _per_segment(query, key, value, cu_seqlens, cu_seqlens_k, dropout_p, scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -212,6 +217,7 @@ def _per_segment(
     *,
     dtype: torch.dtype | None = None,
     float32_keys: int = 0,
+    gqa: bool = False,
 ) -> torch.Tensor:
     """One sdpa call per segment of a packed row → ``[1, Hq, T, D]``. Kept out of
     ``torch.compile`` (``trainer.compile``): the segments' count is the data's, so a traced
@@ -221,7 +227,9 @@ def _per_segment(
 
     ``dtype``: what every segment is computed in and the result's dtype (default: as the
     inputs come), except that a segment of at most ``float32_keys`` keys is computed in
-    float32 (:data:`CPU_FLOAT32_KEYS`), its output cast to ``dtype``."""
+    float32 (:data:`CPU_FLOAT32_KEYS`), its output cast to ``dtype``. ``gqa``: ``key`` and
+    ``value`` have fewer heads than ``query`` (grouped-query attention, sdpa's
+    ``enable_gqa``)."""
     bounds = cu_seqlens.tolist()
     sizes = [e - s for s, e in itertools.pairwise(bounds)]
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
@@ -251,14 +259,15 @@ def _per_segment(
     pieces = []
     for i, (n_q, n_k) in enumerate(zip(sizes, sizes_k, strict=True)):
         q, k, v = splits[torch.float32 if wide[i] else dtype][i]
+        kwargs: dict[str, Any] = {"enable_gqa": True} if gqa else {}
         if n_q == n_k:
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=dropout_p, scale=scaling
+                q, k, v, is_causal=True, dropout_p=dropout_p, scale=scaling, **kwargs
             )
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=_bottom_right_causal(n_q, n_k, q.device),
-                dropout_p=dropout_p, scale=scaling,
+                dropout_p=dropout_p, scale=scaling, **kwargs,
             )  # fmt: skip
         pieces.append(out)
     if all(wide) and narrow:  # one cast of the row rather than one a segment
