@@ -160,9 +160,13 @@ def test_an_entropy_the_loss_does_not_use_costs_no_pass_in_backward(top_k: int) 
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     logq = torch.log_softmax(h0 @ w0.T, dim=-1)
     assert torch.equal(models._entropy(logq, finite=True), models._entropy(logq, finite=False))
-    assert models._all_finite(0, 1.0, None)
-    assert not models._all_finite(5, 1.0, None) and not models._all_finite(0, 0.9, None)
-    assert not models._all_finite(0, 1.0, torch.tensor([3]))
+
+    def finite(top_k: int, top_p: float, never_sampled: torch.Tensor | None) -> bool:
+        return models._chunk_logq(h0, w0, None, targets, 1.0, top_k, top_p, never_sampled)[1]
+
+    assert finite(0, 1.0, None)
+    assert not finite(5, 1.0, None) and not finite(0, 0.9, None)
+    assert not finite(0, 1.0, torch.tensor([3]))
 
 
 class CountLogits(TorchDispatchMode):

@@ -243,23 +243,22 @@ def _per_segment(
     # per layer; split's backward is one concatenation. Each row is cast once per dtype
     # that some segment needs.
     dtype = dtype or query.dtype
-    narrow = dtype in (torch.bfloat16, torch.float16)
-    wide = [narrow and n_k <= float32_keys for n_k in sizes_k]
-    splits: dict[torch.dtype, list[tuple[torch.Tensor, ...]]] = {}
-    for as_dtype, needed in ((torch.float32, any(wide)), (dtype, not all(wide))):
-        if needed and as_dtype not in splits:
-            splits[as_dtype] = list(
-                zip(
-                    query.to(as_dtype).split(sizes, dim=2),
-                    key.to(as_dtype).split(sizes_k, dim=2),
-                    value.to(as_dtype).split(sizes_k, dim=2),
-                    strict=True,
-                )
+    wide = [0 < float32_keys and n_k <= float32_keys for n_k in sizes_k]
+    splits = {
+        as_dtype: list(
+            zip(
+                query.to(as_dtype).split(sizes, dim=2),
+                key.to(as_dtype).split(sizes_k, dim=2),
+                value.to(as_dtype).split(sizes_k, dim=2),
+                strict=True,
             )
+        )
+        for as_dtype in {torch.float32 if w else dtype for w in wide}
+    }
+    kwargs: dict[str, Any] = {"enable_gqa": True} if gqa else {}
     pieces = []
     for i, (n_q, n_k) in enumerate(zip(sizes, sizes_k, strict=True)):
         q, k, v = splits[torch.float32 if wide[i] else dtype][i]
-        kwargs: dict[str, Any] = {"enable_gqa": True} if gqa else {}
         if n_q == n_k:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=dropout_p, scale=scaling, **kwargs
@@ -270,7 +269,7 @@ def _per_segment(
                 dropout_p=dropout_p, scale=scaling, **kwargs,
             )  # fmt: skip
         pieces.append(out)
-    if all(wide) and narrow:  # one cast of the row rather than one a segment
+    if all(wide):  # one cast of the row rather than one a segment
         return torch.cat(pieces, dim=2).to(dtype)
     return torch.cat([piece.to(dtype) for piece in pieces], dim=2)
 

@@ -95,9 +95,10 @@ def _chunk_logq(
     top_p: Setting,
     never_sampled: torch.Tensor | None = None,
     precision: HeadPrecision = "float32",
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, bool]:
     """``[M, V]`` ``log q`` of :func:`chunk_logprobs` (−inf outside the cut and on
-    ``never_sampled``), in :func:`head_dtype`."""
+    ``never_sampled``), in :func:`head_dtype`, and whether it is finite everywhere (finite
+    logits given): nothing was cut and no token id is ``never_sampled``."""
     dtype = head_dtype(hidden_MH)
     device = hidden_MH.device
     with torch.autocast(device.type, enabled=False), head_matmuls(precision, device):
@@ -112,24 +113,19 @@ def _chunk_logq(
     elif temperature != 1.0:
         logits_MV = logits_MV / temperature
     logq_MV = torch.log_softmax(logits_MV, dim=-1)
-    if _cuts(top_k, top_p):
+    cut = _cuts(top_k, top_p)
+    if cut:
         top_k_M = torch.as_tensor(top_k, dtype=torch.int64, device=logq_MV.device).expand(rows)
         top_p_M = torch.as_tensor(top_p, dtype=torch.float64, device=logq_MV.device).expand(rows)
         keep_MV = kept_mask(logq_MV, top_k_M, top_p_M)
         keep_MV = keep_MV.scatter(-1, targets_M[:, None], True)
         logq_MV = cut_logprobs(logits_MV, keep_MV)
-    return logq_MV
-
-
-def _all_finite(top_k: Setting, top_p: Setting, never_sampled: torch.Tensor | None) -> bool:
-    """Whether ``log q`` of :func:`_chunk_logq` is finite everywhere (finite logits
-    given): nothing was cut and no token id is ``never_sampled``, so no ``−inf`` was set."""
-    return never_sampled is None and not _cuts(top_k, top_p)
+    return logq_MV, never_sampled is None and not cut
 
 
 def _entropy(logq_MV: torch.Tensor, finite: bool = False) -> torch.Tensor:
     """``H = −Σ q·log q`` per row. ``finite``: ``log q`` holds no ``−inf``
-    (:func:`_all_finite`), which spares three passes over ``[M, V]``."""
+    (:func:`_chunk_logq` says), which spares three passes over ``[M, V]``."""
     if finite:
         return -(logq_MV.exp() * logq_MV).sum(dim=-1)
     # log q set to 0 outside K before the product: 0·(−inf) would be NaN, in the value and
@@ -172,14 +168,14 @@ def chunk_logprobs(
     lets CUDA's tensor cores run it (:data:`HeadPrecision`): on SmolLM2's hidden states
     that errs by ~1e-3 a logprob on average, against ~4e-2 for a bf16 forward of the model.
     """
-    logq_MV = _chunk_logq(
+    logq_MV, finite = _chunk_logq(
         hidden_MH, weight_VH, bias_V, targets_M, temperature, top_k, top_p, never_sampled,
         precision,
     )  # fmt: skip
     picked_M = logq_MV.gather(-1, targets_M[:, None]).squeeze(-1)
     if not entropy:
         return picked_M, torch.zeros_like(picked_M)
-    return picked_M, _entropy(logq_MV, _all_finite(top_k, top_p, never_sampled))
+    return picked_M, _entropy(logq_MV, finite)
 
 
 class FusedLogprobs(torch.autograd.Function):
@@ -224,17 +220,15 @@ class FusedLogprobs(torch.autograd.Function):
         finite = []  # per chunk: log q has no −inf (no cut, no never-sampled id)
         for start in range(0, targets_M.numel(), chunk_tokens):
             end = start + chunk_tokens
-            logq_MV = _chunk_logq(
+            logq_MV, chunk_finite = _chunk_logq(
                 hidden_MH[start:end], weight_VH, bias_V, targets_M[start:end],
                 rows_of(temperature, start, end), rows_of(top_k, start, end),
                 rows_of(top_p, start, end), never_sampled, precision,
             )  # fmt: skip
-            finite.append(
-                _all_finite(rows_of(top_k, start, end), rows_of(top_p, start, end), never_sampled)
-            )
+            finite.append(chunk_finite)
             logprobs.append(logq_MV.gather(-1, targets_M[start:end, None]).squeeze(-1))
             entropies.append(
-                _entropy(logq_MV, finite[-1]) if entropy else torch.zeros_like(logprobs[-1])
+                _entropy(logq_MV, chunk_finite) if entropy else torch.zeros_like(logprobs[-1])
             )
             logqs.append(logq_MV)
         lp_M, ent_M = torch.cat(logprobs), torch.cat(entropies)
