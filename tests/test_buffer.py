@@ -89,6 +89,33 @@ async def test_stale_groups_are_rejected_and_give_their_budget_back(tmp_path: Pa
     assert not buf.admission.ready and buf.staleness.rejected == 1 and buf.staleness.accepted == 0
 
 
+async def test_a_batch_takes_the_groups_that_go_stale_first(tmp_path: Path) -> None:
+    """A group leased at version 0 whose episodes ran long is admitted after two groups
+    leased at version 1: the batch takes it (head 0, stale at version 2) and the older of
+    the two others, in admission order, rather than the first two admitted, which would
+    have let it expire at the next version."""
+    buf = make_buffer(tmp_path)
+    first = [p.uid for p in (await lease(buf, 4)).prompts]  # version 0: (0 + 2)·2 = 4
+    for uid in first[1:]:
+        await buf.on_scored(sample(uid, 0, 0, 1.0))
+        await buf.on_scored(sample(uid, 1, 0, 0.0))
+    buf.batcher.ready()
+    assert buf.batcher.take(0, {}).step == 0  # three of version 0 ready: two trained
+    buf.staleness.set_version(1)
+    late = first[0]
+    e, f = [p.uid for p in (await lease(buf, 2)).prompts]
+    for uid, head in ((e, 1), (f, 1), (late, 0)):
+        await buf.on_scored(sample(uid, 0, head, 1.0))
+        await buf.on_scored(sample(uid, 1, head, 0.0))
+    assert [g.prompt_uid for g in buf.admission.ready] == [first[3], e, f, late]
+    assert buf.batcher.ready()
+    batch = buf.batcher.take(1, {})
+    assert [g.prompt_uid for g in batch.groups] == [first[3], late]
+    assert [g.prompt_uid for g in buf.admission.ready] == [e, f]
+    buf.staleness.set_version(2)
+    assert buf.batcher.ready() and buf.staleness.rejected == 0  # nothing went stale
+
+
 async def test_dynamic_filter_drops_groups_without_signal(tmp_path: Path) -> None:
     buf = make_buffer(tmp_path, "buffer.dynamic_filter=true")
     got = await lease(buf, 4)

@@ -35,7 +35,7 @@ async def ready_actor(tmp_path: Path, nats: NatsInfo) -> eval_module.EvalActor:
     actor._bus = await Bus.connect(nats, name="eval-0-r1")
     actor.sinks = open_sinks(actor.recipe, tmp_path, jsonl=eval_module.EVAL_FILE, job="eval")
     actor.receiver = build_receiver(
-        actor.recipe, actor._engine, actor.bus, actor.subjects, "eval-0-r1", want=actor._is_due
+        actor.recipe, actor._engine, actor.bus, actor.subjects, "eval-0-r1", want=actor.due
     )
     await actor.receiver.listen()
     actor._baseline = False

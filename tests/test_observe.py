@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from asyncrl.actors.eval import is_due, mean_at_k, pass_at_k
+from asyncrl.actors.eval import mean_at_k, pass_at_k
 from asyncrl.config import recipe as config_module
 from asyncrl.config import run as run_section
 from asyncrl.config.recipe import RecipeError, load_recipe
@@ -22,6 +22,7 @@ from asyncrl.observe.dashboard import DashboardState
 from asyncrl.observe.records import batch_stats
 from asyncrl.observe.sinks import open_sinks
 from asyncrl.runtime.trace import Tracer, merge_traces
+from asyncrl.weights.version import Wanted
 from asyncrl.wire.messages import ActorInfo, Array, Group, Metrics, Trajectory
 
 RECORDED = Path(__file__).parent / "data" / "recorded_metrics.jsonl"
@@ -87,7 +88,7 @@ def test_pass_and_mean_at_k_by_hand() -> None:
     rewards = [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
     assert pass_at_k(rewards) == pytest.approx(2 / 3)
     assert mean_at_k(rewards) == pytest.approx((0.25 + 0.0 + 0.75) / 3)
-    assert [v for v in range(11) if is_due(v, every=4, last=10)] == [0, 4, 8, 10]
+    assert [v for v in range(11) if Wanted(every=4, last=10)(v)] == [0, 4, 8, 10]
 
 
 def _traj(

@@ -112,9 +112,9 @@ async def test_the_eval_receiver_takes_a_new_epochs_version_over_a_rolled_back_o
 ) -> None:
     """The eval actor's receiver keeps only due versions, yields each in order, and a newer
     trainer epoch wins over a higher version of the lineage it rolled back."""
-    from asyncrl.actors.eval import is_due
     from asyncrl.engines.instant import InstantEngine
     from asyncrl.weights.receiver import EngineWeights
+    from asyncrl.weights.version import Wanted
     from asyncrl.wire.subjects import Subjects
 
     receiver = EngineWeights(
@@ -123,7 +123,7 @@ async def test_the_eval_receiver_takes_a_new_epochs_version_over_a_rolled_back_o
         Subjects("t"),
         "eval-0",
         device="cpu",
-        want=lambda version: is_due(version, 4, 10),
+        want=Wanted(4, 10),
         in_order=True,
     )
 

@@ -21,6 +21,7 @@ from asyncrl.runtime.bus import Bus
 from asyncrl.weights import choose
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.receiver import EngineWeights
+from asyncrl.weights.version import Wanted
 from asyncrl.weights.wire import BucketPool, pack, unpack
 from asyncrl.wire.messages import WeightsUpdated
 from asyncrl.wire.subjects import Subjects
@@ -178,6 +179,46 @@ async def test_engines_join_receive_every_version_and_rejoin_when_dropped(
     assert sorted(msg.members) == ["rollout-0", "rollout-1"]
     for r in receivers:
         assert (await _received(r))[:2] == (4, "collective")
+
+
+async def test_an_engine_is_sent_only_the_versions_it_loads(tmp_path: Path, bus: Bus) -> None:
+    """An eval engine (versions 0, every 2nd and the last, 5) says so in its join: the
+    trainer sends it those alone, lists it as skipped for the others, and it stays in the
+    group (it does not take a skipped version for a drop and join again); a rollout
+    engine beside it gets every version."""
+    subjects = Subjects("wanted")
+    pub = await _publisher(bus, subjects)
+    rollout = EngineWeights(InstantEngine(), bus, subjects, "rollout-0", device="cpu")
+    evals = EngineWeights(
+        InstantEngine(),
+        bus,
+        subjects,
+        "eval-0",
+        device="cpu",
+        want=Wanted(every=2, last=5),
+        in_order=True,
+    )
+    for r in (rollout, evals):
+        await r.listen()
+    # the joins bring version 1: the eval engine lets it go (not one it loads)
+    await pub.publish(tensor_weights(1, _model(1), tmp_path))
+    assert (await _received(rollout))[:2] == (1, "collective")
+    assert pub.stats.joins == 2
+    for version in (2, 3, 4, 5):
+        msg = await pub.publish(tensor_weights(version, _model(version), tmp_path))
+        due = version in (2, 4, 5)
+        assert sorted(msg.members) == (["eval-0", "rollout-0"] if due else ["rollout-0"])
+        assert msg.skipped == ([] if due else ["eval-0"])
+        delivery = pub.delivery()
+        assert delivery["skipped"] == msg.skipped and delivery["dropped"] == []
+        assert (await _received(rollout))[:2] == (version, "collective")
+        if due:
+            version_got, via, got = await _received(evals)
+            assert (version_got, via) == (version, "collective")
+            assert all(torch.equal(got[n], t) for n, t in _model(version))
+    assert pub.stats.joins == 2 and pub.stats.dropped == 0
+    assert pub.stats.sent == 2 + 4 + 3  # the joins' sends, then rollout 4, eval 3
+    assert not evals._pending  # nothing of version 3 was queued
 
 
 async def test_an_engine_that_cannot_form_the_group_takes_the_object_store(

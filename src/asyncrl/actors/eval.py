@@ -67,6 +67,7 @@ from asyncrl.runtime.actor import Actor, ActorContext
 from asyncrl.train.checkpoint import latest_checkpoint_meta
 from asyncrl.weights.build import build_receiver
 from asyncrl.weights.receiver import EngineWeights
+from asyncrl.weights.version import Wanted
 from asyncrl.workflows.rlvr import sample_seed
 
 EVAL_FILE = "eval.jsonl"
@@ -135,11 +136,6 @@ def tool_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def is_due(version: int, every: int, last: int) -> bool:
-    """Whether a policy version is one the eval actor evaluates."""
-    return version == 0 or version == last or (every > 0 and version % every == 0)
-
-
 class EvalActor(Actor):
     role = "eval"
 
@@ -179,7 +175,7 @@ class EvalActor(Actor):
             self.bus,
             self.subjects,
             self.actor_id,
-            want=self._is_due,
+            want=self.due,
             in_order=True,  # every due version is evaluated, however fast training goes
         )
         await self.receiver.listen()
@@ -236,8 +232,10 @@ class EvalActor(Actor):
                 )
             self.jobs.append(EvalJob(n, sampling, workflows))
 
-    def _is_due(self, version: int) -> bool:
-        return is_due(version, self.recipe.eval.every, self.recipe.trainer.max_steps)
+    @property
+    def due(self) -> Wanted:
+        """The versions this actor evaluates: 0, every ``eval.every``-th and the last."""
+        return Wanted(self.recipe.eval.every, self.recipe.trainer.max_steps)
 
     async def teardown(self) -> None:
         if self.receiver is not None:

@@ -18,6 +18,7 @@ from asyncrl.weights.config import TransportKind
 from asyncrl.weights.cuda_ipc import CudaIpcPublisher
 from asyncrl.weights.files import DirPublisher, ObjectStorePublisher, delete_weights, put_weights
 from asyncrl.weights.receiver import EngineWeights
+from asyncrl.weights.version import Wanted
 from asyncrl.weights.wire import Packed, unpack
 from asyncrl.wire.messages import WeightsUpdated
 from asyncrl.wire.subjects import Subjects
@@ -113,7 +114,7 @@ def build_receiver(
     bus: Bus,
     subjects: Subjects,
     actor_id: str,
-    want: Callable[[int], bool] | None = None,
+    want: Wanted | None = None,
     in_order: bool = False,
 ) -> EngineWeights:
     """An engine's receiver; it takes whatever transport each announcement names."""

@@ -63,6 +63,7 @@ from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.weights import sglang_wire
 from asyncrl.weights.config import WeightsConfig
+from asyncrl.weights.version import Wanted
 from asyncrl.weights.wire import (
     Lane,
     Packed,
@@ -106,6 +107,8 @@ class _Member:
     prefix: str
     lane: Lane
     protocol: str = "asyncrl"
+    wants: Wanted = field(default_factory=Wanted)
+    """The versions it loads (its join's ``every`` and ``last``): it is sent no other."""
     group: Any = None
     alive: bool = True
 
@@ -125,6 +128,8 @@ class CollectiveStats:
     last_members: int = 0
     delivered: list[str] = field(default_factory=list)
     """The engines the last version reached."""
+    skipped: list[str] = field(default_factory=list)
+    """The engines the last version was not sent to: they do not load it."""
     dropped_now: list[str] = field(default_factory=list)
     """The engines dropped since the version before (a failed send or join)."""
 
@@ -201,11 +206,17 @@ class CollectivePublisher(WeightPublisher):
             self._spare = self.current  # retired: a spare once its sends are done
             self.current, self.current_step = packed, weights.step
             self._fallback_msg = None
-            members = [m for m in self.members.values() if m.alive]
+            alive = [m for m in self.members.values() if m.alive]
+            members = [m for m in alive if m.wants(packed.version)]
+            skipped = sorted(m.actor_id for m in alive if not m.wants(packed.version))
             if any(m.protocol == sglang_wire.PROTOCOL for m in members):
                 await self._put_tensor_list(packed)
             msg = await self.announce(
-                weights, self.group_id, members=[m.actor_id for m in members], seq=self.seq
+                weights,
+                self.group_id,
+                members=[m.actor_id for m in members],
+                seq=self.seq,
+                skipped=skipped,
             )
             jobs = [(m, m.lane.submit(self._sender(m, packed))) for m in members]
         t0 = time.monotonic()
@@ -216,6 +227,7 @@ class CollectivePublisher(WeightPublisher):
             if repeat is not None:
                 repeat.cancel()
         self.stats.delivered = [m.actor_id for (m, _), ok in zip(jobs, done, strict=True) if ok]
+        self.stats.skipped = skipped
         self.stats.last_send_s = time.monotonic() - t0
         self.stats.last_bytes = packed.nbytes
         self.stats.last_members = len(members)
@@ -250,6 +262,7 @@ class CollectivePublisher(WeightPublisher):
         s = self.stats
         out = {
             "sent_to": sorted(s.delivered),
+            "skipped": s.skipped,
             "dropped": s.dropped_now,
             "broadcast_s": round(s.last_send_s, 4),
             "bytes": s.last_bytes,
@@ -328,6 +341,7 @@ class CollectivePublisher(WeightPublisher):
                 prefix=f"{self.group_id}/{req.actor_id}/{uuid.uuid4().hex[:8]}/",
                 lane=Lane(f"weights-{req.actor_id}"),
                 protocol=req.protocol,
+                wants=Wanted(req.every, req.last),
             )
             self.members[req.actor_id] = member
             current = self.current

@@ -13,6 +13,7 @@ from asyncrl.api.inference import BroadcastJoin, BroadcastStaged, InferenceEngin
 from asyncrl.runtime.bus import Bus
 from asyncrl.runtime.log import get_logger
 from asyncrl.weights import sglang_wire
+from asyncrl.weights.version import Wanted
 from asyncrl.weights.wire import BucketPool, Lane, bury, open_pair, recv_version, timeout_of
 from asyncrl.wire.messages import WeightsGrant, WeightsJoin, WeightsUpdated
 from asyncrl.wire.subjects import Subjects
@@ -42,9 +43,13 @@ class CollectiveEngineSide:
         loop: asyncio.AbstractEventLoop,
         fallback: Callable[[str], Any],
         engine: InferenceEngine,
+        want: Wanted | None = None,
     ) -> None:
         self.bus, self.subjects, self.actor_id = bus, subjects, actor_id
         self.device, self.loop, self.engine = device, loop, engine
+        self.want = want or Wanted()
+        """The versions this engine loads, told to the trainer in the join: it sends no
+        other (the announcement lists the engine under ``skipped``)."""
         self.protocol = engine.broadcast_protocol
         self._fallback = fallback
         self.lane = Lane("weights")
@@ -74,6 +79,8 @@ class CollectiveEngineSide:
             return self.lane.submit(lambda: self._fall_back("the group could not be formed"))
         if listed:
             return self.lane.submit(lambda: self._receive(msg.version, msg.epoch))
+        if self.actor_id in msg.skipped:
+            return None  # a version this engine does not load: not sent, still a member
         if self.since_seq is not None and msg.seq > self.since_seq:
             # sent after we joined, yet not to us: the trainer dropped us; join again
             self.since_seq = None
@@ -110,6 +117,8 @@ class CollectiveEngineSide:
                         actor_id=self.actor_id,
                         group=msg.location,
                         protocol=self.protocol or "asyncrl",
+                        every=self.want.every,
+                        last=self.want.last,
                     ),
                     WeightsGrant,
                     timeout=30.0,

@@ -27,6 +27,7 @@ from asyncrl.runtime.log import get_logger
 from asyncrl.weights.cuda_ipc import open_handles
 from asyncrl.weights.engine_side import CollectiveEngineSide
 from asyncrl.weights.files import fetched, get_weights, read_safetensors
+from asyncrl.weights.version import Wanted
 from asyncrl.wire.messages import WeightsFallback, WeightsUpdated
 from asyncrl.wire.subjects import Subjects
 
@@ -40,8 +41,8 @@ dropped (a broadcast's job still runs: only its result is forgotten)."""
 
 
 class EngineWeights(WeightReceiver):
-    """Receives for ``engine``; ``want(version)`` filters the versions worth loading (the
-    eval actor loads only those it evaluates)."""
+    """Receives for ``engine``; ``want`` names the versions worth loading (the eval actor
+    loads only those it evaluates; a broadcast does not even send it the others)."""
 
     def __init__(
         self,
@@ -51,12 +52,12 @@ class EngineWeights(WeightReceiver):
         actor_id: str,
         *,
         device: str,
-        want: Callable[[int], bool] | None = None,
+        want: Wanted | None = None,
         in_order: bool = False,
     ) -> None:
         self.engine, self.bus, self.subjects, self.actor_id = engine, bus, subjects, actor_id
         self.device = device
-        self.want = want or (lambda version: True)
+        self.want = want or Wanted()
         self.in_order = in_order
         self._returned = (-1, -1)  # (epoch, version) of the newest weights yielded
         """Yield every wanted version, oldest first (the eval actor: each due version is
@@ -114,6 +115,7 @@ class EngineWeights(WeightReceiver):
                 loop=asyncio.get_running_loop(),
                 fallback=self._fallback,
                 engine=self.engine,
+                want=self.want,
             )
         return self._collective
 

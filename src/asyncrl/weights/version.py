@@ -7,10 +7,28 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.api.weights import NamedTensors
 from asyncrl.weights.files import link_export, read_safetensors
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """The versions an engine loads: version 0, every multiple of ``every`` and ``last``
+    (the run's final version). ``every = 1`` (the default) is every version; ``every = 0``
+    is version 0 and ``last`` alone. The eval actor's are its due versions; it tells the
+    trainer in its join (:class:`~asyncrl.wire.messages.WeightsJoin`), so that a broadcast
+    sends it no other."""
+
+    every: int = 1
+    last: int = -1
+
+    def __call__(self, version: int) -> bool:
+        return (
+            version == 0 or version == self.last or (self.every > 0 and version % self.every == 0)
+        )
 
 
 class PolicyWeights:
@@ -64,4 +82,4 @@ class PolicyWeights:
         return self._gather(dtype)
 
 
-__all__ = ["PolicyWeights"]
+__all__ = ["PolicyWeights", "Wanted"]

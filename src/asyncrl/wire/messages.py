@@ -645,6 +645,11 @@ class WeightsUpdated(Message):
     seq: int = Field(
         default=0, description="collective: the publisher's count of broadcasts, this one's"
     )
+    skipped: list[str] = Field(
+        default_factory=list,
+        description="collective: joined actors this version is not sent to because they do "
+        "not load it (their join's ``every`` and ``last``); they stay in the group",
+    )
 
 
 class WeightsJoin(Message):
@@ -659,6 +664,13 @@ class WeightsJoin(Message):
         description="what the engine speaks: asyncrl's wire (an in-process engine, or a "
         "server with asyncrl's receiver), or a server's own broadcast protocol",
     )
+    every: int = Field(
+        default=1,
+        ge=0,
+        description="the versions the engine loads: 0, the multiples of this and ``last`` "
+        "(1: every version; the eval actor: its due ones); the trainer sends it no other",
+    )
+    last: int = Field(default=-1, description="a version it loads besides: the run's last")
 
 
 class WeightsGrant(Message):

@@ -415,6 +415,32 @@ class Admission:
             self.groups.pop(traj.prompt_uid, None)
         self.leases.return_prompt(traj.prompt_uid, f"invalid: {reason}", lease_id=traj.attempt)
 
+    def take_first_to_expire(self, n: int) -> list[Group]:
+        """Takes the ``n`` ready groups that go stale first: the oldest head versions (a
+        group without one, never stale, last), ties in admission order; returned in
+        admission order.
+
+        Groups finish out of order: one leased early whose episodes ran long is admitted
+        behind groups leased after it. The capacity rule lets each group start only if
+        it can be trained within η when groups are taken in the order they *started*;
+        taken in the order they were admitted, such a late group waits behind younger
+        ones and expires. Its head version is when its generation started."""
+        if n >= len(self.ready):
+            taken = list(self.ready)
+            self.ready.clear()
+            return taken
+        groups = list(self.ready)
+        by_expiry = sorted(range(len(groups)), key=lambda i: (self._expiry(groups[i]), i))
+        chosen = set(by_expiry[:n])
+        self.ready = deque(g for i, g in enumerate(groups) if i not in chosen)
+        return [g for i, g in enumerate(groups) if i in chosen]
+
+    def _expiry(self, group: Group) -> float:
+        head = self._heads.get(group.prompt_uid)
+        if head is None:
+            head = group.head_version
+        return math.inf if head < 0 else head
+
     def drop_stale(self) -> int:
         """Rejects the ready groups that became too stale at the current version (their
         budget returns); how many. A group is admitted only if admissible at the version

@@ -1,4 +1,6 @@
-"""Batches: the oldest B admitted groups that are still within η, for one trainer step.
+"""Batches: B admitted groups still within η, for one trainer step: those that would go
+stale first (the oldest head versions, ties in admission order), so that a group whose
+episodes ran long is not left to expire behind groups that started after it.
 
 A repeated request for the same step gets the same batch, so a lost reply loses no data.
 The groups are in the order they were admitted (the order their last samples were
@@ -86,7 +88,7 @@ class Batcher:
     def take(self, step: int, position: dict[str, Any]) -> TrainBatchRef:
         """The batch of ``step`` (call only when :meth:`ready`), remembered for repeats;
         ``position`` is the dataset position now, recorded for resume."""
-        groups = [self.admission.ready.popleft() for _ in range(self.batch_size)]
+        groups = self.admission.take_first_to_expire(self.batch_size)
         if self.ordered:
             groups.sort(key=lambda g: g.prompt_uid)
         batch = TrainBatchRef(
