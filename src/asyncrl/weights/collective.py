@@ -15,6 +15,11 @@ the manifest (JSON: each tensor's name, dtype, shape and place in its bucket), t
 buckets: flat ``uint8`` tensors of at most ``weights.bucket_mb`` MiB holding the tensors
 in the engine's dtype. The receiver's tensors are views of the received buckets.
 
+**Versions an engine does not load.** An engine names the versions it loads in its join
+(``WeightsJoin.every`` and ``last``: the eval actor's due versions); the trainer sends it
+no other, and lists it under ``skipped`` in their announcements, so that it knows it was
+not dropped. A rollout engine loads every version.
+
 **No hangs.** Every group is created with ``weights.timeout_s``, so a rendezvous or a
 broadcast that a peer does not complete fails within it, and the trainer waits for each
 engine's thread no longer than that either. An engine whose send fails or times out is
