@@ -21,7 +21,7 @@ from asyncrl.runtime.bus import Bus
 from asyncrl.weights import choose
 from asyncrl.weights.collective import CollectivePublisher
 from asyncrl.weights.receiver import EngineWeights
-from asyncrl.weights.version import Wanted
+from asyncrl.weights.version import PolicyWeights, Wanted
 from asyncrl.weights.wire import BucketPool, pack, unpack
 from asyncrl.wire.messages import WeightsUpdated
 from asyncrl.wire.subjects import Subjects
@@ -219,6 +219,43 @@ async def test_an_engine_is_sent_only_the_versions_it_loads(tmp_path: Path, bus:
     assert pub.stats.joins == 2 and pub.stats.dropped == 0
     assert pub.stats.sent == 2 + 4 + 3  # the joins' sends, then rollout 4, eval 3
     assert not evals._pending  # nothing of version 3 was queued
+
+
+async def test_a_begun_version_arrives_whole_while_the_trainer_changes_its_parameters(
+    tmp_path: Path, bus: Bus
+) -> None:
+    """``begin`` returns once the version is copied out and announced: the trainer's next
+    step may then change the very tensors it gathered (live parameters, no clone) and the
+    engine still gets the version as it was; the next ``begin`` settles the one before,
+    and each version's delivery is what ``delivery`` says after its ``settle``."""
+    subjects = Subjects("overlap")
+    pub = await _publisher(bus, subjects)
+    receiver = EngineWeights(InstantEngine(), bus, subjects, "rollout-0", device="cpu")
+    await receiver.listen()
+    await pub.publish(tensor_weights(1, _model(1), tmp_path))
+    assert (await _received(receiver))[:2] == (1, "collective")
+
+    live = _model(2)
+    weights = PolicyWeights(
+        2, 0, 2, tmp_path / "v2", export=lambda _: None, gather=lambda dtype: live
+    )
+    msg = await pub.begin(weights)
+    assert msg.members == ["rollout-0"]
+    for _, t in live:
+        t.add_(100.0)  # the next step's optimizer, in place
+    version, via, got = await _received(receiver)
+    assert (version, via) == (2, "collective")
+    assert all(torch.equal(got[n], t) for n, t in _model(2))
+    await pub.settle()
+    assert pub.delivery()["sent_to"] == ["rollout-0"] and pub.stats.sent == 2
+
+    await pub.begin(tensor_weights(3, _model(3), tmp_path))
+    await pub.begin(tensor_weights(4, _model(4), tmp_path))  # settles version 3 first
+    assert pub.stats.sent == 3
+    await pub.settle()
+    assert pub.stats.sent == 4 and pub.stats.dropped == 0
+    version, _, got = await _received(receiver)  # the newest of those received
+    assert version == 4 and all(torch.equal(got[n], t) for n, t in _model(4))
 
 
 async def test_an_engine_that_cannot_form_the_group_takes_the_object_store(

@@ -7,8 +7,10 @@ runs in a worker thread so that rank 0 keeps heartbeating while it trains.
 
 Per step: train samples with group advantages (:func:`~asyncrl.train.batch.build_samples`)
 → ``train`` (``ppo_minibatches`` optimizer steps; the engine's version + 1) → every
-``update_every`` steps the weights go out (a shared directory or the NATS object store)
-with ``WeightsUpdated`` → the step's records (:mod:`asyncrl.observe.records`, and the
+``update_every`` steps the weights go out (:mod:`asyncrl.weights`) with
+``WeightsUpdated``; a broadcast's sends go on while the next step trains (the buckets are a
+copy), and a version's delivery is settled before the next is published and at the end →
+the step's records (:mod:`asyncrl.observe.records`, and the
 batch itself for ``asyncrl replay``, :mod:`asyncrl.train.replay_log`) → a checkpoint
 every ``checkpoint_every`` steps and at the end, with the SHA-256 of its weights. The
 first batch sampled wholly at version 0 passes the rollout–trainer mismatch gate
@@ -26,6 +28,7 @@ import io
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from asyncrl.actors.colocation import Colocation
 from asyncrl.algo.mismatch import MismatchError, check_mismatch, gate_applies
@@ -87,6 +90,8 @@ class TrainerActor(Actor):
         self.weights_dir = ctx.run_dir / "weights"
         self.transport: WeightPublisher | None = None
         self.last_export: Path | None = None  # the newest published export on disk
+        self._delivering: dict[str, Any] | None = None
+        """The ``weights.jsonl`` line of a version whose delivery is under way."""
         self.ckpt_dir = ctx.run_dir / "checkpoints"
         self.records = StepRecords(self.recipe, ctx.run_dir)
         self.replay_log = ReplayLog(ctx.run_dir, self.recipe)
@@ -209,7 +214,9 @@ class TrainerActor(Actor):
             last = self.step == cfg.max_steps
             if self.step % cfg.update_every == 0 or last:
                 with self.tracer.span("publish weights", step=self.step):
-                    await self._publish_weights()
+                    # the sends go on while the next step trains; the last version, and
+                    # one whose engines wait for the device, is delivered before going on
+                    await self._publish_weights(settle=last or self.colocation is not None)
             elif self.colocation is not None:  # no new weights to bring the memory back
                 await self.colocation.resume(self.step)
             if self.colocation is not None:
@@ -319,11 +326,14 @@ class TrainerActor(Actor):
 
     # -- weights and checkpoints -----------------------------------------------------------------
 
-    async def _publish_weights(self, source: Path | None = None) -> None:
+    async def _publish_weights(self, source: Path | None = None, *, settle: bool = True) -> None:
         """Gets the current weights to the engines through the run's transport
         (:mod:`asyncrl.weights`), which announces them; ``source`` is an export of the same
-        weights already on disk (a checkpoint's)."""
+        weights already on disk (a checkpoint's). ``settle=False``: returns once the
+        weights are copied out and announced, their delivery (and its line in
+        ``weights.jsonl``) settled before the next version's."""
         assert self.transport is not None
+        await self._settle_weights()
         weights = PolicyWeights(
             self.version,
             self.epoch,
@@ -334,18 +344,27 @@ class TrainerActor(Actor):
             source=source,
         )
         t0 = time.monotonic()
-        msg = await self.transport.publish(weights)
-        line = {
+        msg = await self.transport.begin(weights)
+        self._delivering = {
             "step": self.step,
             "version": msg.version,
             "epoch": msg.epoch,
             "transport": msg.kind,
-            "publish_s": round(time.monotonic() - t0, 4),
-            **self.transport.delivery(),
+            "publish_s": round(time.monotonic() - t0, 4),  # what the trainer waited for
         }
-        await asyncio.to_thread(self.records.published, line)
         self.published_version = self.version
         self.last_export = weights.folder if weights.exported else None
+        if settle:
+            await self._settle_weights()
+
+    async def _settle_weights(self) -> None:
+        """Waits for the delivery of the version published last, then records it."""
+        line, self._delivering = self._delivering, None
+        if line is None:
+            return
+        assert self.transport is not None
+        await self.transport.settle()
+        await asyncio.to_thread(self.records.published, {**line, **self.transport.delivery()})
 
     async def _checkpoint(self) -> None:
         path = self.ckpt_dir / f"step_{self.step:06d}"

@@ -90,6 +90,17 @@ class WeightPublisher(ABC):
     async def publish(self, weights: Weights) -> WeightsUpdated:
         """Gets ``weights`` to the engines; returns the announcement to send."""
 
+    async def begin(self, weights: Weights) -> WeightsUpdated:
+        """Like :meth:`publish`, but may return once ``weights`` are copied out and
+        announced, with their delivery still under way (the trainer trains on meanwhile);
+        :meth:`settle` waits for it. A transport that cannot do so publishes whole."""
+        return await self.publish(weights)
+
+    async def settle(self) -> None:
+        """Waits for the delivery :meth:`begin` left under way, if any: then
+        :meth:`record` and :meth:`delivery` describe that version."""
+        return None
+
     def record(self) -> dict[str, float]:
         """The transport's numbers for the step's record (``weights/...``)."""
         return {}

@@ -172,6 +172,8 @@ class CollectivePublisher(WeightPublisher):
         self._lock = asyncio.Lock()
         self._tensor_lists: list[str] = []
         """Keys of the tensor lists in the object store (SGLang members read them)."""
+        self._sending: asyncio.Task[None] | None = None
+        """The sends of the version :meth:`begin` announced last, until :meth:`settle`."""
         self._joins: set[asyncio.Task[bool]] = set()
         """Joins whose group formation and first send are under way (kept referenced; each
         ends within the timeout, and :meth:`close` cancels what is left)."""
@@ -190,6 +192,16 @@ class CollectivePublisher(WeightPublisher):
         )
 
     async def publish(self, weights: Weights) -> WeightsUpdated:
+        msg = await self.begin(weights)
+        await self.settle()
+        return msg
+
+    async def begin(self, weights: Weights) -> WeightsUpdated:
+        """Copies ``weights`` into buckets, announces them and starts the sends; returns
+        without waiting for them (:meth:`settle` does). The buckets are a copy, so the
+        trainer's next step may change its parameters meanwhile; a version's sends wait
+        for the version before's to settle."""
+        await self.settle()
         tensors = await asyncio.to_thread(weights.tensors, self.dtype)
         # the buckets of the version before last, when no send reads them any more: fresh
         # pages cost more than the copy into them
@@ -224,6 +236,23 @@ class CollectivePublisher(WeightPublisher):
                 skipped=skipped,
             )
             jobs = [(m, m.lane.submit(self._sender(m, packed))) for m in members]
+        self._sending = asyncio.create_task(self._deliver(msg, jobs, skipped, packed.nbytes))
+        return msg
+
+    async def settle(self) -> None:
+        task, self._sending = self._sending, None
+        if task is not None:
+            await task
+
+    async def _deliver(
+        self,
+        msg: WeightsUpdated,
+        jobs: list[tuple[_Member, concurrent.futures.Future[Any]]],
+        skipped: list[str],
+        nbytes: int,
+    ) -> None:
+        """Waits for one version's sends (each bounded by the timeout; a failed one drops
+        its engine), announcing the version again meanwhile; then its figures."""
         t0 = time.monotonic()
         repeat = asyncio.create_task(self._announce_again(msg)) if jobs else None
         try:
@@ -234,9 +263,8 @@ class CollectivePublisher(WeightPublisher):
         self.stats.delivered = [m.actor_id for (m, _), ok in zip(jobs, done, strict=True) if ok]
         self.stats.skipped = skipped
         self.stats.last_send_s = time.monotonic() - t0
-        self.stats.last_bytes = packed.nbytes
-        self.stats.last_members = len(members)
-        return msg
+        self.stats.last_bytes = nbytes
+        self.stats.last_members = len(jobs)
 
     async def _announce_again(self, msg: WeightsUpdated) -> None:
         """Puts ``msg`` on the weights subject again every ``REANNOUNCE_S`` s until
@@ -385,7 +413,11 @@ class CollectivePublisher(WeightPublisher):
         return grant
 
     async def close(self) -> None:
-        for task in list(self._joins):
+        """Leaves what is still under way: a send stuck on a dead peer ends with its
+        lane's daemon thread at exit (the trainer settles its last version before)."""
+        tasks = [*self._joins, *([self._sending] if self._sending is not None else [])]
+        self._sending = None
+        for task in tasks:
             task.cancel()
 
     async def on_fallback(self, req: WeightsFallback) -> WeightsUpdated:
