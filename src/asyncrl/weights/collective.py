@@ -279,6 +279,8 @@ class CollectivePublisher(WeightPublisher):
                 self.stats.repeats += 1
 
     def record(self) -> dict[str, float]:
+        """The figures of the last version settled: in a step's record, with the sends
+        going on while the next step trains, the version before the step's own."""
         s = self.stats
         return {
             "weights/engines": float(s.last_members),
