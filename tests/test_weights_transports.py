@@ -254,8 +254,11 @@ async def test_a_begun_version_arrives_whole_while_the_trainer_changes_its_param
     assert pub.stats.sent == 3
     await pub.settle()
     assert pub.stats.sent == 4 and pub.stats.dropped == 0
-    version, _, got = await _received(receiver)  # the newest of those received
-    assert version == 4 and all(torch.equal(got[n], t) for n, t in _model(4))
+    seen = [0]
+    while seen[-1] < 4:  # 3 may be taken before 4 has arrived: each is the newest then
+        version, _, got = await _received(receiver)
+        seen.append(version)
+    assert seen[1:] in ([3, 4], [4]) and all(torch.equal(got[n], t) for n, t in _model(4))
 
 
 async def test_an_engine_that_cannot_form_the_group_takes_the_object_store(
