@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from asyncrl.engines.instant import InstantEngine
 from asyncrl.runtime.bus import Bus
 from asyncrl.weights import choose
 from asyncrl.weights.collective import CollectivePublisher
+from asyncrl.weights.engine_side import CollectiveEngineSide
 from asyncrl.weights.receiver import EngineWeights
 from asyncrl.weights.version import PolicyWeights, Wanted
 from asyncrl.weights.wire import BucketPool, pack, unpack
@@ -259,6 +261,46 @@ async def test_a_begun_version_arrives_whole_while_the_trainer_changes_its_param
         version, _, got = await _received(receiver)
         seen.append(version)
     assert seen[1:] in ([3, 4], [4]) and all(torch.equal(got[n], t) for n, t in _model(4))
+
+
+async def test_a_fallback_to_a_dead_trainer_gives_way_to_its_replacements_group(
+    tmp_path: Path, bus: Bus
+) -> None:
+    """A trainer killed in mid-send: the engine's receive fails and it asks the trainer for
+    the object store, which nobody answers (the trainer is dead). Its replacement announces
+    a new group: the engine gives up the fallback at once rather than after
+    ``2 × timeout_s + 30`` s, and the join queued behind it brings the new weights."""
+    subjects = Subjects("superseded")
+    asked = asyncio.Event()
+
+    async def nobody_answers(reason: str) -> Any:
+        asked.set()
+        await asyncio.Event().wait()  # the dead trainer's reply never comes
+
+    side = CollectiveEngineSide(
+        bus,
+        subjects,
+        "rollout-0",
+        device="cpu",
+        loop=asyncio.get_running_loop(),
+        fallback=nobody_answers,
+        engine=InstantEngine(),
+    )
+    side.group_id, side.timeout_s = "the-dead-trainers", 120.0
+    stuck = side.lane.submit(lambda: side._fall_back("receive failed (connection reset)"))
+    await asyncio.wait_for(asked.wait(), 10)
+    pub = await _publisher(bus, subjects)  # the replacement
+    msg = await pub.publish(tensor_weights(1, _model(1), tmp_path))
+    join = side.announce(msg)
+    assert join is not None
+    async with asyncio.timeout(30):
+        with pytest.raises(TimeoutError, match="another group was announced"):
+            await asyncio.wrap_future(stuck)
+        version, _, got, via, release = await asyncio.wrap_future(join)
+    assert (version, via) == (1, "collective")
+    assert all(torch.equal(dict(got)[n], t) for n, t in _model(1))
+    assert release is not None
+    release()
 
 
 async def test_an_engine_that_cannot_form_the_group_takes_the_object_store(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +19,9 @@ from asyncrl.weights.version import Wanted
 from asyncrl.weights.wire import BucketPool, Lane, bury, open_pair, recv_version, timeout_of
 from asyncrl.wire.messages import WeightsGrant, WeightsJoin, WeightsUpdated
 from asyncrl.wire.subjects import Subjects
+
+SUPERSEDED_POLL_S = 0.5
+"""How often a fallback under way looks whether another group was announced."""
 
 SERVER_GROUP = object()
 """Stands for the group of a server engine, which the server holds itself."""
@@ -62,6 +67,8 @@ class CollectiveEngineSide:
         self.group: Any = None
         self.broken = False  # the group could not be formed: take the object store
         self.timeout_s = 60.0
+        self._superseded = threading.Event()
+        """Set when another group is announced: a fallback under way gives way to the join."""
         self.log = get_logger(role="engine", part="weights")
 
     def announce(self, msg: WeightsUpdated) -> concurrent.futures.Future[Any] | None:
@@ -69,6 +76,9 @@ class CollectiveEngineSide:
         if msg.location != self.group_id:
             self.group_id, self.since_seq, self.broken = msg.location, None, False
             self.seen_seq = msg.seq
+            # a fallback under way asks the trainer that led the old group, which may be
+            # dead (its replacement announced this one): it gives way to the join
+            self._superseded.set()
             return self.lane.submit(lambda: self._join(msg))
         if msg.seq <= self.seen_seq:
             # heard before (the buffer's answer to "which weights are the latest?" repeats
@@ -108,6 +118,7 @@ class CollectiveEngineSide:
         self.group = None
 
     def _join(self, msg: WeightsUpdated) -> JobResult:
+        self._superseded.clear()
         self._forget_group()
         try:
             grant: WeightsGrant = self._await(
@@ -192,8 +203,18 @@ class CollectiveEngineSide:
         return await self.engine.receive_broadcast(version, epoch, tensors)
 
     def _fall_back(self, reason: str) -> JobResult:
+        """The current weights from the object store, asked of the trainer; given up
+        (raising) once another group is announced: a trainer whose send failed may have
+        died, and its replacement's group brings the weights instead."""
         self.log.warning("weights from the object store instead of the broadcast", reason=reason)
-        version, epoch, tensors = self._await(self._fallback(reason), self.timeout_s * 2 + 30)
+        asked = asyncio.run_coroutine_threadsafe(self._fallback(reason), self.loop)
+        deadline = time.monotonic() + self.timeout_s * 2 + 30
+        while not concurrent.futures.wait([asked], timeout=SUPERSEDED_POLL_S).done:
+            if self._superseded.is_set() or time.monotonic() >= deadline:
+                asked.cancel()
+                why = "another group was announced" if self._superseded.is_set() else ""
+                raise TimeoutError(f"no weights from the object store {why}".strip())
+        version, epoch, tensors = asked.result()  # or what the request raised
         return version, epoch, tensors, "object_store", None
 
 
