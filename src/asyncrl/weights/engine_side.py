@@ -21,7 +21,7 @@ from asyncrl.wire.messages import WeightsGrant, WeightsJoin, WeightsUpdated
 from asyncrl.wire.subjects import Subjects
 
 SUPERSEDED_POLL_S = 0.5
-"""How often a fallback under way looks whether another group was announced."""
+"""How often a wait on the actor's loop looks whether another group was announced."""
 
 SERVER_GROUP = object()
 """Stands for the group of a server engine, which the server holds itself."""
@@ -68,7 +68,7 @@ class CollectiveEngineSide:
         self.broken = False  # the group could not be formed: take the object store
         self.timeout_s = 60.0
         self._superseded = threading.Event()
-        """Set when another group is announced: a fallback under way gives way to the join."""
+        """Set when another group is announced: a wait under way gives way to the join."""
         self.log = get_logger(role="engine", part="weights")
 
     def announce(self, msg: WeightsUpdated) -> concurrent.futures.Future[Any] | None:
@@ -110,7 +110,20 @@ class CollectiveEngineSide:
         return give
 
     def _await(self, coro: Any, timeout: float) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        """Runs ``coro`` on the actor's loop and waits for it, at most ``timeout`` s; gives
+        up (raising) as soon as another group is announced: what the old group's trainer
+        was asked may never come (it may be dead; its replacement announced the new one),
+        and the join waits behind this on the lane."""
+        asked = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        deadline = time.monotonic() + timeout
+        while not concurrent.futures.wait([asked], timeout=SUPERSEDED_POLL_S).done:
+            if self._superseded.is_set():
+                asked.cancel()
+                raise TimeoutError("given up: another group was announced")
+            if time.monotonic() >= deadline:
+                asked.cancel()
+                raise TimeoutError
+        return asked.result()  # or what it raised
 
     def _forget_group(self) -> None:
         if self.group is not SERVER_GROUP:
@@ -203,18 +216,10 @@ class CollectiveEngineSide:
         return await self.engine.receive_broadcast(version, epoch, tensors)
 
     def _fall_back(self, reason: str) -> JobResult:
-        """The current weights from the object store, asked of the trainer; given up
-        (raising) once another group is announced: a trainer whose send failed may have
-        died, and its replacement's group brings the weights instead."""
+        """The current weights from the object store, asked of the trainer (given up once
+        another group is announced: :meth:`_await`)."""
         self.log.warning("weights from the object store instead of the broadcast", reason=reason)
-        asked = asyncio.run_coroutine_threadsafe(self._fallback(reason), self.loop)
-        deadline = time.monotonic() + self.timeout_s * 2 + 30
-        while not concurrent.futures.wait([asked], timeout=SUPERSEDED_POLL_S).done:
-            if self._superseded.is_set() or time.monotonic() >= deadline:
-                asked.cancel()
-                why = "another group was announced" if self._superseded.is_set() else ""
-                raise TimeoutError(f"no weights from the object store {why}".strip())
-        version, epoch, tensors = asked.result()  # or what the request raised
+        version, epoch, tensors = self._await(self._fallback(reason), self.timeout_s * 2 + 30)
         return version, epoch, tensors, "object_store", None
 
 

@@ -436,10 +436,13 @@ class Admission:
         return [g for i, g in enumerate(groups) if i in chosen]
 
     def _expiry(self, group: Group) -> float:
-        head = self._heads.get(group.prompt_uid)
-        if head is None:
-            head = group.head_version
+        head = self._head(group)
         return math.inf if head < 0 else head
+
+    def _head(self, group: Group) -> int:
+        """A ready group's head version: as admission found it, else its own (read)."""
+        head = self._heads.get(group.prompt_uid)
+        return group.head_version if head is None else head
 
     def drop_stale(self) -> int:
         """Rejects the ready groups that became too stale at the current version (their
@@ -450,15 +453,13 @@ class Admission:
             return 0
         self._fresh_at = self.staleness.version
         fresh: deque[Group] = deque()
-        heads, self._heads = self._heads, {}
+        heads: dict[str, int] = {}
         dropped = 0
         for group in self.ready:
-            head = heads.get(group.prompt_uid)
-            if head is None:
-                head = group.head_version
+            head = self._head(group)
             if self.staleness.admissible(head):
                 fresh.append(group)
-                self._heads[group.prompt_uid] = head
+                heads[group.prompt_uid] = head
                 continue
             dropped += 1
             self.staleness.expire_accepted(1)
@@ -466,7 +467,7 @@ class Admission:
             self.journal.event(
                 "reject", prompt=group.prompt_uid, head=head, version=self.staleness.version
             )
-        self.ready = fresh
+        self.ready, self._heads = fresh, heads
         return dropped
 
     def roll_back(
