@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from asyncrl.algo.truncation import cut_logprobs, kept_mask
-from asyncrl.engines.sampling import sample_next
+from asyncrl.engines import sampling
+from asyncrl.engines.sampling import inverse_cdf, sample_next
 from asyncrl.train.models import chunk_logprobs
 
 NEG_INF = float("-inf")
@@ -133,3 +134,58 @@ def test_top_k_ties_go_to_the_lower_token_id() -> None:
     logp = torch.tensor([[0.1, 0.3, 0.3, 0.3]]).log()
     keep = kept_mask(logp, torch.tensor([2]), torch.tensor([1.0]))
     assert keep[0].tolist() == [False, True, True, False]
+
+
+def one_level_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The search over one running sum of the whole row, written out directly: the first
+    token whose cumulative mass exceeds ``u`` times the row's mass."""
+    cdf = probs.double().cumsum(dim=-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+
+
+def test_two_level_draw_finds_the_same_token_as_one_running_sum() -> None:
+    """``inverse_cdf`` on 2,000 rows of a 1,000-entry vocabulary (three blocks of 256 and a
+    tail of 232), softmax rows of several sharpnesses, some with a top-k cut (blocks with
+    no mass at all): the same token as the one-level search on every row; the uniforms
+    are kept away (1e-9) from every boundary, where float64 rounding may decide."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 2000, 1000
+    logits = torch.randn(rows, vocab, generator=g) * torch.tensor([0.5, 2.0, 8.0]).repeat(700)[
+        :rows, None
+    ]
+    probs = torch.softmax(logits, dim=-1)
+    cut = torch.arange(rows) % 4 == 0  # top-k 5 on every fourth row
+    top = probs[cut].topk(5, dim=-1).indices
+    probs[cut] = torch.zeros_like(probs[cut]).scatter(1, top, probs[cut].gather(1, top))
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    cdf = probs.double().cumsum(dim=-1) / probs.double().sum(dim=-1, keepdim=True)
+    near = ((cdf - u[:, None]).abs() < 1e-9).any(dim=-1)
+    got, want = inverse_cdf(probs, u), one_level_draw(probs, u)
+    assert int(near.sum()) < 20  # nearly every row is compared
+    assert torch.equal(got[~near], want[~near])
+    assert bool((probs.gather(1, got[:, None]) > 0).all())
+
+
+@pytest.mark.parametrize(
+    ("p", "u", "token"),
+    [
+        # blocks of 2: (0, 0) (0.25, 0) (0.25, 0.5); mass 1
+        ([0.0, 0.0, 0.25, 0.0, 0.25, 0.5], 0.0, 2),  # leading tokens of no mass skipped
+        ([0.0, 0.0, 0.25, 0.0, 0.25, 0.5], 0.3, 4),  # 0.25 < 0.3 ≤ 0.5: third block's first
+        ([0.0, 0.0, 0.25, 0.0, 0.25, 0.5], 0.5, 5),  # cumulative 0.5 is not past 0.5
+        ([0.0, 0.0, 0.25, 0.0, 0.25, 0.5], 1 - 2**-53, 5),
+        # a tail block of one entry holding no mass, unnormalised rows
+        ([1.0, 3.0, 0.0, 4.0, 0.0], 0.5, 3),  # target 4: cumulative 1, 4, 4, 8
+        ([1.0, 3.0, 0.0, 4.0, 0.0], 1.0, 3),  # u = 1 (past any uniform): the last with mass
+        ([2.0, 0.0, 0.0, 0.0, 0.0], 0.999, 0),
+    ],
+)
+def test_two_level_draw_by_hand(
+    monkeypatch: pytest.MonkeyPatch, p: list[float], u: float, token: int
+) -> None:
+    """``inverse_cdf`` with blocks of 2 on hand-made rows: the first token whose cumulative
+    mass exceeds ``u`` times the row's, never one of zero mass, even where ``u · total``
+    reaches the total."""
+    monkeypatch.setattr(sampling, "CDF_BLOCK", 2)
+    got = inverse_cdf(torch.tensor([p]), torch.tensor([u], dtype=torch.float64))
+    assert got.tolist() == [token]

@@ -678,7 +678,10 @@ class DecodeBatch:
         self.pos_R[rows_A] += 1
         self.length = col + 1
         seqs = [s for s in (self.rows[r] for r in active) if s is not None]
-        result.tokens += self._sample(out.logits[rows_A, -1], seqs, rows_A, version)
+        # every row active (the usual step): the logits as they are, no gathered copy
+        every = len(active) == len(self.rows)
+        logits_AV = out.logits[:, -1] if every else out.logits[rows_A, -1]
+        result.tokens += self._sample(logits_AV, seqs, rows_A, version)
         result.decode_rows = len(active)
         result.padded_rows = len(self.rows)
 

@@ -32,6 +32,9 @@ from asyncrl.algo.truncation import cut_logprobs, kept_mask
 
 LogprobMode = Literal["scaled", "processed"]
 
+CDF_BLOCK = 256
+"""Vocabulary entries per block of :func:`inverse_cdf`'s first level."""
+
 
 def sample_next(
     logits_RV: torch.Tensor,
@@ -64,11 +67,9 @@ def sample_next(
     free = [r for r, g in enumerate(generators) if g is None]
     if free:
         u_R[free] = torch.rand(len(free), dtype=torch.float64)
-    cdf_RV = probs_RV.double().cumsum(dim=-1)
-    u_R = u_R.to(cdf_RV.device) * cdf_RV[:, -1]
-    tokens_R = torch.searchsorted(cdf_RV, u_R[:, None], right=True).squeeze(-1)
-    tokens_R = tokens_R.clamp(max=logits_RV.shape[-1] - 1)
-    tokens_R = torch.where(greedy_R, logits_RV.argmax(dim=-1), tokens_R)
+    tokens_R = inverse_cdf(probs_RV, u_R.to(probs_RV.device))
+    if bool(greedy_R.any()):
+        tokens_R = torch.where(greedy_R, logits_RV.argmax(dim=-1), tokens_R)
 
     chosen = tokens_R[:, None]
     if mode == "scaled":
@@ -80,3 +81,39 @@ def sample_next(
             q_logp_RV.gather(-1, chosen).squeeze(-1),
         )
     return tokens_R, logprobs_R
+
+
+def inverse_cdf(probs_RV: torch.Tensor, u_R: torch.Tensor) -> torch.Tensor:
+    """Per row r, the first token ``v`` whose cumulative mass ``Σ_{w ≤ v} p(w)`` exceeds
+    ``u_R[r] · Σ_w p(w)`` (``u`` uniform in [0, 1), float64): a draw from ``p``, which need
+    not be normalised. Never a token of zero mass.
+
+    In two levels, so that no float64 copy or cumulative sum of the whole ``[R, V]`` is
+    made (on a CPU decode of SmolLM2's 49,152 entries those two took ~10 of a 190 ms step
+    at 32 rows): the sums of blocks of :data:`CDF_BLOCK` entries (accumulated in float64)
+    locate the block, then the cumulative sum of that block alone the token. The sums are
+    the same as one running sum's up to float64 rounding (~1e-16 of the mass), so a draw
+    differs from the one-level search's only where ``u`` falls that close to a boundary.
+    """
+    rows, vocab = probs_RV.shape
+    full = vocab - vocab % CDF_BLOCK
+    sums = [probs_RV[:, :full].view(rows, -1, CDF_BLOCK).sum(dim=-1, dtype=torch.float64)]
+    if full < vocab:
+        sums.append(probs_RV[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64))
+    sums_RB = torch.cat(sums, dim=1)
+    block_cdf_RB = sums_RB.cumsum(dim=1)
+    target_R1 = (u_R * block_cdf_RB[:, -1])[:, None]
+    block_R = torch.searchsorted(block_cdf_RB, target_R1, right=True).squeeze(-1)
+    # u · total rounded up to the total, past the last block with mass: that block
+    ids_B = torch.arange(sums_RB.shape[1], device=sums_RB.device)
+    block_R = torch.minimum(block_R, torch.where(sums_RB > 0, ids_B, 0).amax(dim=1))
+    below_R = block_cdf_RB.gather(1, (block_R - 1).clamp(min=0)[:, None]).squeeze(-1)
+    below_R = torch.where(block_R > 0, below_R, 0.0)
+    cols_RK = block_R[:, None] * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs_RV.device)
+    p_RK = probs_RV.gather(1, cols_RK.clamp(max=vocab - 1)).double()
+    p_RK = torch.where(cols_RK < vocab, p_RK, 0.0)
+    cdf_RK = below_R[:, None] + p_RK.cumsum(dim=1)
+    offset_R = torch.searchsorted(cdf_RK, target_R1, right=True).squeeze(-1)
+    # rounding can put the target past the block's own sum: its last token with mass
+    last_R = torch.where(p_RK > 0, torch.arange(CDF_BLOCK, device=p_RK.device), 0).amax(dim=1)
+    return block_R * CDF_BLOCK + torch.minimum(offset_R, last_R)
