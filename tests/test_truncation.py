@@ -146,8 +146,8 @@ def one_level_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def test_two_level_draw_finds_the_same_token_as_one_running_sum() -> None:
     """``inverse_cdf`` on 2,000 rows of a 1,000-entry vocabulary (three blocks of 256 and a
     tail of 232), softmax rows of several sharpnesses, some with a top-k cut (blocks with
-    no mass at all): the same token as the one-level search on every row; the uniforms
-    are kept away (1e-9) from every boundary, where float64 rounding may decide."""
+    no mass at all): the same token as the one-level search on every row whose uniform
+    is not within 1e-6 of a boundary (there a block sum's float32 rounding may decide)."""
     g = torch.Generator().manual_seed(0)
     rows, vocab = 2000, 1000
     logits = torch.randn(rows, vocab, generator=g) * torch.tensor([0.5, 2.0, 8.0]).repeat(700)[
@@ -159,9 +159,9 @@ def test_two_level_draw_finds_the_same_token_as_one_running_sum() -> None:
     probs[cut] = torch.zeros_like(probs[cut]).scatter(1, top, probs[cut].gather(1, top))
     u = torch.rand(rows, generator=g, dtype=torch.float64)
     cdf = probs.double().cumsum(dim=-1) / probs.double().sum(dim=-1, keepdim=True)
-    near = ((cdf - u[:, None]).abs() < 1e-9).any(dim=-1)
+    near = ((cdf - u[:, None]).abs() < 1e-6).any(dim=-1)
     got, want = inverse_cdf(probs, u), one_level_draw(probs, u)
-    assert int(near.sum()) < 20  # nearly every row is compared
+    assert int(near.sum()) < 100  # nearly every row is compared
     assert torch.equal(got[~near], want[~near])
     assert bool((probs.gather(1, got[:, None]) > 0).all())
 

@@ -88,19 +88,20 @@ def inverse_cdf(probs_RV: torch.Tensor, u_R: torch.Tensor) -> torch.Tensor:
     ``u_R[r] · Σ_w p(w)`` (``u`` uniform in [0, 1), float64): a draw from ``p``, which need
     not be normalised. Never a token of zero mass.
 
-    In two levels, so that no float64 copy or cumulative sum of the whole ``[R, V]`` is
-    made (on a CPU decode of SmolLM2's 49,152 entries those two took ~10 of a 190 ms step
-    at 32 rows): the sums of blocks of :data:`CDF_BLOCK` entries (accumulated in float64)
-    locate the block, then the cumulative sum of that block alone the token. The sums are
-    the same as one running sum's up to float64 rounding (~1e-16 of the mass), so a draw
-    differs from the one-level search's only where ``u`` falls that close to a boundary.
+    In two levels, so that no float64 copy or running sum of the whole ``[R, V]`` is made
+    (on a CPU decode of SmolLM2's 49,152 entries at 32 rows, those two took ~10 ms of a
+    ~190 ms step): the sums of blocks of :data:`CDF_BLOCK` entries locate the block, then
+    the float64 running sum of that block alone the token. A block's sum is taken in the
+    probabilities' own dtype (float32: pairwise, ~1e-7 of the block's mass, the precision
+    of the probabilities themselves), so a draw differs from one float64 running sum's
+    only where ``u`` falls that close to a boundary between two tokens.
     """
     rows, vocab = probs_RV.shape
     full = vocab - vocab % CDF_BLOCK
-    sums = [probs_RV[:, :full].view(rows, -1, CDF_BLOCK).sum(dim=-1, dtype=torch.float64)]
+    sums = [probs_RV[:, :full].view(rows, -1, CDF_BLOCK).sum(dim=-1)]
     if full < vocab:
-        sums.append(probs_RV[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64))
-    sums_RB = torch.cat(sums, dim=1)
+        sums.append(probs_RV[:, full:].sum(dim=-1, keepdim=True))
+    sums_RB = torch.cat(sums, dim=1).double()
     block_cdf_RB = sums_RB.cumsum(dim=1)
     target_R1 = (u_R * block_cdf_RB[:, -1])[:, None]
     block_R = torch.searchsorted(block_cdf_RB, target_R1, right=True).squeeze(-1)
