@@ -150,9 +150,10 @@ def test_two_level_draw_finds_the_same_token_as_one_running_sum() -> None:
     is not within 1e-6 of a boundary (there a block sum's float32 rounding may decide)."""
     g = torch.Generator().manual_seed(0)
     rows, vocab = 2000, 1000
-    logits = torch.randn(rows, vocab, generator=g) * torch.tensor([0.5, 2.0, 8.0]).repeat(700)[
-        :rows, None
-    ]
+    logits = (
+        torch.randn(rows, vocab, generator=g)
+        * torch.tensor([0.5, 2.0, 8.0]).repeat(700)[:rows, None]
+    )
     probs = torch.softmax(logits, dim=-1)
     cut = torch.arange(rows) % 4 == 0  # top-k 5 on every fourth row
     top = probs[cut].topk(5, dim=-1).indices
