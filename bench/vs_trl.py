@@ -104,6 +104,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -367,6 +368,7 @@ def floor_lines(result: dict[str, Any]) -> list[str]:
     """A line per step, asyncrl and TRL side by side: TFLOP, floor, seconds taken and the
     share of the floor reached; then steps 2..N over all."""
     a, t = result["asyncrl"]["floor"], result["trl"]["floor"]
+    cores = result["asyncrl"].get("cores")
     lines = [
         f"compute floor: the step's FLOPs (its batch generated and trained) over the {a['dtype']}"
         f" matmul peak, {a['peak_flops'] / 1e9:.1f} GFLOP/s (MLP shapes, {PEAK_ROWS} rows,"
@@ -394,6 +396,14 @@ def floor_lines(result: dict[str, Any]) -> list[str]:
             for name, f in (("asyncrl", a), ("TRL", t))
         )
     )
+    if cores:
+        means = {
+            k: statistics.fmean(v[1:]) if len(v) > 1 else float("nan") for k, v in cores.items()
+        }
+        lines.append(
+            f"asyncrl's cores busy, steps 2..N (mean): trainer {means['trainer']:.2f},"
+            f" generation {means['rollout']:.2f} (the rollout actors' processes)"
+        )
     return lines
 
 
@@ -425,6 +435,11 @@ def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
         "rewards": [r["reward_mean"] for r in rows],
         "samples": samples,
         "staleness_mean": [r.get("staleness_mean", 0.0) for r in rows],
+        # the cores each side kept busy over each step (CPU seconds over wall seconds)
+        "cores": {
+            role: [r.get(f"cores/{role}", float("nan")) for r in rows]
+            for role in ("trainer", "rollout")
+        },
         "own_eval": {int(e["version"]): e.get("eval/accuracy") for e in evals},
         "final_dir": str(run_dir / "checkpoints" / f"step_{args.steps:06d}" / "hf"),
         "run_dir": str(run_dir),

@@ -168,6 +168,12 @@ def test_vs_trl_floors_from_each_systems_records(tmp_path: Path) -> None:
         }
     )
     assert len(lines) == 2 + 2 + 1 and lines[-1].startswith("steps 2..N: asyncrl floor")
+    # with the cores each side kept busy: their means over steps 2..N, the first left out
+    cores = {"trainer": [2.0, 1.2, 1.0], "rollout": [0.1, 0.9, 0.8]}
+    lines = vs_trl.floor_lines(
+        {"asyncrl": {"floor": figures, "cores": cores}, "trl": {"floor": figures}}
+    )
+    assert lines[-1].endswith("trainer 1.10, generation 0.85 (the rollout actors' processes)")
 
 
 def test_profile_ops_sorted_into_time_sinks() -> None:

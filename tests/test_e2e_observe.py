@@ -68,6 +68,9 @@ async def test_a_finished_ci_run_has_eval_plots_tensorboard_and_a_trace(tmp_path
     assert metrics[-1]["actors/rollout"] == 1 and metrics[-1]["actors/reward"] == 1
     # the rollout actor's idle time (no episode running) reaches the trainer's records
     assert 0 <= metrics[-1]["rollout/idle_frac"] <= 1 and metrics[-1]["rollout/idle_s"] >= 0
+    # where the cores went: every record has both, and both processes did some work
+    assert all(m["cores/trainer"] > 0 and m["cores/rollout"] >= 0 for m in metrics)
+    assert metrics[-1]["cores/rollout"] > 0
     assert all(m["train/entropy"] > 0 for m in metrics)
     assert (
         sum(v for k, v in metrics[-1].items() if k.startswith("staleness/"))

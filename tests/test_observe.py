@@ -358,6 +358,34 @@ def test_fleet_counts_a_role_whose_actors_went_silent_as_zero(
     assert view.fleet_stats()["actors/rollout"] == 1.0
 
 
+def test_fleet_sums_the_cores_the_rollout_actors_kept_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cores/rollout`` by hand: before a second view of an actor, its own average since
+    it started (``cores_total``); then its CPU seconds over the seconds between two views,
+    summed over the live actors; with no record since the last view, the average again.
+    Actor a: 0.9 on average, then 6 s of CPU in 8 s (0.75); actor b: 0.25, then 2 s in
+    8 s (0.25): 1.15, then 1.0."""
+    clock = [100.0]
+    monkeypatch.setattr(fleet_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    view = fleet_module.FleetView(trainer_ranks=1)
+
+    def report(actor: str, t: float, cpu: float, total: float) -> None:
+        asyncio.run(view.on_heartbeat(ActorInfo(role="rollout", actor_id=actor, pid=1, host="h")))
+        values = {"tokens": 0.0, "cpu_s": cpu, "cores_total": total}
+        metrics = Metrics(actor_id=actor, role="rollout", step=0, time=t, values=values)
+        asyncio.run(view.on_rollout_metrics(metrics))
+
+    report("a", 10.0, 9.0, 0.9)
+    report("b", 10.0, 2.5, 0.25)
+    assert view.fleet_stats()["cores/rollout"] == pytest.approx(1.15)
+    report("a", 18.0, 15.0, 0.83)
+    report("b", 18.0, 4.5, 0.25)
+    assert view.fleet_stats()["cores/rollout"] == pytest.approx(1.0)
+    # no record since the last view: each actor's average since it started, 0.83 + 0.25
+    assert view.fleet_stats()["cores/rollout"] == pytest.approx(1.08)
+
+
 async def test_the_trainer_can_wait_for_a_roles_first_heartbeat() -> None:
     view = fleet_module.FleetView(trainer_ranks=1)
     assert not await view.wait_for("eval", 0.01)  # none yet: False at the limit

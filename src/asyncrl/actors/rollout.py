@@ -468,11 +468,17 @@ class RolloutActor(Actor):
         engine's prompt tokens computed and taken from its prefix cache, say); ``idle_s``
         is the time with no episode running since the actor began to lease (waiting on the
         staleness budget or for new weights), out of ``run_s``. A pause to load weights
-        does not count: its episodes are still running."""
+        does not count: its episodes are still running. ``cpu_s`` is this process's CPU
+        time (every thread: an in-process engine's model thread, the weights' receive),
+        ``cores_total`` that over the actor's age: the cores it kept busy."""
+        age = time.monotonic() - self._t0
+        cpu = time.process_time()
         values = {
             "version": float(self._engine.version),
             **{k: float(v) for k, v in self.counters.items()},
-            "samples_per_s": self.counters["samples"] / (time.monotonic() - self._t0),
+            "samples_per_s": self.counters["samples"] / age,
+            "cpu_s": cpu,
+            "cores_total": cpu / age,
             **{f"engine/{k}": v for k, v in self._engine.metrics().items()},
         }
         if self._runner is not None:

@@ -186,6 +186,7 @@ class TrainerActor(Actor):
         cfg = self.recipe.trainer
         if self.recipe.eval.every and self.step < cfg.max_steps:
             await self._wait_for_eval()
+        mark = (time.monotonic(), time.process_time())  # for cores/trainer
         while self.step < cfg.max_steps:
             t0 = time.monotonic()
             with self.tracer.span("wait batch", step=self.step + 1):
@@ -229,6 +230,11 @@ class TrainerActor(Actor):
             if self.transport is not None:
                 stats.update(self.transport.record())
             live = self.fleet.stats(self.actor_id, self.dropped())
+            # this process's CPU seconds (the step's threads, the weight sends) over the
+            # seconds since the last record: the cores the trainer kept busy
+            now = (time.monotonic(), time.process_time())
+            live["cores/trainer"] = (now[1] - mark[1]) / max(now[0] - mark[0], 1e-9)
+            mark = now
             values = self.records.step(
                 self.step,
                 self.version,

@@ -1,6 +1,6 @@
 """What the trainer knows of the other actors from their heartbeats and metrics: live
-actors per role, the rollout actors' generation rate, weight-update pause and idle time,
-and the messages the run's actors dropped."""
+actors per role, the rollout actors' generation rate, the cores they keep busy, their
+weight-update pause and idle time, and the messages the run's actors dropped."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class FleetView:
         # reads 0 (none started yet, or all silent), never missing from a step's record
         self._roles: set[str] = set(roles)
         self._rollout_latest: dict[str, dict[str, float]] = {}
-        self._rollout_seen: dict[str, tuple[float, float]] = {}
+        # each rollout actor's (time, tokens, CPU seconds) as of the previous step's view
+        self._rollout_seen: dict[str, tuple[float, float, float]] = {}
         # each actor's latest drop counters, kept after it dies: they are totals of the run
         self._dropped: dict[str, dict[str, int]] = {}
         self._heard: dict[str, asyncio.Event] = {}
@@ -75,8 +76,11 @@ class FleetView:
     def fleet_stats(self) -> dict[str, float]:
         """Live actors per role (0 for a role of ``roles``, or heard from earlier, whose
         actors are all silent now), each live rollout actor's generation rate over the step,
-        the rollout actors' latest pause for a weight update (the pause of the previous
-        version: this step's weights are still on their way) and their idle time."""
+        the cores the live rollout actors kept busy over it (``cores/rollout``: their CPU
+        seconds over the seconds between two views; on a CPU run, next to the trainer's
+        ``cores/trainer``, where the machine's cores went), the rollout actors' latest
+        pause for a weight update (the pause of the previous version: this step's weights
+        are still on their way) and their idle time."""
         now = time.monotonic()
         alive: dict[str, int] = dict.fromkeys(self._roles, 0)
         for actor_id, (role, seen) in list(self._last_heartbeat.items()):
@@ -88,21 +92,26 @@ class FleetView:
                 self._rollout_seen.pop(actor_id, None)
         out: dict[str, float] = {f"actors/{role}": float(n) for role, n in sorted(alive.items())}
         out["actors/trainer"] = float(self.trainer_ranks)
-        rates = {}
+        rates, cores = {}, {}
         for actor_id, v in self._rollout_latest.items():
-            # generated tokens over the time between this step's and the previous step's
-            # view of the actor's counter: its average rate over the step, idle time included
-            now_point = (v.get("_time", 0.0), v.get("tokens", 0.0))
+            # generated tokens (and CPU seconds) over the time between this step's and the
+            # previous step's view of the actor's counters: its average over the step, idle
+            # time included; before a second view, its average since it started
+            now_point = (v.get("_time", 0.0), v.get("tokens", 0.0), v.get("cpu_s", 0.0))
             before = self._rollout_seen.get(actor_id)
             if before is not None and now_point[0] > before[0]:
-                rates[actor_id] = (now_point[1] - before[1]) / (now_point[0] - before[0])
+                span = now_point[0] - before[0]
+                rates[actor_id] = (now_point[1] - before[1]) / span
+                cores[actor_id] = (now_point[2] - before[2]) / span
             else:
                 rates[actor_id] = v.get("gen_tokens_per_s_total", 0.0)
+                cores[actor_id] = v.get("cores_total", 0.0)
             if before is None or now_point[0] > before[0]:
                 self._rollout_seen[actor_id] = now_point
         for actor_id, rate in sorted(rates.items()):
             out[f"rollout/{actor_id}/tokens_per_s"] = rate
         out["rollout/tokens_per_s"] = sum(rates.values())
+        out["cores/rollout"] = sum(cores.values())
         pauses = [
             v["weight_update_s"] for v in self._rollout_latest.values() if "weight_update_s" in v
         ]
