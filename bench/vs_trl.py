@@ -87,7 +87,9 @@ shapes on 2,048 rows, on every core, before asyncrl's run and after TRL's, the b
 the two), the seconds the step took and the share of its floor it reached; then the
 share over steps 2..N. asyncrl's groups come from ``trained_samples.jsonl``, TRL's from
 the completion ids its reward function is handed and the prompts tokenized as TRL builds
-them. Each system's figures are kept in ``result.json`` under ``floor``.
+them. Each system's figures are kept in ``result.json`` under ``floor``. Below them, the
+cores asyncrl's trainer and rollout actors kept busy over steps 2..N (their ``cores/*``
+metrics: where a CPU run's cores went), kept under ``asyncrl`` / ``cores``.
 
 How long: one pair (asyncrl then TRL, three evaluations) of the quick workload took
 about 15 minutes on a quiet 2-core machine when its steps were shorter; the long workload
