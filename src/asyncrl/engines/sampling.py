@@ -110,11 +110,12 @@ def inverse_cdf(probs_RV: torch.Tensor, u_R: torch.Tensor) -> torch.Tensor:
     block_R = torch.minimum(block_R, torch.where(sums_RB > 0, ids_B, 0).amax(dim=1))
     below_R = block_cdf_RB.gather(1, (block_R - 1).clamp(min=0)[:, None]).squeeze(-1)
     below_R = torch.where(block_R > 0, below_R, 0.0)
-    cols_RK = block_R[:, None] * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs_RV.device)
+    ids_K = torch.arange(CDF_BLOCK, device=probs_RV.device)
+    cols_RK = block_R[:, None] * CDF_BLOCK + ids_K
     p_RK = probs_RV.gather(1, cols_RK.clamp(max=vocab - 1)).double()
     p_RK = torch.where(cols_RK < vocab, p_RK, 0.0)
     cdf_RK = below_R[:, None] + p_RK.cumsum(dim=1)
     offset_R = torch.searchsorted(cdf_RK, target_R1, right=True).squeeze(-1)
     # rounding can put the target past the block's own sum: its last token with mass
-    last_R = torch.where(p_RK > 0, torch.arange(CDF_BLOCK, device=p_RK.device), 0).amax(dim=1)
+    last_R = torch.where(p_RK > 0, ids_K, 0).amax(dim=1)
     return block_R * CDF_BLOCK + torch.minimum(offset_R, last_R)
