@@ -36,6 +36,11 @@ The prompt is counted once per group even where a system computes it once per sa
 the floor is what the step must compute, so it is a lower bound of its time for every
 system held against it, whatever it shares.
 
+A decode step has a second floor: the bytes it must read (every weight once for all its
+rows, each row's keys and values) over the read bandwidth measured on the machine
+(:func:`decode_step_bytes`, :func:`read_bandwidth`; bench/decode_floor.py prints both).
+At few rows it is the larger.
+
 The floor is ``FLOPs / peak``, where the peak is the best FLOP/s of a few timed
 ``torch.matmul`` calls in the step's dtype at the shapes of the model's MLP on a
 micro-batch of rows, on the threads the step uses (:func:`matmul_peak`). The share of the
@@ -46,9 +51,11 @@ its best the whole step.
 from __future__ import annotations
 
 import math
+import platform
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -198,6 +205,56 @@ def floor_columns(flops: float, peak: float, step_s: float) -> str:
     it a step of ``step_s`` seconds reached."""
     floor = flops / peak
     return f"floor {floor:.2f} s ({floor / step_s:.0%} reached)"
+
+
+def decode_step_flops(dims: Dims, keys: Sequence[int]) -> int:
+    """One decode step of ``len(keys)`` rows, row ``r``'s token attending to ``keys[r]``
+    keys (itself included): each row's linear layers, its LM head and its attention."""
+    per_key = 4 * dims.layers * dims.heads * dims.head_dim
+    return len(keys) * (dims.linear_per_token + dims.head_per_token) + per_key * sum(keys)
+
+
+def decode_step_bytes(dims: Dims, keys: Sequence[int], element: int) -> int:
+    """The bytes one decode step of those rows cannot avoid reading, ``element`` bytes a
+    number: every matmul weight once (all rows multiply together) and each row's own keys
+    and values at every layer. A row's activations (kilobytes) are left out."""
+    weights = (dims.linear_per_token + dims.head_per_token) // 2
+    cache = 2 * dims.layers * dims.kv_heads * dims.head_dim * sum(keys)
+    return element * (weights + cache)
+
+
+def read_bandwidth(megabytes: int = 512, reps: int = 5) -> float:
+    """The best bytes/s of summing a float32 tensor of ``megabytes`` (far past the
+    caches) on torch's current threads: how fast this machine streams memory into its
+    cores, the ceiling of a step that must read more bytes than it can multiply."""
+    import torch  # here: as in matmul_peak
+
+    data = torch.ones(megabytes << 18)
+    data.sum()
+    fastest = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        data.sum()
+        fastest = min(fastest, time.perf_counter() - t0)
+    return data.numel() * data.element_size() / fastest
+
+
+def cpu_line() -> str:
+    """This machine's CPU as figures quote it: its model name, family and model, and the
+    matmul extensions it has of AVX-512, AVX512-BF16 and AMX (from /proc/cpuinfo)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.machine() or "unknown CPU"
+    flags = set(fields.get("flags", "").split())
+    has = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or ["no AVX-512"]
+    return (
+        f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')},"
+        f" model {fields.get('model', '?')}; {' '.join(has)})"
+    )
 
 
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "dot"}

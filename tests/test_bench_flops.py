@@ -111,6 +111,48 @@ def test_floor_and_share() -> None:
     assert peak > 0 and peak != float("inf")
 
 
+def test_decode_step_by_hand() -> None:
+    # two rows attending to 4 and 6 keys: each row's linear layers (2304) and head (160),
+    # 64 attention FLOPs a key
+    assert flops.decode_step_flops(DIMS, [4, 6]) == 2 * (2304 + 160) + 64 * 10
+    # the weights once, (2304 + 160) / 2 = 1232 numbers, then each row's keys and values
+    # at every layer: 2·ℓ·k·e = 16 numbers a key
+    assert flops.decode_step_bytes(DIMS, [4, 6], 4) == 4 * (1232 + 16 * 10)
+    # a row more adds all of a row's FLOPs but only its own keys and values to the bytes:
+    # the weights are read once however many rows multiply them
+    one, many = [4], [4] * 64
+    assert flops.decode_step_flops(DIMS, many) == 64 * flops.decode_step_flops(DIMS, one)
+    more = flops.decode_step_bytes(DIMS, many, 4) - flops.decode_step_bytes(DIMS, one, 4)
+    assert more == 63 * 4 * 16 * 4
+    assert flops.read_bandwidth(megabytes=8, reps=2) > 0
+    if Path("/proc/cpuinfo").is_file():
+        assert "family" in flops.cpu_line()
+
+
+def test_decode_floor_bench_steps_a_real_batch() -> None:
+    transformers = pytest.importorskip("transformers")
+    decode_floor = load("decode_floor")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    steps = decode_floor.decode_steps(model, rows=3, group=2, prompt=5, new=4)
+    # the joining step prefills (the first token) and decodes once (the second); two
+    # decode steps follow, each row attending to its prompt and all it has made so far
+    assert [keys for _, keys in steps] == [[7, 7, 7], [8, 8, 8]]
+    dims = flops.Dims.of(config)
+    r = decode_floor.row(dims, 4, steps, peak=1e9, bandwidth=1e9)
+    seconds = sum(s for s, _ in steps)
+    assert r["rows"] == 3 and r["keys"] == 7.5
+    assert r["compute_reached"] == pytest.approx(
+        sum(flops.decode_step_flops(dims, k) for _, k in steps) / 1e9 / seconds
+    )
+    assert r["roofline_reached"] >= max(r["compute_reached"], r["memory_reached"])
+    assert 0 < r["compute_bound_at_most"] <= 1
+
+
 def test_trainer_bench_groups_its_batch() -> None:
     from asyncrl.train.batch import Sample
 
