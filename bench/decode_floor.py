@@ -22,7 +22,10 @@ and the **roofline floor**, the larger of the two at each step: no kernel can ta
 faster. ``compute bound at most`` is compute floor / roofline floor: the largest share of
 its compute floor such a batch's decode can ever reach. The engine runs as it does in a rollout actor:
 rows right-aligned in one buffer, plain attention (no prefix cache here; the long
-workload's groups spare too few keys for cascade attention anyway).
+workload's groups spare too few keys for cascade attention anyway), its linear weights
+column-major (``--layout row``: as loaded), mimalloc preloaded as ``asyncrl up`` has it
+for its actors (``--allocator system``: the C library's malloc, whose fresh pages cost a
+few thousand page faults a step here).
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ from flops import (
 )
 
 from asyncrl.api.inference import SamplingParams
+from asyncrl.engines.hf import column_major_linears
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence
 from asyncrl.models.resolve import resolve_model_path
+from asyncrl.runtime.allocator import use_mimalloc
 
 
 def sequence(key: int, prompt: list[int], new: int) -> Sequence:
@@ -126,12 +131,27 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="rows sharing a prompt")
     ap.add_argument("--prompt", type=int, default=51, help="prompt tokens")
     ap.add_argument("--new", type=int, default=64, help="tokens each row decodes")
+    ap.add_argument(
+        "--layout",
+        choices=["column", "row"],
+        default="column",
+        help="the linear weights column-major, as the engine keeps them on the CPU, or as loaded",
+    )
+    ap.add_argument(
+        "--allocator",
+        choices=["mimalloc", "system"],
+        default="mimalloc",
+        help="mimalloc preloaded (the rollout actors of asyncrl up have it) or the C library's",
+    )
     args = ap.parse_args()
+    allocator = use_mimalloc() if args.allocator == "mimalloc" else "the C library's malloc"
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(args.model), dtype=dtype, attn_implementation="sdpa"
     ).eval()
+    if args.layout == "column":
+        column_major_linears(model)
     dims = Dims.of(model.config)
     element = torch.empty((), dtype=dtype).element_size()
     peak = matmul_peak(dtype, matmul_shapes(dims, 2048))
@@ -139,7 +159,7 @@ def main() -> None:
     print(
         f"# {args.model} {args.dtype}, {cpu_line()}, {args.threads} thread(s),"
         f" torch {torch.__version__}; groups of {args.group} on a {args.prompt}-token prompt,"
-        f" {args.new} new tokens a row"
+        f" {args.new} new tokens a row; linear weights {args.layout}-major; {allocator}"
     )
     print(
         f"# matmul peak {peak / 1e9:.1f} GFLOP/s ({args.dtype}, MLP shapes, 2,048 rows);"

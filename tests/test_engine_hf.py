@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import warnings
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
 from asyncrl.engines.config import HFEngineConfig
-from asyncrl.engines.hf import HFEngine
+from asyncrl.engines.hf import HFEngine, copy_param
 from asyncrl.engines.hf_batch import StepResult, cache_keyword
 from asyncrl.models.resolve import ModelConfig, load_causal_lm
 from asyncrl.models.tiny import tiny_model_dir
@@ -200,6 +201,44 @@ async def test_update_from_safetensors_directory_and_bad_updates(engine: HFEngin
         GenerateRequest(input_ids=prompt_ids(engine, "ok"), sampling=sampling(max_new_tokens=3))
     )
     assert resp.output_versions == [3, 3, 3]
+
+
+async def test_cpu_linears_are_column_major_and_updates_keep_that_layout(engine: HFEngine):
+    model = engine.model
+    embedding = model.get_input_embeddings().weight
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert any(w is embedding for w in linears)  # the tiny model's head is tied
+    body = [w for w in linears if w is not embedding]
+    assert body and all(w.t().is_contiguous() and not w.is_contiguous() for w in body)
+    assert embedding.is_contiguous()  # a lookup table stays row-major
+    # the same function as a row-major copy of it, to summation order
+    reference = copy.deepcopy(model)
+    for p in reference.parameters():
+        p.data = p.data.contiguous()
+    ids = torch.tensor([prompt_ids(engine, "The quick brown fox jumps over")])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+    # a full update of row-major tensors: its values exactly, the layout as it was
+    pairs = [(n, t.contiguous()) for n, t in perturbed(model, seed=4)]
+    await engine.update_weights(pairs, version=1)
+    params = dict(model.named_parameters())
+    for name, tensor in pairs:
+        assert torch.equal(params[name], tensor)
+    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in body)
+
+
+def test_copy_param_fills_either_layout_exactly() -> None:
+    source = torch.randn(70, 90, dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16):
+        column_major = torch.empty(90, 70, dtype=dtype).t()
+        copy_param(column_major, source)
+        assert torch.equal(column_major, source.to(dtype)) and column_major.t().is_contiguous()
+        row_major = torch.empty(70, 90, dtype=dtype)
+        copy_param(row_major, source.t().contiguous().t())  # a column-major source
+        assert torch.equal(row_major, source.to(dtype)) and row_major.is_contiguous()
+    vector = torch.empty(5)
+    copy_param(vector, torch.arange(5.0))
+    assert vector.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
 async def test_greedy_seeded_and_stop_tokens(engine: HFEngine):

@@ -60,6 +60,10 @@ placeholder: their logits are set to −∞ before sampling
 the masked distribution, which the trainer must score the same way. Text-only requests to
 a vision model run as on a text model.
 
+On the CPU the engine keeps its linear layers' weights column-major
+(:func:`column_major_linears`: a decode step's products of a few rows run faster so) and
+weight updates keep that layout.
+
 Full weight updates may name a parameter as the model has it or as its checkpoint stores
 it (Qwen2-VL's ``model.layers.…`` for ``model.language_model.layers.…``): transformers'
 own checkpoint renamings translate the latter.
@@ -294,6 +298,8 @@ class HFEngine(InferenceEngine):
                     "the host and emptying the cache instead"
                 )
             self.model = self._load_model(local)
+        if self.device == "cpu":
+            column_major_linears(self.model)
         self._base_dir = local if local.is_dir() else None
         self._tokenizer = load_tokenizer(self.model_spec)
         eos = self.model.generation_config.eos_token_id
@@ -582,7 +588,7 @@ class HFEngine(InferenceEngine):
             raise KeyError(f"weight update lacks {len(missing)} parameters, e.g. {missing[:3]}")
         self._forget_prefixes()
         for target, tensor in staged:
-            target.copy_(tensor)
+            copy_param(target, tensor)
         # These are the base weights now: the adapted layers' float32 bases are taken from
         # the update at its own precision, not from the engine's rounded copy.
         by_target = {id(target): tensor for target, tensor in staged}
@@ -596,7 +602,7 @@ class HFEngine(InferenceEngine):
         params = dict(self.model.named_parameters())
         self._forget_prefixes()
         for name, tensor in weights:
-            params[name].copy_(tensor)
+            copy_param(params[name], tensor)
 
     def _forget_prefixes(self) -> None:
         """Empties the prefix cache: its keys and values belong to the weights before."""
@@ -675,6 +681,49 @@ def _checkpoint_renamer(model: Any) -> Callable[[str], str]:
 def _float32_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A new float32 tensor on ``device`` holding ``tensor``'s values."""
     return tensor.detach().to(device=device, dtype=torch.float32, copy=True)
+
+
+def column_major_linears(model: Any) -> int:
+    """Stores the weight of every linear layer of ``model`` column-major: the same
+    ``[out, in]`` tensor, its elements laid out as its transpose's, so that a layer's
+    product ``x @ W.T`` hands MKL a row-major ``W.T``. A decode step's products of a few
+    dozen rows then read the weights faster: SmolLM2-135M's decode step of 32 rows on one
+    Xeon core, in a worker thread as the engine runs it, 164–170 → 148–151 ms in fp32 and
+    100–118 → 95–97 ms in bf16 (bench/README). For the CPU only (cuBLAS takes either
+    layout at one speed). A weight that is also an embedding's (a tied LM head) stays as it
+    is: a row lookup in a column-major table reads 576 scattered numbers a token, and a
+    weight update would have to transpose the head's 28M entries. Returns the number of
+    weights moved. Weight updates keep the layout (:func:`copy_param`)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    moved = 0
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if (
+                isinstance(module, torch.nn.Linear)
+                and isinstance(weight, torch.Tensor)
+                and weight.dim() == 2
+                and weight.is_contiguous()
+                and id(weight) not in embedded
+            ):
+                weight.data = weight.data.t().contiguous().t()
+                moved += 1
+    return moved
+
+
+def copy_param(target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``target.copy_(tensor)``, where a column-major ``target`` (:func:`column_major_linears`)
+    is filled from a row-major ``tensor`` as one transpose into the other: torch's blocked
+    transposing copy, 1.3–2.5× faster than its element-wise strided one."""
+    if (
+        target.dim() == 2
+        and not target.is_contiguous()
+        and target.t().is_contiguous()
+        and tensor.is_contiguous()
+    ):
+        target.t().copy_(tensor.t())
+    else:
+        target.copy_(tensor)
 
 
 def _read_safetensors_dir(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
