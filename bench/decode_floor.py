@@ -41,6 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_shared import sequence
 from flops import (
     Dims,
     cpu_line,
@@ -51,22 +52,10 @@ from flops import (
     read_bandwidth,
 )
 
-from asyncrl.api.inference import SamplingParams
 from asyncrl.engines.hf import column_major_linears
-from asyncrl.engines.hf_batch import DecodeBatch, Sequence
+from asyncrl.engines.hf_batch import DecodeBatch
 from asyncrl.models.resolve import resolve_model_path
 from asyncrl.runtime.allocator import use_mimalloc
-
-
-def sequence(key: int, prompt: list[int], new: int) -> Sequence:
-    return Sequence(
-        key=key,
-        prompt=prompt,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=()),
-        stop_ids=frozenset(),
-        max_new=new,
-        generator=torch.Generator().manual_seed(key),
-    )
 
 
 def decode_steps(

@@ -687,10 +687,9 @@ def column_major_linears(model: Any) -> int:
     """Stores the weight of every linear layer of ``model`` column-major: the same
     ``[out, in]`` tensor, its elements laid out as its transpose's, so that a layer's
     product ``x @ W.T`` hands MKL a row-major ``W.T``. A decode step's products of a few
-    dozen rows then read the weights faster: SmolLM2-135M's decode step of 32 rows on one
-    Xeon core, in a worker thread as the engine runs it, 164–170 → 148–151 ms in fp32 and
-    100–118 → 95–97 ms in bf16 (bench/README). For the CPU only (cuBLAS takes either
-    layout at one speed). A weight that is also an embedding's (a tied LM head) stays as it
+    dozen rows then read the weights faster: SmolLM2-135M's fp32 decode step of 32 rows on
+    one Xeon core 1.07–1.12× faster, bf16's no slower (bench/README, "The compute floor").
+    For the CPU only (cuBLAS takes either layout at one speed). A weight that is also an embedding's (a tied LM head) stays as it
     is: a row lookup in a column-major table reads 576 scattered numbers a token, and a
     weight update would have to transpose the head's 28M entries. Returns the number of
     weights moved. Weight updates keep the layout (:func:`copy_param`)."""
