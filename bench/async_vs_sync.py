@@ -87,6 +87,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the scripts beside this one
+from flops import cpu_line
+
 from asyncrl.runtime.staleness import StalenessManager
 
 HERE = Path(__file__).resolve()
@@ -99,19 +102,9 @@ GOAL_SPEEDUP = 1.7
 # -- the machine ----------------------------------------------------------------------------------
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def machine() -> dict[str, Any]:
     return {
-        "cpu": cpu_model(),
+        "cpu": cpu_line(),
         "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
         "load_average": list(os.getloadavg()),

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scale import cpu_model  # bench/, beside this script
+from flops import cpu_line  # bench/, beside this script
 
 from asyncrl.actors.buffer.admission import Admission
 from asyncrl.actors.buffer.batching import Batcher
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--actors", type=int, nargs="+", default=[8, 64, 256])
     args = p.parse_args()
-    print(f"{cpu_model()}; dataset of {args.records} prompts")
+    print(f"{cpu_line()}; dataset of {args.records} prompts")
     print(f"{'groups':>9} {'snapshot bytes':>15} {'write ms':>9} {'complete':>9} {'attempts':>9}")
     sm = StalenessManager(batch_size=32, max_concurrent=1 << 30, max_head_offpolicyness=1 << 30)
     journal = Journal(Path(tempfile.mkdtemp()) / "buffer_events.jsonl")

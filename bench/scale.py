@@ -64,9 +64,7 @@ import cProfile
 import json
 import multiprocessing as mp
 import os
-import platform
 import pstats
-import subprocess
 import sys
 import tempfile
 import time
@@ -78,6 +76,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the scripts beside this one
+from flops import cpu_line
 
 from asyncrl.actors.buffer import BufferActor
 from asyncrl.actors.generation import build_workflow
@@ -575,17 +576,6 @@ async def run_level(n_actors: int, args: argparse.Namespace, recipe: Recipe) -> 
 # -- orchestration --------------------------------------------------------------------------------
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def print_profile(what: str, path: Path, top: int) -> None:
     stats = pstats.Stats(str(path))
     print(f"\n{what} profile ({path.name}), top {top} by own time:")
@@ -642,7 +632,7 @@ def main() -> None:
     recipe = level_recipe(args)
     RESULTS.mkdir(parents=True, exist_ok=True)
     header = {
-        "cpu": cpu_model(),
+        "cpu": cpu_line(),
         "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
         "load_average": os.getloadavg()[0],

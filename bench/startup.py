@@ -15,10 +15,8 @@ and ``auto`` for the other (on a machine without a GPU: forked), nothing else ch
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -28,17 +26,12 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the scripts beside this one
+from flops import cpu_line
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 WAYS = ("exec", "auto")
-
-
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def stamp(line: str) -> float:
@@ -81,7 +74,7 @@ def main() -> int:
     args = p.parse_args()
     quiet = ["run.plots=false", "run.tensorboard=false"]
     print(
-        f"{cpu_name()}, {os.cpu_count()} CPUs; "
+        f"{cpu_line()}, {os.cpu_count()} CPUs; "
         f"{args.recipe.name} {' '.join(args.sets)}; {args.rounds} rounds, the two ways in turns"
     )
     rows: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
