@@ -689,10 +689,11 @@ def column_major_linears(model: Any) -> int:
     product ``x @ W.T`` hands MKL a row-major ``W.T``. A decode step's products of a few
     dozen rows then read the weights faster: SmolLM2-135M's fp32 decode step of 32 rows on
     one Xeon core 1.07–1.12× faster, bf16's no slower (bench/README, "The compute floor").
-    For the CPU only (cuBLAS takes either layout at one speed). A weight that is also an embedding's (a tied LM head) stays as it
-    is: a row lookup in a column-major table reads 576 scattered numbers a token, and a
-    weight update would have to transpose the head's 28M entries. Returns the number of
-    weights moved. Weight updates keep the layout (:func:`copy_param`)."""
+    For the CPU only (cuBLAS takes either layout at one speed). A weight that is also an
+    embedding's (a tied LM head) stays as it is: a row lookup in a column-major table reads
+    scattered numbers, and every weight update would transpose SmolLM2's 28M-entry head.
+    Returns the number of weights moved. Weight updates keep the layout
+    (:func:`copy_param`)."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     moved = 0
     with torch.no_grad():
