@@ -19,6 +19,7 @@ import pytest
 from nats.aio.subscription import Subscription
 
 from asyncrl.runtime.bus import Bus, BusTimeout, Encoded, PayloadTooLarge, RemoteError
+from asyncrl.runtime.jetstream import StreamStorageError
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo, nats_info_for_run
 from asyncrl.wire.codec import encode
 from asyncrl.wire.messages import (
@@ -143,6 +144,17 @@ async def test_oversized_payload_is_refused_with_a_clear_error(bus: Bus) -> None
     # The connection is unharmed and nothing oversized was half-sent.
     await bus.publish("t.big", metrics(1))
     assert [m.step for m in await inbox.wait(1)] == [1]
+
+
+async def test_a_stream_beyond_the_servers_storage_is_a_clear_error(bus: Bus) -> None:
+    # an exbibyte: more than any disk, so the server refuses to reserve it
+    with pytest.raises(StreamStorageError) as err:
+        await bus.ensure_stream("HUGE", ["t.js.huge"], max_bytes=1 << 60)
+    text = str(err.value)
+    assert "'HUGE'" in text and "GiB" in text and "free space" in text
+    # the bus goes on: a stream the disk can hold is made and stores
+    await bus.ensure_stream("SMALL", ["t.js.small"], max_bytes=1 << 20)
+    assert await bus.js_publish("t.js.small", metrics(1), msg_id="one") == 1
 
 
 # -- request / reply --------------------------------------------------------------------------

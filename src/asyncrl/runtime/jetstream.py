@@ -28,10 +28,15 @@ M = TypeVar("M", bound=Message)
 
 _STREAM_IN_USE = 10058  # JetStream: "stream name already in use with a different configuration"
 _NO_PEERS = 10005  # JetStream: "no suitable peers for placement"
+_STORAGE_SHORT = 10047  # JetStream: "insufficient storage resources available"
 PLACEMENT_WAIT_S = 30.0
 """Seconds a stream or bucket creation waits for a cluster's servers to be placeable."""
 
 R = TypeVar("R")
+
+
+class StreamStorageError(RuntimeError):
+    """A stream's byte bound exceeds what its server can still reserve on disk."""
 
 
 async def until_placed(create: Callable[[], Awaitable[R]]) -> R:
@@ -92,11 +97,22 @@ class JetStreamMixin(Connection):
             num_replicas=self.info.replicas,
         )
         try:
-            await until_placed(lambda: self.js.add_stream(config))
-        except nats.js.errors.BadRequestError as exc:
-            if exc.err_code != _STREAM_IN_USE:
+            try:
+                await until_placed(lambda: self.js.add_stream(config))
+            except nats.js.errors.BadRequestError as exc:
+                if exc.err_code != _STREAM_IN_USE:
+                    raise
+                await self.js.update_stream(config)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != _STORAGE_SHORT:
                 raise
-            await self.js.update_stream(config)
+            bound = "no bound" if max_bytes < 0 else f"up to {max_bytes / 2**30:.2f} GiB"
+            raise StreamStorageError(
+                f"JetStream cannot reserve the disk for stream {name!r} ({bound}): its "
+                "server has too little file storage left. nats-server sizes its store from "
+                "the disk space free under its store directory (a run's nats/ folder) when "
+                "it starts: free space on that disk and start the run again"
+            ) from exc
 
     async def delete_stream(self, name: str) -> bool:
         """Deletes a stream with its messages and consumers; False if there was none."""
