@@ -73,7 +73,7 @@ def decode_steps(
     ]
     batch = DecodeBatch(model, max_positions=prompt + new + 1)
     joins = [sequence(i, prompts[i // group], new) for i in range(rows)]
-    batch.step(joins, set(), 0)  # the prefill, and every row's first token
+    batch.step(joins, set(), 0)  # the prefill (every row's first token) and one decode
     steps = []
     while batch.active:
         keys = [len(s.prompt) + len(s.out_ids) for s in batch.rows if s is not None]
@@ -89,12 +89,12 @@ def row(
     """``steps`` (a batch's decode steps from its first to its last) against their floors,
     summed over the steps: the mean step and the shares of each floor reached."""
     seconds = sum(s for s, _ in steps)
-    flops = sum(decode_step_flops(dims, keys) for _, keys in steps)
-    nbytes = sum(decode_step_bytes(dims, keys, element) for _, keys in steps)
+    step_flops = [decode_step_flops(dims, keys) for _, keys in steps]
+    step_bytes = [decode_step_bytes(dims, keys, element) for _, keys in steps]
+    flops, nbytes = sum(step_flops), sum(step_bytes)
     compute, memory = flops / peak, nbytes / bandwidth
     roofline = sum(
-        max(decode_step_flops(dims, k) / peak, decode_step_bytes(dims, k, element) / bandwidth)
-        for _, k in steps
+        max(f / peak, b / bandwidth) for f, b in zip(step_flops, step_bytes, strict=True)
     )
     return {
         "rows": max(len(keys) for _, keys in steps),

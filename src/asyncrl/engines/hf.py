@@ -683,7 +683,7 @@ def _float32_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.detach().to(device=device, dtype=torch.float32, copy=True)
 
 
-def column_major_linears(model: Any) -> int:
+def column_major_linears(model: Any) -> None:
     """Stores the weight of every linear layer of ``model`` column-major: the same
     ``[out, in]`` tensor, its elements laid out as its transpose's, so that a layer's
     product ``x @ W.T`` hands MKL a row-major ``W.T``. A decode step's products of a few
@@ -692,23 +692,12 @@ def column_major_linears(model: Any) -> int:
     For the CPU only (cuBLAS takes either layout at one speed). A weight that is also an
     embedding's (a tied LM head) stays as it is: a row lookup in a column-major table reads
     scattered numbers, and every weight update would transpose SmolLM2's 28M-entry head.
-    Returns the number of weights moved. Weight updates keep the layout
-    (:func:`copy_param`)."""
+    Weight updates keep the layout (:func:`copy_param`)."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    moved = 0
-    with torch.no_grad():
-        for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if (
-                isinstance(module, torch.nn.Linear)
-                and isinstance(weight, torch.Tensor)
-                and weight.dim() == 2
-                and weight.is_contiguous()
-                and id(weight) not in embedded
-            ):
-                weight.data = weight.data.t().contiguous().t()
-                moved += 1
-    return moved
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in embedded:
+            if module.weight.is_contiguous():
+                module.weight.data = module.weight.data.t().contiguous().t()
 
 
 def copy_param(target: torch.Tensor, tensor: torch.Tensor) -> None:
