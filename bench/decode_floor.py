@@ -20,7 +20,10 @@ batch's first to its last and the share it reached, over all those steps, of
 
 and the **roofline floor**, the larger of the two at each step: no kernel can take a step
 faster. ``compute bound at most`` is compute floor / roofline floor: the largest share of
-its compute floor such a batch's decode can ever reach. The engine runs as it does in a rollout actor:
+its compute floor such a batch's decode can ever reach. The **serial floor** is the two
+floors' sum: what a step takes on a core that cannot stream memory while it multiplies
+(bench/stream_overlap.py measures whether this one can; on a 2-core Intel Xeon with AMX at
+the multiply-adds of 32 rows it cannot). The engine runs as it does in a rollout actor:
 rows right-aligned in one buffer, plain attention (no prefix cache here; the long
 workload's groups spare too few keys for cascade attention anyway), its linear weights
 column-major (``--layout row``: as loaded), mimalloc preloaded as ``asyncrl up`` has it
@@ -92,7 +95,7 @@ def row(
     step_flops = [decode_step_flops(dims, keys) for _, keys in steps]
     step_bytes = [decode_step_bytes(dims, keys, element) for _, keys in steps]
     flops, nbytes = sum(step_flops), sum(step_bytes)
-    compute, memory = flops / peak, nbytes / bandwidth
+    compute, memory = flops / peak, nbytes / bandwidth  # the sums of each step's floors
     roofline = sum(
         max(f / peak, b / bandwidth) for f, b in zip(step_flops, step_bytes, strict=True)
     )
@@ -107,6 +110,7 @@ def row(
         "compute_reached": compute / seconds,
         "memory_reached": memory / seconds,
         "roofline_reached": roofline / seconds,
+        "serial_reached": (compute + memory) / seconds,
         "compute_bound_at_most": compute / roofline,
     }
 
@@ -156,11 +160,12 @@ def main() -> None:
     )
     print(
         f"{'rows':>4} {'keys':>5} {'step ms':>8} {'GFLOP/s':>8} {'GB/s':>6} {'compute ms':>11}"
-        f" {'memory ms':>10} {'compute':>8} {'memory':>7} {'roofline':>9} {'compute bound':>14}"
+        f" {'memory ms':>10} {'compute':>8} {'memory':>7} {'roofline':>9} {'serial':>7}"
+        f" {'compute bound':>14}"
     )
     print(
         f"{'':>4} {'mean':>5} {'mean':>8} {'':>8} {'':>6} {'floor':>11} {'floor':>10}"
-        f" {'reached':>8} {'reached':>7} {'reached':>9} {'at most':>14}"
+        f" {'reached':>8} {'reached':>7} {'reached':>9} {'reached':>7} {'at most':>14}"
     )
     decode_steps(model, args.rows[0], args.group, args.prompt, 8)  # warm-up, not shown
     for rows in args.rows:
@@ -174,7 +179,8 @@ def main() -> None:
             f"{r['rows']:>4.0f} {r['keys']:>5.0f} {r['step_ms']:>8.1f} {r['gflops']:>8.1f}"
             f" {r['gbs']:>6.1f} {r['compute_ms']:>11.1f} {r['memory_ms']:>10.1f}"
             f" {r['compute_reached']:>8.0%} {r['memory_reached']:>7.0%}"
-            f" {r['roofline_reached']:>9.0%} {r['compute_bound_at_most']:>14.0%}",
+            f" {r['roofline_reached']:>9.0%} {r['serial_reached']:>7.0%}"
+            f" {r['compute_bound_at_most']:>14.0%}",
             flush=True,
         )
     print(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -150,7 +151,28 @@ def test_decode_floor_bench_steps_a_real_batch() -> None:
         sum(flops.decode_step_flops(dims, k) for _, k in steps) / 1e9 / seconds
     )
     assert r["roofline_reached"] >= max(r["compute_reached"], r["memory_reached"])
+    assert r["serial_reached"] == pytest.approx(r["compute_reached"] + r["memory_reached"])
+    assert r["serial_reached"] >= r["roofline_reached"]
     assert 0 < r["compute_bound_at_most"] <= 1
+
+
+def test_stream_overlap_models_by_hand() -> None:
+    overlap = load("stream_overlap")
+    # 8 GB at 4 GB/s: 2 s; 300 GFLOP at 100 GFLOP/s: 3 s
+    assert overlap.predict(8e9, 3e11, 4e9, 1e11) == (3.0, 5.0)
+    assert overlap.overlap(3.0, 3.0, 5.0) == 1.0  # as fast as the slower of the two
+    assert overlap.overlap(5.0, 3.0, 5.0) == 0.0  # the sum: nothing overlapped
+    assert overlap.overlap(4.5, 3.0, 5.0) == 0.25
+    assert overlap.overlap(2.0, 2.0, 2.0) == 1.0  # no multiply-adds: nothing to overlap
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+def test_stream_overlap_probe_runs_each_pass() -> None:
+    overlap = load("stream_overlap")
+    seconds, peak = overlap.measure(megabytes=4, reps=1, fmas=[0, 32])
+    assert sorted(seconds) == [0, 32] and min(seconds.values()) > 0 and peak > 0
 
 
 def test_trainer_bench_groups_its_batch() -> None:
