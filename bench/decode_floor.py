@@ -25,8 +25,10 @@ floors' sum: what a step takes on a core that cannot stream memory while it mult
 (bench/stream_overlap.py measures whether this one can; on a 2-core Intel Xeon with AMX at
 the multiply-adds of 32 rows it cannot). The engine runs as it does in a rollout actor:
 rows right-aligned in one buffer, plain attention (no prefix cache here; the long
-workload's groups spare too few keys for cascade attention anyway), its linear weights
-column-major (``--layout row``: as loaded), mimalloc preloaded as ``asyncrl up`` has it
+workload's groups spare too few keys for cascade attention anyway), its linear layers as
+the engine has them on the CPU (``--layout engine``: in fp32 asyncrl's kernel for products
+of a few rows on the weights as loaded, else torch's on column-major weights; ``column``:
+torch's on column-major weights; ``row``: torch's on the weights as loaded), mimalloc preloaded as ``asyncrl up`` has it
 for its actors (``--allocator system``: the C library's malloc, whose fresh pages cost a
 few thousand page faults a step here).
 """
@@ -55,7 +57,7 @@ from flops import (
     read_bandwidth,
 )
 
-from asyncrl.engines.hf import column_major_linears
+from asyncrl.engines.hf import column_major_linears, cpu_linears
 from asyncrl.engines.hf_batch import DecodeBatch
 from asyncrl.models.resolve import resolve_model_path
 from asyncrl.runtime.allocator import use_mimalloc
@@ -126,9 +128,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="tokens each row decodes")
     ap.add_argument(
         "--layout",
-        choices=["column", "row"],
-        default="column",
-        help="the linear weights column-major, as the engine keeps them on the CPU, or as loaded",
+        choices=["engine", "column", "row"],
+        default="engine",
+        help="the linear layers as the engine has them on the CPU, torch's products on"
+        " column-major weights, or torch's on the weights as loaded",
     )
     ap.add_argument(
         "--allocator",
@@ -143,7 +146,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(args.model), dtype=dtype, attn_implementation="sdpa"
     ).eval()
-    if args.layout == "column":
+    layout = {"column": "column-major", "row": "row-major"}.get(args.layout, "")
+    if args.layout == "engine":
+        layout = cpu_linears(model)
+    elif args.layout == "column":
         column_major_linears(model)
     dims = Dims.of(model.config)
     element = torch.empty((), dtype=dtype).element_size()
@@ -152,7 +158,7 @@ def main() -> None:
     print(
         f"# {args.model} {args.dtype}, {cpu_line()}, {args.threads} thread(s),"
         f" torch {torch.__version__}; groups of {args.group} on a {args.prompt}-token prompt,"
-        f" {args.new} new tokens a row; linear weights {args.layout}-major; {allocator}"
+        f" {args.new} new tokens a row; linear layers: {layout}; {allocator}"
     )
     print(
         f"# matmul peak {peak / 1e9:.1f} GFLOP/s ({args.dtype}, MLP shapes, 2,048 rows);"

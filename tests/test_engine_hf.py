@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.api.inference import GenerateRequest, GenerateResponse, SamplingParams
+from asyncrl.engines import cpu_linear
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine, copy_param
 from asyncrl.engines.hf_batch import StepResult, cache_keyword
@@ -203,7 +204,46 @@ async def test_update_from_safetensors_directory_and_bad_updates(engine: HFEngin
     assert resp.output_versions == [3, 3, 3]
 
 
-async def test_cpu_linears_are_column_major_and_updates_keep_that_layout(engine: HFEngine):
+async def test_cpu_linears_route_decode_products_to_the_kernel(engine: HFEngine):
+    """fp32 on the CPU: every linear a DecodeLinear, the weights as loaded, and an update
+    writes them in place."""
+    if cpu_linear.kernel() is None:
+        pytest.skip("the CPU kernel cannot run here (no C compiler or AVX-512)")
+    model = engine.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is cpu_linear.DecodeLinear for m in linears)
+    assert all(m.weight.is_contiguous() for m in linears)
+    pairs = [(n, t.contiguous()) for n, t in perturbed(model, seed=5)]
+    await engine.update_weights(pairs, version=1)
+    params = dict(model.named_parameters())
+    for name, tensor in pairs:
+        assert torch.equal(params[name], tensor)
+    # logprobs still those of a teacher-forced forward of the updated weights, decoded
+    # on one thread as a rollout actor's engine is (the kernel takes only such calls)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        resp = await engine.agenerate(
+            GenerateRequest(
+                input_ids=prompt_ids(engine, "The quick brown fox"),
+                sampling=sampling(temperature=1.0, max_new_tokens=12),
+            )
+        )
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(
+        torch.tensor(resp.output_logprobs), teacher_forced(model, resp), rtol=0, atol=LOGPROB_ATOL
+    )
+
+
+async def test_cpu_linears_are_column_major_and_updates_keep_that_layout():
+    """Without the kernel (``cpu_kernel = false``, or where it cannot run): torch's
+    products on column-major weights."""
+    async with HFEngine(str(tiny_model_dir()), HFEngineConfig(cpu_kernel=False)) as engine:
+        await column_major_and_updates_keep_it(engine)
+
+
+async def column_major_and_updates_keep_it(engine: HFEngine) -> None:
     model = engine.model
     embedding = model.get_input_embeddings().weight
     linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]

@@ -60,9 +60,11 @@ placeholder: their logits are set to −∞ before sampling
 the masked distribution, which the trainer must score the same way. Text-only requests to
 a vision model run as on a text model.
 
-On the CPU the engine keeps its linear layers' weights column-major
-(:func:`column_major_linears`: a decode step's products of a few rows run faster so) and
-weight updates keep that layout.
+On the CPU in float32 the linear layers' products of a few rows (a decode step's) go to a
+kernel of asyncrl's own (:mod:`asyncrl.engines.cpu_linear`, ``cpu_kernel``): the weights
+stay as loaded. Where that kernel cannot run, and in other dtypes, the engine keeps its
+linear layers' weights column-major (:func:`column_major_linears`: torch's products of a
+few rows run faster so) and weight updates keep that layout.
 
 Full weight updates may name a parameter as the model has it or as its checkpoint stores
 it (Qwen2-VL's ``model.layers.…`` for ``model.language_model.layers.…``): transformers'
@@ -97,6 +99,7 @@ from asyncrl.api.inference import (
     WeightSource,
 )
 from asyncrl.config.schema import resolve_device
+from asyncrl.engines import cpu_linear
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, StepResult
 from asyncrl.engines.hf_images import RequestPixels
@@ -299,7 +302,7 @@ class HFEngine(InferenceEngine):
                 )
             self.model = self._load_model(local)
         if self.device == "cpu":
-            column_major_linears(self.model)
+            cpu_linears(self.model, kernel=self.config.cpu_kernel)
         self._base_dir = local if local.is_dir() else None
         self._tokenizer = load_tokenizer(self.model_spec)
         eos = self.model.generation_config.eos_token_id
@@ -681,6 +684,18 @@ def _checkpoint_renamer(model: Any) -> Callable[[str], str]:
 def _float32_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A new float32 tensor on ``device`` holding ``tensor``'s values."""
     return tensor.detach().to(device=device, dtype=torch.float32, copy=True)
+
+
+def cpu_linears(model: Any, kernel: bool = True) -> str:
+    """Readies ``model``'s linear layers for decoding on the CPU: in float32 (with
+    ``kernel``) products of a few rows by :mod:`~asyncrl.engines.cpu_linear`'s kernel on
+    the weights as loaded; otherwise, or where that kernel cannot run, torch's products on
+    column-major weights (:func:`column_major_linears`). Says which: ``"kernel"`` or
+    ``"column-major"``."""
+    if kernel and cpu_linear.install(model):
+        return "kernel"
+    column_major_linears(model)
+    return "column-major"
 
 
 def column_major_linears(model: Any) -> None:

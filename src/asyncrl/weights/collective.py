@@ -224,8 +224,9 @@ class CollectivePublisher(WeightPublisher):
             self.current, self.current_step = packed, weights.step
             self._fallback_msg = None
             alive = [m for m in self.members.values() if m.alive]
-            members = [m for m in alive if m.wants(packed.version)]
-            skipped = sorted(m.actor_id for m in alive if not m.wants(packed.version))
+            wanted = [m.wants(packed.version) for m in alive]
+            members = [m for m, w in zip(alive, wanted, strict=True) if w]
+            skipped = sorted(m.actor_id for m, w in zip(alive, wanted, strict=True) if not w)
             if any(m.protocol == sglang_wire.PROTOCOL for m in members):
                 await self._put_tensor_list(packed)
             msg = await self.announce(

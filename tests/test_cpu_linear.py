@@ -1,0 +1,125 @@
+"""The hf engine's CPU product of a few rows (asyncrl.engines.cpu_linear) against float64
+products, row by row against itself, and the calls it leaves to torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from asyncrl.engines import cpu_linear
+
+pytestmark = pytest.mark.skipif(
+    cpu_linear.kernel() is None, reason="the kernel cannot run here (no C compiler or AVX-512)"
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """The kernel takes calls on torch's single thread only, as a rollout actor runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 15, 16, 17, 31, 32, 33, 48, 49, 63, 64])
+def test_products_equal_float64_ones_at_every_tile_edge(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    # outputs around the tiles of 14, 9 and 7 weight rows; inputs of 1 to 70 features
+    with torch.inference_mode():
+        for n in (1, 5, 7, 9, 13, 14, 15, 28, 29, 100):
+            for k in (1, 7, 70):
+                x = torch.randn(rows, k, generator=g)
+                w = torch.randn(n, k, generator=g)
+                b = torch.randn(n, generator=g)
+                for bias in (None, b):
+                    want = F.linear(x.double(), w.double(), None if bias is None else b.double())
+                    got = cpu_linear.linear(x, w, bias)
+                    assert got.shape == (rows, n) and got.dtype == torch.float32
+                    assert relative_error(got, want) < 1e-5, (rows, n, k, bias is None)
+
+
+def test_a_row_is_the_same_bits_alone_or_with_others() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=g)
+    w = torch.randn(150, 96, generator=g)
+    b = torch.randn(150, generator=g)
+    with torch.inference_mode():
+        alone = torch.cat([cpu_linear.linear(x[i : i + 1], w, b) for i in range(64)])
+        for rows in (5, 16, 33, 64):  # a different tiling of the weight rows each
+            assert torch.equal(cpu_linear.linear(x[:rows], w, b), alone[:rows])
+
+
+def test_batch_and_sequence_dims_are_kept() -> None:
+    x = torch.randn(4, 1, 32)  # a decode step's [rows, 1 token, features]
+    w = torch.randn(48, 32)
+    with torch.inference_mode():
+        got = cpu_linear.linear(x, w, None)
+    assert got.shape == (4, 1, 48)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_calls_it_does_not_take_are_torchs_exactly() -> None:
+    x, w, b = torch.randn(8, 32), torch.randn(40, 32), torch.randn(40)
+    many = torch.randn(cpu_linear.MAX_ROWS + 1, 32)
+    with torch.inference_mode():
+        assert torch.equal(cpu_linear.linear(many, w, b), F.linear(many, w, b))  # a prefill
+        half = (x.bfloat16(), w.bfloat16(), b.bfloat16())
+        assert torch.equal(cpu_linear.linear(*half), F.linear(*half))
+        column_major = w.t().contiguous().t()
+        assert torch.equal(cpu_linear.linear(x, column_major, b), F.linear(x, column_major, b))
+        torch.set_num_threads(2)  # MKL spreads the product; the kernel would not
+        assert torch.equal(cpu_linear.linear(x, w, b), F.linear(x, w, b))
+        torch.set_num_threads(1)
+    # with autograd: torch's product, whose gradient flows
+    wg = w.clone().requires_grad_()
+    cpu_linear.linear(x, wg, b).sum().backward()
+    assert wg.grad is not None and torch.equal(wg.grad, x.sum(0).expand(40, 32))
+
+
+def tiny_llama(dtype: torch.dtype) -> transformers.PreTrainedModel:
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, attention_bias=True, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def test_install_routes_a_models_linears_and_keeps_its_function() -> None:
+    model = tiny_llama(torch.float32)
+    reference = tiny_llama(torch.float32)
+    names = list(model.state_dict())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert cpu_linear.install(model) == len(linears) == 2 * 7 + 1  # 7 a layer, the head
+    assert all(type(m) is cpu_linear.DecodeLinear for m in linears)
+    assert list(model.state_dict()) == names
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
+    ids = torch.randint(0, 300, (6, 5))
+    with torch.inference_mode():  # 6 rows of 5 tokens: 30 rows a product, the kernel's
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+    # training through it: torch's products and their gradients, as before
+    model(ids).logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def test_install_leaves_other_dtypes_and_a_missing_kernel_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny_llama(torch.bfloat16)
+    assert cpu_linear.install(model) == 0
+    assert all(
+        type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
+    monkeypatch.setattr(cpu_linear, "_loaded", [None])  # as where it cannot be compiled
+    model = tiny_llama(torch.float32)
+    assert cpu_linear.install(model) == 0
+    assert not any(isinstance(m, cpu_linear.DecodeLinear) for m in model.modules())
