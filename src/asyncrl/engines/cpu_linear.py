@@ -1,26 +1,30 @@
 """The hf engine's linear layers on the CPU in float32: a product of a few rows of our own.
 
 A decode step multiplies a few dozen rows, or a few, by every weight of the model. torch
-hands such a product to MKL, which packs the weight into blocks before it multiplies: at
-8-16 rows that reads and writes the weight more than the product needs, and the step
-takes 2-3× its memory floor. This kernel reads the weight once, as loaded (row-major
-``[out, in]``), 14 of its rows at a time, and multiplies them by all the input rows kept
-transposed in registers and L2 (AVX-512, 16 rows a vector), prefetching the next 14. On
-a 2-core Intel Xeon with AMX the fp32 decode step of SmolLM2-135M took 1.2× less time
-than through MKL at 8-16 rows, 1.08× at 32 (bench/README, "A product of our own").
+hands such a product to MKL, which packs the weight into blocks before it multiplies; at
+a few dozen rows and fewer that is a large part of the product's time. This kernel reads
+the weight once, as loaded (row-major ``[out, in]``), 14 of its rows at a time, and
+multiplies them by all the input rows kept transposed in registers and L2 (AVX-512, 16
+rows a vector), prefetching the next 14. Inside a shared run on a 2-core Intel Xeon with
+AMX, SmolLM2-135M's fp32 decode steps of 5-16 rows took 1.2-1.3× less CPU time than
+through MKL on column-major weights, those of 25-32 rows 1.04-1.15× less; and the
+weights, as loaded, need no transposing copy at an update (bench/README, "A product of
+our own").
 
 Each output element is one chain of multiply-adds over the input features in order, so a
-row's result does not depend on which other rows it is computed with (MKL's does, by its
-blocking): the engine's batched and lone rows agree to the bit.
+row's result does not depend on which other rows of a call it is computed with (MKL's
+does, by its blocking).
 
-Used for inference calls only (no autograd), of at most :data:`MAX_ROWS` rows, in
-float32, on torch's single thread (with more threads MKL spreads a product over them;
-this kernel does not). Everything else goes to ``F.linear`` unchanged. The C source is
-compiled on first use with the system's C compiler for this CPU (``cc -O3
+Used for inference calls only (no autograd), of :data:`MIN_ROWS` to :data:`MAX_ROWS`
+rows, in float32, on torch's single thread (with more threads MKL spreads a product over
+them; this kernel does not). Everything else goes to ``F.linear`` unchanged. The C source
+is compiled on first use with the system's C compiler for this CPU (``cc -O3
 -march=native``) and cached under ``$XDG_CACHE_HOME/asyncrl`` (``~/.cache``), keyed by
 the source and the CPU; where that cannot be done (no compiler, no AVX-512) the engine
 says why once and keeps torch's products, with its weights column-major
-(:func:`asyncrl.engines.hf.column_major_linears`).
+(:func:`asyncrl.engines.hf.column_major_linears`). In bfloat16 torch's products (oneDNN,
+with AMX where the CPU has it) are faster at these rows than a kernel of this kind
+written with AVX512-BF16 (tried: 0.2-0.8× their speed), so a bfloat16 model keeps them.
 """
 
 from __future__ import annotations
@@ -44,8 +48,12 @@ from asyncrl.runtime.log import get_logger
 
 log = get_logger(part="cpu-linear")
 
-MAX_ROWS = 64
-"""Most rows a product sent to the kernel has; more go to ``F.linear`` (a prefill)."""
+MIN_ROWS, MAX_ROWS = 4, 32
+"""The rows of the products sent to the kernel. Fewer go to ``F.linear``: MKL's product of
+one to three rows (a matrix-vector product, in effect) streams the weight faster than
+this kernel, which multiplies 16 rows whatever it is given. More go there too: from 33
+rows on MKL's packing pays (a product of 48-64 rows by this kernel took as long or
+longer), and a prefill's product is larger still."""
 
 SOURCE = r"""
 #include <stdint.h>
@@ -107,8 +115,6 @@ static float *xt_get(size_t n) {
 
 TILE(14, 1)
 TILE(14, 2)
-TILE(9, 3)
-TILE(7, 4)
 
 int asyncrl_cpu_linear_lanes(void) { return 16; }
 
@@ -125,25 +131,21 @@ int asyncrl_cpu_linear(const float *x, int64_t M, int64_t K, int64_t xs, const f
         for (int64_t m = 0; m < M; m++) row[m] = x[m * xs + k];
         for (int64_t m = M; m < mp; m++) row[m] = 0.0f;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += 64) {
-        int64_t chunk = M - m0 < 64 ? M - m0 : 64;
-        int nv = (int)((chunk + 15) / 16);
-        int mr = nv <= 2 ? 14 : nv == 3 ? 9 : 7;
-        for (int64_t n0 = 0; n0 < N; n0 += mr) {
-            int rows = N - n0 < mr ? (int)(N - n0) : mr;
-            int64_t next = N - (n0 + mr);
-            next = next < 0 ? 0 : next > mr ? mr : next;
-            const char *pf = (const char *)(w + (n0 + mr) * ws);
+    for (int64_t m0 = 0; m0 < M; m0 += 32) { /* 32 rows a pass over the weight */
+        int64_t chunk = M - m0 < 32 ? M - m0 : 32;
+        for (int64_t n0 = 0; n0 < N; n0 += 14) {
+            int rows = N - n0 < 14 ? (int)(N - n0) : 14;
+            int64_t next = N - (n0 + 14);
+            next = next < 0 ? 0 : next > 14 ? 14 : next;
+            const char *pf = (const char *)(w + (n0 + 14) * ws);
             int64_t pfn = next * ws * (int64_t)sizeof(float);
             const float *b = bias ? bias + n0 : 0;
             const float *wt = w + n0 * ws;
             float *o = out + n0;
-            switch (nv) {
-            case 1: tile_14_1(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn); break;
-            case 2: tile_14_2(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn); break;
-            case 3: tile_9_3(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn); break;
-            default: tile_7_4(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn); break;
-            }
+            if (chunk <= 16)
+                tile_14_1(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn);
+            else
+                tile_14_2(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn);
         }
     }
     return 0;
@@ -244,7 +246,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     rows = x.numel() // k if k else 0
     if (
         fn is None
-        or not 0 < rows <= MAX_ROWS
+        or not MIN_ROWS <= rows <= MAX_ROWS
         or x.dtype != torch.float32
         or weight.dtype != torch.float32
         or x.device.type != "cpu"

@@ -302,7 +302,10 @@ class HFEngine(InferenceEngine):
                 )
             self.model = self._load_model(local)
         if self.device == "cpu":
-            cpu_linears(self.model, kernel=self.config.cpu_kernel)
+            # decode steps of more rows than the kernel takes run faster on column-major
+            # weights (torch's products); a batch that never has more runs on the kernel
+            kernel = self.config.cpu_kernel and self.max_batch_size <= cpu_linear.MAX_ROWS
+            cpu_linears(self.model, kernel=kernel)
         self._base_dir = local if local.is_dir() else None
         self._tokenizer = load_tokenizer(self.model_spec)
         eos = self.model.generation_config.eos_token_id
