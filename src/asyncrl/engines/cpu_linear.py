@@ -7,7 +7,7 @@ the weight once, as loaded (row-major ``[out, in]``), 14 of its rows at a time, 
 multiplies them by all the input rows kept transposed in registers and L2 (AVX-512, 16
 rows a vector), prefetching the next 14. Inside a shared run on a 2-core Intel Xeon with
 AMX, SmolLM2-135M's fp32 decode steps of 5-16 rows took 1.2-1.3× less CPU time than
-through MKL on column-major weights, those of 25-32 rows 1.04-1.15× less; and the
+through MKL on column-major weights, those of 25-32 rows 1.03-1.10× less; and the
 weights, as loaded, need no transposing copy at an update (bench/README, "A product of
 our own").
 
