@@ -12,8 +12,8 @@ weights, as loaded, need no transposing copy at an update (bench/README, "A prod
 our own").
 
 Each output element is one chain of multiply-adds over the input features in order, so a
-row's result does not depend on which other rows of a call it is computed with (MKL's
-does, by its blocking).
+row's result does not depend on which other rows of a call of 4 to 32 it is computed with
+(MKL's does, by its blocking).
 
 Used for inference calls only (no autograd), of :data:`MIN_ROWS` to :data:`MAX_ROWS`
 rows, in float32, on torch's single thread (with more threads MKL spreads a product over
