@@ -146,11 +146,13 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(args.model), dtype=dtype, attn_implementation="sdpa"
     ).eval()
-    layout = {"column": "column-major", "row": "row-major"}.get(args.layout, "")
     if args.layout == "engine":
         layout = cpu_linears(model)
     elif args.layout == "column":
         column_major_linears(model)
+        layout = "column-major"
+    else:
+        layout = "row-major"
     dims = Dims.of(model.config)
     element = torch.empty((), dtype=dtype).element_size()
     peak = matmul_peak(dtype, matmul_shapes(dims, 2048))

@@ -240,31 +240,27 @@ async def test_cpu_linears_are_column_major_and_updates_keep_that_layout():
     """Without the kernel (``cpu_kernel = false``, or where it cannot run): torch's
     products on column-major weights."""
     async with HFEngine(str(tiny_model_dir()), HFEngineConfig(cpu_kernel=False)) as engine:
-        await column_major_and_updates_keep_it(engine)
-
-
-async def column_major_and_updates_keep_it(engine: HFEngine) -> None:
-    model = engine.model
-    embedding = model.get_input_embeddings().weight
-    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert any(w is embedding for w in linears)  # the tiny model's head is tied
-    body = [w for w in linears if w is not embedding]
-    assert body and all(w.t().is_contiguous() and not w.is_contiguous() for w in body)
-    assert embedding.is_contiguous()  # a lookup table stays row-major
-    # the same function as a row-major copy of it, to summation order
-    reference = copy.deepcopy(model)
-    for p in reference.parameters():
-        p.data = p.data.contiguous()
-    ids = torch.tensor([prompt_ids(engine, "The quick brown fox jumps over")])
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
-    # a full update of row-major tensors: its values exactly, the layout as it was
-    pairs = [(n, t.contiguous()) for n, t in perturbed(model, seed=4)]
-    await engine.update_weights(pairs, version=1)
-    params = dict(model.named_parameters())
-    for name, tensor in pairs:
-        assert torch.equal(params[name], tensor)
-    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in body)
+        model = engine.model
+        embedding = model.get_input_embeddings().weight
+        linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert any(w is embedding for w in linears)  # the tiny model's head is tied
+        body = [w for w in linears if w is not embedding]
+        assert body and all(w.t().is_contiguous() and not w.is_contiguous() for w in body)
+        assert embedding.is_contiguous()  # a lookup table stays row-major
+        # the same function as a row-major copy of it, to summation order
+        reference = copy.deepcopy(model)
+        for p in reference.parameters():
+            p.data = p.data.contiguous()
+        ids = torch.tensor([prompt_ids(engine, "The quick brown fox jumps over")])
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+        # a full update of row-major tensors: its values exactly, the layout as it was
+        pairs = [(n, t.contiguous()) for n, t in perturbed(model, seed=4)]
+        await engine.update_weights(pairs, version=1)
+        params = dict(model.named_parameters())
+        for name, tensor in pairs:
+            assert torch.equal(params[name], tensor)
+        assert all(w.t().is_contiguous() and not w.is_contiguous() for w in body)
 
 
 def test_copy_param_fills_either_layout_exactly() -> None:
