@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import io
 import os
+import signal
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from nats.aio.subscription import Subscription
 
 from asyncrl.runtime.bus import Bus, BusTimeout, Encoded, PayloadTooLarge, RemoteError
 from asyncrl.runtime.jetstream import StreamStorageError
+from asyncrl.runtime.loop import run_async
 from asyncrl.runtime.nats_server import EmbeddedNats, NatsInfo, nats_info_for_run
 from asyncrl.wire.codec import encode
 from asyncrl.wire.messages import (
@@ -158,6 +160,28 @@ async def test_a_stream_beyond_the_servers_storage_is_a_clear_error(bus: Bus) ->
 
 
 # -- request / reply --------------------------------------------------------------------------
+
+
+def test_closing_after_the_server_was_killed_with_publishes_waiting(tmp_path: Path) -> None:
+    """A run's last act, closing its bus, just after its server died (a kill -9 at the end
+    of a run): the publishes buffered for a reconnection cannot be sent, and closing says
+    so instead of raising. On the loop the actors and ``asyncrl up`` run on (uvloop), where
+    flushing them into the dead socket raised."""
+
+    async def kill_then_close() -> bool:
+        async with EmbeddedNats(tmp_path / "run") as server:
+            bus = await Bus.connect(server.info, name="test")
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGKILL)
+            await asyncio.sleep(0.05)  # the client has seen the socket go and reconnects
+            for _ in range(5):
+                with contextlib.suppress(nats.errors.Error):
+                    await bus.nc.publish("x.y", b"waits for a server that is gone")
+            await bus.close()
+            await bus.close()  # idempotent still
+            return bus.nc.is_closed
+
+    assert run_async(kill_then_close())
 
 
 async def test_request_reply_round_trip(bus: Bus) -> None:

@@ -143,7 +143,13 @@ class Connection:
                 return
             except nats.errors.Error as exc:
                 log.warning("drain failed, closing", error=repr(exc))
-        await self.nc.close()
+        try:
+            await self.nc.close()
+        except RuntimeError as exc:
+            # The server went away (killed) while publishes waited for a reconnection:
+            # nats-py marks the client closed, then flushes them into the dead socket,
+            # which uvloop refuses. They had no one left to reach.
+            log.warning("closed with publishes unsent: the server is gone", error=repr(exc))
 
     async def __aenter__(self) -> Self:
         return self
