@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from test_e2e import RUN_TIMEOUT, connect
 from asyncrl.observe.audit import audit_run, read_jsonl
 from asyncrl.train.replay_log import read_record
 from asyncrl.weights.files import KEEP_VERSIONS
-from asyncrl.wire.messages import ActorInfo, Metrics
+from asyncrl.wire.messages import Metrics
 from asyncrl.wire.subjects import Subjects
 
 pytestmark = pytest.mark.slow
@@ -41,6 +42,15 @@ def check_every_prompt_accounted_for(run_dir: Path) -> dict[str, Any]:
     return read_jsonl(run_dir / "buffer_events.jsonl")[-1]
 
 
+def forked_pid(run_dir: Path, actor: str) -> int:
+    """The pid of ``actor``'s first process, from the supervisor's line in up.log."""
+    found = re.search(
+        rf"forked actor={actor} .*?pid=(\d+)", (run_dir / "logs" / "up.log").read_text()
+    )
+    assert found, f"up.log names no fork of {actor}"
+    return int(found.group(1))
+
+
 async def kill_in_mid_run(
     tmp_path: Path, name: str, role: str, after_step: int, *sets: str
 ) -> Path:
@@ -55,29 +65,20 @@ async def kill_in_mid_run(
         "run.restart_backoff=0.5",
     ) as run:
         bus = await connect(run.run_dir)
-        pids: dict[str, int] = {}
-        reached, beat = asyncio.Event(), asyncio.Event()
-
-        async def on_beat(info: ActorInfo) -> None:
-            pids.setdefault(info.actor_id, info.pid)
-            if info.actor_id == f"{role}-0":
-                beat.set()
+        reached = asyncio.Event()
 
         async def on_metrics(m: Metrics) -> None:
             if m.step >= after_step:
                 reached.set()
 
-        subjects = Subjects(name)
         try:
-            await bus.subscribe(subjects.heartbeat("*"), ActorInfo, on_beat)
-            await bus.subscribe(subjects.metrics("trainer"), Metrics, on_metrics)
+            await bus.subscribe(Subjects(name).metrics("trainer"), Metrics, on_metrics)
             await asyncio.wait_for(reached.wait(), RUN_TIMEOUT)
-            # The step can come first: a fast run reaches it before the test has seen a
-            # heartbeat (one a second) of the actor to kill.
-            await asyncio.wait_for(beat.wait(), 30)
         finally:
             await bus.close()
-        os.kill(pids[f"{role}-0"], signal.SIGKILL)
+        # the pid as the supervisor forked it, not from a heartbeat (one a second): a fast
+        # run had finished its steps by the victim's first heartbeat the test saw
+        os.kill(forked_pid(run.run_dir, f"{role}-0"), signal.SIGKILL)
         assert await asyncio.wait_for(run.proc.wait(), RUN_TIMEOUT) == 0, "the run did not finish"
     run_dir = run.run_dir
     assert (run_dir / "logs" / f"{role}-0-r1.log").is_file(), f"no replacement {role}"
