@@ -128,6 +128,34 @@ def test_a_group_of_one_prompt_shares_it_whole(any_saving: None):
     assert_same_samples(plain, shared)
 
 
+def test_a_group_split_across_steps_takes_its_prompt_whole(any_saving: None):
+    """A group's samples that find the batch full join as rows free up: the later ones take
+    the prompt as its prefill left it (keys, values, the last position's logits) with no
+    forward pass, sample what they would have sampled joining with it, and decode sharing
+    it. Under another policy version the prompt is prefilled again."""
+    prompt = [*SYSTEM, 21, 22, 23]
+    together, _ = run(
+        DecodeBatch(
+            model(), max_positions=4096, prefix_cache_bytes=64 << 20, shared_prefix_attention=False
+        ),
+        [[seq(i, prompt, 10, seed=i) for i in range(4)]],
+    )
+    batch = DecodeBatch(model(), max_positions=4096, prefix_cache_bytes=64 << 20)
+    group = [seq(i, prompt, 10, seed=i) for i in range(4)]
+    results = [batch.step(group[:1], set(), 0), batch.step([], set(), 0)]
+    late = batch.step(group[1:], set(), 0)
+    assert results[0].prefill_tokens == len(prompt)
+    assert (late.prefill_rows, late.prefill_tokens, late.prefix_hit_tokens) == (3, 0, len(prompt))
+    results.append(late)
+    while batch.active:
+        results.append(batch.step([], set(), 0))
+    assert max(r.shared_rows for r in results) == 4
+    assert {r.shared_tokens for r in results if r.shared_rows} == {len(prompt)}
+    assert_same_samples(together, group)
+
+    assert batch.step([seq(4, prompt, 2, seed=4)], set(), 1).prefill_tokens == len(prompt)
+
+
 def test_a_short_shared_prefix_keeps_plain_attention():
     """Six rows sharing three blocks spare too few columns for a second kernel call."""
     batch = DecodeBatch(model(), max_positions=4096, prefix_cache_bytes=64 << 20)

@@ -173,17 +173,35 @@ async def test_a_prompt_that_diverges_reuses_only_the_common_blocks(
     assert_same(a, b)
 
 
-async def test_a_prompt_held_whole_still_computes_its_last_token(
+async def test_a_prompt_in_whole_blocks_still_computes_its_last_token(
     engines: tuple[HFEngine, HFEngine],
 ):
     """The cached prefix stops one token short of the prompt: the last position's logits
     sample the first token, so it is computed even when every block is cached."""
     warm, cold = engines
     prompt = ids(warm, "x" * 4 * BLOCK_TOKENS)
-    await warm.agenerate(request(prompt, 3, seed=6))
+    assert len(prompt) % BLOCK_TOKENS == 0
+    await warm.agenerate(request(prompt + ids(warm, "y"), 3, seed=6))  # leaves its blocks
     a = await warm.agenerate(request(prompt, 10, seed=7))
     b = await cold.agenerate(request(prompt, 10, seed=7))
     assert warm.stats.prefix_cache_hit_tokens == len(prompt) - 1
+    assert_same(a, b)
+
+
+async def test_a_prompt_prefilled_before_is_taken_whole_without_a_forward_pass(
+    engines: tuple[HFEngine, HFEngine],
+):
+    """A request for a prompt the batch prefilled under the same weights (a group's sample
+    that joins after its siblings) takes its keys, values and last logits as they were
+    kept: nothing is prefilled, and it generates what a cold engine does."""
+    warm, cold = engines
+    prompt = ids(warm, "Add: 17 + 25 = ? Think step by step.")
+    await warm.agenerate(request(prompt, 4, seed=6))
+    prefilled = warm.stats.prefill_tokens
+    a = await warm.agenerate(request(prompt, 10, seed=7))
+    b = await cold.agenerate(request(prompt, 10, seed=7))
+    assert warm.stats.prefill_tokens == prefilled
+    assert warm.stats.prefix_cache_hit_tokens == len(prompt)
     assert_same(a, b)
 
 

@@ -10,7 +10,10 @@ tokens, everything else is masked out.
 Joining. New sequences take free rows and are prefilled in buckets of similar prompt
 length (left-padded to the bucket's longest), writing their keys and values straight into
 their rows; their first token is sampled from the prefill's last position. Identical
-prompts are prefilled once and their rows copied. When there are too few rows or too few
+prompts are prefilled once and their rows copied; a prompt prefilled at an earlier step
+under the same weights (a group's sample that joins after its siblings because the batch
+was full) is copied from the prefix cache whole, with its last position's logits, and is
+not computed again. When there are too few rows or too few
 columns to the left of ``L``, the buffers are rebuilt (:meth:`DecodeBatch._relayout`),
 dropping free rows and the columns no row uses any more.
 
@@ -67,7 +70,7 @@ import torch
 
 from asyncrl.api.inference import SamplingParams
 from asyncrl.engines import hf_cascade
-from asyncrl.engines.hf_prefix import BLOCK_TOKENS, PrefixCache
+from asyncrl.engines.hf_prefix import BLOCK_TOKENS, Prefilled, PrefixCache
 from asyncrl.engines.sampling import LogprobMode, sample_next
 from asyncrl.models.vision import mask_placeholders, mrope_position_ids
 
@@ -486,6 +489,8 @@ class DecodeBatch:
         followed: dict[int, _Join] = {}
         waiting: list[_Join] = []
         vision: list[_Join] = []
+        # a prompt prefilled earlier under these weights, kept whole: no forward pass
+        whole: list[tuple[int, Prefilled]] = []
         for r, s in zip(rows, admit, strict=True):
             tokens = tuple(s.prompt)
             key = (tokens, s.images)
@@ -495,6 +500,10 @@ class DecodeBatch:
             source[key] = r
             if s.pixels is not None:
                 vision.append(_Join(r, s))
+                continue
+            prefilled = self.prefix.prompt(s.prompt)
+            if prefilled is not None:
+                whole.append((r, prefilled))
                 continue
             join = self._lookup(r, s)
             first = (
@@ -527,6 +536,11 @@ class DecodeBatch:
         self._prefill_joins(warm, logits_by_row)
         for join in vision:
             logits_by_row[join.row] = self._prefill_vision(join)
+        for join in cold + late + warm:
+            self._keep_prompt(join.row, logits_by_row[join.row])
+        for r, prefilled in whole:
+            self._fill_prompt(r, prefilled)
+            logits_by_row[r] = prefilled.logits
         if copies:
             dst = torch.tensor([d for d, _ in copies], device=self.device)
             src = torch.tensor([c for _, c in copies], device=self.device)
@@ -540,12 +554,7 @@ class DecodeBatch:
                 logits_by_row[d] = logits_by_row[c]
                 dst_seq, src_seq = self.rows[d], self.rows[c]
                 assert dst_seq is not None and src_seq is not None
-                if not src_seq.kv_chain:
-                    # a group's prompt prefilled here: its rows share it whole, under ids
-                    # of their own (negative: no cache block has them)
-                    n = len(src_seq.prompt)
-                    own = tuple(next(self._own_ids) for _ in range(-(-n // BLOCK_TOKENS)))
-                    src_seq.kv_chain, src_seq.kv_chain_tokens = own, n
+                self._own_chain(src_seq)
                 dst_seq.kv_chain = src_seq.kv_chain
                 dst_seq.kv_chain_tokens = src_seq.kv_chain_tokens
         logits_NV = torch.stack([logits_by_row[r] for r in rows])
@@ -553,7 +562,48 @@ class DecodeBatch:
         result.tokens += self._sample(logits_NV, admit, rows_N, version)
         result.prefill_rows = len(admit)
         result.prefill_tokens = sum(j.tail for j in cold + late + warm + vision)
-        result.prefix_hit_tokens = sum(j.cached for j in warm)
+        result.prefix_hit_tokens = sum(j.cached for j in warm) + sum(
+            p.kv.shape[3] for _, p in whole
+        )
+
+    def _own_chain(self, seq: Sequence) -> None:
+        """Gives ``seq``, whose prompt its own prefill computed, ids for its prompt's
+        columns where it has none, so that the rows copied from it share them (negative:
+        no cache block has them)."""
+        if not seq.kv_chain:
+            n = len(seq.prompt)
+            seq.kv_chain = tuple(next(self._own_ids) for _ in range(-(-n // BLOCK_TOKENS)))
+            seq.kv_chain_tokens = n
+
+    def _keep_prompt(self, row: int, logits_V: torch.Tensor) -> None:
+        """Keeps the prompt ``row`` has just prefilled, whole, with its last logits
+        (:meth:`PrefixCache.keep_prompt`)."""
+        if not self.prefix.enabled:
+            return
+        seq = self.rows[row]
+        assert seq is not None
+        self._own_chain(seq)
+        cols = slice(self.length - len(seq.prompt), self.length)
+        kv = torch.stack(
+            [torch.stack((self.keys[i][row, :, cols], self.values[i][row, :, cols]))
+             for i in range(self.n_layers)]
+        )  # fmt: skip
+        self.prefix.keep_prompt(
+            seq.prompt, Prefilled(kv, logits_V.clone(), seq.kv_chain, seq.kv_chain_tokens)
+        )
+
+    def _fill_prompt(self, row: int, prefilled: Prefilled) -> None:
+        """Writes a prompt kept whole into ``row``, right-aligned at ``L``."""
+        seq = self.rows[row]
+        assert seq is not None
+        n = len(seq.prompt)
+        cols = slice(self.length - n, self.length)
+        for layer in range(self.n_layers):
+            self.keys[layer][row, :, cols] = prefilled.kv[layer, 0]
+            self.values[layer][row, :, cols] = prefilled.kv[layer, 1]
+        self.valid_RC[row, cols] = True
+        self.pos_R[row] = n
+        seq.kv_chain, seq.kv_chain_tokens = prefilled.chain, prefilled.chain_tokens
 
     def _lookup(self, row: int, seq: Sequence) -> _Join:
         """``seq`` joining in ``row`` with what the prefix cache holds of its prompt, and

@@ -27,6 +27,13 @@ insert touches a chain from its deepest block to its first, so a block is always
 recent than its descendants: the least recently used block is always a leaf, and no block
 is ever kept behind an evicted parent.
 
+**Whole prompts.** A prompt the batch prefilled is kept whole as well, with the logits of
+its last position (:meth:`PrefixCache.keep_prompt`): a request for the same prompt that
+joins later (a GRPO group's sample that found the batch full when its siblings joined) takes
+its keys and values and samples its first token from those logits, with no forward pass at
+all. They take at most a quarter of ``capacity_bytes``, and never room the blocks need:
+the least recently used go first, when a prompt is kept or a block needs their bytes.
+
 **Versions.** Keys and values belong to the weights that computed them. The engine clears
 the cache at every weight load and memory release, and :meth:`PrefixCache.at_version`
 clears it when a step runs under another policy version than the one it was filled under.
@@ -72,6 +79,24 @@ BlockKey = tuple[int, tuple[int, ...]]
 """``(parent block id, the block's tokens)``."""
 
 
+@dataclass(eq=False)
+class Prefilled:
+    """A prompt as the batch prefilled it: all its keys and values, the logits its last
+    position gave, and the chain of block ids its row was given (its shared columns, for
+    cascade attention)."""
+
+    kv: torch.Tensor
+    """``[layers, 2 (keys, values), kv heads, prompt tokens, head dim]``."""
+    logits: torch.Tensor
+    """``[vocab]``."""
+    chain: tuple[int, ...]
+    chain_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.logits.nbytes
+
+
 class PrefixCache:
     """Blocks of keys and values by token prefix, least recently used first out.
 
@@ -80,8 +105,12 @@ class PrefixCache:
 
     def __init__(self, capacity_bytes: int, block_bytes: int) -> None:
         self.block_bytes = block_bytes
+        self.capacity_bytes = capacity_bytes
         self.max_blocks = capacity_bytes // block_bytes
         self.blocks: OrderedDict[BlockKey, _Block] = OrderedDict()
+        self.prompts: OrderedDict[tuple[int, ...], Prefilled] = OrderedDict()
+        self.max_prompt_bytes = capacity_bytes // 4
+        self.prompt_bytes = 0
         self.version: int | None = None
         self.evicted_blocks = 0
         self._ids = itertools.count(_ROOT + 1)
@@ -92,10 +121,12 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return len(self.blocks) * self.block_bytes
+        return len(self.blocks) * self.block_bytes + self.prompt_bytes
 
     def clear(self) -> None:
         self.blocks.clear()
+        self.prompts.clear()
+        self.prompt_bytes = 0
 
     def at_version(self, version: int) -> None:
         """Clears the cache if it was filled under another policy version than ``version``."""
@@ -122,10 +153,13 @@ class PrefixCache:
             self.blocks.move_to_end(key)
 
     def held_tokens(self, prompt: list[int]) -> int:
-        """How many leading tokens of ``prompt`` :meth:`lookup` would give now; changes
-        nothing (no recency), so that a scheduler may size a prefill with it."""
+        """How many leading tokens of ``prompt`` :meth:`lookup` would give now (all of them
+        for a prompt kept whole, which needs no prefill); changes nothing (no recency), so
+        that a scheduler may size a prefill with it."""
         if not self.enabled:
             return 0
+        if tuple(prompt) in self.prompts:
+            return len(prompt)
         return max(0, min(len(self._held(prompt)) * BLOCK_TOKENS, len(prompt) - 1))
 
     def lookup(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
@@ -155,6 +189,35 @@ class PrefixCache:
         keys = self._held(tokens)[: -(-n // BLOCK_TOKENS)]
         return tuple(self.blocks[k].id for k in keys)
 
+    def keep_prompt(self, tokens: list[int], prefilled: Prefilled) -> None:
+        """Keeps ``prefilled``, a prompt of ``tokens`` computed whole (see Whole prompts),
+        evicting the least recently used prompts past a quarter of the capacity; one larger
+        than that is not kept."""
+        room = min(self.max_prompt_bytes, self.capacity_bytes - len(self.blocks) * self.block_bytes)
+        if not self.enabled or prefilled.nbytes > room:
+            return
+        key = tuple(tokens)
+        old = self.prompts.pop(key, None)
+        if old is not None:
+            self.prompt_bytes -= old.nbytes
+        self._shed_prompts(room - prefilled.nbytes)
+        self.prompts[key] = prefilled
+        self.prompt_bytes += prefilled.nbytes
+
+    def _shed_prompts(self, limit: int) -> None:
+        """Evicts prompts kept whole, least recently used first, to at most ``limit``
+        bytes."""
+        while self.prompts and self.prompt_bytes > limit:
+            self.prompt_bytes -= self.prompts.popitem(last=False)[1].nbytes
+
+    def prompt(self, tokens: list[int]) -> Prefilled | None:
+        """The prompt of exactly ``tokens`` as kept whole (made the most recent), or None."""
+        key = tuple(tokens)
+        prefilled = self.prompts.get(key)
+        if prefilled is not None:
+            self.prompts.move_to_end(key)
+        return prefilled
+
     def insert(self, tokens: list[int], read: Callable[[int, int], torch.Tensor]) -> list[int]:
         """Keeps the full blocks of ``tokens``, a sequence whose keys and values are all
         computed; ``read(a, b)`` gives those of its tokens ``a:b`` as ``[layers, 2, kv
@@ -168,6 +231,7 @@ class PrefixCache:
         new = min(len(tokens) // BLOCK_TOKENS, self.max_blocks) - len(held)
         if new <= 0:
             return []
+        self._shed_prompts(self.capacity_bytes - (len(self.blocks) + new) * self.block_bytes)
         # The held chain is the most recent, so evicting from the old end spares it.
         for _ in range(len(self.blocks) + new - self.max_blocks):
             self.blocks.popitem(last=False)
