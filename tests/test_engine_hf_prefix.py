@@ -19,7 +19,7 @@ from asyncrl.api.inference import GenerateRequest, GenerateResponse
 from asyncrl.engines.config import HFEngineConfig
 from asyncrl.engines.hf import HFEngine
 from asyncrl.engines.hf_batch import StepResult
-from asyncrl.engines.hf_prefix import BLOCK_TOKENS, PrefixCache
+from asyncrl.engines.hf_prefix import BLOCK_TOKENS, Prefilled, PrefixCache
 from asyncrl.models.tiny import tiny_model_dir
 from asyncrl.weights.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
@@ -402,3 +402,33 @@ def test_held_tokens_probes_without_making_anything_recent():
     cache.insert(c, fake_kv(c))
     assert cache.held_tokens([*a, 1]) == BLOCK_TOKENS  # a was still the least recent
     assert cache.held_tokens([*b, 1]) == 2 * BLOCK_TOKENS
+
+
+def prefilled(tokens: list[int]) -> Prefilled:
+    """A prompt kept whole: its keys and values the token ids, as :func:`fake_kv` makes
+    them, and four logits."""
+    return Prefilled(fake_kv(tokens)(0, len(tokens)), torch.zeros(4), (), 0)
+
+
+def test_whole_prompts_take_a_quarter_at_most_and_give_way_to_blocks():
+    cache = PrefixCache(16 * block_bytes(), block_bytes())
+    prompts = [[*seq(1000 * i, 1), i] for i in range(4)]
+    each = prefilled(prompts[0]).nbytes
+    assert 3 * each <= 16 * block_bytes() // 4 < 4 * each  # a quarter holds three
+    for p in prompts:
+        cache.keep_prompt(p, prefilled(p))
+    assert list(cache.prompts) == [tuple(p) for p in prompts[1:]]  # the first kept went
+    assert cache.nbytes == 3 * each
+    assert cache.held_tokens(prompts[1]) == len(prompts[1])  # nothing to prefill
+    assert cache.held_tokens(prompts[0]) == 0
+    got = cache.prompt(prompts[1])
+    assert got is not None and torch.equal(got.kv[0, 0, 0, :, 0], torch.tensor(prompts[1]) * 1.0)
+    # blocks that need their bytes evict them; the cap holds throughout
+    a = seq(5000, 15)
+    cache.insert(a, fake_kv(a))
+    assert not cache.prompts and cache.nbytes == 15 * block_bytes()
+    # with the blocks near the cap, a prompt that does not fit beside them is not kept
+    cache.keep_prompt(prompts[0], prefilled(prompts[0]))
+    assert not cache.prompts and cache.lookup([*a, 1])[0] == 15 * BLOCK_TOKENS
+    cache.at_version(1)
+    assert cache.nbytes == 0

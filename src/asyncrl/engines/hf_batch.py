@@ -12,10 +12,10 @@ length (left-padded to the bucket's longest), writing their keys and values stra
 their rows; their first token is sampled from the prefill's last position. Identical
 prompts are prefilled once and their rows copied; a prompt prefilled at an earlier step
 under the same weights (a group's sample that joins after its siblings because the batch
-was full) is copied from the prefix cache whole, with its last position's logits, and is
-not computed again. When there are too few rows or too few
-columns to the left of ``L``, the buffers are rebuilt (:meth:`DecodeBatch._relayout`),
-dropping free rows and the columns no row uses any more.
+was full) is copied whole from the prefix cache, with its last position's logits, and is
+not computed again. When there are too few rows or too few columns to the left of ``L``,
+the buffers are rebuilt (:meth:`DecodeBatch._relayout`), dropping free rows and the
+columns no row uses any more.
 
 Reuse. A sequence that finishes (``stop`` or ``length``) leaves the keys and values of its
 tokens in the :class:`~asyncrl.engines.hf_prefix.PrefixCache`. A joining prompt that
