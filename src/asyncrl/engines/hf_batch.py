@@ -449,17 +449,18 @@ class DecodeBatch:
         if not self.prefix.enabled:
             return []
         start = self.length - len(tokens)
+        return self.prefix.insert(tokens, lambda a, b: self._read_row(row, start + a, start + b))
 
-        def read(a: int, b: int) -> torch.Tensor:
-            cols = slice(start + a, start + b)
-            layers = [
-                buf[layer][row, :, cols]
-                for layer in range(self.n_layers)
-                for buf in (self.keys, self.values)
-            ]
-            return torch.stack(layers).unflatten(0, (self.n_layers, 2))
-
-        return self.prefix.insert(tokens, read)
+    def _read_row(self, row: int, start: int, end: int) -> torch.Tensor:
+        """A copy of the keys and values ``row`` holds in columns ``start..end-1``:
+        ``[layers, 2, kv heads, end - start, head dim]``."""
+        cols = slice(start, end)
+        layers = [
+            buf[layer][row, :, cols]
+            for layer in range(self.n_layers)
+            for buf in (self.keys, self.values)
+        ]
+        return torch.stack(layers).unflatten(0, (self.n_layers, 2))
 
     def _admit(self, admit: list[Sequence], version: int, result: StepResult) -> None:
         active = self.active
@@ -583,11 +584,7 @@ class DecodeBatch:
         seq = self.rows[row]
         assert seq is not None
         self._own_chain(seq)
-        cols = slice(self.length - len(seq.prompt), self.length)
-        kv = torch.stack(
-            [torch.stack((self.keys[i][row, :, cols], self.values[i][row, :, cols]))
-             for i in range(self.n_layers)]
-        )  # fmt: skip
+        kv = self._read_row(row, self.length - len(seq.prompt), self.length)
         self.prefix.keep_prompt(
             seq.prompt, Prefilled(kv, logits_V.clone(), seq.kv_chain, seq.kv_chain_tokens)
         )
@@ -597,11 +594,8 @@ class DecodeBatch:
         seq = self.rows[row]
         assert seq is not None
         n = len(seq.prompt)
-        cols = slice(self.length - n, self.length)
-        for layer in range(self.n_layers):
-            self.keys[layer][row, :, cols] = prefilled.kv[layer, 0]
-            self.values[layer][row, :, cols] = prefilled.kv[layer, 1]
-        self.valid_RC[row, cols] = True
+        self._fill_prefix(_Join(row, seq, n, prefilled.kv))  # all of it: no tail
+        self.valid_RC[row, self.length - n : self.length] = True
         self.pos_R[row] = n
         seq.kv_chain, seq.kv_chain_tokens = prefilled.chain, prefilled.chain_tokens
 
