@@ -30,12 +30,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 15, 16, 17, 31, 32, 33, 64])
-def test_products_equal_float64_ones_at_every_tile_edge(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 12, 13, 24, 25, 31, 32, 33, 64])
+def test_products_equal_float64_ones_at_every_block_edge(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    # outputs around the tiles of 14, 9 and 7 weight rows; inputs of 1 to 70 features
+    # outputs around the blocks of 32 weight rows (two vectors of 16), inputs of 1 to 70
+    # features; rows around the kernel's chunks of 12 and the calls it leaves to torch
     with torch.inference_mode():
-        for n in (1, 5, 7, 9, 13, 14, 15, 28, 29, 100):
+        for n in (1, 5, 15, 16, 17, 31, 32, 33, 48, 100):
             for k in (1, 7, 70):
                 x = torch.randn(rows, k, generator=g)
                 w = torch.randn(n, k, generator=g)
@@ -57,8 +58,51 @@ def test_a_row_is_the_same_bits_alone_or_with_others() -> None:
         alone = torch.cat(
             [cpu_linear.linear(torch.cat([x[i : i + 1], others]), w, b)[:1] for i in range(64)]
         )
-        for rows in (5, 16, 17, 32):  # one vector of rows or two
+        for rows in (5, 12, 13, 24, 25, 32):  # one chunk of rows or several
             assert torch.equal(cpu_linear.linear(x[:rows], w, b), alone[:rows])
+
+
+def test_the_packed_weight_holds_32_rows_side_by_side() -> None:
+    w = torch.randn(70, 5)
+    packed = cpu_linear.pack(w)
+    assert packed.shape == (3, 5, 32) and packed.is_contiguous()
+    for n in (0, 31, 32, 69):
+        assert torch.equal(packed[n // 32, :, n % 32], w[n])
+    assert not packed[2, :, 6:].any()  # zero rows past the weight's 70
+
+
+def test_a_layer_packs_its_weight_once_and_again_after_it_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layer = torch.nn.Linear(40, 70)
+    layer.__class__ = cpu_linear.DecodeLinear
+    packs: list[torch.Tensor] = []
+    real = cpu_linear.pack
+    monkeypatch.setattr(cpu_linear, "pack", lambda w, out=None: packs.append(w) or real(w, out))
+    x = torch.randn(6, 40)
+
+    def product() -> torch.Tensor:
+        with torch.inference_mode():
+            return layer(x)
+
+    first = product()
+    assert torch.equal(product(), first) and len(packs) == 1  # kept from the first call
+    torch.testing.assert_close(first, F.linear(x, layer.weight, layer.bias), rtol=0, atol=1e-5)
+    with torch.no_grad():  # written in place, as an engine's weight update does
+        layer.weight.copy_(torch.randn(70, 40))
+    updated = product()
+    assert len(packs) == 2
+
+    def packed_now() -> torch.Tensor:  # the same kernel on the weight packed afresh
+        with torch.inference_mode():
+            return cpu_linear._product(x, 6, real(layer.weight), layer.weight, layer.bias)
+
+    assert torch.equal(updated, packed_now())
+    layer.weight.data = torch.randn(70, 40)  # replaced
+    replaced = product()
+    assert len(packs) == 3
+    assert torch.equal(replaced, packed_now())
+    assert product() is not replaced and len(packs) == 3
 
 
 def test_batch_and_sequence_dims_are_kept() -> None:

@@ -31,11 +31,11 @@ class HFEngineConfig(Section):
     cpu_kernel: bool = True
     """On the CPU in float32, a decode step's products of 4 to 32 rows by asyncrl's own
     kernel (:mod:`asyncrl.engines.cpu_linear`: AVX-512, compiled on first use with the
-    system's C compiler; decode steps of 5-16 rows 1.2-1.3× less CPU time than through
-    MKL on an Intel Xeon with AMX, and no transposing copy at a weight update), where it
-    can run and ``max_batch_size`` is at most 32 (steps of more rows run faster on
-    torch's products of column-major weights); else torch's, on column-major weights.
-    ``false``: torch's always."""
+    system's C compiler; it reads a packed copy of each weight, made again after an
+    update, so the linear weights take twice their memory), where it can run and
+    ``max_batch_size`` is at most 32 (steps of more rows run faster on torch's products of
+    column-major weights); else torch's, on column-major weights. ``false``: torch's
+    always."""
     shared_prefix_attention: bool = True
     """Decode rows that hold the same cached prefix (a system prompt, a group's prompt)
     with cascade attention: their queries read one copy of the prefix's keys and values,

@@ -1,15 +1,19 @@
 """The hf engine's linear layers on the CPU in float32: a product of a few rows of our own.
 
-A decode step multiplies a few dozen rows, or a few, by every weight of the model. torch
-hands such a product to MKL, which packs the weight into blocks before it multiplies; at
-a few dozen rows and fewer that is a large part of the product's time. This kernel reads
-the weight once, as loaded (row-major ``[out, in]``), 14 of its rows at a time, and
-multiplies them by all the input rows kept transposed in registers and L2 (AVX-512, 16
-rows a vector), prefetching the next 14. Inside a shared run on a 2-core Intel Xeon with
-AMX, SmolLM2-135M's fp32 decode steps of 5-16 rows took 1.2-1.3× less CPU time than
-through MKL on column-major weights, those of 25-32 rows 1.03-1.10× less; and the
-weights, as loaded, need no transposing copy at an update (bench/README, "A product of
-our own").
+A decode step multiplies a few dozen rows, or a few, by every weight of the model; at
+such rows the product's time is mostly reading the weight from memory. torch hands it to
+MKL, which packs the weight into blocks at every call, a large part of the product's time
+at a few dozen rows and fewer. This kernel multiplies by a copy of the weight packed once
+(:func:`pack`: ``[ceil(N / 32), K, 32]``, 32 of its output rows side by side at each input
+feature), so that a block of 32 outputs is one sequential stream: at each input feature
+it loads the block's two vectors (AVX-512) and multiplies them by each input row's value,
+up to 12 rows in 24 accumulators; more rows take the block again from the cache, and the
+next block is prefetched meanwhile. :class:`DecodeLinear` makes the copy at its first
+such product and again once its weight has changed (a weight update): one more copy of
+the linear layers' weights in memory. On a 2-core Intel Xeon with AMX, SmolLM2-135M's
+products of 4-20 rows streamed their weights 1.2-1.4× as fast as the kernel this one
+replaced (which read the weight as loaded, 14 rows at a time), those of 24-32 rows as
+fast (bench/README, "A product of our own").
 
 Each output element is one chain of multiply-adds over the input features in order, so a
 row's result does not depend on which other rows of a call of 4 to 32 it is computed with
@@ -39,7 +43,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,117 +54,143 @@ log = get_logger(part="cpu-linear")
 
 MIN_ROWS, MAX_ROWS = 4, 32
 """The rows of the products sent to the kernel. Fewer go to ``F.linear``: MKL's product of
-one to three rows (a matrix-vector product, in effect) streams the weight faster than
-this kernel, which multiplies 16 rows whatever it is given. More go there too: from 33
-rows on MKL's packing pays (a product of 48-64 rows by this kernel took as long or
-longer), and a prefill's product is larger still."""
+one to three rows (a matrix-vector product, in effect) streams the weight as fast or a
+little faster. More go there too: from 33 rows on MKL's packing pays for itself, and a
+prefill's product is larger still."""
+
+BLOCK_ROWS = 32
+"""The weight rows the kernel multiplies at once: two AVX-512 vectors of 16 floats."""
 
 SOURCE = r"""
 #include <stdint.h>
-#include <stdlib.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* x^T of the call, [K][mp] with the rows zero-padded to mp (a multiple of 16): kept per
-   thread, grown as needed. */
-static __thread float *xt_buf;
-static __thread size_t xt_cap;
-
-static float *xt_get(size_t n) {
-    if (n > xt_cap) {
-        free(xt_buf);
-        xt_buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
-        xt_cap = xt_buf ? n : 0;
-    }
-    return xt_buf;
-}
-
-/* One tile: weight rows n0..n0+MR-1 (of which `rows` exist) by the 16*NV input rows
-   m0.. of x^T, each output one chain of multiply-adds over k in order. Prefetches
-   `pfn` bytes at `pf` (the next tile) a line per k. Scatters the results to out[m, n]. */
-#define TILE(MR, NV)                                                                     \
-    static void tile_##MR##_##NV(const float *w, int64_t ws, int64_t K, const float *xt,  \
-                                 int64_t mp, const float *bias, float *out, int64_t os,  \
-                                 int64_t m0, int64_t mvalid, int rows, const char *pf,   \
-                                 int64_t pfn) {                                          \
-        __m512 acc[MR][NV];                                                              \
-        const float *wr[MR];                                                             \
-        for (int i = 0; i < MR; i++) {                                                   \
-            for (int v = 0; v < NV; v++)                                                 \
-                acc[i][v] = _mm512_set1_ps(bias && i < rows ? bias[i] : 0.0f);           \
-            wr[i] = w + (int64_t)(i < rows ? i : 0) * ws;                                \
+/* MC input rows by one block of 32 weight rows packed [K][32], two vectors of 16: lane j
+   of out[i] is bias[j] followed by one chain of fused multiply-adds x[i][k] * w[k][j] over
+   k in order. Only the lanes in `lo`/`hi` are stored (a weight's last block may be short).
+   Prefetches `pfn` bytes at `pf` (the next block), two lines per k. */
+#define BLOCK(MC)                                                                        \
+    static void block_##MC(const float *wp, int64_t K, const float *x, int64_t xs,        \
+                           __m512 b0, __m512 b1, float *out, int64_t os, __mmask16 lo,    \
+                           __mmask16 hi, const char *pf, int64_t pfn) {                   \
+        __m512 acc0[MC], acc1[MC];                                                       \
+        for (int i = 0; i < MC; i++) {                                                   \
+            acc0[i] = b0;                                                                \
+            acc1[i] = b1;                                                                \
         }                                                                                \
         for (int64_t k = 0; k < K; k++) {                                                \
-            if (k * 64 < pfn) _mm_prefetch(pf + k * 64, _MM_HINT_T0);                    \
-            __m512 xv[NV];                                                               \
-            for (int v = 0; v < NV; v++) xv[v] = _mm512_load_ps(xt + k * mp + m0 + 16 * v); \
-            for (int i = 0; i < MR; i++) {                                               \
-                __m512 a = _mm512_set1_ps(wr[i][k]);                                     \
-                for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(a, xv[v], acc[i][v]); \
+            if (k * 128 < pfn) {                                                         \
+                _mm_prefetch(pf + k * 128, _MM_HINT_T0);                                 \
+                _mm_prefetch(pf + k * 128 + 64, _MM_HINT_T0);                            \
+            }                                                                            \
+            __m512 w0 = _mm512_loadu_ps(wp + k * 32);                                    \
+            __m512 w1 = _mm512_loadu_ps(wp + k * 32 + 16);                               \
+            for (int i = 0; i < MC; i++) {                                               \
+                __m512 xi = _mm512_set1_ps(x[i * xs + k]);                               \
+                acc0[i] = _mm512_fmadd_ps(w0, xi, acc0[i]);                              \
+                acc1[i] = _mm512_fmadd_ps(w1, xi, acc1[i]);                              \
             }                                                                            \
         }                                                                                \
-        __m512i idx = _mm512_mullo_epi32(                                                \
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),     \
-            _mm512_set1_epi32((int)os));                                                 \
-        for (int v = 0; v < NV; v++) {                                                   \
-            int64_t left = mvalid - 16 * v;                                              \
-            if (left <= 0) break;                                                        \
-            __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);        \
-            float *base = out + (m0 + 16 * v) * os;                                      \
-            for (int i = 0; i < MR && i < rows; i++)                                     \
-                _mm512_mask_i32scatter_ps(base + i, mask, idx, acc[i][v], 4);            \
+        for (int i = 0; i < MC; i++) {                                                   \
+            _mm512_mask_storeu_ps(out + i * os, lo, acc0[i]);                            \
+            _mm512_mask_storeu_ps(out + i * os + 16, hi, acc1[i]);                       \
         }                                                                                \
     }
 
-TILE(14, 1)
-TILE(14, 2)
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
+BLOCK(7) BLOCK(8) BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
+
+typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, __m512, __m512,
+                         float *, int64_t, __mmask16, __mmask16, const char *, int64_t);
+static const block_fn blocks[13] = {0,       block_1, block_2,  block_3,  block_4,
+                                    block_5, block_6, block_7,  block_8,  block_9,
+                                    block_10, block_11, block_12};
+
+static __mmask16 lanes(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
 int asyncrl_cpu_linear_lanes(void) { return 16; }
 
-/* out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]); x [M, K] rows xs apart, w [N, K] rows
-   ws apart, out [M, N] rows os apart. 0 when done, < 0 when it cannot. */
-int asyncrl_cpu_linear(const float *x, int64_t M, int64_t K, int64_t xs, const float *w,
-                       int64_t N, int64_t ws, const float *bias, float *out, int64_t os) {
-    if (M < 1 || K < 1 || N < 1 || os * 15 > INT32_MAX) return -1;
-    int64_t mp = (M + 15) / 16 * 16;
-    float *xt = xt_get((size_t)(K * mp));
-    if (!xt) return -2;
-    for (int64_t k = 0; k < K; k++) {
-        float *row = xt + k * mp;
-        for (int64_t m = 0; m < M; m++) row[m] = x[m * xs + k];
-        for (int64_t m = M; m < mp; m++) row[m] = 0.0f;
+/* w [N, K] (rows ws apart) packed into wp [ceil(N / 32)][K][32], zero rows past N: the
+   block's 32 rows read side by side, 16 features at a time, into a tile in L1; the packed
+   block written in order, past the caches (nothing reads it before the next product). */
+void asyncrl_cpu_pack(const float *w, int64_t N, int64_t K, int64_t ws, float *wp) {
+    __m512i col = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(16));
+    float tile[32][16] __attribute__((aligned(64)));
+    for (int64_t n0 = 0; n0 < N; n0 += 32) {
+        float *block = wp + n0 * K;
+        int64_t rows = N - n0 < 32 ? N - n0 : 32;
+        for (int64_t k0 = 0; k0 < K; k0 += 16) {
+            int64_t kn = K - k0 < 16 ? K - k0 : 16;
+            __mmask16 m = (__mmask16)((1u << kn) - 1);
+            for (int64_t j = 0; j < 32; j++)
+                _mm512_store_ps(tile[j], j < rows ? _mm512_maskz_loadu_ps(m, w + (n0 + j) * ws + k0)
+                                                  : _mm512_setzero_ps());
+            for (int64_t k = 0; k < kn; k++) {
+                float *dst = block + (k0 + k) * 32;
+                __m512 lo = _mm512_i32gather_ps(col, &tile[0][k], 4);
+                __m512 hi = _mm512_i32gather_ps(col, &tile[16][k], 4);
+                if (((uintptr_t)dst & 63) == 0) {
+                    _mm512_stream_ps(dst, lo);
+                    _mm512_stream_ps(dst + 16, hi);
+                } else {
+                    _mm512_storeu_ps(dst, lo);
+                    _mm512_storeu_ps(dst + 16, hi);
+                }
+            }
+        }
     }
-    for (int64_t m0 = 0; m0 < M; m0 += 32) { /* 32 rows a pass over the weight */
-        int64_t chunk = M - m0 < 32 ? M - m0 : 32;
-        for (int64_t n0 = 0; n0 < N; n0 += 14) {
-            int rows = N - n0 < 14 ? (int)(N - n0) : 14;
-            int64_t next = N - (n0 + 14);
-            next = next < 0 ? 0 : next > 14 ? 14 : next;
-            const char *pf = (const char *)(w + (n0 + 14) * ws);
-            int64_t pfn = next * ws * (int64_t)sizeof(float);
-            const float *b = bias ? bias + n0 : 0;
-            const float *wt = w + n0 * ws;
-            float *o = out + n0;
-            if (chunk <= 16)
-                tile_14_1(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn);
-            else
-                tile_14_2(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn);
+    _mm_sfence();
+}
+
+/* out[m, n] = bias[n] + sum_k x[m, k] w[n, k]; x [M, K] rows xs apart, the weight packed
+   as [ceil(N / 32)][K][32] (wp[b][k][j] = w[32 b + j, k], zero past N), out [M, N] rows
+   os apart, bias [N] or null. 0 when done, < 0 when it cannot. */
+int asyncrl_cpu_linear(const float *x, int64_t M, int64_t K, int64_t xs, const float *wp,
+                       int64_t N, const float *bias, float *out, int64_t os) {
+    if (M < 1 || K < 1 || N < 1) return -1;
+    int64_t chunks = (M + 11) / 12; /* at most 12 rows at once: 24 accumulators */
+    for (int64_t n0 = 0; n0 < N; n0 += 32) {
+        __mmask16 lo = lanes(N - n0), hi = lanes(N - n0 - 16);
+        __m512 b0 = bias ? _mm512_maskz_loadu_ps(lo, bias + n0) : _mm512_setzero_ps();
+        __m512 b1 = bias ? _mm512_maskz_loadu_ps(hi, bias + n0 + 16) : _mm512_setzero_ps();
+        const float *w = wp + n0 * K;
+        const char *pf = (const char *)(w + 32 * K);
+        int64_t pfn = N - n0 > 32 ? 32 * K * (int64_t)sizeof(float) : 0;
+        for (int64_t c = 0, m0 = 0; c < chunks; c++) { /* the block stays in cache */
+            int64_t mc = (M - m0 + (chunks - c) - 1) / (chunks - c);
+            blocks[mc](w, K, x + m0 * xs, xs, b0, b1, out + m0 * os + n0, os, lo, hi, pf, pfn);
+            m0 += mc;
+            pfn = 0;
         }
     }
     return 0;
 }
 #else
 int asyncrl_cpu_linear_lanes(void) { return 0; }
-int asyncrl_cpu_linear(const float *x, int64_t M, int64_t K, int64_t xs, const float *w,
-                       int64_t N, int64_t ws, const float *bias, float *out, int64_t os) {
+void asyncrl_cpu_pack(const float *w, int64_t N, int64_t K, int64_t ws, float *wp) {}
+int asyncrl_cpu_linear(const float *x, int64_t M, int64_t K, int64_t xs, const float *wp,
+                       int64_t N, const float *bias, float *out, int64_t os) {
     return -3;
 }
 #endif
 """
 
+
+class Kernel(NamedTuple):
+    """The compiled library's entry points."""
+
+    product: Callable[..., int]
+    """``asyncrl_cpu_linear``: a product by a packed weight."""
+    pack: Callable[..., None]
+    """``asyncrl_cpu_pack``: a weight packed."""
+
+
 _lock = threading.Lock()
-_loaded: list[Callable[..., int] | None] = []
+_loaded: list[Kernel | None] = []
 """The kernel once loaded (or ``None`` where it cannot be), loaded at most once."""
 
 
@@ -211,23 +241,28 @@ def _build() -> Path:
     return target
 
 
-def kernel() -> Callable[..., int] | None:
-    """The kernel's entry point, compiled and loaded on the first call; ``None`` where it
+def kernel() -> Kernel | None:
+    """The kernel's entry points, compiled and loaded on the first call; ``None`` where it
     cannot run here (the reason logged once)."""
     with _lock:
         if not _loaded:
-            fn: Callable[..., int] | None = None
+            fn: Kernel | None = None
             try:
                 lib = ctypes.CDLL(str(_build()))
                 if lib.asyncrl_cpu_linear_lanes() == 0:
                     raise RuntimeError("this CPU has no AVX-512")
-                fn = lib.asyncrl_cpu_linear
-                fn.restype = ctypes.c_int
-                fn.argtypes = [
+                product, packer = lib.asyncrl_cpu_linear, lib.asyncrl_cpu_pack
+                product.restype, packer.restype = ctypes.c_int, None
+                product.argtypes = [
                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                    ctypes.c_void_p, ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64,
                 ]  # fmt: skip
+                packer.argtypes = [
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                    ctypes.c_void_p,
+                ]  # fmt: skip
+                fn = Kernel(product, packer)
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.warning(
                     "the CPU decode kernel is not available: linear layers use torch's "
@@ -238,14 +273,30 @@ def kernel() -> Callable[..., int] | None:
         return _loaded[0]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` by the kernel where it takes the call (see the module's
-    docstring), else by torch."""
-    fn = _loaded[0] if _loaded else None
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` ``[N, K]`` (float32, on the CPU) as the kernel reads it: ``[ceil(N / 32),
+    K, 32]``, 32 of its rows side by side at each input feature, zero rows past ``N``;
+    written into ``out`` where it has that shape (no new memory to fault in). Needs the
+    kernel (:func:`kernel`)."""
+    fn = kernel()
+    if fn is None:
+        raise RuntimeError("the CPU decode kernel cannot run here")
+    n, k = weight.shape
+    rows = weight.detach().contiguous()
+    shape = (-(-n // BLOCK_ROWS), k, BLOCK_ROWS)
+    if out is None or tuple(out.shape) != shape or not out.is_contiguous():
+        out = torch.empty(shape, dtype=torch.float32)
+    fn.pack(rows.data_ptr(), n, k, k, out.data_ptr())
+    return out
+
+
+def _rows_taken(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The rows of ``x`` where the kernel takes this call (see the module's docstring), else 0."""
     k = weight.shape[-1]
     rows = x.numel() // k if k else 0
     if (
-        fn is None
+        not _loaded
+        or _loaded[0] is None
         or not MIN_ROWS <= rows <= MAX_ROWS
         or x.dtype != torch.float32
         or weight.dtype != torch.float32
@@ -255,12 +306,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         or torch.is_grad_enabled()
         or torch.get_num_threads() != 1
     ):
-        return F.linear(x, weight, bias)
-    n = weight.shape[0]
+        return 0
+    return rows
+
+
+def _product(
+    x: torch.Tensor,
+    rows: int,
+    packed: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    fn = _loaded[0]
+    assert fn is not None
+    n, k = weight.shape
     x2 = x.reshape(rows, k).contiguous()
     out = torch.empty(rows, n, dtype=torch.float32)
-    code = fn(
-        x2.data_ptr(), rows, k, k, weight.data_ptr(), n, k,
+    code = fn.product(
+        x2.data_ptr(), rows, k, k, packed.data_ptr(), n,
         None if bias is None else bias.data_ptr(), out.data_ptr(), n,
     )  # fmt: skip
     if code != 0:
@@ -268,12 +331,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.view(*x.shape[:-1], n)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by the kernel where it takes the call (see the module's
+    docstring), else by torch. Packs ``weight`` for this call alone: a layer that multiplies
+    by the same weight again keeps its packed copy (:class:`DecodeLinear`)."""
+    rows = _rows_taken(x, weight, bias)
+    if not rows:
+        return F.linear(x, weight, bias)
+    return _product(x, rows, pack(weight), weight, bias)
+
+
 class DecodeLinear(torch.nn.Linear):
     """A ``torch.nn.Linear`` whose inference products of a few rows go to the kernel
-    (:func:`linear`); its parameters and state dict are the Linear's."""
+    (:func:`linear`), through a packed copy of its weight made at the first such product
+    and made again once the weight has changed (written in place, or replaced, as a weight
+    update does); its parameters and state dict are the Linear's."""
+
+    _packed: tuple[torch.UntypedStorage, int, int, torch.Tensor] | None = None
+    """The packed copy, with what it was packed from: the weight's storage (held, so that
+    no other tensor can take its address), address and version counter. An update packs
+    into the same copy."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias)
+        rows = _rows_taken(input, self.weight, self.bias)
+        if not rows:
+            return F.linear(input, self.weight, self.bias)
+        return _product(input, rows, self.packed_weight(), self.weight, self.bias)
+
+    def packed_weight(self) -> torch.Tensor:
+        """The weight as the kernel reads it (:func:`pack`), packed again where it changed."""
+        w = self.weight
+        held = self._packed
+        if held is None or held[1:3] != (w.data_ptr(), w._version):
+            into = None if held is None else held[3]  # the old copy, written over
+            self._packed = None  # the old weight's storage no longer held
+            held = (w.untyped_storage(), w.data_ptr(), w._version, pack(w, into))
+            self._packed = held
+        return held[3]
 
 
 def install(model: Any) -> int:
