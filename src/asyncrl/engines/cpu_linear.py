@@ -3,17 +3,19 @@
 A decode step multiplies a few dozen rows, or a few, by every weight of the model; at
 such rows the product's time is mostly reading the weight from memory. torch hands it to
 MKL, which packs the weight into blocks at every call, a large part of the product's time
-at a few dozen rows and fewer. This kernel multiplies by a copy of the weight packed once
-(:func:`pack`: ``[ceil(N / 32), K, 32]``, 32 of its output rows side by side at each input
-feature), so that a block of 32 outputs is one sequential stream: at each input feature
-it loads the block's two vectors (AVX-512) and multiplies them by each input row's value,
-up to 12 rows in 24 accumulators; more rows take the block again from the cache, and the
-next block is prefetched meanwhile. :class:`DecodeLinear` makes the copy at its first
-such product and again once its weight has changed (a weight update): one more copy of
-the linear layers' weights in memory. On a 2-core Intel Xeon with AMX, SmolLM2-135M's
-products of 4-20 rows streamed their weights 1.2-1.4× as fast as the kernel this one
-replaced (which read the weight as loaded, 14 rows at a time), those of 24-32 rows as
-fast (bench/README, "A product of our own").
+at a few dozen rows and fewer. Up to :data:`PACKED_MAX_ROWS` rows this kernel multiplies
+by a copy of the weight packed once (:func:`pack`: ``[ceil(N / 32), K, 32]``, 32 of its
+output rows side by side at each input feature), so that a block of 32 outputs is one
+sequential stream: at each input feature it loads the block's two vectors (AVX-512) and
+multiplies them by each input row's value, up to 12 rows in 24 accumulators; more rows
+take the block again from the cache, and the next block is prefetched meanwhile.
+:class:`DecodeLinear` makes the copy at its first such product and again once its
+weight has changed (a weight update, packed into the same memory): one more copy of the
+linear layers' weights. Products of more rows, where the multiply-adds bound the time,
+read the weight as loaded, 14 of its rows at a time against all the input rows held
+transposed, 16 a vector. On a 2-core Intel Xeon with AMX, SmolLM2-135M's products of
+4-12 rows took 1.2-1.3× less time through the packed copy than through the weight as
+loaded (bench/README, "A product of our own").
 
 Each output element is one chain of multiply-adds over the input features in order, so a
 row's result does not depend on which other rows of a call of 4 to 32 it is computed with
@@ -61,8 +63,16 @@ prefill's product is larger still."""
 BLOCK_ROWS = 32
 """The weight rows the kernel multiplies at once: two AVX-512 vectors of 16 floats."""
 
+PACKED_MAX_ROWS = 24
+"""Products of up to this many rows read the packed weight; more (25 to 32) read the
+weight as loaded, 14 of its rows at a time against all the rows held transposed (16 a
+vector), which is as fast or faster there: at so many rows the product is bound by the
+multiply-adds, not by reading the weight, and that kernel loads fewer operands per
+multiply-add."""
+
 SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -149,8 +159,8 @@ void asyncrl_cpu_pack(const float *w, int64_t N, int64_t K, int64_t ws, float *w
 /* out[m, n] = bias[n] + sum_k x[m, k] w[n, k]; x [M, K] rows xs apart, the weight packed
    as [ceil(N / 32)][K][32] (wp[b][k][j] = w[32 b + j, k], zero past N), out [M, N] rows
    os apart, bias [N] or null. 0 when done, < 0 when it cannot. */
-int asyncrl_cpu_linear(const float *x, int64_t M, int64_t K, int64_t xs, const float *wp,
-                       int64_t N, const float *bias, float *out, int64_t os) {
+int asyncrl_cpu_linear_packed(const float *x, int64_t M, int64_t K, int64_t xs, const float *wp,
+                              int64_t N, const float *bias, float *out, int64_t os) {
     if (M < 1 || K < 1 || N < 1) return -1;
     int64_t chunks = (M + 11) / 12; /* at most 12 rows at once: 24 accumulators */
     for (int64_t n0 = 0; n0 < N; n0 += 32) {
@@ -169,11 +179,102 @@ int asyncrl_cpu_linear(const float *x, int64_t M, int64_t K, int64_t xs, const f
     }
     return 0;
 }
+/* x^T of the call, [K][mp] with the rows zero-padded to mp (a multiple of 16): kept per
+   thread, grown as needed. */
+static __thread float *xt_buf;
+static __thread size_t xt_cap;
+
+static float *xt_get(size_t n) {
+    if (n > xt_cap) {
+        free(xt_buf);
+        xt_buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        xt_cap = xt_buf ? n : 0;
+    }
+    return xt_buf;
+}
+
+/* One tile: weight rows n0..n0+MR-1 (of which `rows` exist) by the 16*NV input rows
+   m0.. of x^T, each output one chain of multiply-adds over k in order. Prefetches
+   `pfn` bytes at `pf` (the next tile) a line per k. Scatters the results to out[m, n]. */
+#define TILE(MR, NV)                                                                     \
+    static void tile_##MR##_##NV(const float *w, int64_t ws, int64_t K, const float *xt,  \
+                                 int64_t mp, const float *bias, float *out, int64_t os,  \
+                                 int64_t m0, int64_t mvalid, int rows, const char *pf,   \
+                                 int64_t pfn) {                                          \
+        __m512 acc[MR][NV];                                                              \
+        const float *wr[MR];                                                             \
+        for (int i = 0; i < MR; i++) {                                                   \
+            for (int v = 0; v < NV; v++)                                                 \
+                acc[i][v] = _mm512_set1_ps(bias && i < rows ? bias[i] : 0.0f);           \
+            wr[i] = w + (int64_t)(i < rows ? i : 0) * ws;                                \
+        }                                                                                \
+        for (int64_t k = 0; k < K; k++) {                                                \
+            if (k * 64 < pfn) _mm_prefetch(pf + k * 64, _MM_HINT_T0);                    \
+            __m512 xv[NV];                                                               \
+            for (int v = 0; v < NV; v++) xv[v] = _mm512_load_ps(xt + k * mp + m0 + 16 * v); \
+            for (int i = 0; i < MR; i++) {                                               \
+                __m512 a = _mm512_set1_ps(wr[i][k]);                                     \
+                for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(a, xv[v], acc[i][v]); \
+            }                                                                            \
+        }                                                                                \
+        __m512i idx = _mm512_mullo_epi32(                                                \
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),     \
+            _mm512_set1_epi32((int)os));                                                 \
+        for (int v = 0; v < NV; v++) {                                                   \
+            int64_t left = mvalid - 16 * v;                                              \
+            if (left <= 0) break;                                                        \
+            __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);        \
+            float *base = out + (m0 + 16 * v) * os;                                      \
+            for (int i = 0; i < MR && i < rows; i++)                                     \
+                _mm512_mask_i32scatter_ps(base + i, mask, idx, acc[i][v], 4);            \
+        }                                                                                \
+    }
+
+TILE(14, 1)
+TILE(14, 2)
+
+/* The same product by the weight as loaded: out[m, n] = bias[n] + sum_k x[m, k] w[n, k];
+   x [M, K] rows xs apart, w [N, K] rows ws apart, out [M, N] rows os apart. 0 when done,
+   < 0 when it cannot. */
+int asyncrl_cpu_linear_rows(const float *x, int64_t M, int64_t K, int64_t xs, const float *w,
+                            int64_t N, int64_t ws, const float *bias, float *out, int64_t os) {
+    if (M < 1 || K < 1 || N < 1 || os * 15 > INT32_MAX) return -1;
+    int64_t mp = (M + 15) / 16 * 16;
+    float *xt = xt_get((size_t)(K * mp));
+    if (!xt) return -2;
+    for (int64_t k = 0; k < K; k++) {
+        float *row = xt + k * mp;
+        for (int64_t m = 0; m < M; m++) row[m] = x[m * xs + k];
+        for (int64_t m = M; m < mp; m++) row[m] = 0.0f;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 32) { /* 32 rows a pass over the weight */
+        int64_t chunk = M - m0 < 32 ? M - m0 : 32;
+        for (int64_t n0 = 0; n0 < N; n0 += 14) {
+            int rows = N - n0 < 14 ? (int)(N - n0) : 14;
+            int64_t next = N - (n0 + 14);
+            next = next < 0 ? 0 : next > 14 ? 14 : next;
+            const char *pf = (const char *)(w + (n0 + 14) * ws);
+            int64_t pfn = next * ws * (int64_t)sizeof(float);
+            const float *b = bias ? bias + n0 : 0;
+            const float *wt = w + n0 * ws;
+            float *o = out + n0;
+            if (chunk <= 16)
+                tile_14_1(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn);
+            else
+                tile_14_2(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn);
+        }
+    }
+    return 0;
+}
 #else
 int asyncrl_cpu_linear_lanes(void) { return 0; }
 void asyncrl_cpu_pack(const float *w, int64_t N, int64_t K, int64_t ws, float *wp) {}
-int asyncrl_cpu_linear(const float *x, int64_t M, int64_t K, int64_t xs, const float *wp,
-                       int64_t N, const float *bias, float *out, int64_t os) {
+int asyncrl_cpu_linear_rows(const float *x, int64_t M, int64_t K, int64_t xs, const float *w,
+                            int64_t N, int64_t ws, const float *bias, float *out, int64_t os) {
+    return -3;
+}
+int asyncrl_cpu_linear_packed(const float *x, int64_t M, int64_t K, int64_t xs, const float *wp,
+                              int64_t N, const float *bias, float *out, int64_t os) {
     return -3;
 }
 #endif
@@ -183,8 +284,10 @@ int asyncrl_cpu_linear(const float *x, int64_t M, int64_t K, int64_t xs, const f
 class Kernel(NamedTuple):
     """The compiled library's entry points."""
 
-    product: Callable[..., int]
-    """``asyncrl_cpu_linear``: a product by a packed weight."""
+    packed: Callable[..., int]
+    """``asyncrl_cpu_linear_packed``: a product by a packed weight."""
+    rows: Callable[..., int]
+    """``asyncrl_cpu_linear_rows``: a product by the weight as loaded."""
     pack: Callable[..., None]
     """``asyncrl_cpu_pack``: a weight packed."""
 
@@ -251,18 +354,14 @@ def kernel() -> Kernel | None:
                 lib = ctypes.CDLL(str(_build()))
                 if lib.asyncrl_cpu_linear_lanes() == 0:
                     raise RuntimeError("this CPU has no AVX-512")
-                product, packer = lib.asyncrl_cpu_linear, lib.asyncrl_cpu_pack
-                product.restype, packer.restype = ctypes.c_int, None
-                product.argtypes = [
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                    ctypes.c_int64,
-                ]  # fmt: skip
-                packer.argtypes = [
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                    ctypes.c_void_p,
-                ]  # fmt: skip
-                fn = Kernel(product, packer)
+                packed, rows = lib.asyncrl_cpu_linear_packed, lib.asyncrl_cpu_linear_rows
+                packer = lib.asyncrl_cpu_pack
+                packed.restype, rows.restype, packer.restype = ctypes.c_int, ctypes.c_int, None
+                i64, ptr = ctypes.c_int64, ctypes.c_void_p
+                packed.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+                rows.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+                packer.argtypes = [ptr, i64, i64, i64, ptr]
+                fn = Kernel(packed, rows, packer)
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.warning(
                     "the CPU decode kernel is not available: linear layers use torch's "
@@ -313,19 +412,23 @@ def _rows_taken(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def _product(
     x: torch.Tensor,
     rows: int,
-    packed: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    packed: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
+    """The kernel's product of ``rows`` rows: by the packed weight (``packed()``) up to
+    :data:`PACKED_MAX_ROWS` rows, by the weight as loaded above."""
     fn = _loaded[0]
     assert fn is not None
     n, k = weight.shape
     x2 = x.reshape(rows, k).contiguous()
     out = torch.empty(rows, n, dtype=torch.float32)
-    code = fn.product(
-        x2.data_ptr(), rows, k, k, packed.data_ptr(), n,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-    )  # fmt: skip
+    b = None if bias is None else bias.data_ptr()
+    if rows <= PACKED_MAX_ROWS:
+        wp = packed()  # held until the call returns
+        code = fn.packed(x2.data_ptr(), rows, k, k, wp.data_ptr(), n, b, out.data_ptr(), n)
+    else:
+        code = fn.rows(x2.data_ptr(), rows, k, k, weight.data_ptr(), n, k, b, out.data_ptr(), n)
     if code != 0:
         return F.linear(x, weight, bias)
     return out.view(*x.shape[:-1], n)
@@ -333,12 +436,13 @@ def _product(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` by the kernel where it takes the call (see the module's
-    docstring), else by torch. Packs ``weight`` for this call alone: a layer that multiplies
-    by the same weight again keeps its packed copy (:class:`DecodeLinear`)."""
+    docstring), else by torch. Packs ``weight`` for this call alone where the product needs
+    it: a layer that multiplies by the same weight again keeps its packed copy
+    (:class:`DecodeLinear`)."""
     rows = _rows_taken(x, weight, bias)
     if not rows:
         return F.linear(x, weight, bias)
-    return _product(x, rows, pack(weight), weight, bias)
+    return _product(x, rows, weight, bias, lambda: pack(weight))
 
 
 class DecodeLinear(torch.nn.Linear):
@@ -356,7 +460,7 @@ class DecodeLinear(torch.nn.Linear):
         rows = _rows_taken(input, self.weight, self.bias)
         if not rows:
             return F.linear(input, self.weight, self.bias)
-        return _product(input, rows, self.packed_weight(), self.weight, self.bias)
+        return _product(input, rows, self.weight, self.bias, self.packed_weight)
 
     def packed_weight(self) -> torch.Tensor:
         """The weight as the kernel reads it (:func:`pack`), packed again where it changed."""
