@@ -380,6 +380,10 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     fn = kernel()
     if fn is None:
         raise RuntimeError("the CPU decode kernel cannot run here")
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(
+            f"packs a 2-D float32 weight on the CPU, not {weight.dtype} {weight.shape}"
+        )
     n, k = weight.shape
     rows = weight.detach().contiguous()
     shape = (-(-n // BLOCK_ROWS), k, BLOCK_ROWS)
