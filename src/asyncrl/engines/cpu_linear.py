@@ -65,10 +65,10 @@ BLOCK_ROWS = 32
 
 PACKED_MAX_ROWS = 24
 """Products of up to this many rows read the packed weight; more (25 to 32) read the
-weight as loaded, 14 of its rows at a time against all the rows held transposed (16 a
-vector), which is as fast or faster there: at so many rows the product is bound by the
-multiply-adds, not by reading the weight, and that kernel loads fewer operands per
-multiply-add."""
+weight as loaded, 14 of its rows at a time against all the rows held transposed in two
+vectors of 16 (that product takes 17 to 32 rows only, so this is at least 16), which is
+as fast or faster there: at so many rows the product is bound by the multiply-adds, not
+by reading the weight, and that kernel loads fewer operands per multiply-add."""
 
 SOURCE = r"""
 #include <stdint.h>
@@ -230,16 +230,15 @@ static float *xt_get(size_t n) {
         }                                                                                \
     }
 
-TILE(14, 1)
 TILE(14, 2)
 
-/* The same product by the weight as loaded: out[m, n] = bias[n] + sum_k x[m, k] w[n, k];
-   x [M, K] rows xs apart, w [N, K] rows ws apart, out [M, N] rows os apart. 0 when done,
-   < 0 when it cannot. */
+/* The same product by the weight as loaded, of 17 to 32 rows (two vectors of them):
+   out[m, n] = bias[n] + sum_k x[m, k] w[n, k]; x [M, K] rows xs apart, w [N, K] rows ws
+   apart, out [M, N] rows os apart. 0 when done, < 0 when it cannot. */
 int asyncrl_cpu_linear_rows(const float *x, int64_t M, int64_t K, int64_t xs, const float *w,
                             int64_t N, int64_t ws, const float *bias, float *out, int64_t os) {
-    if (M < 1 || K < 1 || N < 1 || os * 15 > INT32_MAX) return -1;
-    int64_t mp = (M + 15) / 16 * 16;
+    if (M < 17 || M > 32 || K < 1 || N < 1 || os * 15 > INT32_MAX) return -1;
+    int64_t mp = 32;
     float *xt = xt_get((size_t)(K * mp));
     if (!xt) return -2;
     for (int64_t k = 0; k < K; k++) {
@@ -247,22 +246,14 @@ int asyncrl_cpu_linear_rows(const float *x, int64_t M, int64_t K, int64_t xs, co
         for (int64_t m = 0; m < M; m++) row[m] = x[m * xs + k];
         for (int64_t m = M; m < mp; m++) row[m] = 0.0f;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += 32) { /* 32 rows a pass over the weight */
-        int64_t chunk = M - m0 < 32 ? M - m0 : 32;
-        for (int64_t n0 = 0; n0 < N; n0 += 14) {
-            int rows = N - n0 < 14 ? (int)(N - n0) : 14;
-            int64_t next = N - (n0 + 14);
-            next = next < 0 ? 0 : next > 14 ? 14 : next;
-            const char *pf = (const char *)(w + (n0 + 14) * ws);
-            int64_t pfn = next * ws * (int64_t)sizeof(float);
-            const float *b = bias ? bias + n0 : 0;
-            const float *wt = w + n0 * ws;
-            float *o = out + n0;
-            if (chunk <= 16)
-                tile_14_1(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn);
-            else
-                tile_14_2(wt, ws, K, xt, mp, b, o, os, m0, chunk, rows, pf, pfn);
-        }
+    for (int64_t n0 = 0; n0 < N; n0 += 14) {
+        int rows = N - n0 < 14 ? (int)(N - n0) : 14;
+        int64_t next = N - (n0 + 14);
+        next = next < 0 ? 0 : next > 14 ? 14 : next;
+        const char *pf = (const char *)(w + (n0 + 14) * ws);
+        int64_t pfn = next * ws * (int64_t)sizeof(float);
+        const float *b = bias ? bias + n0 : 0;
+        tile_14_2(w + n0 * ws, ws, K, xt, mp, b, out + n0, os, 0, M, rows, pf, pfn);
     }
     return 0;
 }

@@ -62,9 +62,10 @@ a vision model run as on a text model.
 
 On the CPU in float32 the linear layers' products of a few rows (a decode step's) go to a
 kernel of asyncrl's own (:mod:`asyncrl.engines.cpu_linear`, ``cpu_kernel``): the weights
-stay as loaded, and the kernel reads a packed copy of each. Where that kernel cannot run, and in other dtypes, the engine keeps its
-linear layers' weights column-major (:func:`column_major_linears`: torch's products of a
-few rows run faster so) and weight updates keep that layout.
+stay as loaded, and the kernel reads a packed copy of each. Where that kernel cannot run,
+and in other dtypes, the engine keeps its linear layers' weights column-major
+(:func:`column_major_linears`: torch's products of a few rows run faster so) and weight
+updates keep that layout.
 
 Full weight updates may name a parameter as the model has it or as its checkpoint stores
 it (Qwen2-VL's ``model.layers.…`` for ``model.language_model.layers.…``): transformers'
