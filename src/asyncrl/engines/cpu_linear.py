@@ -135,7 +135,7 @@ void asyncrl_cpu_pack(const float *w, int64_t N, int64_t K, int64_t ws, float *w
         int64_t rows = N - n0 < 32 ? N - n0 : 32;
         for (int64_t k0 = 0; k0 < K; k0 += 16) {
             int64_t kn = K - k0 < 16 ? K - k0 : 16;
-            __mmask16 m = (__mmask16)((1u << kn) - 1);
+            __mmask16 m = lanes(kn);
             for (int64_t j = 0; j < 32; j++)
                 _mm512_store_ps(tile[j], j < rows ? _mm512_maskz_loadu_ps(m, w + (n0 + j) * ws + k0)
                                                   : _mm512_setzero_ps());
@@ -179,8 +179,8 @@ int asyncrl_cpu_linear_packed(const float *x, int64_t M, int64_t K, int64_t xs, 
     }
     return 0;
 }
-/* x^T of the call, [K][mp] with the rows zero-padded to mp (a multiple of 16): kept per
-   thread, grown as needed. */
+/* x^T of the call, [K][mp] with the rows zero-padded to mp (32): kept per thread, grown
+   as needed. */
 static __thread float *xt_buf;
 static __thread size_t xt_cap;
 
@@ -194,12 +194,12 @@ static float *xt_get(size_t n) {
 }
 
 /* One tile: weight rows n0..n0+MR-1 (of which `rows` exist) by the 16*NV input rows
-   m0.. of x^T, each output one chain of multiply-adds over k in order. Prefetches
+   of x^T, each output one chain of multiply-adds over k in order. Prefetches
    `pfn` bytes at `pf` (the next tile) a line per k. Scatters the results to out[m, n]. */
 #define TILE(MR, NV)                                                                     \
     static void tile_##MR##_##NV(const float *w, int64_t ws, int64_t K, const float *xt,  \
                                  int64_t mp, const float *bias, float *out, int64_t os,  \
-                                 int64_t m0, int64_t mvalid, int rows, const char *pf,   \
+                                 int64_t mvalid, int rows, const char *pf,               \
                                  int64_t pfn) {                                          \
         __m512 acc[MR][NV];                                                              \
         const float *wr[MR];                                                             \
@@ -211,7 +211,7 @@ static float *xt_get(size_t n) {
         for (int64_t k = 0; k < K; k++) {                                                \
             if (k * 64 < pfn) _mm_prefetch(pf + k * 64, _MM_HINT_T0);                    \
             __m512 xv[NV];                                                               \
-            for (int v = 0; v < NV; v++) xv[v] = _mm512_load_ps(xt + k * mp + m0 + 16 * v); \
+            for (int v = 0; v < NV; v++) xv[v] = _mm512_load_ps(xt + k * mp + 16 * v);  \
             for (int i = 0; i < MR; i++) {                                               \
                 __m512 a = _mm512_set1_ps(wr[i][k]);                                     \
                 for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(a, xv[v], acc[i][v]); \
@@ -223,8 +223,8 @@ static float *xt_get(size_t n) {
         for (int v = 0; v < NV; v++) {                                                   \
             int64_t left = mvalid - 16 * v;                                              \
             if (left <= 0) break;                                                        \
-            __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);        \
-            float *base = out + (m0 + 16 * v) * os;                                      \
+            __mmask16 mask = lanes(left);                                                \
+            float *base = out + 16 * v * os;                                             \
             for (int i = 0; i < MR && i < rows; i++)                                     \
                 _mm512_mask_i32scatter_ps(base + i, mask, idx, acc[i][v], 4);            \
         }                                                                                \
@@ -253,7 +253,7 @@ int asyncrl_cpu_linear_rows(const float *x, int64_t M, int64_t K, int64_t xs, co
         const char *pf = (const char *)(w + (n0 + 14) * ws);
         int64_t pfn = next * ws * (int64_t)sizeof(float);
         const float *b = bias ? bias + n0 : 0;
-        tile_14_2(w + n0 * ws, ws, K, xt, mp, b, out + n0, os, 0, M, rows, pf, pfn);
+        tile_14_2(w + n0 * ws, ws, K, xt, mp, b, out + n0, os, M, rows, pf, pfn);
     }
     return 0;
 }
