@@ -27,7 +27,9 @@ the multiply-adds of 32 rows it cannot). The engine runs as it does in a rollout
 rows right-aligned in one buffer, plain attention (no prefix cache here; the long
 workload's groups spare too few keys for cascade attention anyway), its linear layers as
 the engine has them on the CPU (``--layout engine``: in fp32 asyncrl's kernel for products
-of a few rows on the weights as loaded, else torch's on column-major weights; ``column``:
+of a few rows on the weights as loaded and each decoder layer in C around them,
+``--torch-layers`` the layers by torch's operations; else torch's products on column-major
+weights; ``column``:
 torch's on column-major weights; ``row``: torch's on the weights as loaded), mimalloc preloaded as ``asyncrl up`` has it
 for its actors (``--allocator system``: the C library's malloc, whose fresh pages cost a
 few thousand page faults a step here).
@@ -64,7 +66,7 @@ from asyncrl.runtime.allocator import use_mimalloc
 
 
 def decode_steps(
-    model: Any, rows: int, group: int, prompt: int, new: int
+    model: Any, rows: int, group: int, prompt: int, new: int, decode_layers: bool = False
 ) -> list[tuple[float, list[int]]]:
     """Join ``rows`` sequences (``rows / group`` prompts of ``prompt`` tokens, ``group``
     rows each) and decode until they finish: each decode step's seconds and the keys
@@ -76,7 +78,7 @@ def decode_steps(
         torch.randint(100, vocab - 100, (prompt,), generator=g).tolist()
         for _ in range(-(-rows // group))
     ]
-    batch = DecodeBatch(model, max_positions=prompt + new + 1)
+    batch = DecodeBatch(model, max_positions=prompt + new + 1, decode_layers=decode_layers)
     joins = [sequence(i, prompts[i // group], new) for i in range(rows)]
     batch.step(joins, set(), 0)  # the prefill (every row's first token) and one decode
     steps = []
@@ -134,6 +136,12 @@ def main() -> None:
         " column-major weights, or torch's on the weights as loaded",
     )
     ap.add_argument(
+        "--torch-layers",
+        action="store_true",
+        help="with --layout engine: every decoder layer through the model's own (torch's"
+        " operations around the kernel's products), not the engine's C layer",
+    )
+    ap.add_argument(
         "--allocator",
         choices=["mimalloc", "system"],
         default="mimalloc",
@@ -146,8 +154,11 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(args.model), dtype=dtype, attn_implementation="sdpa"
     ).eval()
+    layers = False
     if args.layout == "engine":
         layout = cpu_linears(model)
+        layers = layout == "kernel" and not args.torch_layers
+        layout += ", decoder layers in C" if layers else ", decoder layers by torch"
     elif args.layout == "column":
         column_major_linears(model)
         layout = "column-major"
@@ -175,11 +186,11 @@ def main() -> None:
         f"{'':>4} {'mean':>5} {'mean':>8} {'':>8} {'':>6} {'floor':>11} {'floor':>10}"
         f" {'reached':>8} {'reached':>7} {'reached':>9} {'reached':>7} {'at most':>14}"
     )
-    decode_steps(model, args.rows[0], args.group, args.prompt, 8)  # warm-up, not shown
+    decode_steps(model, args.rows[0], args.group, args.prompt, 8, layers)  # warm-up, not shown
     for rows in args.rows:
         # the rows' state differs step by step; the peak and bandwidth are taken between
         # cases again so that a machine whose speed drifts is caught at its best
-        steps = decode_steps(model, rows, args.group, args.prompt, args.new)
+        steps = decode_steps(model, rows, args.group, args.prompt, args.new, layers)
         peak = max(peak, matmul_peak(dtype, matmul_shapes(dims, 2048)))
         bandwidth = max(bandwidth, read_bandwidth())
         r = row(dims, element, steps, peak, bandwidth)

@@ -95,7 +95,7 @@ def test_a_layer_packs_its_weight_once_and_again_after_it_changes(
 
     def packed_now() -> torch.Tensor:  # the same kernel on the weight packed afresh
         with torch.inference_mode():
-            return cpu_linear._product(x, 6, layer.weight, layer.bias, lambda: real(layer.weight))
+            return cpu_linear.product(x, 6, layer.weight, layer.bias, lambda: real(layer.weight))
 
     assert torch.equal(updated, packed_now())
     layer.weight.data = torch.randn(70, 40)  # replaced

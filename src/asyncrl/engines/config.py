@@ -36,6 +36,12 @@ class HFEngineConfig(Section):
     ``max_batch_size`` is at most 32 (steps of more rows run faster on torch's products of
     column-major weights); else torch's, on column-major weights. ``false``: torch's
     always."""
+    cpu_decode_layers: bool = True
+    """With ``cpu_kernel``, a decode step of up to 32 rows computes each decoder layer in one
+    call of the kernel's library (:mod:`asyncrl.engines.cpu_decode`: norms, rotary
+    positions, attention and the activation in C beside the products) instead of some
+    forty torch operations, for llama and qwen2 decoders; the same arithmetic up to the
+    order of float sums. ``false``: through the model's own layers."""
     shared_prefix_attention: bool = True
     """Decode rows that hold the same cached prefix (a system prompt, a group's prompt)
     with cascade attention: their queries read one copy of the prefix's keys and values,

@@ -257,8 +257,220 @@ int asyncrl_cpu_linear_rows(const float *x, int64_t M, int64_t K, int64_t xs, co
     }
     return 0;
 }
+/* ---- a decoder layer of a decode step, whole (the llama / qwen2 kind) ------------------ */
+
+typedef struct {
+    const float *packed; /* [ceil(n / 32)][k][32] (asyncrl_cpu_pack) */
+    const float *weight; /* [n][k] as loaded */
+    const float *bias;   /* [n] or null */
+    int64_t n, k;
+} asyncrl_linear;
+
+typedef struct {
+    asyncrl_linear q, k, v, o, gate, up, down;
+    const float *norm1, *norm2; /* the RMSNorms' weights [d] */
+    float eps1, eps2;
+    float *keys, *values;              /* this layer's [rows][kv heads][columns][head dim] */
+    int64_t row_stride, head_stride;   /* in floats; a column is head dim floats */
+} asyncrl_layer;
+
+/* out = x w^T + bias, m rows: by the packed weight up to 24 rows, else as loaded */
+static int product(const asyncrl_linear *l, const float *x, int64_t m, float *out) {
+    if (m <= 24) return asyncrl_cpu_linear_packed(x, m, l->k, l->k, l->packed, l->n, l->bias, out, l->n);
+    return asyncrl_cpu_linear_rows(x, m, l->k, l->k, l->weight, l->n, l->k, l->bias, out, l->n);
+}
+
+/* transformers' RMSNorm in float32: w * (x * 1 / sqrt(mean(x^2) + eps)) */
+static void rms_norm(const float *x, int64_t d, const float *w, float eps, float *out) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (; i < d; i++) ss += x[i] * x[i];
+    float r = 1.0f / __builtin_sqrtf(ss / (float)d + eps);
+    for (i = 0; i < d; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* e^x, 16 lanes: 2^n e^r with n = round(x / ln 2) and e^r by its Taylor polynomial to
+   r^7 / 7! (|r| <= ln 2 / 2: relative error under 2e-7); x below -87 gives 0 or a
+   denormal, above 88 infinity is not reached here (scores minus their maximum are <= 0,
+   a gate's negation is clamped). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* x * cos + rotate_half(x) * sin over one head of `hd` (rotate_half: the halves swapped,
+   the first negated) */
+static void rotate(float *x, int64_t hd, const float *cos, const float *sin) {
+    float t[512];
+    int64_t h = hd / 2;
+    for (int64_t i = 0; i < hd; i++) t[i] = i < h ? -x[i + h] : x[i - h];
+    for (int64_t i = 0; i < hd; i++) x[i] = x[i] * cos[i] + t[i] * sin[i];
+}
+
+/* Work memory, per thread, grown as needed. */
+static __thread float *work_buf;
+static __thread size_t work_cap;
+
+static float *work_get(size_t n) {
+    if (n > work_cap) {
+        free(work_buf);
+        work_buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        work_cap = work_buf ? n : 0;
+    }
+    return work_buf;
+}
+
+/* One decoder layer for `rows` rows of one token each, in place on the residual stream
+   x [rows][d]: RMSNorm, q/k/v products, rotary positions (cos/sin [rows][hd]), the new
+   keys and values written at column `cols - 1`, attention of each query head over the
+   columns `mask` [rows][cols] allows (its key head's, read once for the heads that share
+   it), the output product added to x; RMSNorm, gate and up products, silu(gate) * up, the
+   down product added to x. hd a multiple of 16, at most 512; rows 1 to 32; at most 64 query
+   heads a key head. 0 when done, < 0 when it cannot (then x and the column written are
+   not to be used: the step is to be run again another way). */
+int asyncrl_decode_layer(const asyncrl_layer *L, float *x, int64_t rows, int64_t d,
+                         int64_t heads, int64_t kv_heads, int64_t hd, const float *cos,
+                         const float *sin, const uint8_t *mask, int64_t cols, float scale) {
+    if (rows < 1 || rows > 32 || hd % 16 || hd > 512 || kv_heads < 1 || heads % kv_heads ||
+        heads / kv_heads > 64 || cols < 1)
+        return -1;
+    int64_t g = heads / kv_heads, f = L->gate.n, qd = heads * hd, kd = kv_heads * hd;
+    int64_t vecs = hd / 16;
+    int64_t chunks = (cols + 15) / 16;
+    size_t need = (size_t)(rows * (d + qd + 2 * kd + qd + 2 * f + d) + g * cols + g * hd + chunks);
+    float *w = work_get(need);
+    if (!w) return -2;
+    float *h = w, *q = h + rows * d, *k = q + rows * qd, *v = k + rows * kd, *a = v + rows * kd;
+    float *gate = a + rows * qd, *up = gate + rows * f, *tmp = up + rows * f;
+    float *score = tmp + rows * d, *acc = score + g * cols;
+    __mmask16 *allowed = (__mmask16 *)(acc + g * hd); /* a row's mask, 16 columns a word */
+    int64_t col = cols - 1;
+    int code = 0;
+
+    for (int64_t r = 0; r < rows; r++) rms_norm(x + r * d, d, L->norm1, L->eps1, h + r * d);
+    code |= product(&L->q, h, rows, q);
+    code |= product(&L->k, h, rows, k);
+    code |= product(&L->v, h, rows, v);
+    if (code) return -3;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t j = 0; j < heads; j++) rotate(q + r * qd + j * hd, hd, cos + r * hd, sin + r * hd);
+        for (int64_t j = 0; j < kv_heads; j++) {
+            rotate(k + r * kd + j * hd, hd, cos + r * hd, sin + r * hd);
+            int64_t at = r * L->row_stride + j * L->head_stride + col * hd;
+            for (int64_t i = 0; i < hd; i++) {
+                L->keys[at + i] = k[r * kd + j * hd + i];
+                L->values[at + i] = v[r * kd + j * hd + i];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *m = mask + r * cols;
+        for (int64_t b = 0; b < chunks; b++) {
+            __mmask16 bits = 0;
+            for (int64_t t = 0; t < 16 && 16 * b + t < cols; t++)
+                if (m[16 * b + t]) bits |= (__mmask16)(1u << t);
+            allowed[b] = bits;
+        }
+        for (int64_t kh = 0; kh < kv_heads; kh++) {
+            const float *K = L->keys + r * L->row_stride + kh * L->head_stride;
+            const float *V = L->values + r * L->row_stride + kh * L->head_stride;
+            const float *qh = q + r * qd + kh * g * hd;
+            float top[64];
+            for (int64_t j = 0; j < g; j++) top[j] = -__builtin_inff();
+            /* scores: each allowed column's key read once for the g query heads */
+            for (int64_t c = 0; c < cols; c++) {
+                if (!m[c]) continue;
+                for (int64_t j = 0; j < g; j++) {
+                    __m512 s = _mm512_setzero_ps();
+                    for (int64_t u = 0; u < vecs; u++)
+                        s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j * hd + 16 * u),
+                                            _mm512_loadu_ps(K + c * hd + 16 * u), s);
+                    float sc = _mm512_reduce_add_ps(s) * scale;
+                    score[j * cols + c] = sc;
+                    if (sc > top[j]) top[j] = sc;
+                }
+            }
+            /* weights e^(s - max), their sums, and the weighted values */
+            float total[64];
+            for (int64_t j = 0; j < g; j++) {
+                total[j] = 0.0f;
+                for (int64_t i = 0; i < hd; i++) acc[j * hd + i] = 0.0f;
+            }
+            for (int64_t j = 0; j < g; j++) {
+                float *s = score + j * cols;
+                int64_t c = 0;
+                __m512 sum = _mm512_setzero_ps();
+                __m512 mx = _mm512_set1_ps(top[j]);
+                for (; c < cols; c += 16) {
+                    __mmask16 ok = allowed[c / 16];
+                    __m512 e = _mm512_maskz_mov_ps(
+                        ok, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(ok, s + c), mx)));
+                    _mm512_mask_storeu_ps(s + c, ok, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                total[j] = _mm512_reduce_add_ps(sum);
+            }
+            for (int64_t c = 0; c < cols; c++) {
+                if (!m[c]) continue;
+                for (int64_t u = 0; u < vecs; u++) {
+                    __m512 val = _mm512_loadu_ps(V + c * hd + 16 * u);
+                    for (int64_t j = 0; j < g; j++) {
+                        float *o = acc + j * hd + 16 * u;
+                        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(score[j * cols + c]),
+                                                            val, _mm512_loadu_ps(o)));
+                    }
+                }
+            }
+            for (int64_t j = 0; j < g; j++) {
+                float inv = 1.0f / total[j];
+                float *out = a + r * qd + (kh * g + j) * hd;
+                for (int64_t i = 0; i < hd; i++) out[i] = acc[j * hd + i] * inv;
+            }
+        }
+    }
+    if (product(&L->o, a, rows, tmp)) return -3;
+    for (int64_t i = 0; i < rows * d; i++) x[i] += tmp[i];
+    for (int64_t r = 0; r < rows; r++) rms_norm(x + r * d, d, L->norm2, L->eps2, h + r * d);
+    code |= product(&L->gate, h, rows, gate);
+    code |= product(&L->up, h, rows, up);
+    if (code) return -3;
+    /* silu(gate) * up, silu(z) = z / (1 + e^-z) */
+    int64_t n = rows * f, i = 0;
+    for (; i < n; i += 16) {
+        __mmask16 in = lanes(n - i);
+        __m512 z = _mm512_maskz_loadu_ps(in, gate + i);
+        __m512 s = _mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+        _mm512_mask_storeu_ps(gate + i, in, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(in, up + i)));
+    }
+    if (product(&L->down, gate, rows, tmp)) return -3;
+    for (int64_t j = 0; j < rows * d; j++) x[j] += tmp[j];
+    return 0;
+}
 #else
 int asyncrl_cpu_linear_lanes(void) { return 0; }
+int asyncrl_decode_layer(const void *L, float *x, int64_t rows, int64_t d, int64_t heads,
+                         int64_t kv_heads, int64_t hd, const float *cos, const float *sin,
+                         const uint8_t *mask, int64_t cols, float scale) {
+    return -3;
+}
 void asyncrl_cpu_pack(const float *w, int64_t N, int64_t K, int64_t ws, float *wp) {}
 int asyncrl_cpu_linear_rows(const float *x, int64_t M, int64_t K, int64_t xs, const float *w,
                             int64_t N, int64_t ws, const float *bias, float *out, int64_t os) {
@@ -281,6 +493,9 @@ class Kernel(NamedTuple):
     """``asyncrl_cpu_linear_rows``: a product by the weight as loaded."""
     pack: Callable[..., None]
     """``asyncrl_cpu_pack``: a weight packed."""
+    layer: Callable[..., int]
+    """``asyncrl_decode_layer``: a decoder layer of a decode step, whole
+    (:mod:`asyncrl.engines.cpu_decode`)."""
 
 
 _lock = threading.Lock()
@@ -346,13 +561,28 @@ def kernel() -> Kernel | None:
                 if lib.asyncrl_cpu_linear_lanes() == 0:
                     raise RuntimeError("this CPU has no AVX-512")
                 packed, rows = lib.asyncrl_cpu_linear_packed, lib.asyncrl_cpu_linear_rows
-                packer = lib.asyncrl_cpu_pack
+                packer, layer = lib.asyncrl_cpu_pack, lib.asyncrl_decode_layer
                 packed.restype, rows.restype, packer.restype = ctypes.c_int, ctypes.c_int, None
+                layer.restype = ctypes.c_int
                 i64, ptr = ctypes.c_int64, ctypes.c_void_p
                 packed.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
                 rows.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64]
                 packer.argtypes = [ptr, i64, i64, i64, ptr]
-                fn = Kernel(packed, rows, packer)
+                layer.argtypes = [
+                    ptr,
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    i64,
+                    ptr,
+                    ptr,
+                    ptr,
+                    i64,
+                    ctypes.c_float,
+                ]
+                fn = Kernel(packed, rows, packer, layer)
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.warning(
                     "the CPU decode kernel is not available: linear layers use torch's "
@@ -404,15 +634,16 @@ def _rows_taken(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return rows
 
 
-def _product(
+def product(
     x: torch.Tensor,
     rows: int,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     packed: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
-    """The kernel's product of ``rows`` rows: by the packed weight (``packed()``) up to
-    :data:`PACKED_MAX_ROWS` rows, by the weight as loaded above."""
+    """The kernel's product of ``rows`` rows (1 to :data:`MAX_ROWS`; :func:`linear` and
+    :class:`DecodeLinear` send it :data:`MIN_ROWS` and more): by the packed weight
+    (``packed()``) up to :data:`PACKED_MAX_ROWS` rows, by the weight as loaded above."""
     fn = _loaded[0]
     assert fn is not None
     n, k = weight.shape
@@ -437,7 +668,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     rows = _rows_taken(x, weight, bias)
     if not rows:
         return F.linear(x, weight, bias)
-    return _product(x, rows, weight, bias, lambda: pack(weight))
+    return product(x, rows, weight, bias, lambda: pack(weight))
 
 
 class DecodeLinear(torch.nn.Linear):
@@ -455,7 +686,7 @@ class DecodeLinear(torch.nn.Linear):
         rows = _rows_taken(input, self.weight, self.bias)
         if not rows:
             return F.linear(input, self.weight, self.bias)
-        return _product(input, rows, self.weight, self.bias, self.packed_weight)
+        return product(input, rows, self.weight, self.bias, self.packed_weight)
 
     def packed_weight(self) -> torch.Tensor:
         """The weight as the kernel reads it (:func:`pack`), packed again where it changed."""

@@ -302,11 +302,12 @@ class HFEngine(InferenceEngine):
                     "the host and emptying the cache instead"
                 )
             self.model = self._load_model(local)
+        kernel = False
         if self.device == "cpu":
             # decode steps of more rows than the kernel takes run faster on column-major
             # weights (torch's products); a batch that never has more runs on the kernel
             kernel = self.config.cpu_kernel and self.max_batch_size <= cpu_linear.MAX_ROWS
-            cpu_linears(self.model, kernel=kernel)
+            kernel = cpu_linears(self.model, kernel=kernel) == "kernel"
         self._base_dir = local if local.is_dir() else None
         self._tokenizer = load_tokenizer(self.model_spec)
         eos = self.model.generation_config.eos_token_id
@@ -325,6 +326,7 @@ class HFEngine(InferenceEngine):
             prefix_cache_bytes=0 if self.deterministic else self.config.prefix_cache_mb << 20,
             placeholder_ids=self.vision.placeholder_ids if self.vision is not None else None,
             shared_prefix_attention=self.config.shared_prefix_attention,
+            decode_layers=kernel and self.config.cpu_decode_layers,
         )
 
     def _load_model(self, local: Path) -> Any:

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 
 from asyncrl.api.inference import SamplingParams
-from asyncrl.engines import hf_cascade
+from asyncrl.engines import cpu_decode, hf_cascade
 from asyncrl.engines.hf_prefix import BLOCK_TOKENS, Prefilled, PrefixCache
 from asyncrl.engines.sampling import LogprobMode, sample_next
 from asyncrl.models.vision import mask_placeholders, mrope_position_ids
@@ -286,11 +286,16 @@ class DecodeBatch:
         prefix_cache_bytes: int = 0,
         placeholder_ids: list[int] | None = None,
         shared_prefix_attention: bool = True,
+        decode_layers: bool = False,
     ) -> None:
         """``placeholder_ids``: a vision model's image tokens, never sampled (None or empty
         for a text model). ``shared_prefix_attention``: decode rows that share cached
         prefix blocks with cascade attention (a text model under SDPA on the CPU, with the
-        prefix cache on); the model's attention implementation becomes ``asyncrl_decode``."""
+        prefix cache on); the model's attention implementation becomes ``asyncrl_decode``.
+        ``decode_layers``: decode steps a decoder layer at a time in C
+        (:mod:`~asyncrl.engines.cpu_decode`) where the model is one it computes (a float32
+        llama or qwen2 on the CPU with the kernel's linear layers) and the step one it
+        takes; every other step through the model."""
         cfg = model.config.get_text_config()
         layer_types = getattr(cfg, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
@@ -333,6 +338,9 @@ class DecodeBatch:
         self.cascade = shared_prefix_attention and cpu_sdpa and self.prefix.enabled
         if cpu_sdpa:
             model.set_attn_implementation(hf_cascade.ATTN_IMPLEMENTATION)
+        self.layers: cpu_decode.DecodeLayers | None = None
+        if decode_layers and not self.placeholder_ids and cpu_decode.unsupported(model) is None:
+            self.layers = cpu_decode.DecodeLayers(model)
         self.rows: list[Sequence | None] = []
         self.length = 0  # L: the column the next decode step writes
         self._reset_buffers(0, 0)
@@ -705,18 +713,25 @@ class DecodeBatch:
         plan = self._shared_plan(active, mask_R11C) if self.cascade else None
         if plan is not None:
             result.shared_rows, result.shared_tokens = plan.group_G.numel(), plan.prefix
-        hf_cascade.set_plan(plan)
-        try:
-            out = self.model(
-                input_ids=self.next_R[:, None],
-                attention_mask=mask_R11C[:, None, None, :],
-                position_ids=self.pos_R[:, None],
-                **{self.cache_kw: _InPlace(self)},
-                use_cache=True,
-                logits_to_keep=1,
+        logits_RV = None
+        if plan is None and self.layers is not None and self.layers.ready(len(self.rows)):
+            logits_RV = self.layers.logits(
+                self.next_R, self.pos_R, mask_R11C, self.keys, self.values
             )
-        finally:
-            hf_cascade.set_plan(None)
+        if logits_RV is None:
+            hf_cascade.set_plan(plan)
+            try:
+                out = self.model(
+                    input_ids=self.next_R[:, None],
+                    attention_mask=mask_R11C[:, None, None, :],
+                    position_ids=self.pos_R[:, None],
+                    **{self.cache_kw: _InPlace(self)},
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            finally:
+                hf_cascade.set_plan(None)
+            logits_RV = out.logits[:, -1]
         rows_A = torch.tensor(active, device=self.device)
         self.valid_RC[rows_A, col] = True
         self.pos_R[rows_A] += 1
@@ -724,7 +739,7 @@ class DecodeBatch:
         seqs = [s for s in (self.rows[r] for r in active) if s is not None]
         # every row active (the usual step): the logits as they are, no gathered copy
         every = len(active) == len(self.rows)
-        logits_AV = out.logits[:, -1] if every else out.logits[rows_A, -1]
+        logits_AV = logits_RV if every else logits_RV[rows_A]
         result.tokens += self._sample(logits_AV, seqs, rows_A, version)
         result.decode_rows = len(active)
         result.padded_rows = len(self.rows)
