@@ -143,3 +143,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ordered += mine + fast[:need]
         fast = fast[need:]
     items[:] = ordered + fast
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread, as a rollout actor's decode runs (the CPU kernel's products
+    and decoder layers take calls there only)."""
+    import torch  # only the tests that ask for it need torch loaded
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

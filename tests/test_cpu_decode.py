@@ -5,8 +5,6 @@ through the engine, and the steps and models it leaves to the model."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import transformers
@@ -15,18 +13,12 @@ from asyncrl.api.inference import SamplingParams
 from asyncrl.engines import cpu_decode, cpu_linear
 from asyncrl.engines.hf_batch import DecodeBatch, Sequence, _InPlace
 
-pytestmark = pytest.mark.skipif(
-    cpu_linear.kernel() is None, reason="the kernel cannot run here (no C compiler or AVX-512)"
-)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Decode steps run on torch's single thread, as a rollout actor runs them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.skipif(
+        cpu_linear.kernel() is None, reason="the kernel cannot run here (no C compiler or AVX-512)"
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def tiny(kind: str, dtype: torch.dtype = torch.float32, **extra: object) -> torch.nn.Module:

@@ -3,8 +3,6 @@ products, row by row against itself, and the calls it leaves to torch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,18 +10,12 @@ import transformers
 
 from asyncrl.engines import cpu_linear
 
-pytestmark = pytest.mark.skipif(
-    cpu_linear.kernel() is None, reason="the kernel cannot run here (no C compiler or AVX-512)"
-)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """The kernel takes calls on torch's single thread only, as a rollout actor runs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.skipif(
+        cpu_linear.kernel() is None, reason="the kernel cannot run here (no C compiler or AVX-512)"
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

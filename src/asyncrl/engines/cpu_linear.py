@@ -179,19 +179,22 @@ int asyncrl_cpu_linear_packed(const float *x, int64_t M, int64_t K, int64_t xs, 
     }
     return 0;
 }
-/* x^T of the call, [K][mp] with the rows zero-padded to mp (32): kept per thread, grown
-   as needed. */
+/* `n` floats of a buffer kept per thread (*buf, *cap), grown as needed; null when memory
+   cannot be had. */
+static float *grown(float **buf, size_t *cap, size_t n) {
+    if (n > *cap) {
+        free(*buf);
+        *buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        *cap = *buf ? n : 0;
+    }
+    return *buf;
+}
+
+/* x^T of the call, [K][mp] with the rows zero-padded to mp (32). */
 static __thread float *xt_buf;
 static __thread size_t xt_cap;
 
-static float *xt_get(size_t n) {
-    if (n > xt_cap) {
-        free(xt_buf);
-        xt_buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
-        xt_cap = xt_buf ? n : 0;
-    }
-    return xt_buf;
-}
+static float *xt_get(size_t n) { return grown(&xt_buf, &xt_cap, n); }
 
 /* One tile: weight rows n0..n0+MR-1 (of which `rows` exist) by the 16*NV input rows
    of x^T, each output one chain of multiply-adds over k in order. Prefetches
@@ -325,18 +328,9 @@ static void rotate(float *x, int64_t hd, const float *cos, const float *sin) {
     for (int64_t i = 0; i < hd; i++) x[i] = x[i] * cos[i] + t[i] * sin[i];
 }
 
-/* Work memory, per thread, grown as needed. */
+/* A decoder layer's work memory. */
 static __thread float *work_buf;
 static __thread size_t work_cap;
-
-static float *work_get(size_t n) {
-    if (n > work_cap) {
-        free(work_buf);
-        work_buf = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
-        work_cap = work_buf ? n : 0;
-    }
-    return work_buf;
-}
 
 /* One decoder layer for `rows` rows of one token each, in place on the residual stream
    x [rows][d]: RMSNorm, q/k/v products, rotary positions (cos/sin [rows][hd]), the new
@@ -356,7 +350,7 @@ int asyncrl_decode_layer(const asyncrl_layer *L, float *x, int64_t rows, int64_t
     int64_t vecs = hd / 16;
     int64_t chunks = (cols + 15) / 16;
     size_t need = (size_t)(rows * (d + qd + 2 * kd + qd + 2 * f + d) + g * cols + g * hd + chunks);
-    float *w = work_get(need);
+    float *w = grown(&work_buf, &work_cap, need);
     if (!w) return -2;
     float *h = w, *q = h + rows * d, *k = q + rows * qd, *v = k + rows * kd, *a = v + rows * kd;
     float *gate = a + rows * qd, *up = gate + rows * f, *tmp = up + rows * f;
@@ -457,7 +451,8 @@ int asyncrl_decode_layer(const asyncrl_layer *L, float *x, int64_t rows, int64_t
     for (; i < n; i += 16) {
         __mmask16 in = lanes(n - i);
         __m512 z = _mm512_maskz_loadu_ps(in, gate + i);
-        __m512 s = _mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), z));
+        __m512 s = _mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         _mm512_mask_storeu_ps(gate + i, in, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(in, up + i)));
     }
     if (product(&L->down, gate, rows, tmp)) return -3;
