@@ -137,8 +137,6 @@ class DecodeLayers:
         self._structs = [_Layer() for _ in self.layers]
         self._filled: list[tuple[int, ...] | None] = [None] * len(self.layers)
         for s, layer in zip(self._structs, self.layers, strict=True):
-            s.norm1 = layer.input_layernorm.weight.data_ptr()
-            s.norm2 = layer.post_attention_layernorm.weight.data_ptr()
             s.eps1 = float(layer.input_layernorm.variance_epsilon)
             s.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
 
