@@ -11,7 +11,7 @@ import transformers
 
 from asyncrl.api.inference import SamplingParams
 from asyncrl.engines import cpu_decode, cpu_linear
-from asyncrl.engines.hf_batch import DecodeBatch, Sequence, _InPlace
+from asyncrl.engines.hf_batch import DecodeBatch, Sequence
 
 pytestmark = [
     pytest.mark.skipif(
@@ -88,20 +88,13 @@ def step_both(
     with torch.inference_mode():
         batch.keys, batch.values = theirs_k, theirs_v
         try:
-            out = batch.model(
-                input_ids=batch.next_R[:, None],
-                attention_mask=mask_RC[:, None, None, :],
-                position_ids=batch.pos_R[:, None],
-                **{batch.cache_kw: _InPlace(batch)},
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            want = batch._model_logits(mask_RC, None)
         finally:
             batch.keys, batch.values = keys, values
         assert batch.layers is not None
         got = batch.layers.logits(batch.next_R, batch.pos_R, mask_RC, mine_k, mine_v)
     assert got is not None
-    return out.logits[:, -1], got, theirs_k + theirs_v, mine_k + mine_v
+    return want, got, theirs_k + theirs_v, mine_k + mine_v
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

@@ -11,8 +11,8 @@ copies :class:`~asyncrl.engines.cpu_linear.DecodeLinear` keeps): RMSNorm, the q/
 products, rotary positions, the new keys and values written into the batch's buffers,
 attention reading each key head once for the query heads that share it and only the
 columns a row may see, the output product, RMSNorm, gate and up products, silu(gate) ×
-up and the down product, each residual added in place. The embedding, the rotary table,
-the final norm and the LM head stay torch's (the head through the kernel's product).
+up and the down product, each residual added in place. The embedding, the rotary table
+and the final norm stay torch's; the LM head is the kernel's product at every row count.
 
 The same arithmetic as transformers' layers up to the order of float sums and the
 exponential (a polynomial of relative error under 2e-7); each row is computed on its own,
@@ -37,6 +37,18 @@ positions on every head, grouped-query attention scaled by ``head_dim ** -0.5``,
 gated MLP, residuals added."""
 
 
+LINEARS = (
+    ("q", "self_attn", "q_proj"),
+    ("k", "self_attn", "k_proj"),
+    ("v", "self_attn", "v_proj"),
+    ("o", "self_attn", "o_proj"),
+    ("gate", "mlp", "gate_proj"),
+    ("up", "mlp", "up_proj"),
+    ("down", "mlp", "down_proj"),
+)
+"""A layer's products: the C structure's field, the submodule and its linear layer."""
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("packed", ctypes.c_void_p),
@@ -49,7 +61,7 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        *((name, _Linear) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+        *((field, _Linear) for field, _, _ in LINEARS),
         ("norm1", ctypes.c_void_p),
         ("norm2", ctypes.c_void_p),
         ("eps1", ctypes.c_float),
@@ -61,16 +73,11 @@ class _Layer(ctypes.Structure):
     ]
 
 
-LINEARS = (
-    ("q", "self_attn", "q_proj"),
-    ("k", "self_attn", "k_proj"),
-    ("v", "self_attn", "v_proj"),
-    ("o", "self_attn", "o_proj"),
-    ("gate", "mlp", "gate_proj"),
-    ("up", "mlp", "up_proj"),
-    ("down", "mlp", "down_proj"),
-)
-"""A layer's products: the C structure's field, the submodule and its linear layer."""
+def _heads(cfg: Any) -> tuple[int, int, int]:
+    """A decoder config's query heads, key heads and head size."""
+    heads = cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return heads, getattr(cfg, "num_key_value_heads", None) or heads, hd
 
 
 def unsupported(model: Any) -> str | None:
@@ -92,8 +99,7 @@ def unsupported(model: Any) -> str | None:
         t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
     ):
         return "sliding-window attention"
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads, kv_heads, hd = _heads(cfg)
     if hd % 16 or hd > 512 or heads % kv_heads or heads // kv_heads > 64:
         return f"head_dim {hd} (a multiple of 16 up to 512) or {heads}/{kv_heads} heads"
     if not isinstance(getattr(model, "lm_head", None), cpu_linear.DecodeLinear):
@@ -127,29 +133,35 @@ class DecodeLayers:
             raise ValueError("the C decode layers need the CPU kernel, which cannot run here")
         self._layer_fn = fn.layer
         self.model = model
-        cfg = model.config
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads or self.heads
-        self.hidden = cfg.hidden_size
-        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
+        self.heads, self.kv_heads, self.head_dim = _heads(model.config)
+        self.hidden = model.config.hidden_size
         self.scale = self.head_dim**-0.5
         self.layers = list(model.model.layers)
+        self._linears = [
+            [getattr(getattr(layer, part), name) for _, part, name in LINEARS]
+            for layer in self.layers
+        ]
         self._structs = [_Layer() for _ in self.layers]
         self._filled: list[tuple[int, ...] | None] = [None] * len(self.layers)
         for s, layer in zip(self._structs, self.layers, strict=True):
             s.eps1 = float(layer.input_layernorm.variance_epsilon)
             s.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
 
-    def _fill(self, i: int) -> None:
-        """Points layer ``i``'s structure at its weights (packed again where changed)."""
-        layer, s = self.layers[i], self._structs[i]
-        linears = [getattr(getattr(layer, part), name) for _, part, name in LINEARS]
+    def _fill(self, i: int) -> bool:
+        """Points layer ``i``'s structure at its weights (packed again where changed);
+        False where a weight or bias is not laid out as the C layer reads it (contiguous),
+        as a weight replaced by a strided tensor would be."""
+        layer, s, linears = self.layers[i], self._structs[i], self._linears[i]
         packed = [m.packed_weight() for m in linears]
         key = tuple(p.data_ptr() for p in packed) + tuple(m.weight.data_ptr() for m in linears)
         key += (layer.input_layernorm.weight.data_ptr(),)
         key += (layer.post_attention_layernorm.weight.data_ptr(),)
         if self._filled[i] == key:
-            return
+            return True
+        if not all(
+            m.weight.is_contiguous() and (m.bias is None or m.bias.is_contiguous()) for m in linears
+        ):
+            return False
         for (field, _, _), m, p in zip(LINEARS, linears, packed, strict=True):
             lin = getattr(s, field)
             lin.packed, lin.weight = p.data_ptr(), m.weight.data_ptr()
@@ -158,6 +170,7 @@ class DecodeLayers:
         s.norm1 = layer.input_layernorm.weight.data_ptr()
         s.norm2 = layer.post_attention_layernorm.weight.data_ptr()
         self._filled[i] = key
+        return True
 
     def ready(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows runs here: 1 to 32 rows, torch on one thread
@@ -199,9 +212,9 @@ class DecodeLayers:
                 or k.stride(3) != 1
                 or k.stride(2) != self.head_dim
                 or k.stride() != v.stride()
+                or not self._fill(i)
             ):
                 return None
-            self._fill(i)
             s.keys, s.values = k.data_ptr(), v.data_ptr()
             s.row_stride, s.head_stride = k.stride(0), k.stride(1)
             code = self._layer_fn(

@@ -708,30 +708,16 @@ class DecodeBatch:
             result.relayouts += 1
             active = list(range(len(active)))
         col = self.length
-        mask_R11C = self.valid_RC[:, : col + 1].clone()
-        mask_R11C[:, col] = True
-        plan = self._shared_plan(active, mask_R11C) if self.cascade else None
+        mask_RC = self.valid_RC[:, : col + 1].clone()
+        mask_RC[:, col] = True
+        plan = self._shared_plan(active, mask_RC) if self.cascade else None
         if plan is not None:
             result.shared_rows, result.shared_tokens = plan.group_G.numel(), plan.prefix
         logits_RV = None
         if plan is None and self.layers is not None and self.layers.ready(len(self.rows)):
-            logits_RV = self.layers.logits(
-                self.next_R, self.pos_R, mask_R11C, self.keys, self.values
-            )
+            logits_RV = self.layers.logits(self.next_R, self.pos_R, mask_RC, self.keys, self.values)
         if logits_RV is None:
-            hf_cascade.set_plan(plan)
-            try:
-                out = self.model(
-                    input_ids=self.next_R[:, None],
-                    attention_mask=mask_R11C[:, None, None, :],
-                    position_ids=self.pos_R[:, None],
-                    **{self.cache_kw: _InPlace(self)},
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-            finally:
-                hf_cascade.set_plan(None)
-            logits_RV = out.logits[:, -1]
+            logits_RV = self._model_logits(mask_RC, plan)
         rows_A = torch.tensor(active, device=self.device)
         self.valid_RC[rows_A, col] = True
         self.pos_R[rows_A] += 1
@@ -743,6 +729,27 @@ class DecodeBatch:
         result.tokens += self._sample(logits_AV, seqs, rows_A, version)
         result.decode_rows = len(active)
         result.padded_rows = len(self.rows)
+
+    def _model_logits(
+        self, mask_RC: torch.Tensor, plan: hf_cascade.CascadePlan | None
+    ) -> torch.Tensor:
+        """The decode step through the model's own layers (cascade attention where ``plan``
+        is one): each row's next-token logits ``[R, V]``, attending to the columns
+        ``mask_RC`` allows; writes column ``L`` of the keys and values."""
+        hf_cascade.set_plan(plan)
+        try:
+            out = self.model(
+                input_ids=self.next_R[:, None],
+                attention_mask=mask_RC[:, None, None, :],
+                position_ids=self.pos_R[:, None],
+                **{self.cache_kw: _InPlace(self)},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            hf_cascade.set_plan(None)
+        logits_RV: torch.Tensor = out.logits[:, -1]
+        return logits_RV
 
     def _shared_plan(
         self, active: list[int], mask_RC: torch.Tensor
