@@ -193,3 +193,21 @@ def test_a_weight_update_reaches_the_next_step() -> None:
             p.mul_(1.5)
     want, got, _, _ = step_both(batch)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def test_a_strided_weight_sends_the_step_to_the_model() -> None:
+    """The C layer reads weights as contiguous rows; one replaced by a strided tensor (a
+    column-major copy, say) makes it decline, and the batch steps through the model."""
+    model = tiny("llama")
+    batch = joined(model, 6)
+    q = model.model.layers[1].self_attn.q_proj
+    q.weight.data = q.weight.data.t().contiguous().t()
+    assert batch.layers is not None
+    col = batch.length
+    mask_RC = batch.valid_RC[:, : col + 1].clone()
+    mask_RC[:, col] = True
+    with torch.inference_mode():
+        keys = [k.clone() for k in batch.keys]
+        values = [v.clone() for v in batch.values]
+        assert batch.layers.logits(batch.next_R, batch.pos_R, mask_RC, keys, values) is None
+        batch.step([], set(), 0)  # through the model's own layers
