@@ -459,6 +459,121 @@ int asyncrl_decode_layer(const asyncrl_layer *L, float *x, int64_t rows, int64_t
     for (int64_t j = 0; j < rows * d; j++) x[j] += tmp[j];
     return 0;
 }
+/* ---- training's elementwise parts, forward and backward, whole rows at a time ---- */
+
+/* RMSNorm of `rows` rows of d: y = w * (x * r), r = 1 / sqrt(mean(x^2) + eps), kept in
+   rstd[row] for the backward */
+int asyncrl_rms_forward(const float *x, int64_t rows, int64_t d, const float *w, float eps,
+                        float *y, float *rstd) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            __m512 v = _mm512_maskz_loadu_ps(lanes(d - i), xr + i);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        float s = 1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps);
+        rstd[r] = s;
+        __m512 sv = _mm512_set1_ps(s);
+        for (int64_t i = 0; i < d; i += 16) {
+            __mmask16 in = lanes(d - i);
+            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, xr + i), sv);
+            _mm512_mask_storeu_ps(y + r * d + i, in, _mm512_mul_ps(_mm512_maskz_loadu_ps(in, w + i), v));
+        }
+    }
+    return 0;
+}
+
+/* its backward from the output's gradient g: with xh = x r and gw = g w,
+   dx = r (gw - xh mean(gw xh)); dw (d floats, added to) += sum over rows of g xh */
+int asyncrl_rms_backward(const float *x, const float *g, int64_t rows, int64_t d,
+                         const float *w, const float *rstd, float *dx, float *dw) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d, *gr = g + r * d;
+        __m512 sv = _mm512_set1_ps(rstd[r]), acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            __mmask16 in = lanes(d - i);
+            __m512 xh = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, xr + i), sv);
+            __m512 gv = _mm512_maskz_loadu_ps(in, gr + i);
+            acc = _mm512_fmadd_ps(_mm512_mul_ps(gv, _mm512_maskz_loadu_ps(in, w + i)), xh, acc);
+            _mm512_mask_storeu_ps(dw + i, in, _mm512_fmadd_ps(gv, xh, _mm512_maskz_loadu_ps(in, dw + i)));
+        }
+        __m512 mv = _mm512_set1_ps(_mm512_reduce_add_ps(acc) / (float)d);
+        for (int64_t i = 0; i < d; i += 16) {
+            __mmask16 in = lanes(d - i);
+            __m512 xh = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, xr + i), sv);
+            __m512 gw = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, gr + i), _mm512_maskz_loadu_ps(in, w + i));
+            _mm512_mask_storeu_ps(dx + r * d + i, in, _mm512_mul_ps(sv, _mm512_fnmadd_ps(xh, mv, gw)));
+        }
+    }
+    return 0;
+}
+
+/* silu(a) * b over n floats, silu(z) = z / (1 + e^-z) */
+int asyncrl_swiglu_forward(const float *a, const float *b, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 in = lanes(n - i);
+        __m512 z = _mm512_maskz_loadu_ps(in, a + i);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), z));
+        __m512 s = _mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_mask_storeu_ps(out + i, in, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(in, b + i)));
+    }
+    return 0;
+}
+
+/* its backward from the output's gradient g: with s = sigmoid(a),
+   da = g b s (1 + a (1 - s)), db = g a s */
+int asyncrl_swiglu_backward(const float *a, const float *b, const float *g, int64_t n, float *da,
+                            float *db) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 in = lanes(n - i);
+        __m512 z = _mm512_maskz_loadu_ps(in, a + i);
+        __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+        __m512 gv = _mm512_maskz_loadu_ps(in, g + i);
+        __m512 gs = _mm512_mul_ps(gv, s);
+        _mm512_mask_storeu_ps(db + i, in, _mm512_mul_ps(gs, z));
+        __m512 t = _mm512_fmadd_ps(z, _mm512_sub_ps(one, s), one);
+        _mm512_mask_storeu_ps(da + i, in, _mm512_mul_ps(_mm512_mul_ps(gs, _mm512_maskz_loadu_ps(in, b + i)), t));
+    }
+    return 0;
+}
+
+/* rotary positions on x [tokens, heads, hd] (element (t, h, i) at x[t * st + h * sh + i]),
+   cos and sin [tokens, hd], into out [tokens, heads, hd] packed. forward (back = 0):
+   out = x cos + rotate_half(x) sin; back = 1 gives the backward, the gradient of x from
+   out's: rotate_half's transpose, dx = g cos - rotate_half(g sin) */
+int asyncrl_rope(const float *x, int64_t tokens, int64_t heads, int64_t hd, int64_t st, int64_t sh,
+                 const float *cos, const float *sin, float *out, int back) {
+    int64_t h = hd / 2;
+    if (hd % 2 != 0) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * hd, *s = sin + t * hd;
+        for (int64_t k = 0; k < heads; k++) {
+            const float *xv = x + t * st + k * sh;
+            float *o = out + (t * heads + k) * hd;
+            for (int64_t i = 0; i < h; i += 16) {
+                __mmask16 in = lanes(h - i);
+                __m512 lo = _mm512_maskz_loadu_ps(in, xv + i), hi = _mm512_maskz_loadu_ps(in, xv + h + i);
+                __m512 clo = _mm512_maskz_loadu_ps(in, c + i), chi = _mm512_maskz_loadu_ps(in, c + h + i);
+                __m512 slo = _mm512_maskz_loadu_ps(in, s + i), shi = _mm512_maskz_loadu_ps(in, s + h + i);
+                __m512 a, b;
+                if (!back) {
+                    /* out_lo = lo c_lo - hi s_lo; out_hi = hi c_hi + lo s_hi */
+                    a = _mm512_sub_ps(_mm512_mul_ps(lo, clo), _mm512_mul_ps(hi, slo));
+                    b = _mm512_add_ps(_mm512_mul_ps(hi, chi), _mm512_mul_ps(lo, shi));
+                } else {
+                    /* dx_lo = g_lo c_lo + g_hi s_hi; dx_hi = g_hi c_hi - g_lo s_lo */
+                    a = _mm512_add_ps(_mm512_mul_ps(lo, clo), _mm512_mul_ps(hi, shi));
+                    b = _mm512_sub_ps(_mm512_mul_ps(hi, chi), _mm512_mul_ps(lo, slo));
+                }
+                _mm512_mask_storeu_ps(o + i, in, a);
+                _mm512_mask_storeu_ps(o + h + i, in, b);
+            }
+        }
+    }
+    return 0;
+}
 #else
 int asyncrl_cpu_linear_lanes(void) { return 0; }
 int asyncrl_decode_layer(const void *L, float *x, int64_t rows, int64_t d, int64_t heads,
@@ -473,6 +588,23 @@ int asyncrl_cpu_linear_rows(const float *x, int64_t M, int64_t K, int64_t xs, co
 }
 int asyncrl_cpu_linear_packed(const float *x, int64_t M, int64_t K, int64_t xs, const float *wp,
                               int64_t N, const float *bias, float *out, int64_t os) {
+    return -3;
+}
+int asyncrl_rms_forward(const float *x, int64_t rows, int64_t d, const float *w, float eps,
+                        float *y, float *rstd) {
+    return -3;
+}
+int asyncrl_rms_backward(const float *x, const float *g, int64_t rows, int64_t d,
+                         const float *w, const float *rstd, float *dx, float *dw) {
+    return -3;
+}
+int asyncrl_swiglu_forward(const float *a, const float *b, int64_t n, float *out) { return -3; }
+int asyncrl_swiglu_backward(const float *a, const float *b, const float *g, int64_t n, float *da,
+                            float *db) {
+    return -3;
+}
+int asyncrl_rope(const float *x, int64_t tokens, int64_t heads, int64_t hd, int64_t st, int64_t sh,
+                 const float *cos, const float *sin, float *out, int back) {
     return -3;
 }
 #endif
@@ -491,6 +623,17 @@ class Kernel(NamedTuple):
     layer: Callable[..., int]
     """``asyncrl_decode_layer``: a decoder layer of a decode step, whole
     (:mod:`asyncrl.engines.cpu_decode`)."""
+    rms_forward: Callable[..., int]
+    """``asyncrl_rms_forward``: RMSNorm of whole rows, keeping each row's scale
+    (:mod:`asyncrl.train.cpu_fused`, as the next four)."""
+    rms_backward: Callable[..., int]
+    """``asyncrl_rms_backward``: its backward."""
+    swiglu_forward: Callable[..., int]
+    """``asyncrl_swiglu_forward``: ``silu(gate) * up``."""
+    swiglu_backward: Callable[..., int]
+    """``asyncrl_swiglu_backward``: its backward."""
+    rope: Callable[..., int]
+    """``asyncrl_rope``: rotary positions, or their backward."""
 
 
 _lock = threading.Lock()
@@ -577,7 +720,20 @@ def kernel() -> Kernel | None:
                     i64,
                     ctypes.c_float,
                 ]
-                fn = Kernel(packed, rows, packer, layer)
+                f32 = ctypes.c_float
+                trains = {
+                    "rms_forward": [ptr, i64, i64, ptr, f32, ptr, ptr],
+                    "rms_backward": [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr],
+                    "swiglu_forward": [ptr, ptr, i64, ptr],
+                    "swiglu_backward": [ptr, ptr, ptr, i64, ptr, ptr],
+                    "rope": [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int],
+                }
+                for name, argtypes in trains.items():
+                    entry = getattr(lib, f"asyncrl_{name}")
+                    entry.restype, entry.argtypes = ctypes.c_int, argtypes
+                fn = Kernel(
+                    packed, rows, packer, layer, **{n: getattr(lib, f"asyncrl_{n}") for n in trains}
+                )
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.warning(
                     "the CPU decode kernel is not available: linear layers use torch's "

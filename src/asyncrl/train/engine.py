@@ -38,7 +38,8 @@ from asyncrl.models.resolve import (
     torch_dtype,
 )
 from asyncrl.models.vision import VisionProcessor, load_vision_lm, vision_family
-from asyncrl.train import dcp, trainer_threads
+from asyncrl.runtime.log import get_logger
+from asyncrl.train import cpu_fused, dcp, trainer_threads
 from asyncrl.train.attention import register as register_attention
 from asyncrl.train.batch import Batch
 from asyncrl.train.config import TrainerConfig
@@ -70,6 +71,8 @@ from asyncrl.train.vision import (
 if TYPE_CHECKING:
     from asyncrl.config.recipe import Recipe
     from asyncrl.sft.config import SftRecipe
+
+log = get_logger(part="train-engine")
 
 
 def _field(name: str, value: torch.Tensor) -> dict[str, Any]:
@@ -189,6 +192,7 @@ class TrainEngine:
         if config.compile:
             for layer in decoder_layers(lm):
                 layer.compile(dynamic=True)
+        self.fused_layers = self._fuse(lm)
         self.lora = config.lora.enabled
         if self.lora:
             # before FSDP, which shards them too; a vision tower gets none
@@ -205,6 +209,7 @@ class TrainEngine:
         self.ref_module: nn.Module | None = None
         if config.loss.kl_coef > 0 and not self.lora:
             ref_lm = self._load_lm()
+            self._fuse(ref_lm)
             ref_lm.requires_grad_(False)
             self.ref_module = self._wrap(ref_lm).eval()
         self.optimizer = torch.optim.AdamW(
@@ -241,6 +246,25 @@ class TrainEngine:
         )
         lm.config.use_cache = False
         return lm  # type: ignore[no-any-return]
+
+    def _fuse(self, lm: nn.Module) -> int:
+        """``trainer.cpu_fused``: the elementwise parts of ``lm``'s decoder layers in C
+        where the engine computes in float32 on the CPU without compiling them; the layers
+        done (0 elsewhere, or where :func:`~asyncrl.train.cpu_fused.unsupported` says why
+        not, logged)."""
+        if not (
+            self.config.cpu_fused
+            and not self.config.compile
+            and self.device.type == "cpu"
+            and self.param_dtype == torch.float32
+            and self.vision_processor is None
+        ):
+            return 0
+        why = cpu_fused.unsupported(lm)
+        if why is not None:
+            log.info("trainer.cpu_fused: the layers run as transformers writes them", reason=why)
+            return 0
+        return cpu_fused.install(lm)
 
     def _wrap(self, lm: nn.Module) -> nn.Module:
         """``lm`` as a :class:`TokenLogprobs` root on the engine's device, FSDP-sharded

@@ -1,0 +1,256 @@
+"""The trainer's elementwise parts in C on the CPU in float32: RMSNorm, rotary positions and
+SiLU(gate) · up, each one pass forward and one backward.
+
+In eager PyTorch each of these is several operations over the step's activations, each
+reading and writing a whole ``[tokens, hidden]`` or ``[tokens, intermediate]`` tensor:
+transformers' RMSNorm is a square, a mean, an rsqrt and two products (and their
+backwards); rotary positions two products, a concatenation, a negation and a sum for the
+queries and again for the keys; the MLP's activation a SiLU and a product. On a CPU trainer
+step of SmolLM2-135M in float32 those made about a sixth of the step, the matmuls most of
+the rest (bench/README, "The trainer's elementwise parts in C"). Here each is one C function
+over whole rows (the kernel library of :mod:`asyncrl.engines.cpu_linear`, AVX-512), inside
+a ``torch.autograd.Function`` whose backward is one more: the same values within float32
+rounding (``tests/test_cpu_fused.py`` holds a layer's outputs and every gradient against
+transformers' own at 1e-5).
+
+:func:`install` puts them on a llama or qwen2 model's decoder layers (norms, attention, MLP
+and the final norm; :func:`unsupported` names why another model is not taken) by giving
+those modules forwards of their own that call the same linear layers, so LoRA adapters,
+FSDP's hooks and gradient checkpointing see the modules as before. A call whose tensors are
+not float32 on the CPU (a bfloat16 autocast, say) goes through the module's own forward.
+The trainer installs them where it computes in float32 on the CPU and does not compile its
+layers (``trainer.cpu_fused``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import types
+from typing import Any
+
+import torch
+
+from asyncrl.engines import cpu_linear
+
+KINDS = ("llama", "qwen2")
+"""The ``model_type``\\ s whose attention forward :func:`install` writes again."""
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return int(t.data_ptr())
+
+
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+class RMSNormFn(torch.autograd.Function):
+    """transformers' RMSNorm, ``w * (x / sqrt(mean(x^2) + eps))``, over the last dim."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        fn = cpu_linear.kernel()
+        assert fn is not None
+        x = x.contiguous()
+        d = x.shape[-1]
+        rows = x.numel() // d
+        out = torch.empty_like(x)
+        rstd = torch.empty(rows, dtype=torch.float32)
+        w = weight.contiguous()
+        fn.rms_forward(_ptr(x), rows, d, _ptr(w), ctypes.c_float(eps), _ptr(out), _ptr(rstd))
+        ctx.save_for_backward(x, w, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        fn = cpu_linear.kernel()
+        assert fn is not None
+        x, w, rstd = ctx.saved_tensors
+        grad = grad.contiguous()
+        d = x.shape[-1]
+        dx = torch.empty_like(x)
+        dw = torch.zeros(d, dtype=torch.float32)
+        fn.rms_backward(
+            _ptr(x), _ptr(grad), x.numel() // d, d, _ptr(w), _ptr(rstd), _ptr(dx), _ptr(dw)
+        )
+        return dx, (dw if ctx.needs_input_grad[1] else None), None
+
+
+class SwiGLUFn(torch.autograd.Function):
+    """``silu(gate) * up``, elementwise."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        fn = cpu_linear.kernel()
+        assert fn is not None
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        fn.swiglu_forward(_ptr(gate), _ptr(up), gate.numel(), _ptr(out))
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fn = cpu_linear.kernel()
+        assert fn is not None
+        gate, up = ctx.saved_tensors
+        grad = grad.contiguous()
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        fn.swiglu_backward(_ptr(gate), _ptr(up), _ptr(grad), gate.numel(), _ptr(d_gate), _ptr(d_up))
+        return d_gate, d_up
+
+
+def _rope(fn: Any, x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: int) -> Any:
+    """Rotary positions over ``x_BTHD`` (``[B, T, heads, hd]``, rows of ``hd`` contiguous),
+    into a new ``[B, T, heads, hd]`` tensor; ``back``: the backward's map instead."""
+    B, T, H, D = x_BTHD.shape
+    if x_BTHD.stride(3) != 1:
+        x_BTHD = x_BTHD.contiguous()
+    out = torch.empty((B, T, H, D), dtype=torch.float32)
+    for b in range(B):
+        xb = x_BTHD[b]
+        cb, sb = cos[b if cos.shape[0] > 1 else 0], sin[b if sin.shape[0] > 1 else 0]
+        code = fn.rope(
+            _ptr(xb), T, H, D, xb.stride(0), xb.stride(1), _ptr(cb), _ptr(sb), _ptr(out[b]), back
+        )
+        if code:
+            raise RuntimeError(f"the rotary kernel declined a head dim of {D} (code {code})")
+    return out
+
+
+class RopeFn(torch.autograd.Function):
+    """``x * cos + rotate_half(x) * sin`` of ``x`` ``[B, heads, T, hd]`` (a transposed view
+    of a ``[B, T, heads, hd]`` projection, as transformers makes it), ``cos`` and ``sin``
+    ``[B or 1, T, hd]``; the result is laid out as transformers' is, ``[B, T, heads, hd]``
+    in memory, seen as ``[B, heads, T, hd]``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        fn = cpu_linear.kernel()
+        assert fn is not None
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(cos, sin)
+        return _rope(fn, x.transpose(1, 2), cos, sin, 0).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        fn = cpu_linear.kernel()
+        assert fn is not None
+        cos, sin = ctx.saved_tensors
+        return _rope(fn, grad.transpose(1, 2), cos, sin, 1).transpose(1, 2), None, None
+
+
+# --- the modules' forwards ----------------------------------------------------------------
+
+
+def _norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    if not _fp32_cpu(hidden_states, weight):
+        return self._asyncrl_forward(hidden_states)  # type: ignore[no-any-return]
+    return RMSNormFn.apply(hidden_states, weight, float(self.variance_epsilon))  # type: ignore[no-any-return]
+
+
+def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if not _fp32_cpu(x):
+        return self._asyncrl_forward(x)  # type: ignore[no-any-return]
+    return self.down_proj(SwiGLUFn.apply(self.gate_proj(x), self.up_proj(x)))  # type: ignore[no-any-return]
+
+
+def _attention_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """transformers' llama/qwen2 attention forward without a KV cache (a training forward
+    sees whole sequences), the rotary positions by :class:`RopeFn`; the module's own
+    forward where the tensors are not float32 on the CPU."""
+    if not _fp32_cpu(hidden_states):
+        return self._asyncrl_forward(  # type: ignore[no-any-return]
+            hidden_states, position_embeddings, attention_mask, **kwargs
+        )
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise RuntimeError("the trainer's fused attention forward takes no KV cache")
+    kwargs.pop("cache", None)
+    kwargs.pop("past_key_values", None)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415 - transformers is heavy; loaded with the model anyway
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    assert position_embeddings is not None
+    cos, sin = position_embeddings
+    if not _fp32_cpu(q, k, cos, sin) or cos.requires_grad or sin.requires_grad:
+        raise RuntimeError("the fused attention forward takes float32 CPU tensors")
+    q, k = RopeFn.apply(q, cos, sin), RopeFn.apply(k, cos, sin)
+    attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+    out, weights = attend(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+    out = out.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def unsupported(model: Any) -> str | None:
+    """Why :func:`install` would not take ``model``, or None where it would."""
+    if cpu_linear.kernel() is None:
+        return "the CPU kernel library is not available here (see the log's warning)"
+    cfg = model.config
+    kind = getattr(cfg, "model_type", None)
+    if kind not in KINDS:
+        return f"model_type {kind!r} is not one of {', '.join(KINDS)}"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, name) for name in ("layers", "norm")):
+        return "not a decoder with layers and norm"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(cfg, 'hidden_act', None)!r}, not silu"
+    if getattr(cfg, "use_sliding_window", False) or any(
+        t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
+    ):
+        return "sliding-window attention"
+    if cfg._attn_implementation in (None, "eager"):
+        return "eager attention (the fused forward calls a registered attention function)"
+    for layer in inner.layers:
+        attn = layer.self_attn
+        if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
+            return "per-head query/key norms"
+        hd = int(getattr(attn, "head_dim", 0))
+        if hd <= 0 or hd % 2:
+            return f"head_dim {hd}, not even"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+                return f"{type(norm).__name__} is not an RMSNorm"
+    return None
+
+
+def install(model: Any) -> int:
+    """Gives ``model``'s decoder layers and final norm the fused forwards; returns the
+    layers done (0 where :func:`unsupported` says why not). Idempotent."""
+    if unsupported(model) is not None:
+        return 0
+    inner = model.model
+    for layer in inner.layers:
+        _give(layer.input_layernorm, _norm_forward)
+        _give(layer.post_attention_layernorm, _norm_forward)
+        _give(layer.mlp, _mlp_forward)
+        _give(layer.self_attn, _attention_forward)
+    _give(inner.norm, _norm_forward)
+    return len(inner.layers)
+
+
+def _give(module: Any, forward: Any) -> None:
+    """``module``'s forward becomes ``forward``, which falls back to the one it had
+    (``_asyncrl_forward``: the class's, or one a caller set on the instance)."""
+    if "_asyncrl_forward" not in module.__dict__:
+        module._asyncrl_forward = module.forward
+    module.forward = types.MethodType(forward, module)

@@ -1,0 +1,207 @@
+"""The trainer's elementwise parts in C (asyncrl.train.cpu_fused): each function's forward
+and backward against torch's operations, a train step's gradients with them against
+without (llama and qwen2, shared prefixes, a KL reference, LoRA, checkpointing), and the
+dtypes, models and settings left to transformers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from train_helpers.tiny import (
+    prefix_batch,
+    prefix_config,
+    step_gradients,
+    tiny_config,
+    tiny_engine,
+)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from asyncrl.engines import cpu_linear
+from asyncrl.train import cpu_fused
+from asyncrl.train.config import LoraConfig
+
+pytestmark = [
+    pytest.mark.skipif(
+        cpu_linear.kernel() is None, reason="the kernel cannot run here (no C compiler or AVX-512)"
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
+
+REL = 1e-5
+"""float32: the fused passes round differently from torch's several (sums in another
+order, e^x by a polynomial), by a few units in the last place."""
+
+
+def assert_rel(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    scale = float(want.detach().abs().max())
+    err = float((got - want).detach().abs().max())
+    assert err <= REL * scale, f"{what}: max error {err:.3g} against scale {scale:.3g}"
+
+
+def grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], seed: int) -> tuple[Any, ...]:
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad(out, inputs, g)
+
+
+@pytest.mark.parametrize("d", [576, 100, 7])
+def test_rms_norm_forward_and_backward_match_transformers(d: int) -> None:
+    torch.manual_seed(d)
+    norm = LlamaRMSNorm(d, eps=1e-5)
+    norm.weight.data = torch.randn(d)
+    x = (3 * torch.randn(2, 33, d)).requires_grad_()
+    want = norm(x)
+    got = cpu_fused.RMSNormFn.apply(x, norm.weight, norm.variance_epsilon)
+    assert_rel(got, want, "output")
+    for a, b, name in zip(
+        grads(got, (x, norm.weight), 1), grads(want, (x, norm.weight), 1), ("x", "w"), strict=True
+    ):
+        assert_rel(a, b, f"d{name}")
+
+
+@pytest.mark.parametrize("n", [(40, 1536), (3, 37)])
+def test_swiglu_forward_and_backward_match_torch(n: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    gate = (6 * torch.randn(n)).requires_grad_()  # deep into both tails of the sigmoid
+    up = torch.randn(n).requires_grad_()
+    want = F.silu(gate) * up
+    got = cpu_fused.SwiGLUFn.apply(gate, up)
+    assert_rel(got, want, "output")
+    for a, b, name in zip(
+        grads(got, (gate, up), 2), grads(want, (gate, up), 2), ("gate", "up"), strict=True
+    ):
+        assert_rel(a, b, f"d{name}")
+
+
+@pytest.mark.parametrize(("batch", "cos_batch", "hd"), [(1, 1, 64), (2, 1, 20), (2, 2, 8)])
+def test_rotary_positions_forward_and_backward_match_transformers(
+    batch: int, cos_batch: int, hd: int
+) -> None:
+    """On a projection's transposed view, as transformers makes it; head dims whose half
+    is not a multiple of 16 (the kernel's masked tail); cos/sin per batch row or shared."""
+    torch.manual_seed(hd)
+    T, H = 29, 3
+    x = torch.randn(batch, T, H * hd).view(batch, T, H, hd).transpose(1, 2).requires_grad_()
+    angle = torch.randn(cos_batch, T, hd // 2)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    want, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    got = cpu_fused.RopeFn.apply(x, cos, sin)
+    assert got.shape == want.shape and got.stride() == want.stride()
+    assert_rel(got, want, "output")
+    assert_rel(grads(got, (x,), 3)[0], grads(want, (x,), 3)[0], "dx")
+
+
+def architecture(kind: str) -> Any:
+    """Heads of 16 (a half of 8: the rotary kernel's masked lanes), biases where the kind
+    has them."""
+    extra = {"attention_bias": True} if kind == "llama" else {}
+    return tiny_config(kind, hidden_size=64, num_attention_heads=4, **extra)
+
+
+def fused_pair(kind: str, **overrides: Any) -> tuple[Any, Any]:
+    config = prefix_config(**overrides)
+    fused = tiny_engine(config, architecture=architecture(kind))
+    plain = tiny_engine(
+        config.model_copy(update={"cpu_fused": False}), architecture=architecture(kind)
+    )
+    return fused, plain
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("llama", {"gradient_checkpointing": True, "share_prefix": False}),
+        ("qwen2", {"lora": LoraConfig(rank=4, alpha=8), "loss_kl": False}),
+    ],
+    ids=["llama", "qwen2", "checkpointing-unshared", "lora"],
+)
+def test_a_fused_engine_takes_the_same_step(kind: str, overrides: dict[str, Any]) -> None:
+    """The shared-prefix steps' batch (groups, multi-turn samples, per-sample sampling)
+    with two minibatches (a proximal forward), a KL reference and an entropy bonus: the
+    same statistics and every gradient of both minibatches with the fused parts as
+    without."""
+    if overrides.pop("loss_kl", True) is False:
+        loss = prefix_config().loss.model_copy(update={"kl_coef": 0.0})
+        overrides["loss"] = loss
+    fused, plain = fused_pair(kind, **overrides)
+    assert fused.fused_layers == 2 and plain.fused_layers == 0
+    for name, param in fused.module.named_parameters():
+        torch.testing.assert_close(param, dict(plain.module.named_parameters())[name], rtol=0, atol=0)
+    batch = prefix_batch()
+    got_stats, got = step_gradients(fused, lambda: fused.train_step(batch))
+    want_stats, want = step_gradients(plain, lambda: plain.train_step(batch))
+    assert len(got) == len(want) == 2
+    for key in ("loss", "pg_loss", "entropy", "kl_ref", "grad_norm"):
+        assert got_stats[key] == pytest.approx(want_stats[key], rel=1e-4, abs=1e-6), key
+    for g_step, w_step in zip(got, want, strict=True):
+        assert g_step.keys() == w_step.keys()
+        for name in w_step:
+            assert_rel(g_step[name], w_step[name], name)
+
+
+def model(kind: str, attn: str = "sdpa", **extra: Any) -> Any:
+    import transformers  # noqa: PLC0415 - as the engine loads it
+
+    cfg = architecture(kind)
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    cfg._attn_implementation = attn
+    cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return cls(cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_other_dtypes_go_through_the_modules_own_forwards(dtype: torch.dtype) -> None:
+    fused, plain = model("llama"), model("llama")
+    assert cpu_fused.install(fused) == 2
+    fused, plain = fused.to(dtype), plain.to(dtype)
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fused(ids).logits, plain(ids).logits)
+
+
+def test_install_keeps_a_forward_set_on_the_instance_for_other_dtypes() -> None:
+    """A forward given to a norm before (the float64 tests' own RMSNorm) is the one its
+    fallback calls, and a second install changes nothing."""
+    m = model("qwen2")
+    norm = m.model.norm
+    calls = []
+
+    def own(self: Any, hidden: torch.Tensor) -> torch.Tensor:
+        calls.append(hidden.dtype)
+        return hidden
+
+    import types  # noqa: PLC0415
+
+    norm.forward = types.MethodType(own, norm)
+    assert cpu_fused.install(m) == 2 and cpu_fused.install(m) == 2
+    m.double()(torch.zeros(1, 5, dtype=torch.long))
+    assert calls == [torch.float64]
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attn": "eager"}, "eager attention"),
+        ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window"),
+    ],
+)
+def test_models_it_cannot_take_are_named_and_left_alone(extra: dict[str, Any], reason: str) -> None:
+    attn = extra.pop("attn", "sdpa")
+    m = model("qwen2" if "sliding_window" in extra else "llama", attn=attn, **extra)
+    why = cpu_fused.unsupported(m)
+    assert why is not None and reason in why
+    assert cpu_fused.install(m) == 0
+    assert "_asyncrl_forward" not in m.model.norm.__dict__
+
+
+def test_the_engine_leaves_compiled_and_bfloat16_layers_to_transformers() -> None:
+    compiled = tiny_engine(prefix_config(compile=True), architecture=architecture("llama"))
+    assert compiled.fused_layers == 0
+    bf16 = tiny_engine(prefix_config(), architecture=architecture("llama"), dtype="bfloat16")
+    assert bf16.fused_layers == 0
