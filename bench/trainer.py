@@ -9,6 +9,8 @@ batch hand-off between trainer ranks.
     python bench/trainer.py --modes handoff --seqs 256 --steps 10        # 2 ranks, gloo
     python bench/trainer.py --shape smollm2-135m --seqs 32 --resp-median 64 --resp-sigma 0 \
         --max-new 64 --modes compile --steps 4              # eager against torch.compile
+    python bench/trainer.py --shape smollm2-135m --seqs 32 --resp-median 13 --resp-sigma 0.5 \
+        --max-new 64 --modes fused --steps 8 --threads 1    # elementwise parts by torch or in C
     python bench/trainer.py --shape smollm2-135m --modes lora --seqs 8 --resp-median 64 \
         --resp-sigma 0 --max-new 64 --steps 2               # full fine-tuning against LoRA
     python bench/trainer.py --shape smollm2-135m --seqs 32 --resp-median 64 --resp-sigma 0 \
@@ -54,6 +56,11 @@ at once would not fit beside a shared machine's other work), and prints side by 
 time, trainable parameters, optimizer state bytes (AdamW's two moments, all that
 ``optimizer.state`` holds) and the bytes of one weight update (all weights in the model
 dtype, against the adapter).
+
+Mode ``fused`` trains the same batches with ``trainer.cpu_fused`` off and on (RMSNorm,
+rotary positions and SiLU(gate) · up as torch's operations, or one C pass each on the CPU
+in float32), two engines stepped in turns, and prints the median step times, their ratio
+and the share of the floor each reached.
 
 Mode ``compile`` trains the same batches eager and with ``trainer.compile`` (every decoder
 layer under ``torch.compile``, dynamic shapes), one engine after the other, and prints the
@@ -286,6 +293,7 @@ def build_engine(
     batches: list[list[Sample]],
     lora_rank: int = 0,
     compile: bool = False,
+    cpu_fused: bool = True,
 ) -> Any:
     max_len = max(len(s) for b in batches for s in b)
     lora = LoraConfig(rank=lora_rank, alpha=max(1, lora_rank))
@@ -298,6 +306,7 @@ def build_engine(
             lm_head_chunk_tokens=args.head_chunk,
             packing=packing,
             compile=compile,
+            cpu_fused=cpu_fused,
             optim=OptimConfig(lr=1e-6),
             loss=LossConfig(behav_imp_weight_cap=None),
             lora=lora,
@@ -391,6 +400,28 @@ def run_compile(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[s
         out["flops"] = statistics.mean(model_flops(engine, b) for b in batches[args.warmup :])
         del engine
     return out
+
+
+def run_fused(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, float]:
+    """Packed steps with ``trainer.cpu_fused`` off and on (the decoder layers' elementwise
+    parts as torch's operations, or one C pass each), two engines of the same weights
+    stepped in turns on each batch (alternating which goes first), so that both see the
+    same batches, warm caches and machine load: the median step time of each."""
+    engines = {on: build_engine(args, True, batches, cpu_fused=on) for on in (False, True)}
+    if not engines[True].fused_layers:
+        raise SystemExit("mode fused: trainer.cpu_fused does not apply here (see the log)")
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i, batch in enumerate(batches):
+        for on in (False, True) if i % 2 == 0 else (True, False):
+            t0 = time.perf_counter()
+            engines[on].train_step(batch)
+            if i >= args.warmup:
+                times[on].append(time.perf_counter() - t0)
+    return {
+        "torch_s": statistics.median(times[False]),
+        "fused_s": statistics.median(times[True]),
+        "flops": statistics.mean(model_flops(engines[True], b) for b in batches[args.warmup :]),
+    }
 
 
 def run_proximal(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, float]:
@@ -843,7 +874,7 @@ def main() -> None:
         )
     modes = args.modes.split(",")
     allowed = {
-        "packed", "padded", "proximal", "head", "handoff", "lora", "compile", "share_prefix",
+        "packed", "padded", "proximal", "head", "handoff", "lora", "compile", "fused", "share_prefix",
         "profile",
     }  # fmt: skip
     if set(modes) - allowed:
@@ -949,6 +980,19 @@ def main() -> None:
                 f" | trainer: {r['flops'] / r['eager_s'] / peaks['float32']:.0%} eager vs"
                 f" {r['flops'] / r['compiled_s'] / peaks['float32']:.0%} compiled, of measured"
                 " fp32 peak"
+            )
+        print(line)
+    if "fused" in modes:
+        r = run_fused(args, batches)
+        line = (
+            f"packed step time, elementwise parts by torch {r['torch_s']:.3f} s | in C"
+            f" (trainer.cpu_fused) {r['fused_s']:.3f} s | {r['torch_s'] / r['fused_s']:.2f}x"
+            f" (medians of {args.steps} alternated steps, {torch.get_num_threads()} threads)"
+        )
+        if args.floor_peak:
+            line += (
+                f" | floor reached {r['flops'] / r['torch_s'] / args.floor_peak:.0%} by torch,"
+                f" {r['flops'] / r['fused_s'] / args.floor_peak:.0%} in C"
             )
         print(line)
     if "share_prefix" in modes:
