@@ -5,11 +5,13 @@ dtypes, models and settings left to transformers."""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from train_helpers.tiny import (
     prefix_batch,
     prefix_config,
@@ -130,7 +132,9 @@ def test_a_fused_engine_takes_the_same_step(kind: str, overrides: dict[str, Any]
     fused, plain = fused_pair(kind, **overrides)
     assert fused.fused_layers == 2 and plain.fused_layers == 0
     for name, param in fused.module.named_parameters():
-        torch.testing.assert_close(param, dict(plain.module.named_parameters())[name], rtol=0, atol=0)
+        torch.testing.assert_close(
+            param, dict(plain.module.named_parameters())[name], rtol=0, atol=0
+        )
     batch = prefix_batch()
     got_stats, got = step_gradients(fused, lambda: fused.train_step(batch))
     want_stats, want = step_gradients(plain, lambda: plain.train_step(batch))
@@ -144,8 +148,6 @@ def test_a_fused_engine_takes_the_same_step(kind: str, overrides: dict[str, Any]
 
 
 def model(kind: str, attn: str = "sdpa", **extra: Any) -> Any:
-    import transformers  # noqa: PLC0415 - as the engine loads it
-
     cfg = architecture(kind)
     for key, value in extra.items():
         setattr(cfg, key, value)
@@ -164,6 +166,25 @@ def test_other_dtypes_go_through_the_modules_own_forwards(dtype: torch.dtype) ->
     assert torch.equal(fused(ids).logits, plain(ids).logits)
 
 
+def test_more_than_two_torch_threads_go_through_the_modules_own_forwards() -> None:
+    """Each C pass is one thread's: with torch on more threads its own operations run."""
+    fused, plain = model("llama"), model("llama")
+    assert cpu_fused.install(fused) == 2
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpu_fused.MAX_THREADS + 1)
+    try:
+        assert torch.equal(fused(ids, use_cache=False).logits, plain(ids, use_cache=False).logits)
+    finally:
+        torch.set_num_threads(before)
+    assert not torch.equal(
+        fused(ids, use_cache=False).logits, plain(ids, use_cache=False).logits
+    )  # one thread: the C path
+    torch.testing.assert_close(
+        fused(ids, use_cache=False).logits, plain(ids, use_cache=False).logits, rtol=1e-5, atol=1e-6
+    )
+
+
 def test_install_keeps_a_forward_set_on_the_instance_for_other_dtypes() -> None:
     """A forward given to a norm before (the float64 tests' own RMSNorm) is the one its
     fallback calls, and a second install changes nothing."""
@@ -174,8 +195,6 @@ def test_install_keeps_a_forward_set_on_the_instance_for_other_dtypes() -> None:
     def own(self: Any, hidden: torch.Tensor) -> torch.Tensor:
         calls.append(hidden.dtype)
         return hidden
-
-    import types  # noqa: PLC0415
 
     norm.forward = types.MethodType(own, norm)
     assert cpu_fused.install(m) == 2 and cpu_fused.install(m) == 2

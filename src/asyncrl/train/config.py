@@ -202,10 +202,12 @@ class TrainerConfig(Placement):
     """On the CPU in float32, the decoder layers' elementwise parts (RMSNorm, rotary
     positions, SiLU(gate) · up) each one C pass forward and one backward instead of
     several torch operations (:mod:`asyncrl.train.cpu_fused`): the same values within
-    float32 rounding, steps ~1.1x faster on SmolLM2-135M. For llama and qwen2 models where
-    the kernel library compiles (AVX-512); elsewhere, in other dtypes, on a GPU and with
-    ``compile`` (which fuses them its own way) the layers run as transformers writes them.
-    False: as transformers writes them everywhere."""
+    float32 rounding; SmolLM2-135M's steps 1.09-1.15x faster on one torch thread, as fast
+    on two (``bench/trainer.py --modes fused``). For llama and qwen2 models where the
+    kernel library compiles (AVX-512); elsewhere, in other dtypes, on a GPU, with more than
+    two torch threads (each pass is one thread's) and with ``compile`` (which fuses them its
+    own way) the layers run as transformers writes them. False: as transformers writes
+    them everywhere."""
     allocator: Literal["auto", "system"] = "auto"
     """Memory allocator of a trainer process on the CPU: ``auto`` runs it with mimalloc
     (the ``cmeel-mimalloc`` wheel, Linux), which keeps freed memory for the next step

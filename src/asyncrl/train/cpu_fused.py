@@ -6,12 +6,13 @@ reading and writing a whole ``[tokens, hidden]`` or ``[tokens, intermediate]`` t
 transformers' RMSNorm is a square, a mean, an rsqrt and two products (and their
 backwards); rotary positions two products, a concatenation, a negation and a sum for the
 queries and again for the keys; the MLP's activation a SiLU and a product. On a CPU trainer
-step of SmolLM2-135M in float32 those made about a sixth of the step, the matmuls most of
-the rest (bench/README, "The trainer's elementwise parts in C"). Here each is one C function
+step of SmolLM2-135M in float32 on one thread those three made ~8% of the step and
+elementwise work as a whole 17%, the matmuls ~73% (bench/README, "The trainer's
+elementwise parts in C"). Here each is one C function
 over whole rows (the kernel library of :mod:`asyncrl.engines.cpu_linear`, AVX-512), inside
 a ``torch.autograd.Function`` whose backward is one more: the same values within float32
-rounding (``tests/test_cpu_fused.py`` holds a layer's outputs and every gradient against
-transformers' own at 1e-5).
+rounding (``tests/test_cpu_fused.py`` holds each function and a train step's every
+gradient against transformers' own at 1e-5).
 
 :func:`install` puts them on a llama or qwen2 model's decoder layers (norms, attention, MLP
 and the final norm; :func:`unsupported` names why another model is not taken) by giving
@@ -19,7 +20,8 @@ those modules forwards of their own that call the same linear layers, so LoRA ad
 FSDP's hooks and gradient checkpointing see the modules as before. A call whose tensors are
 not float32 on the CPU (a bfloat16 autocast, say) goes through the module's own forward.
 The trainer installs them where it computes in float32 on the CPU and does not compile its
-layers (``trainer.cpu_fused``).
+layers (``trainer.cpu_fused``); a call takes them while torch runs on at most
+:data:`MAX_THREADS` threads (each pass is one thread's).
 """
 
 from __future__ import annotations
@@ -40,8 +42,19 @@ def _ptr(t: torch.Tensor) -> int:
     return int(t.data_ptr())
 
 
+MAX_THREADS = 2
+"""The C passes run on the calling thread alone, torch's operations on all of its threads:
+with more than this many torch threads a call goes through the module's own forward. A
+trainer step of SmolLM2-135M gained 1.09-1.15x on one thread and nothing on two (alone,
+bench/trainer.py --modes fused); on more, torch's parallel operations would be faster."""
+
+
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    """Whether a call takes the C path: ``tensors`` float32 on the CPU, and torch on at most
+    :data:`MAX_THREADS` threads."""
+    return torch.get_num_threads() <= MAX_THREADS and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+    )
 
 
 class RMSNormFn(torch.autograd.Function):
@@ -165,13 +178,12 @@ def _attention_forward(
 ) -> tuple[torch.Tensor, Any]:
     """transformers' llama/qwen2 attention forward without a KV cache (a training forward
     sees whole sequences), the rotary positions by :class:`RopeFn`; the module's own
-    forward where the tensors are not float32 on the CPU."""
-    if not _fp32_cpu(hidden_states):
+    forward where the call does not take the C path (:func:`_fp32_cpu`) or brings a cache."""
+    cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+    if cached or not _fp32_cpu(hidden_states):
         return self._asyncrl_forward(  # type: ignore[no-any-return]
             hidden_states, position_embeddings, attention_mask, **kwargs
         )
-    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-        raise RuntimeError("the trainer's fused attention forward takes no KV cache")
     kwargs.pop("cache", None)
     kwargs.pop("past_key_values", None)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415 - transformers is heavy; loaded with the model anyway
@@ -183,8 +195,8 @@ def _attention_forward(
     v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     assert position_embeddings is not None
     cos, sin = position_embeddings
-    if not _fp32_cpu(q, k, cos, sin) or cos.requires_grad or sin.requires_grad:
-        raise RuntimeError("the fused attention forward takes float32 CPU tensors")
+    if cos.requires_grad or sin.requires_grad or not _fp32_cpu(cos, sin):
+        raise RuntimeError("the fused attention forward takes float32 positions, not trained")
     q, k = RopeFn.apply(q, cos, sin), RopeFn.apply(k, cos, sin)
     attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
     out, weights = attend(
