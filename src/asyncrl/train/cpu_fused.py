@@ -178,16 +178,20 @@ def _attention_forward(
 ) -> tuple[torch.Tensor, Any]:
     """transformers' llama/qwen2 attention forward without a KV cache (a training forward
     sees whole sequences), the rotary positions by :class:`RopeFn`; the module's own
-    forward where the call does not take the C path (:func:`_fp32_cpu`) or brings a cache."""
+    forward where the call does not take the C path (:func:`_fp32_cpu`), brings a cache or
+    is set to transformers' eager attention."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415 - transformers is heavy; loaded with the model anyway
+
+    attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation)
     cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
-    if cached or not _fp32_cpu(hidden_states):
+    if attend is None or cached or not _fp32_cpu(hidden_states):
+        # transformers' eager attention (not a registered function), a cache, or a call
+        # that does not take the C path
         return self._asyncrl_forward(  # type: ignore[no-any-return]
             hidden_states, position_embeddings, attention_mask, **kwargs
         )
     kwargs.pop("cache", None)
     kwargs.pop("past_key_values", None)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415 - transformers is heavy; loaded with the model anyway
-
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -198,7 +202,6 @@ def _attention_forward(
     if cos.requires_grad or sin.requires_grad or not _fp32_cpu(cos, sin):
         raise RuntimeError("the fused attention forward takes float32 positions, not trained")
     q, k = RopeFn.apply(q, cos, sin), RopeFn.apply(k, cos, sin)
-    attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
     out, weights = attend(
         self,
         q,
