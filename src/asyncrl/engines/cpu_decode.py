@@ -80,25 +80,34 @@ def _heads(cfg: Any) -> tuple[int, int, int]:
     return heads, getattr(cfg, "num_key_value_heads", None) or heads, hd
 
 
-def unsupported(model: Any) -> str | None:
-    """Why :class:`DecodeLayers` cannot run ``model``'s decode steps, or None where it can:
-    a float32 text decoder of :data:`KINDS` on the CPU whose linear layers are the
-    kernel's (:func:`~asyncrl.engines.cpu_linear.install`)."""
-    cfg = model.config
+def kind_problem(cfg: Any) -> str | None:
+    """Why a model of config ``cfg`` is not a plain llama/qwen2 decoder (one of
+    :data:`KINDS`, SiLU, full attention in every layer), or None where it is."""
     kind = getattr(cfg, "model_type", None)
     if kind not in KINDS:
         return f"model_type {kind!r} is not one of {', '.join(KINDS)}"
-    inner = getattr(model, "model", None)
-    if inner is None or not all(
-        hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
-    ):
-        return "not a decoder with embed_tokens, layers, norm and rotary_emb"
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(cfg, 'hidden_act', None)!r}, not silu"
     if getattr(cfg, "use_sliding_window", False) or any(
         t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
     ):
         return "sliding-window attention"
+    return None
+
+
+def unsupported(model: Any) -> str | None:
+    """Why :class:`DecodeLayers` cannot run ``model``'s decode steps, or None where it can:
+    a float32 text decoder of :data:`KINDS` on the CPU whose linear layers are the
+    kernel's (:func:`~asyncrl.engines.cpu_linear.install`)."""
+    cfg = model.config
+    why = kind_problem(cfg)
+    if why is not None:
+        return why
+    inner = getattr(model, "model", None)
+    if inner is None or not all(
+        hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
+    ):
+        return "not a decoder with embed_tokens, layers, norm and rotary_emb"
     heads, kv_heads, hd = _heads(cfg)
     if hd % 16 or hd > 512 or heads % kv_heads or heads // kv_heads > 64:
         return f"head_dim {hd} (a multiple of 16 up to 512) or {heads}/{kv_heads} heads"

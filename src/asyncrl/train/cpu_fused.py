@@ -32,10 +32,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.engines import cpu_linear
-
-KINDS = ("llama", "qwen2")
-"""The ``model_type``\\ s whose attention forward :func:`install` writes again."""
+from asyncrl.engines import cpu_decode, cpu_linear
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -221,18 +218,12 @@ def unsupported(model: Any) -> str | None:
     if cpu_linear.kernel() is None:
         return "the CPU kernel library is not available here (see the log's warning)"
     cfg = model.config
-    kind = getattr(cfg, "model_type", None)
-    if kind not in KINDS:
-        return f"model_type {kind!r} is not one of {', '.join(KINDS)}"
+    why = cpu_decode.kind_problem(cfg)
+    if why is not None:
+        return why
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, name) for name in ("layers", "norm")):
         return "not a decoder with layers and norm"
-    if getattr(cfg, "hidden_act", None) != "silu":
-        return f"hidden_act {getattr(cfg, 'hidden_act', None)!r}, not silu"
-    if getattr(cfg, "use_sliding_window", False) or any(
-        t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
-    ):
-        return "sliding-window attention"
     if cfg._attn_implementation in (None, "eager"):
         return "eager attention (the fused forward calls a registered attention function)"
     for layer in inner.layers:
