@@ -7,7 +7,7 @@ transformers' RMSNorm is a square, a mean, an rsqrt and two products (and their
 backwards); rotary positions two products, a concatenation, a negation and a sum for the
 queries and again for the keys; the MLP's activation a SiLU and a product. On a CPU trainer
 step of SmolLM2-135M in float32 on one thread those three made ~8% of the step and
-elementwise work as a whole 17%, the matmuls ~73% (bench/README, "The trainer's
+elementwise work as a whole 17%, the matmuls ~71% (bench/README, "The trainer's
 elementwise parts in C"). Here each is one C function
 over whole rows (the kernel library of :mod:`asyncrl.engines.cpu_linear`, AVX-512), inside
 a ``torch.autograd.Function`` whose backward is one more: the same values within float32
