@@ -31,6 +31,9 @@ says why once and keeps torch's products, with its weights column-major
 (:func:`asyncrl.engines.hf.column_major_linears`). In bfloat16 torch's products (oneDNN,
 with AMX where the CPU has it) are faster at these rows than a kernel of this kind
 written with AVX512-BF16 (tried: 0.2-0.8× their speed), so a bfloat16 model keeps them.
+
+The same library holds a decode step's whole decoder layer (:mod:`asyncrl.engines.cpu_decode`)
+and the trainer's elementwise passes, forward and backward (:mod:`asyncrl.train.cpu_fused`).
 """
 
 from __future__ import annotations
@@ -736,8 +739,9 @@ def kernel() -> Kernel | None:
                 )
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.warning(
-                    "the CPU decode kernel is not available: linear layers use torch's "
-                    "products, with column-major weights",
+                    "the CPU kernel library is not available: the hf engine's decode uses "
+                    "torch's products (column-major weights), the trainer transformers' own "
+                    "layers",
                     reason=f"{type(exc).__name__}: {exc}"[:600],
                 )
             _loaded.append(fn)
