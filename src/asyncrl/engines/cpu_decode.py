@@ -95,6 +95,17 @@ def kind_problem(cfg: Any) -> str | None:
     return None
 
 
+def layer_problem(layer: Any) -> str | None:
+    """Why a decoder ``layer`` of a :func:`kind_problem`-free model is not one the C code
+    computes (per-head query/key norms, norms other than RMSNorm), or None where it is."""
+    if any(hasattr(layer.self_attn, name) for name in ("q_norm", "k_norm")):
+        return "per-head query/key norms"
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+            return f"{type(norm).__name__} is not an RMSNorm"
+    return None
+
+
 def unsupported(model: Any) -> str | None:
     """Why :class:`DecodeLayers` cannot run ``model``'s decode steps, or None where it can:
     a float32 text decoder of :data:`KINDS` on the CPU whose linear layers are the
@@ -114,17 +125,15 @@ def unsupported(model: Any) -> str | None:
     if not isinstance(getattr(model, "lm_head", None), cpu_linear.DecodeLinear):
         return "its LM head is not the kernel's (float32 on the CPU, the kernel compiled)"
     for layer in inner.layers:
-        attn = layer.self_attn
-        if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
-            return "per-head query/key norms"
-        if abs(float(getattr(attn, "scaling", hd**-0.5)) - hd**-0.5) > 1e-12 * hd**-0.5:
+        why = layer_problem(layer)
+        if why is not None:
+            return why
+        scaling = float(getattr(layer.self_attn, "scaling", hd**-0.5))
+        if abs(scaling - hd**-0.5) > 1e-12 * hd**-0.5:
             return "attention not scaled by head_dim ** -0.5"
         for _, part, name in LINEARS:
             if not isinstance(getattr(getattr(layer, part), name, None), cpu_linear.DecodeLinear):
                 return f"{part}.{name} is not the kernel's"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
-                return f"{type(norm).__name__} is not an RMSNorm"
     return None
 
 

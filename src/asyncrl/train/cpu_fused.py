@@ -227,15 +227,12 @@ def unsupported(model: Any) -> str | None:
     if cfg._attn_implementation in (None, "eager"):
         return "eager attention (the fused forward calls a registered attention function)"
     for layer in inner.layers:
-        attn = layer.self_attn
-        if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
-            return "per-head query/key norms"
-        hd = int(getattr(attn, "head_dim", 0))
+        why = cpu_decode.layer_problem(layer)
+        if why is not None:
+            return why
+        hd = int(getattr(layer.self_attn, "head_dim", 0))
         if hd <= 0 or hd % 2:
             return f"head_dim {hd}, not even"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
-                return f"{type(norm).__name__} is not an RMSNorm"
     return None
 
 
