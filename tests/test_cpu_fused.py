@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from train_helpers.tiny import (
+    assert_within,
     prefix_batch,
     prefix_config,
     step_gradients,
@@ -38,9 +39,7 @@ order, e^x by a polynomial), by a few units in the last place."""
 
 
 def assert_rel(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    scale = float(want.detach().abs().max())
-    err = float((got - want).detach().abs().max())
-    assert err <= REL * scale, f"{what}: max error {err:.3g} against scale {scale:.3g}"
+    assert_within(got, want, REL, what)
 
 
 def grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], seed: int) -> tuple[Any, ...]:

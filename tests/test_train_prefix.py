@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from train_helpers.tiny import (
+    assert_within,
     float64_engine,
     group_batch,
     multi_turn_group,
@@ -57,9 +58,7 @@ def _one_torch_thread() -> Iterator[None]:
 
 def assert_rel(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
     """``got`` equals ``want`` to :data:`REL` of ``want``'s largest magnitude."""
-    scale = float(want.abs().max()) if want.numel() else 0.0
-    err = float((got - want).abs().max()) if want.numel() else 0.0
-    assert err <= REL * scale, f"{what}: max error {err:.3g} against scale {scale:.3g}"
+    assert_within(got, want, REL, what)
 
 
 def hand_group(prompt: int, answers: list[int], group: int | None = 0) -> list[Sample]:

@@ -32,6 +32,13 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def assert_within(got: torch.Tensor, want: torch.Tensor, rel: float, what: str = "") -> None:
+    """``got`` equals ``want`` to ``rel`` of ``want``'s largest magnitude."""
+    scale = float(want.detach().abs().max()) if want.numel() else 0.0
+    err = float((got - want).detach().abs().max()) if want.numel() else 0.0
+    assert err <= rel * scale, f"{what}: max error {err:.3g} against scale {scale:.3g}"
+
+
 def tiny_config(kind: str = "llama", **overrides: Any) -> Any:
     """A 2-layer model of the given family with a 128-token vocabulary."""
     from transformers import LlamaConfig, Qwen2Config
