@@ -23,7 +23,7 @@ from train_helpers.tiny import (
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from asyncrl.engines import cpu_linear
-from asyncrl.train import cpu_fused
+from asyncrl.train import attention, cpu_fused
 from asyncrl.train.config import LoraConfig
 
 pytestmark = [
@@ -92,6 +92,109 @@ def test_rotary_positions_forward_and_backward_match_transformers(
     assert got.shape == want.shape and got.stride() == want.stride()
     assert_rel(got, want, "output")
     assert_rel(grads(got, (x,), 3)[0], grads(want, (x,), 3)[0], "dx")
+
+
+def packed_layout(
+    prompts: list[int], answers: list[list[int]], share: bool
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A packed row of groups, each a prompt then its answers: ``(T, cu_q, cu_k,
+    key_index)``. Shared (the trainer's ``share_prefix``): each answer a segment of its own
+    whose keys are its prompt's, where they are in the row, then its own; unshared: the
+    prompt and each answer one segment each, attending to themselves (a plain packed row)."""
+    sq: list[int] = []
+    sk: list[int] = []
+    index: list[int] = []
+    pos = 0
+    for prompt, group in zip(prompts, answers, strict=True):
+        start = pos
+        sq.append(prompt)
+        sk.append(prompt)
+        index += range(start, start + prompt)
+        pos += prompt
+        for n in group:
+            sq.append(n)
+            sk.append(prompt + n if share else n)
+            index += [*range(start, start + prompt)] if share else []
+            index += range(pos, pos + n)
+            pos += n
+    cu_q = torch.tensor([0, *torch.tensor(sq).cumsum(0).tolist()])
+    cu_k = torch.tensor([0, *torch.tensor(sk).cumsum(0).tolist()])
+    return pos, cu_q, cu_k, torch.tensor(index) if share else None
+
+
+class _Attending(torch.nn.Module):
+    """What the packed attention function reads of its module."""
+
+    training = True
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "hd", "prompts", "answers", "share"),
+    [
+        (9, 3, 64, [51, 47], [[13, 1, 30, 64], [7, 7, 2, 40]], True),
+        (9, 3, 64, [51, 47], [[13, 1, 30, 64], [7, 7, 2, 40]], False),
+        (4, 2, 8, [5, 3, 9], [[1, 2], [4], [1, 1, 1, 1, 1, 1, 1, 1]], True),
+        (4, 4, 20, [40], [[33, 1, 17]], True),
+        (2, 1, 100, [70, 1], [[90], [1]], True),
+        (6, 2, 16, [1, 4], [[], [1, 2]], True),
+    ],
+    ids=["smollm-shared", "smollm-unshared", "hd8-g8", "hd20-mha", "hd100", "one-token"],
+)
+def test_attention_forward_and_backward_match_the_packed_attention(
+    heads: int, kv_heads: int, hd: int, prompts: list[int], answers: list[list[int]], share: bool
+) -> None:
+    """One C call over a packed row against the trainer's attention function (one torch
+    call per segment after a gather of the prompts' keys) in float64: the output and the
+    gradients of the queries, keys and values (a prompt's keys get every answer's share),
+    for grouped and plain heads, head dims off the kernel's 16 lanes, segments of one
+    token and of more keys than a block of 32."""
+    T, cu_q, cu_k, key_index = packed_layout(prompts, answers, share)
+    gen = torch.Generator().manual_seed(hd + heads)
+    q, k, v = (
+        torch.randn(1, T, n, hd, generator=gen, dtype=torch.float64)
+        for n in (heads, kv_heads, kv_heads)
+    )
+    scale = hd**-0.5
+    shared = {"cu_seq_lens_k": cu_k, "key_index": key_index} if share else {}
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want, _ = attention.varlen_causal_attention(
+        _Attending(), *(t.transpose(1, 2) for t in ref), None,
+        scaling=scale, cu_seq_lens_q=cu_q, **shared,
+    )  # fmt: skip
+    mine = [t.float().requires_grad_() for t in (q, k, v)]
+    got = cpu_fused.AttentionFn.apply(*mine, cu_q, cu_k, key_index, scale)
+    assert got.shape == want.shape == (1, T, heads, hd)
+    assert_rel(got.double(), want, "output")
+    for a, b, name in zip(
+        grads(got, tuple(mine), 4), grads(want, tuple(ref), 4), "qkv", strict=True
+    ):
+        assert_rel(a.double(), b, f"d{name}")
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        ({"key": 10**6}, "a key index past the row"),
+        ({"key": -1}, "a negative key index"),
+        ({"cu_q_end": 1}, "segments that stop short of the row"),
+        ({"more_queries": True}, "a segment of more queries than keys"),
+    ],
+)
+def test_attention_declines_a_layout_it_cannot_read(change: dict[str, Any], what: str) -> None:
+    """The kernel checks the layout before it reads a key: a bad one is an error, not a
+    read past the tensors."""
+    T, cu_q, cu_k, key_index = packed_layout([6, 4], [[3, 2], [5]], True)
+    assert key_index is not None
+    if "key" in change:
+        key_index[7] = change["key"]
+    if "cu_q_end" in change:
+        cu_q[-1] -= change["cu_q_end"]
+    if change.get("more_queries"):
+        cu_k = cu_q.clone()
+        cu_k[1] -= 1
+    q, k, v = torch.randn(1, T, 4, 16), torch.randn(1, T, 2, 16), torch.randn(1, T, 2, 16)
+    with pytest.raises(RuntimeError, match="declined"):
+        cpu_fused.AttentionFn.apply(q, k, v, cu_q, cu_k, key_index, 0.25)
 
 
 def architecture(kind: str) -> Any:

@@ -301,6 +301,30 @@ def test_non_finite_step_is_skipped_and_counted() -> None:
     assert any(not torch.equal(t, before[n]) for n, t in full_weights(engine).items())
 
 
+@pytest.mark.parametrize("max_norm", [1e-5, 1e3], ids=["clipped", "under-the-cap"])
+def test_the_clip_folded_into_adamw_steps_as_clip_grad_norm_then_adamw(max_norm: float) -> None:
+    """On one CPU process in float32 the engine gives the clip's factor to the fused AdamW
+    (its grad_scale) rather than scaling every gradient first: the weights after the step
+    are those of torch's clip_grad_norm_ then AdamW, clipped or not."""
+    engine = tiny_engine(train_config(optim=OptimConfig(lr=1e-2, grad_clip=max_norm)))
+    ref = {n: p.detach().clone().requires_grad_() for n, p in engine.module.named_parameters()}
+    ref_opt = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.0, fused=True)
+    gen = torch.Generator().manual_seed(5)
+    for name, param in engine.module.named_parameters():
+        grad = torch.randn(param.shape, generator=gen)
+        param.grad, ref[name].grad = grad.clone(), grad.clone()
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 1e-2
+    norm = engine._clip_and_step()
+    want = torch.nn.utils.clip_grad_norm_(list(ref.values()), max_norm)
+    ref_opt.step()
+    assert norm == pytest.approx(float(want), rel=1e-6)
+    assert (norm > max_norm) == (max_norm == 1e-5)
+    assert getattr(engine.optimizer, "grad_scale", None) is None
+    for name, param in engine.module.named_parameters():
+        torch.testing.assert_close(param.detach(), ref[name].detach(), rtol=1e-6, atol=1e-7)
+
+
 def test_lr_schedule() -> None:
     kw = {"lr": 1.0, "warmup_steps": 2, "total_steps": 6, "min_lr_ratio": 0.1}
     assert [lr_at(s, **kw) for s in range(2)] == [0.5, 1.0]

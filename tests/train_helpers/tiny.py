@@ -250,11 +250,15 @@ def step_gradients(
     grads: list[dict[str, torch.Tensor]] = []
 
     def capture(*args: Any, **kwargs: Any) -> None:
+        # the gradients the step takes: divided by the optimizer's grad_scale where the
+        # engine hands it the clip's factor (TrainEngine._clip_and_step)
+        scale = getattr(engine.optimizer, "grad_scale", None)
         got = {}
         for name, param in engine.module.named_parameters():
             if param.grad is not None:
                 grad: Any = param.grad
-                got[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+                grad = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+                got[name] = grad if scale is None else grad / scale
         grads.append(got)
 
     optimizer_step = engine.optimizer.step

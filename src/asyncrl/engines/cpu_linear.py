@@ -75,6 +75,7 @@ by reading the weight, and that kernel loads fewer operands per multiply-add."""
 
 SOURCE = r"""
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 
 #if defined(__AVX512F__)
@@ -577,6 +578,318 @@ int asyncrl_rope(const float *x, int64_t tokens, int64_t heads, int64_t hd, int6
     }
     return 0;
 }
+/* ---- causal attention over the segments of a packed row, forward and backward ---- */
+
+/* Each segment's queries attend to its own keys, bottom-right causal (query i of nq sees
+   keys 0 .. i + nk - nq). Query (t, h) is at q[t * sq + h * D], key and value (t, g) at
+   k[t * sk + g * D] and v[t * sv + g * D]; key j of segment s is row kidx[cu_k[s] + j] of
+   k and v (kidx null: row cu_q[s] + j, with cu_k the same as cu_q). Query head h reads
+   key head h / (H / G). */
+
+static __thread float *attn_buf;
+static __thread size_t attn_cap;
+
+static inline int64_t round32(int64_t n) { return (n + 31) / 32 * 32; }
+
+/* s[r * kp + j] = sum_d x[r][d] kt[d * ldt + col(j)] for the R rows x[0..R-1] (D floats
+   each) and the keys j < n of a segment, whose columns of kt (one key head's keys
+   transposed, ldt floats a row, 32 zero columns past the last token) are the runs
+   (col, length) of `runs` in order; whole blocks of 16 keys, so s is written up to 15 past
+   n (kp >= n + 32) */
+#define SCORES(R)                                                                          \
+    static void scores_##R(const float *const x[4], const float *kt, int64_t ldt, int64_t D, \
+                           const int64_t *runs, int64_t n, int64_t kp, float *s) {         \
+        for (int64_t j0 = 0; j0 < n; j0 += runs[1], runs += 2) {                           \
+            int64_t col = runs[0], len = runs[1] < n - j0 ? runs[1] : n - j0, j = 0;        \
+            for (; j + 16 < len; j += 32) {                                                \
+                __m512 a[R][2];                                                            \
+                for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();       \
+                const float *tc = kt + col + j;                                            \
+                for (int64_t d = 0; d < D; d++) {                                          \
+                    __m512 t0 = _mm512_loadu_ps(tc + d * ldt);                             \
+                    __m512 t1 = _mm512_loadu_ps(tc + d * ldt + 16);                        \
+                    for (int r = 0; r < R; r++) {                                          \
+                        __m512 b = _mm512_set1_ps(x[r][d]);                                \
+                        a[r][0] = _mm512_fmadd_ps(b, t0, a[r][0]);                         \
+                        a[r][1] = _mm512_fmadd_ps(b, t1, a[r][1]);                         \
+                    }                                                                      \
+                }                                                                          \
+                for (int r = 0; r < R; r++) {                                              \
+                    _mm512_storeu_ps(s + r * kp + j0 + j, a[r][0]);                        \
+                    _mm512_storeu_ps(s + r * kp + j0 + j + 16, a[r][1]);                   \
+                }                                                                          \
+            }                                                                              \
+            if (j < len) {                                                                 \
+                __m512 a[R];                                                               \
+                for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();                    \
+                const float *tc = kt + col + j;                                            \
+                for (int64_t d = 0; d < D; d++) {                                          \
+                    __m512 t0 = _mm512_loadu_ps(tc + d * ldt);                             \
+                    for (int r = 0; r < R; r++)                                            \
+                        a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r][d]), t0, a[r]);         \
+                }                                                                          \
+                for (int r = 0; r < R; r++) _mm512_storeu_ps(s + r * kp + j0 + j, a[r]);   \
+            }                                                                              \
+        }                                                                                  \
+    }
+SCORES(1)
+SCORES(2)
+SCORES(3)
+SCORES(4)
+typedef void (*scores_fn)(const float *const *, const float *, int64_t, int64_t, const int64_t *,
+                          int64_t, int64_t, float *);
+static const scores_fn scores_r[5] = {0, scores_1, scores_2, scores_3, scores_4};
+
+/* y[r][c..c+63] = mul * sum_{j < n} w[r * kp + j] row(j)[c..] for the R rows (row(j): the
+   key or value row of key j, rs floats apart; y rows ys floats apart) */
+#define WEIGH(R)                                                                           \
+    static void weigh_##R(const float *w, int64_t kp, const float *base, const int64_t *pos, \
+                          int64_t first, int64_t rs, int64_t n, int64_t D, float mul,      \
+                          float *y, int64_t ys) {                                          \
+        for (int64_t c = 0; c < D; c += 64) {                                              \
+            __mmask16 m[4];                                                                \
+            for (int u = 0; u < 4; u++) m[u] = lanes(D - c - 16 * u);                      \
+            __m512 a[R][4];                                                                \
+            for (int r = 0; r < R; r++)                                                    \
+                for (int u = 0; u < 4; u++) a[r][u] = _mm512_setzero_ps();                 \
+            for (int64_t j = 0; j < n; j++) {                                              \
+                const float *row = base + (pos ? pos[j] : first + j) * rs + c;             \
+                __m512 vv[4];                                                              \
+                for (int u = 0; u < 4; u++) vv[u] = _mm512_maskz_loadu_ps(m[u], row + 16 * u); \
+                for (int r = 0; r < R; r++) {                                              \
+                    __m512 b = _mm512_set1_ps(w[r * kp + j]);                              \
+                    for (int u = 0; u < 4; u++) a[r][u] = _mm512_fmadd_ps(b, vv[u], a[r][u]); \
+                }                                                                          \
+            }                                                                              \
+            __m512 sc = _mm512_set1_ps(mul);                                               \
+            for (int r = 0; r < R; r++)                                                    \
+                for (int u = 0; u < 4; u++)                                                \
+                    _mm512_mask_storeu_ps(y + r * ys + c + 16 * u, m[u],                   \
+                                          _mm512_mul_ps(a[r][u], sc));                     \
+        }                                                                                  \
+    }
+WEIGH(1)
+WEIGH(2)
+WEIGH(3)
+WEIGH(4)
+typedef void (*weigh_fn)(const float *, int64_t, const float *, const int64_t *, int64_t, int64_t,
+                         int64_t, int64_t, float, float *, int64_t);
+static const weigh_fn weigh_r[5] = {0, weigh_1, weigh_2, weigh_3, weigh_4};
+
+/* acc[j][c..] (rows dp floats apart) += sum_r w[r * kp + j] x[r][c..] * mul, for j < n:
+   a key's gradient from the R rows' */
+#define GATHER(R)                                                                          \
+    static void gather_##R(const float *w, int64_t kp, const float *const x[4], float mul, \
+                           int64_t n, int64_t D, float *acc, int64_t dp) {                 \
+        __m512 sv = _mm512_set1_ps(mul);                                                   \
+        for (int64_t c = 0; c < D; c += 64) {                                              \
+            __mmask16 m[4];                                                                \
+            for (int u = 0; u < 4; u++) m[u] = lanes(D - c - 16 * u);                      \
+            __m512 xv[R][4];                                                               \
+            for (int r = 0; r < R; r++)                                                    \
+                for (int u = 0; u < 4; u++)                                                \
+                    xv[r][u] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m[u], x[r] + c + 16 * u), sv); \
+            for (int64_t j = 0; j < n; j++) {                                              \
+                float *at = acc + j * dp + c;                                              \
+                for (int u = 0; u < 4; u++) {                                              \
+                    __m512 a = _mm512_maskz_loadu_ps(m[u], at + 16 * u);                   \
+                    for (int r = 0; r < R; r++)                                            \
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(w[r * kp + j]), xv[r][u], a);   \
+                    _mm512_mask_storeu_ps(at + 16 * u, m[u], a);                           \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
+GATHER(1)
+GATHER(2)
+GATHER(3)
+GATHER(4)
+typedef void (*gather_fn)(const float *, int64_t, const float *const *, float, int64_t, int64_t,
+                          float *, int64_t);
+static const gather_fn gather_r[5] = {0, gather_1, gather_2, gather_3, gather_4};
+
+/* a segment's keys as runs of consecutive rows: (first row, length) pairs into runs
+   (2 nk at most), ended by a (0, 0) */
+static void key_runs(const int64_t *pos, int64_t first, int64_t nk, int64_t *runs) {
+    if (!pos) {
+        runs[0] = first, runs[1] = nk, runs[2] = runs[3] = 0;
+        return;
+    }
+    int64_t m = 0;
+    for (int64_t j = 0; j < nk; j++) {
+        if (m && pos[j] == runs[m - 2] + runs[m - 1]) {
+            runs[m - 1]++;
+        } else {
+            runs[m] = pos[j], runs[m + 1] = 1, m += 2;
+        }
+    }
+    runs[m] = runs[m + 1] = 0;
+}
+
+/* the call's layout checked: the query segments cover the row's T tokens in order, each
+   segment's nk >= nq keys (the same segments without kidx), every key a row of the T; the
+   largest nk into *maxk */
+static int attn_check(int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
+                      const int64_t *kidx, int64_t H, int64_t G, int64_t D, int64_t *maxk) {
+    if (D < 1 || G < 1 || H < G || H % G || nseg < 0) return -1;
+    if (cu_q[0] != 0 || cu_k[0] != 0 || cu_q[nseg] != T) return -1;
+    *maxk = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        int64_t nq = cu_q[s + 1] - cu_q[s], nk = cu_k[s + 1] - cu_k[s];
+        if (nq < 0 || nq > nk || (!kidx && nk != nq)) return -1;
+        if (nk > *maxk) *maxk = nk;
+    }
+    if (kidx) {
+        for (int64_t j = 0; j < cu_k[nseg]; j++)
+            if (kidx[j] < 0 || kidx[j] >= T) return -1;
+    }
+    return 0;
+}
+
+/* out [T][H][D] packed, lse [T][H]: each row's log of its softmax's sum, in scaled units.
+   kt: the keys transposed, [G][D][ldt] (key (t, g) element d at kt[(g * D + d) * ldt + t]),
+   zero from column T to ldt >= T + 32 */
+int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ldt,
+                         const float *v, int64_t sv, int64_t H, int64_t G, int64_t D,
+                         int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
+                         const int64_t *kidx, float scale, float *out, float *lse) {
+    int64_t maxk;
+    if (attn_check(T, nseg, cu_q, cu_k, kidx, H, G, D, &maxk)) return -1;
+    int64_t kpm = round32(maxk) + 32, rep = H / G;
+    float *sc = grown(&attn_buf, &attn_cap, (size_t)(4 * kpm + 4 * maxk + 8));
+    if (!sc) return -2;
+    int64_t *runs = (int64_t *)(sc + 4 * kpm);
+    __m512 sv16 = _mm512_set1_ps(scale);
+    for (int64_t s = 0; s < nseg; s++) {
+        int64_t q0 = cu_q[s], nq = cu_q[s + 1] - q0, nk = cu_k[s + 1] - cu_k[s];
+        if (nq == 0) continue;
+        int64_t off = nk - nq, kp = round32(nk) + 32;
+        const int64_t *pos = kidx ? kidx + cu_k[s] : 0;
+        key_runs(pos, q0, nk, runs);
+        for (int64_t h = 0; h < H; h++) {
+            int64_t g = h / rep;
+            for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+                int nr = nq - i0 < 4 ? (int)(nq - i0) : 4;
+                const float *x[4];
+                for (int r = 0; r < nr; r++) x[r] = q + (q0 + i0 + r) * sq + h * D;
+                int64_t n = i0 + nr + off; /* the keys the block's last row sees */
+                scores_r[nr](x, kt + g * D * ldt, ldt, D, runs, n, kp, sc);
+                for (int r = 0; r < nr; r++) {
+                    float *p = sc + r * kp;
+                    int64_t vis = i0 + r + off + 1;
+                    __m512 mx = _mm512_set1_ps(-INFINITY);
+                    for (int64_t j = 0; j < vis; j += 16) {
+                        __m512 z = _mm512_mul_ps(_mm512_loadu_ps(p + j), sv16);
+                        _mm512_storeu_ps(p + j, z);
+                        mx = _mm512_mask_max_ps(mx, lanes(vis - j), mx, z);
+                    }
+                    float top = _mm512_reduce_max_ps(mx);
+                    __m512 tv = _mm512_set1_ps(top), sum = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < n; j += 16) {
+                        __m512 e = _mm512_maskz_mov_ps(
+                            lanes(vis - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), tv)));
+                        _mm512_storeu_ps(p + j, e);
+                        sum = _mm512_add_ps(sum, e);
+                    }
+                    float total = _mm512_reduce_add_ps(sum);
+                    lse[(q0 + i0 + r) * H + h] = top + logf(total);
+                    __m512 inv = _mm512_set1_ps(1.0f / total);
+                    for (int64_t j = 0; j < n; j += 16)
+                        _mm512_storeu_ps(p + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
+                }
+                weigh_r[nr](sc, kp, v + g * D, pos, q0, sv, n, D, 1.0f,
+                            out + ((q0 + i0) * H + h) * D, H * D);
+            }
+        }
+    }
+    return 0;
+}
+
+/* sum_e a[e] b[e] over D floats */
+static float dot(const float *a, const float *b, int64_t D) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t e = 0; e < D; e += 16) {
+        __mmask16 in = lanes(D - e);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, a + e), _mm512_maskz_loadu_ps(in, b + e), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* the backward from dout [T][H][D] packed: dq [T][H][D] packed (stored), dk and dv
+   [T][G][D] packed (added to: zero them first); k, v as for the forward's weights, kt and
+   vt the keys and the values transposed as the forward's kt */
+int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk,
+                          const float *kt, const float *vt, int64_t ldt, int64_t H, int64_t G,
+                          int64_t D, int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
+                          const int64_t *kidx, float scale, const float *out,
+                          const float *dout, const float *lse, float *dq, float *dk,
+                          float *dv) {
+    int64_t maxk;
+    if (attn_check(T, nseg, cu_q, cu_k, kidx, H, G, D, &maxk)) return -1;
+    int64_t kpm = round32(maxk) + 32, rep = H / G, dp = (D + 15) / 16 * 16;
+    float *pm = grown(&attn_buf, &attn_cap, (size_t)(8 * kpm + 2 * maxk * dp + 4 * maxk + 8));
+    if (!pm) return -2;
+    float *ds = pm + 4 * kpm, *dka = ds + 4 * kpm, *dva = dka + maxk * dp;
+    int64_t *runs = (int64_t *)(dva + maxk * dp);
+    __m512 sv16 = _mm512_set1_ps(scale);
+    for (int64_t s = 0; s < nseg; s++) {
+        int64_t q0 = cu_q[s], nq = cu_q[s + 1] - q0, nk = cu_k[s + 1] - cu_k[s];
+        if (nq == 0) continue;
+        int64_t off = nk - nq, kp = round32(nk) + 32;
+        const int64_t *pos = kidx ? kidx + cu_k[s] : 0;
+        key_runs(pos, q0, nk, runs);
+        for (int64_t g = 0; g < G; g++) {
+            for (int64_t j = 0; j < nk * dp; j++) dka[j] = dva[j] = 0.0f;
+            for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
+                for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+                    int nr = nq - i0 < 4 ? (int)(nq - i0) : 4;
+                    const float *x[4], *go[4];
+                    float delta[4], l[4];
+                    for (int r = 0; r < nr; r++) {
+                        int64_t row = q0 + i0 + r;
+                        x[r] = q + row * sq + h * D;
+                        go[r] = dout + (row * H + h) * D;
+                        delta[r] = dot(go[r], out + (row * H + h) * D, D);
+                        l[r] = lse[row * H + h];
+                    }
+                    int64_t n = i0 + nr + off;
+                    scores_r[nr](x, kt + g * D * ldt, ldt, D, runs, n, kp, pm);
+                    scores_r[nr](go, vt + g * D * ldt, ldt, D, runs, n, kp, ds); /* dP = dO V^T */
+                    for (int r = 0; r < nr; r++) {
+                        float *p = pm + r * kp, *d = ds + r * kp;
+                        int64_t vis = i0 + r + off + 1;
+                        __m512 lv = _mm512_set1_ps(l[r]), dv16 = _mm512_set1_ps(delta[r]);
+                        for (int64_t j = 0; j < n; j += 16) {
+                            __m512 pv = _mm512_maskz_mov_ps(
+                                lanes(vis - j), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(p + j), sv16, lv)));
+                            _mm512_storeu_ps(p + j, pv);
+                            _mm512_storeu_ps(
+                                d + j, _mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(d + j), dv16)));
+                        }
+                    }
+                    /* dQ = scale dS K */
+                    weigh_r[nr](ds, kp, k + g * D, pos, q0, sk, n, D, scale,
+                                dq + ((q0 + i0) * H + h) * D, H * D);
+                    /* dK[j] += scale sum_r dS[r][j] q_r; dV[j] += sum_r P[r][j] dO_r */
+                    gather_r[nr](ds, kp, x, scale, n, D, dka, dp);
+                    gather_r[nr](pm, kp, go, 1.0f, n, D, dva, dp);
+                }
+            }
+            for (int64_t j = 0; j < nk; j++) {
+                int64_t row = pos ? pos[j] : q0 + j;
+                float *tk = dk + (row * G + g) * D, *tv = dv + (row * G + g) * D;
+                for (int64_t e = 0; e < D; e += 16) {
+                    __mmask16 in = lanes(D - e);
+                    _mm512_mask_storeu_ps(tk + e, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, tk + e),
+                                                                    _mm512_maskz_loadu_ps(in, dka + j * dp + e)));
+                    _mm512_mask_storeu_ps(tv + e, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, tv + e),
+                                                                    _mm512_maskz_loadu_ps(in, dva + j * dp + e)));
+                }
+            }
+        }
+    }
+    return 0;
+}
 #else
 int asyncrl_cpu_linear_lanes(void) { return 0; }
 int asyncrl_decode_layer(const void *L, float *x, int64_t rows, int64_t d, int64_t heads,
@@ -610,6 +923,20 @@ int asyncrl_rope(const float *x, int64_t tokens, int64_t heads, int64_t hd, int6
                  const float *cos, const float *sin, float *out, int back) {
     return -3;
 }
+int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ldt,
+                         const float *v, int64_t sv, int64_t H, int64_t G, int64_t D,
+                         int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
+                         const int64_t *kidx, float scale, float *out, float *lse) {
+    return -3;
+}
+int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk,
+                          const float *kt, const float *vt, int64_t ldt, int64_t H, int64_t G,
+                          int64_t D, int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
+                          const int64_t *kidx, float scale, const float *out,
+                          const float *dout, const float *lse, float *dq, float *dk,
+                          float *dv) {
+    return -3;
+}
 #endif
 """
 
@@ -637,6 +964,10 @@ class Kernel(NamedTuple):
     """``asyncrl_swiglu_backward``: its backward."""
     rope: Callable[..., int]
     """``asyncrl_rope``: rotary positions, or their backward."""
+    attn_forward: Callable[..., int]
+    """``asyncrl_attn_forward``: causal attention over a packed row's segments."""
+    attn_backward: Callable[..., int]
+    """``asyncrl_attn_backward``: its backward."""
 
 
 _lock = threading.Lock()
@@ -730,6 +1061,13 @@ def kernel() -> Kernel | None:
                     "swiglu_forward": [ptr, ptr, i64, ptr],
                     "swiglu_backward": [ptr, ptr, ptr, i64, ptr, ptr],
                     "rope": [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int],
+                    # q, its row stride, keys transposed or values and their strides, heads,
+                    # key heads, head dim, tokens, segments; cu_q, cu_k, key index, scale,
+                    # then the outputs (and for the backward the saved tensors)
+                    "attn_forward": [ptr, i64, ptr, i64, ptr, i64, *[i64] * 5, *[ptr] * 3, f32]
+                    + [ptr] * 2,
+                    "attn_backward": [ptr, i64, ptr, i64, ptr, ptr, *[i64] * 6, *[ptr] * 3, f32]
+                    + [ptr] * 6,
                 }
                 for name, argtypes in trains.items():
                     entry = getattr(lib, f"asyncrl_{name}")

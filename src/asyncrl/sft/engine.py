@@ -44,10 +44,8 @@ class SFTEngine(TrainEngine):
             loss_sum += loss.detach()
         if self.distributed:
             dist.all_reduce(loss_sum)
-        grad_norm = self._clip_grad_norm()
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
+        grad_norm = self._clip_and_step()
+        if not math.isfinite(grad_norm):
             self.skipped_nonfinite += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -1,5 +1,6 @@
-"""The trainer's elementwise parts in C on the CPU in float32: RMSNorm, rotary positions and
-SiLU(gate) · up, each one pass forward and one backward.
+"""The trainer's elementwise parts and its attention in C on the CPU in float32: RMSNorm,
+rotary positions and SiLU(gate) · up, each one pass forward and one backward, and the
+packed row's causal attention, one call a layer forward and one backward.
 
 In eager PyTorch each of these is several operations over the step's activations, each
 reading and writing a whole ``[tokens, hidden]`` or ``[tokens, intermediate]`` tensor:
@@ -19,6 +20,15 @@ and the final norm; :func:`unsupported` names why another model is not taken) by
 those modules forwards of their own that call the same linear layers, so LoRA adapters,
 FSDP's hooks and gradient checkpointing see the modules as before. A call whose tensors are
 not float32 on the CPU (a bfloat16 autocast, say) goes through the module's own forward.
+
+Attention (:class:`AttentionFn`): the trainer's packed rows (:mod:`asyncrl.train.attention`)
+hold many short segments, a group's prompt and each of its completions, and torch's
+attention took one call, a gather and a split for each (40 a layer on the long workload's
+step; ~13 ms a layer forward and backward on one thread), most of it per-call overhead;
+the kernel takes the whole row in one call each way, reads a group's prompt keys where they
+are (no gather) and adds their gradients up there: ~6 ms (bench/README, "The trainer's
+attention in C").
+
 The trainer installs them where it computes in float32 on the CPU and does not compile its
 layers (``trainer.cpu_fused``); a call takes them while torch runs on at most
 :data:`MAX_THREADS` threads (each pass is one thread's).
@@ -33,6 +43,7 @@ from typing import Any
 import torch
 
 from asyncrl.engines import cpu_decode, cpu_linear
+from asyncrl.train import attention
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -150,6 +161,105 @@ class RopeFn(torch.autograd.Function):
         return _rope(fn, grad.transpose(1, 2), cos, sin, 1).transpose(1, 2), None, None
 
 
+class AttentionFn(torch.autograd.Function):
+    """Causal attention over the segments of one packed row (the trainer's layout,
+    :mod:`asyncrl.train.attention`): ``q`` ``[1, T, heads, hd]``, ``k`` and ``v`` ``[1, T,
+    kv heads, hd]`` (rows of ``hd`` contiguous, heads ``hd`` apart), ``cu_q`` and ``cu_k``
+    the segments' cumulative query and key counts (int64), ``key_index`` (int64, or None:
+    each segment's own positions) the row's position of each segment's every key, so that a
+    group's completions read its prompt's keys where they are and their gradients add up
+    there. Returns ``[1, T, heads, hd]``. One C call a layer forward and one backward, in
+    place of a torch attention call, a gather and a split per segment; the backward
+    computes the scores again from each row's saved log-sum (no ``[queries, keys]`` matrix
+    is kept)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        key_index: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        fn = cpu_linear.kernel()
+        assert fn is not None
+        _, T, H, D = q.shape
+        q, k, v = (_heads_packed(t) for t in (q, k, v))
+        kt = _transposed(k)
+        out = torch.empty((1, T, H, D), dtype=torch.float32)
+        lse = torch.empty((T, H), dtype=torch.float32)
+        code = fn.attn_forward(
+            _ptr(q), q.stride(1), _ptr(kt), kt.shape[2], _ptr(v), v.stride(1),
+            *_segment_args(q, k, cu_q, cu_k, key_index, scale), _ptr(out), _ptr(lse),
+        )  # fmt: skip
+        if code:
+            raise RuntimeError(f"the attention kernel declined the call (code {code})")
+        ctx.save_for_backward(q, k, v, kt, out, lse)
+        ctx.segments = (cu_q, cu_k, key_index, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        fn = cpu_linear.kernel()
+        assert fn is not None
+        q, k, v, kt, out, lse = ctx.saved_tensors
+        cu_q, cu_k, key_index, scale = ctx.segments
+        grad = grad.contiguous()
+        vt = _transposed(v)
+        dq = torch.empty_like(out)
+        dk = torch.zeros((1, k.shape[1], k.shape[2], k.shape[3]), dtype=torch.float32)
+        dv = torch.zeros_like(dk)
+        code = fn.attn_backward(
+            _ptr(q), q.stride(1), _ptr(k), k.stride(1), _ptr(kt), _ptr(vt), kt.shape[2],
+            *_segment_args(q, k, cu_q, cu_k, key_index, scale),
+            _ptr(out), _ptr(grad), _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv),
+        )  # fmt: skip
+        if code:
+            raise RuntimeError(f"the attention kernel declined the backward (code {code})")
+        return dq, dk, dv, None, None, None, None
+
+
+def _heads_packed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[1, T, heads, hd]`` with each token's heads side by side, contiguous rows of
+    ``hd`` (a projection's view is already; anything else is copied)."""
+    if t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+        t = t.contiguous()
+    return t
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[1, T, heads, hd]`` as ``[heads, hd, T + 32]``, the 32 columns past the row
+    zero (the kernel reads whole blocks of 32 keys)."""
+    _, T, H, D = t.shape
+    out = torch.empty((H, D, T + 32), dtype=torch.float32)
+    out[:, :, T:] = 0.0
+    out[:, :, :T] = t[0].permute(1, 2, 0)
+    return out
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    """An index tensor as the kernel reads it: int64, contiguous, on the CPU."""
+    return t.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def _segment_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    key_index: torch.Tensor | None,
+    scale: float,
+) -> tuple[Any, ...]:
+    """The kernel's arguments from the head counts to the scale."""
+    return (
+        q.shape[2], k.shape[2], q.shape[3], q.shape[1], cu_q.numel() - 1, _ptr(cu_q), _ptr(cu_k),
+        None if key_index is None else _ptr(key_index), float(scale),
+    )  # fmt: skip
+
+
 # --- the modules' forwards ----------------------------------------------------------------
 
 
@@ -174,7 +284,9 @@ def _attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
     """transformers' llama/qwen2 attention forward without a KV cache (a training forward
-    sees whole sequences), the rotary positions by :class:`RopeFn`; the module's own
+    sees whole sequences), the rotary positions by :class:`RopeFn`, a packed row's
+    attention (the trainer's ``asyncrl_varlen`` with segment bounds, no mask, no dropout)
+    by :class:`AttentionFn` and any other by the registered function; the module's own
     forward where the call does not take the C path (:func:`_fp32_cpu`), brings a cache or
     is set to transformers' eager attention."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415 - transformers is heavy; loaded with the model anyway
@@ -199,6 +311,23 @@ def _attention_forward(
     if cos.requires_grad or sin.requires_grad or not _fp32_cpu(cos, sin):
         raise RuntimeError("the fused attention forward takes float32 positions, not trained")
     q, k = RopeFn.apply(q, cos, sin), RopeFn.apply(k, cos, sin)
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if (
+        cu_q is not None
+        and self.config._attn_implementation == attention.ATTN_IMPLEMENTATION
+        and attention_mask is None
+        and q.shape[0] == 1
+        and not (self.training and self.attention_dropout)
+    ):
+        # a packed row (the trainer's): its segments in one C call
+        key_index = kwargs.get("key_index")
+        cu_k = kwargs["cu_seq_lens_k"] if key_index is not None else cu_q
+        out = AttentionFn.apply(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            _index(cu_q), _index(cu_k), None if key_index is None else _index(key_index),
+            float(self.scaling),
+        )  # fmt: skip
+        return self.o_proj(out.reshape(*input_shape, -1)), None
     out, weights = attend(
         self,
         q,

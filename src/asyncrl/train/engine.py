@@ -702,9 +702,7 @@ class TrainEngine:
         totals.add_entropy(entropy_sum)
         self._sync()
         t_opt = time.perf_counter()
-        grad_norm = self._clip_grad_norm()
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
+        grad_norm = self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
         totals.forward_backward_s += t_opt - t_fb
@@ -727,15 +725,39 @@ class TrainEngine:
             group["lr"] = lr
         return lr
 
-    def _clip_grad_norm(self) -> float:
-        """Global gradient norm (all ranks), clipping to ``optim.grad_clip`` when set."""
+    def _clip_and_step(self) -> float:
+        """The gradients' global norm (all ranks); where it is finite, one optimizer step on
+        the gradients clipped to ``optim.grad_clip`` (where set). Returns the norm.
+
+        In one process on the CPU with float32 parameters the clip's factor goes into the
+        fused AdamW's ``grad_scale`` (each gradient divided by it as the kernel reads it)
+        instead of a pass of its own over every gradient: ~30 ms a step of SmolLM2-135M on
+        two threads, ~1% of its step. The gradients themselves are then left unclipped."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.config.optim.grad_clip or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        full: Any = norm
-        if hasattr(full, "full_tensor"):
-            full = full.full_tensor()
-        return float(full)
+        fold = (
+            not self.distributed
+            and self.device.type == "cpu"
+            and all(p.dtype == torch.float32 for p in params)
+        )
+        if not fold:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            full: Any = norm
+            if hasattr(full, "full_tensor"):
+                full = full.full_tensor()
+            if math.isfinite(float(full)):
+                self.optimizer.step()
+            return float(full)
+        total = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        if math.isfinite(total):
+            # clip_grad_norm_'s factor, min(max_norm / (norm + 1e-6), 1)
+            factor = max_norm / (total + 1e-6)
+            self.optimizer.grad_scale = None if factor >= 1.0 else torch.tensor(1.0 / factor)  # type: ignore[attr-defined]
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.grad_scale = None  # type: ignore[attr-defined]
+        return total
 
     # --- state ------------------------------------------------------------------------------
 
