@@ -175,6 +175,19 @@ def test_stream_overlap_probe_runs_each_pass() -> None:
     assert sorted(seconds) == [0, 32] and min(seconds.values()) > 0 and peak > 0
 
 
+def test_attention_bench_counts_the_pairs_its_row_holds() -> None:
+    """bench/attention.py's row: segments covering it, each completion's keys its prompt's
+    then its own, and the causal pairs its FLOP/s stand on counted as a query sees keys."""
+    bench = load("attention")
+    T, cu_q, cu_k, key_index, pairs = bench.layout("long", seed=1)
+    nq, nk = cu_q.diff().tolist(), cu_k.diff().tolist()
+    assert cu_q[-1] == T and key_index.numel() == cu_k[-1] and bool((key_index < T).all())
+    assert len(nq) == 8 * (1 + 4) and all(q <= k for q, k in zip(nq, nk, strict=True))
+    # query i of a segment of nq queries and nk keys sees i + nk - nq + 1 of them
+    seen = sum(i + k - q + 1 for q, k in zip(nq, nk, strict=True) for i in range(q))
+    assert pairs == seen
+
+
 def test_trainer_bench_groups_its_batch() -> None:
     from asyncrl.train.batch import Sample
 

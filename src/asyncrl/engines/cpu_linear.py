@@ -597,7 +597,7 @@ static inline int64_t round32(int64_t n) { return (n + 31) / 32 * 32; }
    (col, length) of `runs` in order; whole blocks of 16 keys, so s is written up to 15 past
    n (kp >= n + 32) */
 #define SCORES(R)                                                                          \
-    static void scores_##R(const float *const x[4], const float *kt, int64_t ldt, int64_t D, \
+    static void scores_##R(const float *const *x, const float *kt, int64_t ldt, int64_t D, \
                            const int64_t *runs, int64_t n, int64_t kp, float *s) {         \
         for (int64_t j0 = 0; j0 < n; j0 += runs[1], runs += 2) {                           \
             int64_t col = runs[0], len = runs[1] < n - j0 ? runs[1] : n - j0, j = 0;        \
@@ -636,9 +636,30 @@ SCORES(1)
 SCORES(2)
 SCORES(3)
 SCORES(4)
+SCORES(5)
+SCORES(6)
+SCORES(7)
+SCORES(8)
+SCORES(9)
+SCORES(10)
+SCORES(11)
+SCORES(12)
 typedef void (*scores_fn)(const float *const *, const float *, int64_t, int64_t, const int64_t *,
                           int64_t, int64_t, float *);
-static const scores_fn scores_r[5] = {0, scores_1, scores_2, scores_3, scores_4};
+/* up to 12 rows at once: 24 accumulators, each loaded vector of keys used 12 times */
+#define SCORE_ROWS 12
+static const scores_fn scores_r[SCORE_ROWS + 1] = {
+    0, scores_1, scores_2, scores_3, scores_4, scores_5, scores_6,
+    scores_7, scores_8, scores_9, scores_10, scores_11, scores_12};
+
+/* scores of `rows` rows (any number), SCORE_ROWS at a time */
+static void scores(const float *const *x, int64_t rows, const float *kt, int64_t ldt, int64_t D,
+                   const int64_t *runs, int64_t n, int64_t kp, float *s) {
+    for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
+        int64_t c = rows - r0 < SCORE_ROWS ? rows - r0 : SCORE_ROWS;
+        scores_r[c](x + r0, kt, ldt, D, runs, n, kp, s + r0 * kp);
+    }
+}
 
 /* y[r][c..c+63] = mul * sum_{j < n} w[r * kp + j] row(j)[c..] for the R rows (row(j): the
    key or value row of key j, rs floats apart; y rows ys floats apart) */
@@ -676,27 +697,23 @@ typedef void (*weigh_fn)(const float *, int64_t, const float *, const int64_t *,
                          int64_t, int64_t, float, float *, int64_t);
 static const weigh_fn weigh_r[5] = {0, weigh_1, weigh_2, weigh_3, weigh_4};
 
-/* acc[j][c..] (rows dp floats apart) += sum_r w[r * kp + j] x[r][c..] * mul, for j < n:
-   a key's gradient from the R rows' */
+/* acc[j][..D] (rows dp floats apart) += mul * sum_r w[r * kp + j] x[r][..D], for j < n: a
+   key's gradient from R rows' (one vector of the head dim at a time: R of them held) */
 #define GATHER(R)                                                                          \
-    static void gather_##R(const float *w, int64_t kp, const float *const x[4], float mul, \
+    static void gather_##R(const float *w, int64_t kp, const float *const *x, float mul,   \
                            int64_t n, int64_t D, float *acc, int64_t dp) {                 \
         __m512 sv = _mm512_set1_ps(mul);                                                   \
-        for (int64_t c = 0; c < D; c += 64) {                                              \
-            __mmask16 m[4];                                                                \
-            for (int u = 0; u < 4; u++) m[u] = lanes(D - c - 16 * u);                      \
-            __m512 xv[R][4];                                                               \
+        for (int64_t c = 0; c < D; c += 16) {                                              \
+            __mmask16 m = lanes(D - c);                                                    \
+            __m512 xv[R];                                                                  \
             for (int r = 0; r < R; r++)                                                    \
-                for (int u = 0; u < 4; u++)                                                \
-                    xv[r][u] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m[u], x[r] + c + 16 * u), sv); \
+                xv[r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x[r] + c), sv);             \
             for (int64_t j = 0; j < n; j++) {                                              \
                 float *at = acc + j * dp + c;                                              \
-                for (int u = 0; u < 4; u++) {                                              \
-                    __m512 a = _mm512_maskz_loadu_ps(m[u], at + 16 * u);                   \
-                    for (int r = 0; r < R; r++)                                            \
-                        a = _mm512_fmadd_ps(_mm512_set1_ps(w[r * kp + j]), xv[r][u], a);   \
-                    _mm512_mask_storeu_ps(at + 16 * u, m[u], a);                           \
-                }                                                                          \
+                __m512 a = _mm512_load_ps(at);                                             \
+                for (int r = 0; r < R; r++)                                                \
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(w[r * kp + j]), xv[r], a);          \
+                _mm512_store_ps(at, a);                                                    \
             }                                                                              \
         }                                                                                  \
     }
@@ -704,9 +721,28 @@ GATHER(1)
 GATHER(2)
 GATHER(3)
 GATHER(4)
+GATHER(5)
+GATHER(6)
+GATHER(7)
+GATHER(8)
+GATHER(9)
+GATHER(10)
+GATHER(11)
+GATHER(12)
 typedef void (*gather_fn)(const float *, int64_t, const float *const *, float, int64_t, int64_t,
                           float *, int64_t);
-static const gather_fn gather_r[5] = {0, gather_1, gather_2, gather_3, gather_4};
+static const gather_fn gather_r[SCORE_ROWS + 1] = {
+    0, gather_1, gather_2, gather_3, gather_4, gather_5, gather_6,
+    gather_7, gather_8, gather_9, gather_10, gather_11, gather_12};
+
+/* gather of `rows` rows (any number), SCORE_ROWS at a time */
+static void gather(const float *w, int64_t kp, const float *const *x, int64_t rows, float mul,
+                   int64_t n, int64_t D, float *acc, int64_t dp) {
+    for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
+        int64_t c = rows - r0 < SCORE_ROWS ? rows - r0 : SCORE_ROWS;
+        gather_r[c](w + r0 * kp, kp, x + r0, mul, n, D, acc, dp);
+    }
+}
 
 /* a segment's keys as runs of consecutive rows: (first row, length) pairs into runs
    (2 nk at most), ended by a (0, 0) */
@@ -756,9 +792,11 @@ int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ld
     int64_t maxk;
     if (attn_check(T, nseg, cu_q, cu_k, kidx, H, G, D, &maxk)) return -1;
     int64_t kpm = round32(maxk) + 32, rep = H / G;
-    float *sc = grown(&attn_buf, &attn_cap, (size_t)(4 * kpm + 4 * maxk + 8));
+    if (rep > 64) return -1;
+    float *sc = grown(&attn_buf, &attn_cap, (size_t)(4 * rep * kpm + 4 * maxk + 8));
     if (!sc) return -2;
-    int64_t *runs = (int64_t *)(sc + 4 * kpm);
+    int64_t *runs = (int64_t *)(sc + 4 * rep * kpm);
+    const float *x[4 * 64];
     __m512 sv16 = _mm512_set1_ps(scale);
     for (int64_t s = 0; s < nseg; s++) {
         int64_t q0 = cu_q[s], nq = cu_q[s + 1] - q0, nk = cu_k[s + 1] - cu_k[s];
@@ -766,17 +804,18 @@ int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ld
         int64_t off = nk - nq, kp = round32(nk) + 32;
         const int64_t *pos = kidx ? kidx + cu_k[s] : 0;
         key_runs(pos, q0, nk, runs);
-        for (int64_t h = 0; h < H; h++) {
-            int64_t g = h / rep;
+        for (int64_t g = 0; g < G; g++) {
             for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+                /* the block's 4 (or fewer) query rows of every head reading key head g */
                 int nr = nq - i0 < 4 ? (int)(nq - i0) : 4;
-                const float *x[4];
-                for (int r = 0; r < nr; r++) x[r] = q + (q0 + i0 + r) * sq + h * D;
+                int64_t rows = rep * nr;
+                for (int64_t e = 0; e < rows; e++)
+                    x[e] = q + (q0 + i0 + e % nr) * sq + (g * rep + e / nr) * D;
                 int64_t n = i0 + nr + off; /* the keys the block's last row sees */
-                scores_r[nr](x, kt + g * D * ldt, ldt, D, runs, n, kp, sc);
-                for (int r = 0; r < nr; r++) {
-                    float *p = sc + r * kp;
-                    int64_t vis = i0 + r + off + 1;
+                scores(x, rows, kt + g * D * ldt, ldt, D, runs, n, kp, sc);
+                for (int64_t e = 0; e < rows; e++) {
+                    float *p = sc + e * kp;
+                    int64_t vis = i0 + e % nr + off + 1;
                     __m512 mx = _mm512_set1_ps(-INFINITY);
                     for (int64_t j = 0; j < vis; j += 16) {
                         __m512 z = _mm512_mul_ps(_mm512_loadu_ps(p + j), sv16);
@@ -786,19 +825,20 @@ int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ld
                     float top = _mm512_reduce_max_ps(mx);
                     __m512 tv = _mm512_set1_ps(top), sum = _mm512_setzero_ps();
                     for (int64_t j = 0; j < n; j += 16) {
-                        __m512 e = _mm512_maskz_mov_ps(
+                        __m512 ev = _mm512_maskz_mov_ps(
                             lanes(vis - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), tv)));
-                        _mm512_storeu_ps(p + j, e);
-                        sum = _mm512_add_ps(sum, e);
+                        _mm512_storeu_ps(p + j, ev);
+                        sum = _mm512_add_ps(sum, ev);
                     }
                     float total = _mm512_reduce_add_ps(sum);
-                    lse[(q0 + i0 + r) * H + h] = top + logf(total);
+                    lse[(q0 + i0 + e % nr) * H + g * rep + e / nr] = top + logf(total);
                     __m512 inv = _mm512_set1_ps(1.0f / total);
                     for (int64_t j = 0; j < n; j += 16)
                         _mm512_storeu_ps(p + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
                 }
-                weigh_r[nr](sc, kp, v + g * D, pos, q0, sv, n, D, 1.0f,
-                            out + ((q0 + i0) * H + h) * D, H * D);
+                for (int64_t hh = 0; hh < rep; hh++)
+                    weigh_r[nr](sc + hh * nr * kp, kp, v + g * D, pos, q0, sv, n, D, 1.0f,
+                                out + ((q0 + i0) * H + g * rep + hh) * D, H * D);
             }
         }
     }
@@ -827,10 +867,13 @@ int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk
     int64_t maxk;
     if (attn_check(T, nseg, cu_q, cu_k, kidx, H, G, D, &maxk)) return -1;
     int64_t kpm = round32(maxk) + 32, rep = H / G, dp = (D + 15) / 16 * 16;
-    float *pm = grown(&attn_buf, &attn_cap, (size_t)(8 * kpm + 2 * maxk * dp + 4 * maxk + 8));
+    if (rep > 64) return -1;
+    float *pm = grown(&attn_buf, &attn_cap,
+                      (size_t)(8 * rep * kpm + 2 * maxk * dp + 4 * maxk + 8));
     if (!pm) return -2;
-    float *ds = pm + 4 * kpm, *dka = ds + 4 * kpm, *dva = dka + maxk * dp;
+    float *ds = pm + 4 * rep * kpm, *dka = ds + 4 * rep * kpm, *dva = dka + maxk * dp;
     int64_t *runs = (int64_t *)(dva + maxk * dp);
+    const float *x[4 * 64], *go[4 * 64];
     __m512 sv16 = _mm512_set1_ps(scale);
     for (int64_t s = 0; s < nseg; s++) {
         int64_t q0 = cu_q[s], nq = cu_q[s + 1] - q0, nk = cu_k[s + 1] - cu_k[s];
@@ -840,40 +883,38 @@ int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk
         key_runs(pos, q0, nk, runs);
         for (int64_t g = 0; g < G; g++) {
             for (int64_t j = 0; j < nk * dp; j++) dka[j] = dva[j] = 0.0f;
-            for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
-                for (int64_t i0 = 0; i0 < nq; i0 += 4) {
-                    int nr = nq - i0 < 4 ? (int)(nq - i0) : 4;
-                    const float *x[4], *go[4];
-                    float delta[4], l[4];
-                    for (int r = 0; r < nr; r++) {
-                        int64_t row = q0 + i0 + r;
-                        x[r] = q + row * sq + h * D;
-                        go[r] = dout + (row * H + h) * D;
-                        delta[r] = dot(go[r], out + (row * H + h) * D, D);
-                        l[r] = lse[row * H + h];
-                    }
-                    int64_t n = i0 + nr + off;
-                    scores_r[nr](x, kt + g * D * ldt, ldt, D, runs, n, kp, pm);
-                    scores_r[nr](go, vt + g * D * ldt, ldt, D, runs, n, kp, ds); /* dP = dO V^T */
-                    for (int r = 0; r < nr; r++) {
-                        float *p = pm + r * kp, *d = ds + r * kp;
-                        int64_t vis = i0 + r + off + 1;
-                        __m512 lv = _mm512_set1_ps(l[r]), dv16 = _mm512_set1_ps(delta[r]);
-                        for (int64_t j = 0; j < n; j += 16) {
-                            __m512 pv = _mm512_maskz_mov_ps(
-                                lanes(vis - j), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(p + j), sv16, lv)));
-                            _mm512_storeu_ps(p + j, pv);
-                            _mm512_storeu_ps(
-                                d + j, _mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(d + j), dv16)));
-                        }
-                    }
-                    /* dQ = scale dS K */
-                    weigh_r[nr](ds, kp, k + g * D, pos, q0, sk, n, D, scale,
-                                dq + ((q0 + i0) * H + h) * D, H * D);
-                    /* dK[j] += scale sum_r dS[r][j] q_r; dV[j] += sum_r P[r][j] dO_r */
-                    gather_r[nr](ds, kp, x, scale, n, D, dka, dp);
-                    gather_r[nr](pm, kp, go, 1.0f, n, D, dva, dp);
+            for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+                int nr = nq - i0 < 4 ? (int)(nq - i0) : 4;
+                int64_t rows = rep * nr, n = i0 + nr + off;
+                for (int64_t e = 0; e < rows; e++) {
+                    int64_t row = q0 + i0 + e % nr, h = g * rep + e / nr;
+                    x[e] = q + row * sq + h * D;
+                    go[e] = dout + (row * H + h) * D;
                 }
+                scores(x, rows, kt + g * D * ldt, ldt, D, runs, n, kp, pm);
+                scores(go, rows, vt + g * D * ldt, ldt, D, runs, n, kp, ds); /* dP = dO V^T */
+                for (int64_t e = 0; e < rows; e++) {
+                    int64_t row = q0 + i0 + e % nr, h = g * rep + e / nr;
+                    float *p = pm + e * kp, *d = ds + e * kp;
+                    int64_t vis = i0 + e % nr + off + 1;
+                    float delta = dot(go[e], out + (row * H + h) * D, D);
+                    __m512 lv = _mm512_set1_ps(lse[row * H + h]), dv16 = _mm512_set1_ps(delta);
+                    for (int64_t j = 0; j < n; j += 16) {
+                        __m512 pv = _mm512_maskz_mov_ps(
+                            lanes(vis - j), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(p + j), sv16, lv)));
+                        _mm512_storeu_ps(p + j, pv);
+                        _mm512_storeu_ps(
+                            d + j, _mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(d + j), dv16)));
+                    }
+                }
+                /* dQ = scale dS K, a head's rows at a time */
+                for (int64_t hh = 0; hh < rep; hh++)
+                    weigh_r[nr](ds + hh * nr * kp, kp, k + g * D, pos, q0, sk, n, D, scale,
+                                dq + ((q0 + i0) * H + g * rep + hh) * D, H * D);
+                /* dK[j] += scale sum dS[e][j] q_e; dV[j] += sum P[e][j] dO_e, over every
+                   row of the heads that read key head g */
+                gather(ds, kp, x, rows, scale, n, D, dka, dp);
+                gather(pm, kp, go, rows, 1.0f, n, D, dva, dp);
             }
             for (int64_t j = 0; j < nk; j++) {
                 int64_t row = pos ? pos[j] : q0 + j;

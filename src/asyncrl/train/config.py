@@ -201,13 +201,13 @@ class TrainerConfig(Placement):
     cpu_fused: bool = True
     """On the CPU in float32, the decoder layers' elementwise parts (RMSNorm, rotary
     positions, SiLU(gate) · up) each one C pass forward and one backward instead of
-    several torch operations (:mod:`asyncrl.train.cpu_fused`): the same values within
-    float32 rounding; SmolLM2-135M's steps 1.09-1.15x faster on one torch thread, as fast
-    on two (``bench/trainer.py --modes fused``). For llama and qwen2 models where the
-    kernel library compiles (AVX-512); elsewhere, in other dtypes, on a GPU, with more than
-    two torch threads (each pass is one thread's) and with ``compile`` (which fuses them its
-    own way) the layers run as transformers writes them. False: as transformers writes
-    them everywhere."""
+    several torch operations, and the packed row's attention one C call a layer each way
+    instead of a torch call per segment (:mod:`asyncrl.train.cpu_fused`): the same values
+    within float32 rounding (``bench/trainer.py --modes fused``, ``bench/attention.py``).
+    For llama and qwen2 models where the kernel library compiles (AVX-512); elsewhere, in
+    other dtypes, on a GPU, with more than two torch threads (each pass is one thread's)
+    and with ``compile`` (which fuses them its own way) the layers run as transformers
+    writes them. False: as transformers writes them everywhere."""
     allocator: Literal["auto", "system"] = "auto"
     """Memory allocator of a trainer process on the CPU: ``auto`` runs it with mimalloc
     (the ``cmeel-mimalloc`` wheel, Linux), which keeps freed memory for the next step

@@ -57,6 +57,11 @@ trainer step of SmolLM2-135M gained 1.09-1.15x on one thread and nothing on two 
 bench/trainer.py --modes fused); on more, torch's parallel operations would be faster."""
 
 
+MAX_HEADS_PER_KEY_HEAD = 64
+"""The attention kernel takes up to this many query heads a key head (it scores a block's
+rows of all of them together); a model with more goes through the registered function."""
+
+
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:
     """Whether a call takes the C path: ``tensors`` float32 on the CPU, and torch on at most
     :data:`MAX_THREADS` threads."""
@@ -317,6 +322,7 @@ def _attention_forward(
         and self.config._attn_implementation == attention.ATTN_IMPLEMENTATION
         and attention_mask is None
         and q.shape[0] == 1
+        and q.shape[1] <= MAX_HEADS_PER_KEY_HEAD * k.shape[1]
         and not (self.training and self.attention_dropout)
     ):
         # a packed row (the trainer's): its segments in one C call
