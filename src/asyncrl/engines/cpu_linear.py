@@ -762,6 +762,21 @@ static void key_runs(const int64_t *pos, int64_t first, int64_t nk, int64_t *run
     runs[m] = runs[m + 1] = 0;
 }
 
+/* segment s of a call: its first query row, its query and key counts, its keys' rows
+   (null: q0 + j) and their runs (written to runs) */
+typedef struct {
+    int64_t q0, nq, nk;
+    const int64_t *pos;
+} attn_segment;
+
+static attn_segment segment_at(int64_t s, const int64_t *cu_q, const int64_t *cu_k,
+                               const int64_t *kidx, int64_t *runs) {
+    attn_segment sg = {cu_q[s], cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s],
+                       kidx ? kidx + cu_k[s] : 0};
+    if (sg.nq) key_runs(sg.pos, sg.q0, sg.nk, runs);
+    return sg;
+}
+
 /* the call's layout checked: the query segments cover the row's T tokens in order, each
    segment's nk >= nq keys (the same segments without kidx), every key a row of the T; the
    largest nk into *maxk */
@@ -799,11 +814,10 @@ int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ld
     const float *x[4 * 64];
     __m512 sv16 = _mm512_set1_ps(scale);
     for (int64_t s = 0; s < nseg; s++) {
-        int64_t q0 = cu_q[s], nq = cu_q[s + 1] - q0, nk = cu_k[s + 1] - cu_k[s];
-        if (nq == 0) continue;
-        int64_t off = nk - nq, kp = round32(nk) + 32;
-        const int64_t *pos = kidx ? kidx + cu_k[s] : 0;
-        key_runs(pos, q0, nk, runs);
+        attn_segment sg = segment_at(s, cu_q, cu_k, kidx, runs);
+        if (sg.nq == 0) continue;
+        int64_t q0 = sg.q0, nq = sg.nq, off = sg.nk - sg.nq, kp = round32(sg.nk) + 32, nk = sg.nk;
+        const int64_t *pos = sg.pos;
         for (int64_t g = 0; g < G; g++) {
             for (int64_t i0 = 0; i0 < nq; i0 += 4) {
                 /* the block's 4 (or fewer) query rows of every head reading key head g */
@@ -876,11 +890,10 @@ int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk
     const float *x[4 * 64], *go[4 * 64];
     __m512 sv16 = _mm512_set1_ps(scale);
     for (int64_t s = 0; s < nseg; s++) {
-        int64_t q0 = cu_q[s], nq = cu_q[s + 1] - q0, nk = cu_k[s + 1] - cu_k[s];
-        if (nq == 0) continue;
-        int64_t off = nk - nq, kp = round32(nk) + 32;
-        const int64_t *pos = kidx ? kidx + cu_k[s] : 0;
-        key_runs(pos, q0, nk, runs);
+        attn_segment sg = segment_at(s, cu_q, cu_k, kidx, runs);
+        if (sg.nq == 0) continue;
+        int64_t q0 = sg.q0, nq = sg.nq, off = sg.nk - sg.nq, kp = round32(sg.nk) + 32, nk = sg.nk;
+        const int64_t *pos = sg.pos;
         for (int64_t g = 0; g < G; g++) {
             for (int64_t j = 0; j < nk * dp; j++) dka[j] = dva[j] = 0.0f;
             for (int64_t i0 = 0; i0 < nq; i0 += 4) {
