@@ -762,27 +762,31 @@ static void key_runs(const int64_t *pos, int64_t first, int64_t nk, int64_t *run
     runs[m] = runs[m + 1] = 0;
 }
 
-/* segment s of a call: its first query row, its query and key counts, its keys' rows
-   (null: q0 + j) and their runs (written to runs) */
+/* segment s of a call: its first query row, its query and key counts, the keys its first
+   query does not see past its last (off = nk - nq), its score rows' stride (kp), its keys'
+   rows (null: q0 + j) and their runs (written to runs) */
 typedef struct {
-    int64_t q0, nq, nk;
+    int64_t q0, nq, nk, off, kp;
     const int64_t *pos;
 } attn_segment;
 
 static attn_segment segment_at(int64_t s, const int64_t *cu_q, const int64_t *cu_k,
                                const int64_t *kidx, int64_t *runs) {
-    attn_segment sg = {cu_q[s], cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s],
-                       kidx ? kidx + cu_k[s] : 0};
-    if (sg.nq) key_runs(sg.pos, sg.q0, sg.nk, runs);
+    int64_t nq = cu_q[s + 1] - cu_q[s], nk = cu_k[s + 1] - cu_k[s];
+    attn_segment sg = {cu_q[s], nq, nk, nk - nq, round32(nk) + 32, kidx ? kidx + cu_k[s] : 0};
+    if (nq) key_runs(sg.pos, sg.q0, nk, runs);
     return sg;
 }
 
+/* query heads a key head at most (a block's rows of all of them are scored together) */
+#define ATTN_MAX_REP 64
+
 /* the call's layout checked: the query segments cover the row's T tokens in order, each
-   segment's nk >= nq keys (the same segments without kidx), every key a row of the T; the
-   largest nk into *maxk */
+   segment's nk >= nq keys (the same segments without kidx), every key a row of the T, at
+   most ATTN_MAX_REP query heads a key head; the largest nk into *maxk */
 static int attn_check(int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
                       const int64_t *kidx, int64_t H, int64_t G, int64_t D, int64_t *maxk) {
-    if (D < 1 || G < 1 || H < G || H % G || nseg < 0) return -1;
+    if (D < 1 || G < 1 || H < G || H % G || H / G > ATTN_MAX_REP || nseg < 0) return -1;
     if (cu_q[0] != 0 || cu_k[0] != 0 || cu_q[nseg] != T) return -1;
     *maxk = 0;
     for (int64_t s = 0; s < nseg; s++) {
@@ -807,29 +811,26 @@ int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ld
     int64_t maxk;
     if (attn_check(T, nseg, cu_q, cu_k, kidx, H, G, D, &maxk)) return -1;
     int64_t kpm = round32(maxk) + 32, rep = H / G;
-    if (rep > 64) return -1;
     float *sc = grown(&attn_buf, &attn_cap, (size_t)(4 * rep * kpm + 4 * maxk + 8));
     if (!sc) return -2;
     int64_t *runs = (int64_t *)(sc + 4 * rep * kpm);
-    const float *x[4 * 64];
+    const float *x[4 * ATTN_MAX_REP];
     __m512 sv16 = _mm512_set1_ps(scale);
     for (int64_t s = 0; s < nseg; s++) {
         attn_segment sg = segment_at(s, cu_q, cu_k, kidx, runs);
         if (sg.nq == 0) continue;
-        int64_t q0 = sg.q0, nq = sg.nq, off = sg.nk - sg.nq, kp = round32(sg.nk) + 32, nk = sg.nk;
-        const int64_t *pos = sg.pos;
         for (int64_t g = 0; g < G; g++) {
-            for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+            for (int64_t i0 = 0; i0 < sg.nq; i0 += 4) {
                 /* the block's 4 (or fewer) query rows of every head reading key head g */
-                int nr = nq - i0 < 4 ? (int)(nq - i0) : 4;
+                int nr = sg.nq - i0 < 4 ? (int)(sg.nq - i0) : 4;
                 int64_t rows = rep * nr;
                 for (int64_t e = 0; e < rows; e++)
-                    x[e] = q + (q0 + i0 + e % nr) * sq + (g * rep + e / nr) * D;
-                int64_t n = i0 + nr + off; /* the keys the block's last row sees */
-                scores(x, rows, kt + g * D * ldt, ldt, D, runs, n, kp, sc);
+                    x[e] = q + (sg.q0 + i0 + e % nr) * sq + (g * rep + e / nr) * D;
+                int64_t n = i0 + nr + sg.off; /* the keys the block's last row sees */
+                scores(x, rows, kt + g * D * ldt, ldt, D, runs, n, sg.kp, sc);
                 for (int64_t e = 0; e < rows; e++) {
-                    float *p = sc + e * kp;
-                    int64_t vis = i0 + e % nr + off + 1;
+                    float *p = sc + e * sg.kp;
+                    int64_t vis = i0 + e % nr + sg.off + 1;
                     __m512 mx = _mm512_set1_ps(-INFINITY);
                     for (int64_t j = 0; j < vis; j += 16) {
                         __m512 z = _mm512_mul_ps(_mm512_loadu_ps(p + j), sv16);
@@ -845,14 +846,14 @@ int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ld
                         sum = _mm512_add_ps(sum, ev);
                     }
                     float total = _mm512_reduce_add_ps(sum);
-                    lse[(q0 + i0 + e % nr) * H + g * rep + e / nr] = top + logf(total);
+                    lse[(sg.q0 + i0 + e % nr) * H + g * rep + e / nr] = top + logf(total);
                     __m512 inv = _mm512_set1_ps(1.0f / total);
                     for (int64_t j = 0; j < n; j += 16)
                         _mm512_storeu_ps(p + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
                 }
                 for (int64_t hh = 0; hh < rep; hh++)
-                    weigh_r[nr](sc + hh * nr * kp, kp, v + g * D, pos, q0, sv, n, D, 1.0f,
-                                out + ((q0 + i0) * H + g * rep + hh) * D, H * D);
+                    weigh_r[nr](sc + hh * nr * sg.kp, sg.kp, v + g * D, sg.pos, sg.q0, sv, n, D, 1.0f,
+                                out + ((sg.q0 + i0) * H + g * rep + hh) * D, H * D);
             }
         }
     }
@@ -881,35 +882,32 @@ int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk
     int64_t maxk;
     if (attn_check(T, nseg, cu_q, cu_k, kidx, H, G, D, &maxk)) return -1;
     int64_t kpm = round32(maxk) + 32, rep = H / G, dp = (D + 15) / 16 * 16;
-    if (rep > 64) return -1;
     float *pm = grown(&attn_buf, &attn_cap,
                       (size_t)(8 * rep * kpm + 2 * maxk * dp + 4 * maxk + 8));
     if (!pm) return -2;
     float *ds = pm + 4 * rep * kpm, *dka = ds + 4 * rep * kpm, *dva = dka + maxk * dp;
     int64_t *runs = (int64_t *)(dva + maxk * dp);
-    const float *x[4 * 64], *go[4 * 64];
+    const float *x[4 * ATTN_MAX_REP], *go[4 * ATTN_MAX_REP];
     __m512 sv16 = _mm512_set1_ps(scale);
     for (int64_t s = 0; s < nseg; s++) {
         attn_segment sg = segment_at(s, cu_q, cu_k, kidx, runs);
         if (sg.nq == 0) continue;
-        int64_t q0 = sg.q0, nq = sg.nq, off = sg.nk - sg.nq, kp = round32(sg.nk) + 32, nk = sg.nk;
-        const int64_t *pos = sg.pos;
         for (int64_t g = 0; g < G; g++) {
-            for (int64_t j = 0; j < nk * dp; j++) dka[j] = dva[j] = 0.0f;
-            for (int64_t i0 = 0; i0 < nq; i0 += 4) {
-                int nr = nq - i0 < 4 ? (int)(nq - i0) : 4;
-                int64_t rows = rep * nr, n = i0 + nr + off;
+            for (int64_t j = 0; j < sg.nk * dp; j++) dka[j] = dva[j] = 0.0f;
+            for (int64_t i0 = 0; i0 < sg.nq; i0 += 4) {
+                int nr = sg.nq - i0 < 4 ? (int)(sg.nq - i0) : 4;
+                int64_t rows = rep * nr, n = i0 + nr + sg.off;
                 for (int64_t e = 0; e < rows; e++) {
-                    int64_t row = q0 + i0 + e % nr, h = g * rep + e / nr;
+                    int64_t row = sg.q0 + i0 + e % nr, h = g * rep + e / nr;
                     x[e] = q + row * sq + h * D;
                     go[e] = dout + (row * H + h) * D;
                 }
-                scores(x, rows, kt + g * D * ldt, ldt, D, runs, n, kp, pm);
-                scores(go, rows, vt + g * D * ldt, ldt, D, runs, n, kp, ds); /* dP = dO V^T */
+                scores(x, rows, kt + g * D * ldt, ldt, D, runs, n, sg.kp, pm);
+                scores(go, rows, vt + g * D * ldt, ldt, D, runs, n, sg.kp, ds); /* dP = dO V^T */
                 for (int64_t e = 0; e < rows; e++) {
-                    int64_t row = q0 + i0 + e % nr, h = g * rep + e / nr;
-                    float *p = pm + e * kp, *d = ds + e * kp;
-                    int64_t vis = i0 + e % nr + off + 1;
+                    int64_t row = sg.q0 + i0 + e % nr, h = g * rep + e / nr;
+                    float *p = pm + e * sg.kp, *d = ds + e * sg.kp;
+                    int64_t vis = i0 + e % nr + sg.off + 1;
                     float delta = dot(go[e], out + (row * H + h) * D, D);
                     __m512 lv = _mm512_set1_ps(lse[row * H + h]), dv16 = _mm512_set1_ps(delta);
                     for (int64_t j = 0; j < n; j += 16) {
@@ -922,15 +920,15 @@ int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk
                 }
                 /* dQ = scale dS K, a head's rows at a time */
                 for (int64_t hh = 0; hh < rep; hh++)
-                    weigh_r[nr](ds + hh * nr * kp, kp, k + g * D, pos, q0, sk, n, D, scale,
-                                dq + ((q0 + i0) * H + g * rep + hh) * D, H * D);
+                    weigh_r[nr](ds + hh * nr * sg.kp, sg.kp, k + g * D, sg.pos, sg.q0, sk, n, D, scale,
+                                dq + ((sg.q0 + i0) * H + g * rep + hh) * D, H * D);
                 /* dK[j] += scale sum dS[e][j] q_e; dV[j] += sum P[e][j] dO_e, over every
                    row of the heads that read key head g */
-                gather(ds, kp, x, rows, scale, n, D, dka, dp);
-                gather(pm, kp, go, rows, 1.0f, n, D, dva, dp);
+                gather(ds, sg.kp, x, rows, scale, n, D, dka, dp);
+                gather(pm, sg.kp, go, rows, 1.0f, n, D, dva, dp);
             }
-            for (int64_t j = 0; j < nk; j++) {
-                int64_t row = pos ? pos[j] : q0 + j;
+            for (int64_t j = 0; j < sg.nk; j++) {
+                int64_t row = sg.pos ? sg.pos[j] : sg.q0 + j;
                 float *tk = dk + (row * G + g) * D, *tv = dv + (row * G + g) * D;
                 for (int64_t e = 0; e < D; e += 16) {
                     __mmask16 in = lanes(D - e);
