@@ -4,6 +4,9 @@ layer (asyncrl.train.cpu_fused.AttentionFn), forward and backward.
     python bench/attention.py                      # the long workload's, quickstart's, tools'
     python bench/attention.py --shapes long --threads 2
 
+Each shape is timed on each of ``--threads`` (1 and 2 by default) in turn, and the C
+call's time on more threads is printed against its time on the first.
+
 A trainer step's packed row holds a group's prompt once and each of its completions as a
 segment of its own that attends to the prompt's keys and its own (``trainer.share_prefix``).
 ``asyncrl_varlen`` (asyncrl.train.attention) computes that on the CPU with one torch
@@ -131,24 +134,38 @@ def measure(shape: str, repeats: int) -> tuple[int, int, int, dict[str, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the kernel: one)")
+    ap.add_argument(
+        "--threads", type=int, nargs="+", default=[1, 2], help="torch threads, each in turn"
+    )
     ap.add_argument("--repeats", type=int, default=40, help="timed calls of each, in turns")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     if cpu_fused.cpu_linear.kernel() is None:
         sys.exit("the C kernel library cannot run here (see the warning above)")
-    print(f"# {cpu_line()}; torch on {args.threads} thread(s), the kernel on one")
+    print(f"# {cpu_line()}; the kernel shares its work between torch's threads")
     print(
-        f"{'shape':>6} {'tokens':>6} {'segs':>5} | {'torch f+b':>9} {'C f+b':>7} {'ratio':>6}"
-        f" | {'torch fwd':>9} {'C fwd':>7} {'ratio':>6} | GFLOP/s f+b torch / C"
+        f"{'shape':>6} {'thr':>3} {'tokens':>6} {'segs':>5} | {'torch f+b':>9} {'C f+b':>7}"
+        f" {'ratio':>6} | {'torch fwd':>9} {'C fwd':>7} {'ratio':>6} | GFLOP/s f+b torch / C"
     )
-    for shape in args.shapes:
-        T, segments, pairs, ms = measure(shape, args.repeats)
-        flops = pairs * HEADS * HEAD_DIM * 14  # forward 4, backward 10 a pair's head dim
+    c_ms: dict[tuple[str, int], float] = {}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for shape in args.shapes:
+            T, segments, pairs, ms = measure(shape, args.repeats)
+            c_ms[shape, threads] = ms["cb"]
+            flops = pairs * HEADS * HEAD_DIM * 14  # forward 4, backward 10 a pair's head dim
+            print(
+                f"{shape:>6} {threads:>3} {T:>6} {segments:>5} | {ms['tb']:7.2f}ms"
+                f" {ms['cb']:5.2f}ms {ms['tb'] / ms['cb']:5.2f}x | {ms['tf']:7.2f}ms"
+                f" {ms['cf']:5.2f}ms {ms['tf'] / ms['cf']:5.2f}x"
+                f" | {flops / ms['tb'] / 1e6:6.1f} / {flops / ms['cb'] / 1e6:.1f}"
+            )
+    first = args.threads[0]
+    for threads in args.threads[1:]:
         print(
-            f"{shape:>6} {T:>6} {segments:>5} | {ms['tb']:7.2f}ms {ms['cb']:5.2f}ms"
-            f" {ms['tb'] / ms['cb']:5.2f}x | {ms['tf']:7.2f}ms {ms['cf']:5.2f}ms"
-            f" {ms['tf'] / ms['cf']:5.2f}x | {flops / ms['tb'] / 1e6:6.1f} / {flops / ms['cb'] / 1e6:.1f}"
+            f"C f+b on {threads} threads against {first}: "
+            + ", ".join(
+                f"{shape} {c_ms[shape, first] / c_ms[shape, threads]:.2f}x" for shape in args.shapes
+            )
         )
 
 

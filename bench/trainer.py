@@ -58,9 +58,10 @@ time, trainable parameters, optimizer state bytes (AdamW's two moments, all that
 dtype, against the adapter).
 
 Mode ``fused`` trains the same batches with ``trainer.cpu_fused`` off and on (RMSNorm,
-rotary positions and SiLU(gate) · up as torch's operations, or one C pass each on the CPU
-in float32), two engines stepped in turns, and prints the median step times, their ratio
-and the share of the floor each reached.
+rotary positions, SiLU(gate) · up and the packed attention as torch's operations, or one C
+pass each on the CPU in float32), engines stepped in turns, and prints the median step
+times, their ratio and the share of the floor each reached; on more than one thread also
+the C passes on the calling thread alone against shared between torch's threads.
 
 Mode ``compile`` trains the same batches eager and with ``trainer.compile`` (every decoder
 layer under ``torch.compile``, dynamic shapes), one engine after the other, and prints the
@@ -126,6 +127,7 @@ from flops import (
 
 from asyncrl.models.resolve import ModelConfig
 from asyncrl.train import LossConfig, OptimConfig, TrainerConfig
+from asyncrl.train import cpu_fused as c_passes
 from asyncrl.train.batch import Sample
 from asyncrl.train.config import LoraConfig
 from asyncrl.train.engine import TrainEngine
@@ -404,24 +406,36 @@ def run_compile(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[s
 
 def run_fused(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, float]:
     """Packed steps with ``trainer.cpu_fused`` off and on (the decoder layers' elementwise
-    parts as torch's operations, or one C pass each), two engines of the same weights
-    stepped in turns on each batch (alternating which goes first), so that both see the
-    same batches, warm caches and machine load: the median step time of each."""
-    engines = {on: build_engine(args, True, batches, cpu_fused=on) for on in (False, True)}
-    if not engines[True].fused_layers:
-        raise SystemExit("mode fused: trainer.cpu_fused does not apply here (see the log)")
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for i, batch in enumerate(batches):
-        for on in (False, True) if i % 2 == 0 else (True, False):
-            t0 = time.perf_counter()
-            engines[on].train_step(batch)
-            if i >= args.warmup:
-                times[on].append(time.perf_counter() - t0)
-    return {
-        "torch_s": statistics.median(times[False]),
-        "fused_s": statistics.median(times[True]),
-        "flops": statistics.mean(model_flops(engines[True], b) for b in batches[args.warmup :]),
+    parts and attention as torch's operations, or one C pass each), engines of the same
+    weights stepped in turns on each batch (rotating which goes first), so that all see
+    the same batches, warm caches and machine load: the median step time of each. On more
+    than one thread a third engine runs the C passes on the calling thread alone (as they
+    were before they shared their work between torch's threads; the same bits)."""
+    variants = {"torch": False, "fused": True}
+    if torch.get_num_threads() > 1:
+        variants["fused_one"] = True
+    engines = {
+        name: build_engine(args, True, batches, cpu_fused=on) for name, on in variants.items()
     }
+    if not engines["fused"].fused_layers:
+        raise SystemExit("mode fused: trainer.cpu_fused does not apply here (see the log)")
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    shared_threads = c_passes._threads
+    for i, batch in enumerate(batches):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            c_passes._threads = (lambda: 1) if name == "fused_one" else shared_threads
+            try:
+                t0 = time.perf_counter()
+                engines[name].train_step(batch)
+                elapsed = time.perf_counter() - t0
+            finally:
+                c_passes._threads = shared_threads
+            if i >= args.warmup:
+                times[name].append(elapsed)
+    out = {f"{name}_s": statistics.median(t) for name, t in times.items()}
+    out["flops"] = statistics.mean(model_flops(engines["fused"], b) for b in batches[args.warmup :])
+    return out
 
 
 def run_proximal(args: argparse.Namespace, batches: list[list[Sample]]) -> dict[str, float]:
@@ -987,8 +1001,13 @@ def main() -> None:
         line = (
             f"packed step time, elementwise parts by torch {r['torch_s']:.3f} s | in C"
             f" (trainer.cpu_fused) {r['fused_s']:.3f} s | {r['torch_s'] / r['fused_s']:.2f}x"
-            f" (medians of {args.steps} alternated steps, {torch.get_num_threads()} threads)"
+            f" (medians of {args.steps} rotated steps, {torch.get_num_threads()} threads)"
         )
+        if "fused_one_s" in r:
+            line += (
+                f" | the C passes on one thread {r['fused_one_s']:.3f} s, shared"
+                f" {r['fused_one_s'] / r['fused_s']:.2f}x faster"
+            )
         if args.floor_peak:
             line += (
                 f" | floor reached {r['flops'] / r['torch_s'] / args.floor_peak:.0%} by torch,"

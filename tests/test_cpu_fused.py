@@ -6,6 +6,8 @@ dtypes, models and settings left to transformers."""
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -197,6 +199,104 @@ def test_attention_declines_a_layout_it_cannot_read(change: dict[str, Any], what
         cpu_fused.AttentionFn.apply(q, k, v, cu_q, cu_k, key_index, 0.25)
 
 
+def on_threads(n: int, run: Callable[[], Any]) -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(before)
+
+
+def every_pass(layout: tuple[Any, ...], heads: int = 9, kv_heads: int = 3) -> list[torch.Tensor]:
+    """Each C pass's output and input gradients, forward and backward, on inputs of many
+    tasks (300 rows: ten of RMSNorm's and of the rotary map's tasks, 57 of SwiGLU's) and
+    attention over ``layout`` (:func:`packed_layout`'s)."""
+    gen = torch.Generator().manual_seed(7)
+    out: list[torch.Tensor] = []
+
+    def run(fn: Any, inputs: list[torch.Tensor], *rest: Any) -> None:
+        got = fn.apply(*inputs, *rest)
+        out.extend([got, *grads(got, tuple(inputs), 5)])
+
+    x, w = torch.randn(1, 300, 576, generator=gen), torch.randn(576, generator=gen)
+    run(cpu_fused.RMSNormFn, [x.requires_grad_(), w.requires_grad_()], 1e-5)
+    gate, up = (4 * torch.randn(300, 1536, generator=gen) for _ in range(2))
+    run(cpu_fused.SwiGLUFn, [gate.requires_grad_(), up.requires_grad_()])
+    angle = torch.randn(1, 300, 32, generator=gen)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    rot = torch.randn(1, 300, heads * 64, generator=gen).view(1, 300, heads, 64).transpose(1, 2)
+    run(cpu_fused.RopeFn, [rot.requires_grad_()], cos, sin)
+    T, cu_q, cu_k, key_index = layout
+    q, k, v = (torch.randn(1, T, n, 64, generator=gen) for n in (heads, kv_heads, kv_heads))
+    run(
+        cpu_fused.AttentionFn, [t.requires_grad_() for t in (q, k, v)], cu_q, cu_k, key_index, 0.125
+    )
+    return out
+
+
+def reads_an_earlier_group() -> tuple[Any, ...]:
+    """A row whose last segment reads keys of the group before its own (its first prompt's
+    and its own prompt's): the backward cannot give each group's keys to one task, and
+    takes the whole row a key head a task."""
+    # prompt A (rows 0-5), its answer (6-8); prompt B (9-12), an answer reading A and B (13-15)
+    cu_q = torch.tensor([0, 6, 9, 13, 16])
+    index = [*range(6), *range(6), 6, 7, 8, *range(9, 13), *range(6), *range(9, 13), 13, 14, 15]
+    cu_k = torch.tensor([0, 6, 15, 19, 32])
+    return 16, cu_q, cu_k, torch.tensor(index)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        packed_layout([51, 47, 90], [[13, 1, 30, 64], [7, 7, 2, 40], [20] * 8], True),
+        packed_layout([51, 47], [[13, 1, 30, 64], [7, 7, 2, 40]], False),
+        reads_an_earlier_group(),
+    ],
+    ids=["shared", "unshared", "reads-an-earlier-group"],
+)
+def test_two_threads_give_the_bits_of_one(layout: tuple[Any, ...]) -> None:
+    """The passes share their work between torch's threads, each thread taking the next
+    task when it is free; a task writes only its own rows (the backward's attention one
+    key head of one group: its prompt's keys get its answers' shares in segment order, as
+    on one thread), so every output and gradient is the same to the bit on two threads."""
+    one, two = on_threads(1, lambda: every_pass(layout)), on_threads(2, lambda: every_pass(layout))
+    assert len(one) == len(two) == 12
+    for i, (a, b) in enumerate(zip(one, two, strict=True)):
+        assert torch.equal(a, b), f"tensor {i} differs on two threads"
+
+
+def test_a_row_reading_an_earlier_group_matches_the_packed_attention() -> None:
+    T, cu_q, cu_k, key_index = reads_an_earlier_group()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, T, n, 16, generator=gen, dtype=torch.float64) for n in (4, 2, 2))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want, _ = attention.varlen_causal_attention(
+        _Attending(), *(t.transpose(1, 2) for t in ref), None,
+        scaling=0.25, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, key_index=key_index,
+    )  # fmt: skip
+    mine = [t.float().requires_grad_() for t in (q, k, v)]
+    got = on_threads(2, lambda: cpu_fused.AttentionFn.apply(*mine, cu_q, cu_k, key_index, 0.25))
+    assert_rel(got.double(), want, "output")
+    for a, b, name in zip(
+        on_threads(2, lambda: grads(got, tuple(mine), 4)),
+        grads(want, tuple(ref), 4),
+        "qkv",
+        strict=True,
+    ):
+        assert_rel(a.double(), b, f"d{name}")
+
+
+def test_the_passes_run_on_torchs_own_openmp_threads() -> None:
+    """The library is built with OpenMP against the libgomp torch loaded: one runtime and
+    one pool of threads in the process, not a second pool competing with torch's."""
+    fn = cpu_linear.kernel()
+    assert fn is not None and fn.shares_threads
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
 def architecture(kind: str) -> Any:
     """Heads of 16 (a half of 8: the rotary kernel's masked lanes), biases where the kind
     has them."""
@@ -269,7 +369,8 @@ def test_other_dtypes_go_through_the_modules_own_forwards(dtype: torch.dtype) ->
 
 
 def test_more_than_two_torch_threads_go_through_the_modules_own_forwards() -> None:
-    """Each C pass is one thread's: with torch on more threads its own operations run."""
+    """With torch on more threads than the C passes were measured on, its own operations
+    run."""
     fused, plain = model("llama"), model("llama")
     assert cpu_fused.install(fused) == 2
     ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))

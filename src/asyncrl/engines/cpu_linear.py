@@ -33,7 +33,11 @@ with AMX where the CPU has it) are faster at these rows than a kernel of this ki
 written with AVX512-BF16 (tried: 0.2-0.8× their speed), so a bfloat16 model keeps them.
 
 The same library holds a decode step's whole decoder layer (:mod:`asyncrl.engines.cpu_decode`)
-and the trainer's elementwise passes, forward and backward (:mod:`asyncrl.train.cpu_fused`).
+and the trainer's elementwise passes and packed attention, forward and backward
+(:mod:`asyncrl.train.cpu_fused`). Those share their work between torch's threads: the
+library is built with OpenMP (``-fopenmp``, linked to the ``libgomp`` torch has already
+loaded, so one pool of threads serves both), and without it they run on the calling
+thread.
 """
 
 from __future__ import annotations
@@ -77,6 +81,15 @@ SOURCE = r"""
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
+
+/* 1 where the training passes share their work between threads (built with OpenMP) */
+int asyncrl_shares_threads(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -463,38 +476,91 @@ int asyncrl_decode_layer(const asyncrl_layer *L, float *x, int64_t rows, int64_t
     for (int64_t j = 0; j < rows * d; j++) x[j] += tmp[j];
     return 0;
 }
+/* ---- work shared between threads ---- */
+
+/* task(ctx, i) for every i < n, on up to `threads` threads of the OpenMP pool torch's own
+   operations run on (the library is built against the same libgomp): each thread takes
+   the next index when it is done with its last, so a thread that another process's work
+   slows (generation beside the trainer on a core) takes fewer and the call ends when the
+   work does, not when its slowest thread's fixed share does. A task writes only what is
+   its own, so the results do not depend on the threads or the order. Without OpenMP, or
+   at one thread, the tasks run in order on the calling thread. */
+typedef void (*task_fn)(void *ctx, int64_t i);
+
+static void run_tasks(task_fn task, void *ctx, int64_t n, int threads) {
+#ifdef _OPENMP
+    if (threads > 1 && n > 1) {
+        int64_t next = 0;
+        int nt = (int64_t)threads < n ? threads : (int)n;
+#pragma omp parallel num_threads(nt)
+        {
+            int64_t i;
+            while ((i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < n) task(ctx, i);
+        }
+        return;
+    }
+#else
+    (void)threads;
+#endif
+    for (int64_t i = 0; i < n; i++) task(ctx, i);
+}
+
 /* ---- training's elementwise parts, forward and backward, whole rows at a time ---- */
 
-/* RMSNorm of `rows` rows of d: y = w * (x * r), r = 1 / sqrt(mean(x^2) + eps), kept in
-   rstd[row] for the backward */
-int asyncrl_rms_forward(const float *x, int64_t rows, int64_t d, const float *w, float eps,
-                        float *y, float *rstd) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * d;
+/* rows a task of RMSNorm, tokens one of the rotary map, floats one of SwiGLU */
+#define ROWS_A_TASK 32
+#define FLOATS_A_TASK 8192
+
+static inline int64_t task_end(int64_t i, int64_t step, int64_t n) {
+    return (i + 1) * step < n ? (i + 1) * step : n;
+}
+
+typedef struct {
+    const float *x, *g, *w, *rstd;
+    int64_t rows, d, dp;
+    float eps;
+    float *y, *rstd_out, *dx, *part;
+} rms_job;
+
+static void rms_forward_task(void *ctx, int64_t c) {
+    const rms_job *jb = ctx;
+    int64_t d = jb->d;
+    for (int64_t r = c * ROWS_A_TASK; r < task_end(c, ROWS_A_TASK, jb->rows); r++) {
+        const float *xr = jb->x + r * d;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < d; i += 16) {
             __m512 v = _mm512_maskz_loadu_ps(lanes(d - i), xr + i);
             acc = _mm512_fmadd_ps(v, v, acc);
         }
-        float s = 1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps);
-        rstd[r] = s;
+        float s = 1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(acc) / (float)d + jb->eps);
+        jb->rstd_out[r] = s;
         __m512 sv = _mm512_set1_ps(s);
         for (int64_t i = 0; i < d; i += 16) {
             __mmask16 in = lanes(d - i);
             __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, xr + i), sv);
-            _mm512_mask_storeu_ps(y + r * d + i, in, _mm512_mul_ps(_mm512_maskz_loadu_ps(in, w + i), v));
+            _mm512_mask_storeu_ps(jb->y + r * d + i, in, _mm512_mul_ps(_mm512_maskz_loadu_ps(in, jb->w + i), v));
         }
     }
+}
+
+/* RMSNorm of `rows` rows of d: y = w * (x * r), r = 1 / sqrt(mean(x^2) + eps), kept in
+   rstd[row] for the backward */
+int asyncrl_rms_forward(const float *x, int64_t rows, int64_t d, const float *w, float eps,
+                        float *y, float *rstd, int threads) {
+    rms_job jb = {.x = x, .w = w, .rows = rows, .d = d, .eps = eps, .y = y, .rstd_out = rstd};
+    run_tasks(rms_forward_task, &jb, (rows + ROWS_A_TASK - 1) / ROWS_A_TASK, threads);
     return 0;
 }
 
-/* its backward from the output's gradient g: with xh = x r and gw = g w,
-   dx = r (gw - xh mean(gw xh)); dw (d floats, added to) += sum over rows of g xh */
-int asyncrl_rms_backward(const float *x, const float *g, int64_t rows, int64_t d,
-                         const float *w, const float *rstd, float *dx, float *dw) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * d, *gr = g + r * d;
-        __m512 sv = _mm512_set1_ps(rstd[r]), acc = _mm512_setzero_ps();
+/* a task's rows of the backward; its share of dw into its own dp floats of part */
+static void rms_backward_task(void *ctx, int64_t c) {
+    const rms_job *jb = ctx;
+    int64_t d = jb->d;
+    float *dw = jb->part + c * jb->dp;
+    for (int64_t i = 0; i < d; i++) dw[i] = 0.0f;
+    for (int64_t r = c * ROWS_A_TASK; r < task_end(c, ROWS_A_TASK, jb->rows); r++) {
+        const float *xr = jb->x + r * d, *gr = jb->g + r * d, *w = jb->w;
+        __m512 sv = _mm512_set1_ps(jb->rstd[r]), acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < d; i += 16) {
             __mmask16 in = lanes(d - i);
             __m512 xh = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, xr + i), sv);
@@ -507,62 +573,102 @@ int asyncrl_rms_backward(const float *x, const float *g, int64_t rows, int64_t d
             __mmask16 in = lanes(d - i);
             __m512 xh = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, xr + i), sv);
             __m512 gw = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, gr + i), _mm512_maskz_loadu_ps(in, w + i));
-            _mm512_mask_storeu_ps(dx + r * d + i, in, _mm512_mul_ps(sv, _mm512_fnmadd_ps(xh, mv, gw)));
+            _mm512_mask_storeu_ps(jb->dx + r * d + i, in, _mm512_mul_ps(sv, _mm512_fnmadd_ps(xh, mv, gw)));
         }
     }
+}
+
+static __thread float *part_buf;
+static __thread size_t part_cap;
+
+/* its backward from the output's gradient g: with xh = x r and gw = g w,
+   dx = r (gw - xh mean(gw xh)); dw (d floats, added to) += sum over rows of g xh, summed
+   a task's rows at a time and then over the tasks in order */
+int asyncrl_rms_backward(const float *x, const float *g, int64_t rows, int64_t d,
+                         const float *w, const float *rstd, float *dx, float *dw, int threads) {
+    int64_t tasks = (rows + ROWS_A_TASK - 1) / ROWS_A_TASK, dp = (d + 15) / 16 * 16;
+    float *part = grown(&part_buf, &part_cap, (size_t)(tasks * dp + 1));
+    if (!part) return -2;
+    rms_job jb = {.x = x, .g = g, .w = w, .rstd = rstd, .rows = rows, .d = d, .dp = dp,
+                  .dx = dx, .part = part};
+    run_tasks(rms_backward_task, &jb, tasks, threads);
+    for (int64_t c = 0; c < tasks; c++)
+        for (int64_t i = 0; i < d; i++) dw[i] += part[c * dp + i];
     return 0;
 }
 
-/* silu(a) * b over n floats, silu(z) = z / (1 + e^-z) */
-int asyncrl_swiglu_forward(const float *a, const float *b, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i += 16) {
+typedef struct {
+    const float *a, *b, *g;
+    int64_t n;
+    float *out, *db;
+} swiglu_job;
+
+static void swiglu_forward_task(void *ctx, int64_t c) {
+    const swiglu_job *jb = ctx;
+    int64_t n = task_end(c, FLOATS_A_TASK, jb->n);
+    for (int64_t i = c * FLOATS_A_TASK; i < n; i += 16) {
         __mmask16 in = lanes(n - i);
-        __m512 z = _mm512_maskz_loadu_ps(in, a + i);
+        __m512 z = _mm512_maskz_loadu_ps(in, jb->a + i);
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), z));
         __m512 s = _mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-        _mm512_mask_storeu_ps(out + i, in, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(in, b + i)));
+        _mm512_mask_storeu_ps(jb->out + i, in, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(in, jb->b + i)));
     }
+}
+
+/* silu(a) * b over n floats, silu(z) = z / (1 + e^-z) */
+int asyncrl_swiglu_forward(const float *a, const float *b, int64_t n, float *out, int threads) {
+    swiglu_job jb = {.a = a, .b = b, .n = n, .out = out};
+    run_tasks(swiglu_forward_task, &jb, (n + FLOATS_A_TASK - 1) / FLOATS_A_TASK, threads);
     return 0;
+}
+
+static void swiglu_backward_task(void *ctx, int64_t c) {
+    const swiglu_job *jb = ctx;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    int64_t n = task_end(c, FLOATS_A_TASK, jb->n);
+    for (int64_t i = c * FLOATS_A_TASK; i < n; i += 16) {
+        __mmask16 in = lanes(n - i);
+        __m512 z = _mm512_maskz_loadu_ps(in, jb->a + i);
+        __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+        __m512 gv = _mm512_maskz_loadu_ps(in, jb->g + i);
+        __m512 gs = _mm512_mul_ps(gv, s);
+        _mm512_mask_storeu_ps(jb->db + i, in, _mm512_mul_ps(gs, z));
+        __m512 t = _mm512_fmadd_ps(z, _mm512_sub_ps(one, s), one);
+        _mm512_mask_storeu_ps(jb->out + i, in, _mm512_mul_ps(_mm512_mul_ps(gs, _mm512_maskz_loadu_ps(in, jb->b + i)), t));
+    }
 }
 
 /* its backward from the output's gradient g: with s = sigmoid(a),
    da = g b s (1 + a (1 - s)), db = g a s */
 int asyncrl_swiglu_backward(const float *a, const float *b, const float *g, int64_t n, float *da,
-                            float *db) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 in = lanes(n - i);
-        __m512 z = _mm512_maskz_loadu_ps(in, a + i);
-        __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
-        __m512 gv = _mm512_maskz_loadu_ps(in, g + i);
-        __m512 gs = _mm512_mul_ps(gv, s);
-        _mm512_mask_storeu_ps(db + i, in, _mm512_mul_ps(gs, z));
-        __m512 t = _mm512_fmadd_ps(z, _mm512_sub_ps(one, s), one);
-        _mm512_mask_storeu_ps(da + i, in, _mm512_mul_ps(_mm512_mul_ps(gs, _mm512_maskz_loadu_ps(in, b + i)), t));
-    }
+                            float *db, int threads) {
+    swiglu_job jb = {.a = a, .b = b, .g = g, .n = n, .out = da, .db = db};
+    run_tasks(swiglu_backward_task, &jb, (n + FLOATS_A_TASK - 1) / FLOATS_A_TASK, threads);
     return 0;
 }
 
-/* rotary positions on x [tokens, heads, hd] (element (t, h, i) at x[t * st + h * sh + i]),
-   cos and sin [tokens, hd], into out [tokens, heads, hd] packed. forward (back = 0):
-   out = x cos + rotate_half(x) sin; back = 1 gives the backward, the gradient of x from
-   out's: rotate_half's transpose, dx = g cos - rotate_half(g sin) */
-int asyncrl_rope(const float *x, int64_t tokens, int64_t heads, int64_t hd, int64_t st, int64_t sh,
-                 const float *cos, const float *sin, float *out, int back) {
-    int64_t h = hd / 2;
-    if (hd % 2 != 0) return -1;
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * hd, *s = sin + t * hd;
+typedef struct {
+    const float *x, *cos, *sin;
+    int64_t tokens, heads, hd, st, sh;
+    float *out;
+    int back;
+} rope_job;
+
+static void rope_task(void *ctx, int64_t c) {
+    const rope_job *jb = ctx;
+    int64_t h = jb->hd / 2, hd = jb->hd, heads = jb->heads;
+    for (int64_t t = c * ROWS_A_TASK; t < task_end(c, ROWS_A_TASK, jb->tokens); t++) {
+        const float *cs = jb->cos + t * hd, *sn = jb->sin + t * hd;
         for (int64_t k = 0; k < heads; k++) {
-            const float *xv = x + t * st + k * sh;
-            float *o = out + (t * heads + k) * hd;
+            const float *xv = jb->x + t * jb->st + k * jb->sh;
+            float *o = jb->out + (t * heads + k) * hd;
             for (int64_t i = 0; i < h; i += 16) {
                 __mmask16 in = lanes(h - i);
                 __m512 lo = _mm512_maskz_loadu_ps(in, xv + i), hi = _mm512_maskz_loadu_ps(in, xv + h + i);
-                __m512 clo = _mm512_maskz_loadu_ps(in, c + i), chi = _mm512_maskz_loadu_ps(in, c + h + i);
-                __m512 slo = _mm512_maskz_loadu_ps(in, s + i), shi = _mm512_maskz_loadu_ps(in, s + h + i);
+                __m512 clo = _mm512_maskz_loadu_ps(in, cs + i), chi = _mm512_maskz_loadu_ps(in, cs + h + i);
+                __m512 slo = _mm512_maskz_loadu_ps(in, sn + i), shi = _mm512_maskz_loadu_ps(in, sn + h + i);
                 __m512 a, b;
-                if (!back) {
+                if (!jb->back) {
                     /* out_lo = lo c_lo - hi s_lo; out_hi = hi c_hi + lo s_hi */
                     a = _mm512_sub_ps(_mm512_mul_ps(lo, clo), _mm512_mul_ps(hi, slo));
                     b = _mm512_add_ps(_mm512_mul_ps(hi, chi), _mm512_mul_ps(lo, shi));
@@ -576,6 +682,18 @@ int asyncrl_rope(const float *x, int64_t tokens, int64_t heads, int64_t hd, int6
             }
         }
     }
+}
+
+/* rotary positions on x [tokens, heads, hd] (element (t, h, i) at x[t * st + h * sh + i]),
+   cos and sin [tokens, hd], into out [tokens, heads, hd] packed. forward (back = 0):
+   out = x cos + rotate_half(x) sin; back = 1 gives the backward, the gradient of x from
+   out's: rotate_half's transpose, dx = g cos - rotate_half(g sin) */
+int asyncrl_rope(const float *x, int64_t tokens, int64_t heads, int64_t hd, int64_t st, int64_t sh,
+                 const float *cos, const float *sin, float *out, int back, int threads) {
+    if (hd % 2 != 0) return -1;
+    rope_job jb = {.x = x, .cos = cos, .sin = sin, .tokens = tokens, .heads = heads, .hd = hd,
+                   .st = st, .sh = sh, .out = out, .back = back};
+    run_tasks(rope_task, &jb, (tokens + ROWS_A_TASK - 1) / ROWS_A_TASK, threads);
     return 0;
 }
 /* ---- causal attention over the segments of a packed row, forward and backward ---- */
@@ -801,63 +919,83 @@ static int attn_check(int64_t T, int64_t nseg, const int64_t *cu_q, const int64_
     return 0;
 }
 
+/* a call's arguments, shared by its tasks */
+typedef struct {
+    const float *q, *k, *kt, *vt, *v, *out, *dout, *lse_in;
+    int64_t sq, sk, sv, ldt, H, G, D, maxk;
+    const int64_t *cu_q, *cu_k, *kidx, *units;
+    float scale;
+    float *o, *lse, *dq, *dk, *dv;
+    int err;
+} attn_job;
+
+/* forward task s * G + g: segment s's rows of the heads reading key head g */
+static void attn_forward_task(void *ctx, int64_t task) {
+    attn_job *jb = ctx;
+    int64_t G = jb->G, H = jb->H, D = jb->D, rep = H / G, s = task / G, g = task % G;
+    int64_t kpm = round32(jb->maxk) + 32;
+    float *sc = grown(&attn_buf, &attn_cap, (size_t)(4 * rep * kpm + 4 * jb->maxk + 8));
+    if (!sc) {
+        __atomic_store_n(&jb->err, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    int64_t *runs = (int64_t *)(sc + 4 * rep * kpm);
+    const float *x[4 * ATTN_MAX_REP];
+    __m512 sv16 = _mm512_set1_ps(jb->scale);
+    attn_segment sg = segment_at(s, jb->cu_q, jb->cu_k, jb->kidx, runs);
+    if (sg.nq == 0) return;
+    for (int64_t i0 = 0; i0 < sg.nq; i0 += 4) {
+        /* the block's 4 (or fewer) query rows of every head reading key head g */
+        int nr = sg.nq - i0 < 4 ? (int)(sg.nq - i0) : 4;
+        int64_t rows = rep * nr;
+        for (int64_t e = 0; e < rows; e++)
+            x[e] = jb->q + (sg.q0 + i0 + e % nr) * jb->sq + (g * rep + e / nr) * D;
+        int64_t n = i0 + nr + sg.off; /* the keys the block's last row sees */
+        scores(x, rows, jb->kt + g * D * jb->ldt, jb->ldt, D, runs, n, sg.kp, sc);
+        for (int64_t e = 0; e < rows; e++) {
+            float *p = sc + e * sg.kp;
+            int64_t vis = i0 + e % nr + sg.off + 1;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int64_t j = 0; j < vis; j += 16) {
+                __m512 z = _mm512_mul_ps(_mm512_loadu_ps(p + j), sv16);
+                _mm512_storeu_ps(p + j, z);
+                mx = _mm512_mask_max_ps(mx, lanes(vis - j), mx, z);
+            }
+            float top = _mm512_reduce_max_ps(mx);
+            __m512 tv = _mm512_set1_ps(top), sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j += 16) {
+                __m512 ev = _mm512_maskz_mov_ps(
+                    lanes(vis - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), tv)));
+                _mm512_storeu_ps(p + j, ev);
+                sum = _mm512_add_ps(sum, ev);
+            }
+            float total = _mm512_reduce_add_ps(sum);
+            jb->lse[(sg.q0 + i0 + e % nr) * H + g * rep + e / nr] = top + logf(total);
+            __m512 inv = _mm512_set1_ps(1.0f / total);
+            for (int64_t j = 0; j < n; j += 16)
+                _mm512_storeu_ps(p + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
+        }
+        for (int64_t hh = 0; hh < rep; hh++)
+            weigh_r[nr](sc + hh * nr * sg.kp, sg.kp, jb->v + g * D, sg.pos, sg.q0, jb->sv, n, D, 1.0f,
+                        jb->o + ((sg.q0 + i0) * H + g * rep + hh) * D, H * D);
+    }
+}
+
 /* out [T][H][D] packed, lse [T][H]: each row's log of its softmax's sum, in scaled units.
    kt: the keys transposed, [G][D][ldt] (key (t, g) element d at kt[(g * D + d) * ldt + t]),
-   zero from column T to ldt >= T + 32 */
+   zero from column T to ldt >= T + 32. A task is one segment's rows of one key head's
+   query heads. */
 int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ldt,
                          const float *v, int64_t sv, int64_t H, int64_t G, int64_t D,
                          int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
-                         const int64_t *kidx, float scale, float *out, float *lse) {
+                         const int64_t *kidx, float scale, float *out, float *lse, int threads) {
     int64_t maxk;
     if (attn_check(T, nseg, cu_q, cu_k, kidx, H, G, D, &maxk)) return -1;
-    int64_t kpm = round32(maxk) + 32, rep = H / G;
-    float *sc = grown(&attn_buf, &attn_cap, (size_t)(4 * rep * kpm + 4 * maxk + 8));
-    if (!sc) return -2;
-    int64_t *runs = (int64_t *)(sc + 4 * rep * kpm);
-    const float *x[4 * ATTN_MAX_REP];
-    __m512 sv16 = _mm512_set1_ps(scale);
-    for (int64_t s = 0; s < nseg; s++) {
-        attn_segment sg = segment_at(s, cu_q, cu_k, kidx, runs);
-        if (sg.nq == 0) continue;
-        for (int64_t g = 0; g < G; g++) {
-            for (int64_t i0 = 0; i0 < sg.nq; i0 += 4) {
-                /* the block's 4 (or fewer) query rows of every head reading key head g */
-                int nr = sg.nq - i0 < 4 ? (int)(sg.nq - i0) : 4;
-                int64_t rows = rep * nr;
-                for (int64_t e = 0; e < rows; e++)
-                    x[e] = q + (sg.q0 + i0 + e % nr) * sq + (g * rep + e / nr) * D;
-                int64_t n = i0 + nr + sg.off; /* the keys the block's last row sees */
-                scores(x, rows, kt + g * D * ldt, ldt, D, runs, n, sg.kp, sc);
-                for (int64_t e = 0; e < rows; e++) {
-                    float *p = sc + e * sg.kp;
-                    int64_t vis = i0 + e % nr + sg.off + 1;
-                    __m512 mx = _mm512_set1_ps(-INFINITY);
-                    for (int64_t j = 0; j < vis; j += 16) {
-                        __m512 z = _mm512_mul_ps(_mm512_loadu_ps(p + j), sv16);
-                        _mm512_storeu_ps(p + j, z);
-                        mx = _mm512_mask_max_ps(mx, lanes(vis - j), mx, z);
-                    }
-                    float top = _mm512_reduce_max_ps(mx);
-                    __m512 tv = _mm512_set1_ps(top), sum = _mm512_setzero_ps();
-                    for (int64_t j = 0; j < n; j += 16) {
-                        __m512 ev = _mm512_maskz_mov_ps(
-                            lanes(vis - j), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), tv)));
-                        _mm512_storeu_ps(p + j, ev);
-                        sum = _mm512_add_ps(sum, ev);
-                    }
-                    float total = _mm512_reduce_add_ps(sum);
-                    lse[(sg.q0 + i0 + e % nr) * H + g * rep + e / nr] = top + logf(total);
-                    __m512 inv = _mm512_set1_ps(1.0f / total);
-                    for (int64_t j = 0; j < n; j += 16)
-                        _mm512_storeu_ps(p + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
-                }
-                for (int64_t hh = 0; hh < rep; hh++)
-                    weigh_r[nr](sc + hh * nr * sg.kp, sg.kp, v + g * D, sg.pos, sg.q0, sv, n, D, 1.0f,
-                                out + ((sg.q0 + i0) * H + g * rep + hh) * D, H * D);
-            }
-        }
-    }
-    return 0;
+    attn_job jb = {.q = q, .kt = kt, .v = v, .sq = sq, .sv = sv, .ldt = ldt, .H = H, .G = G,
+                   .D = D, .maxk = maxk, .cu_q = cu_q, .cu_k = cu_k, .kidx = kidx,
+                   .scale = scale, .o = out, .lse = lse};
+    run_tasks(attn_forward_task, &jb, nseg * G, threads);
+    return jb.err ? -2 : 0;
 }
 
 /* sum_e a[e] b[e] over D floats */
@@ -870,77 +1008,126 @@ static float dot(const float *a, const float *b, int64_t D) {
     return _mm512_reduce_add_ps(acc);
 }
 
+static __thread float *unit_buf;
+static __thread size_t unit_cap;
+
+/* the segments as units for the backward's tasks: runs of consecutive segments whose keys
+   no segment outside the run reads (a group's prompt and its completions; a segment alone
+   where each reads only its own), so that tasks add to disjoint rows of dk and dv and each
+   row's sum is taken in segment order whatever the threads; starts[0..u] bounds them and u
+   is returned. Where a segment reads keys of an earlier run (a layout of another kind)
+   the whole call is one unit. owner: T scratch. */
+static int64_t key_units(int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
+                         const int64_t *kidx, int64_t *owner, int64_t *starts) {
+    int64_t u = 0;
+    for (int64_t t = 0; t < T; t++) owner[t] = -1;
+    for (int64_t s = 0; s < nseg; s++) {
+        int64_t nk = cu_k[s + 1] - cu_k[s], first = cu_q[s];
+        const int64_t *pos = kidx ? kidx + cu_k[s] : 0;
+        int joins = 0;
+        for (int64_t j = 0; j < nk; j++) {
+            int64_t o = owner[pos ? pos[j] : first + j];
+            if (o >= 0 && o == u - 1) {
+                joins = 1;
+            } else if (o >= 0) {
+                starts[0] = 0, starts[1] = nseg;
+                return 1;
+            }
+        }
+        if (!joins) starts[u++] = s;
+        for (int64_t j = 0; j < nk; j++) owner[pos ? pos[j] : first + j] = u - 1;
+    }
+    starts[u] = nseg;
+    return u;
+}
+
+/* backward task u * G + g: the segments of unit u, key head g */
+static void attn_backward_task(void *ctx, int64_t task) {
+    attn_job *jb = ctx;
+    int64_t G = jb->G, H = jb->H, D = jb->D, rep = H / G, g = task % G, unit = task / G;
+    int64_t maxk = jb->maxk, kpm = round32(maxk) + 32, dp = (D + 15) / 16 * 16;
+    float *pm = grown(&attn_buf, &attn_cap, (size_t)(8 * rep * kpm + 2 * maxk * dp + 4 * maxk + 8));
+    if (!pm) {
+        __atomic_store_n(&jb->err, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    float *ds = pm + 4 * rep * kpm, *dka = ds + 4 * rep * kpm, *dva = dka + maxk * dp;
+    int64_t *runs = (int64_t *)(dva + maxk * dp);
+    const float *x[4 * ATTN_MAX_REP], *go[4 * ATTN_MAX_REP];
+    __m512 sv16 = _mm512_set1_ps(jb->scale);
+    for (int64_t s = jb->units[unit]; s < jb->units[unit + 1]; s++) {
+        attn_segment sg = segment_at(s, jb->cu_q, jb->cu_k, jb->kidx, runs);
+        if (sg.nq == 0) continue;
+        for (int64_t j = 0; j < sg.nk * dp; j++) dka[j] = dva[j] = 0.0f;
+        for (int64_t i0 = 0; i0 < sg.nq; i0 += 4) {
+            int nr = sg.nq - i0 < 4 ? (int)(sg.nq - i0) : 4;
+            int64_t rows = rep * nr, n = i0 + nr + sg.off;
+            for (int64_t e = 0; e < rows; e++) {
+                int64_t row = sg.q0 + i0 + e % nr, h = g * rep + e / nr;
+                x[e] = jb->q + row * jb->sq + h * D;
+                go[e] = jb->dout + (row * H + h) * D;
+            }
+            scores(x, rows, jb->kt + g * D * jb->ldt, jb->ldt, D, runs, n, sg.kp, pm);
+            scores(go, rows, jb->vt + g * D * jb->ldt, jb->ldt, D, runs, n, sg.kp, ds); /* dP = dO V^T */
+            for (int64_t e = 0; e < rows; e++) {
+                int64_t row = sg.q0 + i0 + e % nr, h = g * rep + e / nr;
+                float *p = pm + e * sg.kp, *d = ds + e * sg.kp;
+                int64_t vis = i0 + e % nr + sg.off + 1;
+                float delta = dot(go[e], jb->out + (row * H + h) * D, D);
+                __m512 lv = _mm512_set1_ps(jb->lse_in[row * H + h]), dv16 = _mm512_set1_ps(delta);
+                for (int64_t j = 0; j < n; j += 16) {
+                    __m512 pv = _mm512_maskz_mov_ps(
+                        lanes(vis - j), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(p + j), sv16, lv)));
+                    _mm512_storeu_ps(p + j, pv);
+                    _mm512_storeu_ps(
+                        d + j, _mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(d + j), dv16)));
+                }
+            }
+            /* dQ = scale dS K, a head's rows at a time */
+            for (int64_t hh = 0; hh < rep; hh++)
+                weigh_r[nr](ds + hh * nr * sg.kp, sg.kp, jb->k + g * D, sg.pos, sg.q0, jb->sk, n, D,
+                            jb->scale, jb->dq + ((sg.q0 + i0) * H + g * rep + hh) * D, H * D);
+            /* dK[j] += scale sum dS[e][j] q_e; dV[j] += sum P[e][j] dO_e, over every
+               row of the heads that read key head g */
+            gather(ds, sg.kp, x, rows, jb->scale, n, D, dka, dp);
+            gather(pm, sg.kp, go, rows, 1.0f, n, D, dva, dp);
+        }
+        for (int64_t j = 0; j < sg.nk; j++) {
+            int64_t row = sg.pos ? sg.pos[j] : sg.q0 + j;
+            float *tk = jb->dk + (row * G + g) * D, *tv = jb->dv + (row * G + g) * D;
+            for (int64_t e = 0; e < D; e += 16) {
+                __mmask16 in = lanes(D - e);
+                _mm512_mask_storeu_ps(tk + e, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, tk + e),
+                                                                _mm512_maskz_loadu_ps(in, dka + j * dp + e)));
+                _mm512_mask_storeu_ps(tv + e, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, tv + e),
+                                                                _mm512_maskz_loadu_ps(in, dva + j * dp + e)));
+            }
+        }
+    }
+}
+
 /* the backward from dout [T][H][D] packed: dq [T][H][D] packed (stored), dk and dv
    [T][G][D] packed (added to: zero them first); k, v as for the forward's weights, kt and
-   vt the keys and the values transposed as the forward's kt */
+   vt the keys and the values transposed as the forward's kt. A task is one key head of a
+   unit of segments (key_units). */
 int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk,
                           const float *kt, const float *vt, int64_t ldt, int64_t H, int64_t G,
                           int64_t D, int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
                           const int64_t *kidx, float scale, const float *out,
                           const float *dout, const float *lse, float *dq, float *dk,
-                          float *dv) {
+                          float *dv, int threads) {
     int64_t maxk;
     if (attn_check(T, nseg, cu_q, cu_k, kidx, H, G, D, &maxk)) return -1;
-    int64_t kpm = round32(maxk) + 32, rep = H / G, dp = (D + 15) / 16 * 16;
-    float *pm = grown(&attn_buf, &attn_cap,
-                      (size_t)(8 * rep * kpm + 2 * maxk * dp + 4 * maxk + 8));
-    if (!pm) return -2;
-    float *ds = pm + 4 * rep * kpm, *dka = ds + 4 * rep * kpm, *dva = dka + maxk * dp;
-    int64_t *runs = (int64_t *)(dva + maxk * dp);
-    const float *x[4 * ATTN_MAX_REP], *go[4 * ATTN_MAX_REP];
-    __m512 sv16 = _mm512_set1_ps(scale);
-    for (int64_t s = 0; s < nseg; s++) {
-        attn_segment sg = segment_at(s, cu_q, cu_k, kidx, runs);
-        if (sg.nq == 0) continue;
-        for (int64_t g = 0; g < G; g++) {
-            for (int64_t j = 0; j < sg.nk * dp; j++) dka[j] = dva[j] = 0.0f;
-            for (int64_t i0 = 0; i0 < sg.nq; i0 += 4) {
-                int nr = sg.nq - i0 < 4 ? (int)(sg.nq - i0) : 4;
-                int64_t rows = rep * nr, n = i0 + nr + sg.off;
-                for (int64_t e = 0; e < rows; e++) {
-                    int64_t row = sg.q0 + i0 + e % nr, h = g * rep + e / nr;
-                    x[e] = q + row * sq + h * D;
-                    go[e] = dout + (row * H + h) * D;
-                }
-                scores(x, rows, kt + g * D * ldt, ldt, D, runs, n, sg.kp, pm);
-                scores(go, rows, vt + g * D * ldt, ldt, D, runs, n, sg.kp, ds); /* dP = dO V^T */
-                for (int64_t e = 0; e < rows; e++) {
-                    int64_t row = sg.q0 + i0 + e % nr, h = g * rep + e / nr;
-                    float *p = pm + e * sg.kp, *d = ds + e * sg.kp;
-                    int64_t vis = i0 + e % nr + sg.off + 1;
-                    float delta = dot(go[e], out + (row * H + h) * D, D);
-                    __m512 lv = _mm512_set1_ps(lse[row * H + h]), dv16 = _mm512_set1_ps(delta);
-                    for (int64_t j = 0; j < n; j += 16) {
-                        __m512 pv = _mm512_maskz_mov_ps(
-                            lanes(vis - j), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(p + j), sv16, lv)));
-                        _mm512_storeu_ps(p + j, pv);
-                        _mm512_storeu_ps(
-                            d + j, _mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(d + j), dv16)));
-                    }
-                }
-                /* dQ = scale dS K, a head's rows at a time */
-                for (int64_t hh = 0; hh < rep; hh++)
-                    weigh_r[nr](ds + hh * nr * sg.kp, sg.kp, k + g * D, sg.pos, sg.q0, sk, n, D, scale,
-                                dq + ((sg.q0 + i0) * H + g * rep + hh) * D, H * D);
-                /* dK[j] += scale sum dS[e][j] q_e; dV[j] += sum P[e][j] dO_e, over every
-                   row of the heads that read key head g */
-                gather(ds, sg.kp, x, rows, scale, n, D, dka, dp);
-                gather(pm, sg.kp, go, rows, 1.0f, n, D, dva, dp);
-            }
-            for (int64_t j = 0; j < sg.nk; j++) {
-                int64_t row = sg.pos ? sg.pos[j] : sg.q0 + j;
-                float *tk = dk + (row * G + g) * D, *tv = dv + (row * G + g) * D;
-                for (int64_t e = 0; e < D; e += 16) {
-                    __mmask16 in = lanes(D - e);
-                    _mm512_mask_storeu_ps(tk + e, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, tk + e),
-                                                                    _mm512_maskz_loadu_ps(in, dka + j * dp + e)));
-                    _mm512_mask_storeu_ps(tv + e, in, _mm512_add_ps(_mm512_maskz_loadu_ps(in, tv + e),
-                                                                    _mm512_maskz_loadu_ps(in, dva + j * dp + e)));
-                }
-            }
-        }
-    }
-    return 0;
+    int64_t *owner = (int64_t *)grown(&unit_buf, &unit_cap, (size_t)(2 * (T + nseg + 2)));
+    if (!owner) return -2;
+    int64_t *starts = owner + T;
+    int64_t units = key_units(T, nseg, cu_q, cu_k, kidx, owner, starts);
+    attn_job jb = {.q = q, .k = k, .kt = kt, .vt = vt, .out = out, .dout = dout, .lse_in = lse,
+                   .sq = sq, .sk = sk, .ldt = ldt, .H = H, .G = G, .D = D, .maxk = maxk,
+                   .cu_q = cu_q, .cu_k = cu_k, .kidx = kidx, .units = starts, .scale = scale,
+                   .dq = dq, .dk = dk, .dv = dv};
+    run_tasks(attn_backward_task, &jb, units * G, threads);
+    return jb.err ? -2 : 0;
 }
 #else
 int asyncrl_cpu_linear_lanes(void) { return 0; }
@@ -959,26 +1146,28 @@ int asyncrl_cpu_linear_packed(const float *x, int64_t M, int64_t K, int64_t xs, 
     return -3;
 }
 int asyncrl_rms_forward(const float *x, int64_t rows, int64_t d, const float *w, float eps,
-                        float *y, float *rstd) {
+                        float *y, float *rstd, int threads) {
     return -3;
 }
 int asyncrl_rms_backward(const float *x, const float *g, int64_t rows, int64_t d,
-                         const float *w, const float *rstd, float *dx, float *dw) {
+                         const float *w, const float *rstd, float *dx, float *dw, int threads) {
     return -3;
 }
-int asyncrl_swiglu_forward(const float *a, const float *b, int64_t n, float *out) { return -3; }
+int asyncrl_swiglu_forward(const float *a, const float *b, int64_t n, float *out, int threads) {
+    return -3;
+}
 int asyncrl_swiglu_backward(const float *a, const float *b, const float *g, int64_t n, float *da,
-                            float *db) {
+                            float *db, int threads) {
     return -3;
 }
 int asyncrl_rope(const float *x, int64_t tokens, int64_t heads, int64_t hd, int64_t st, int64_t sh,
-                 const float *cos, const float *sin, float *out, int back) {
+                 const float *cos, const float *sin, float *out, int back, int threads) {
     return -3;
 }
 int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ldt,
                          const float *v, int64_t sv, int64_t H, int64_t G, int64_t D,
                          int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
-                         const int64_t *kidx, float scale, float *out, float *lse) {
+                         const int64_t *kidx, float scale, float *out, float *lse, int threads) {
     return -3;
 }
 int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk,
@@ -986,7 +1175,7 @@ int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk
                           int64_t D, int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
                           const int64_t *kidx, float scale, const float *out,
                           const float *dout, const float *lse, float *dq, float *dk,
-                          float *dv) {
+                          float *dv, int threads) {
     return -3;
 }
 #endif
@@ -1020,6 +1209,9 @@ class Kernel(NamedTuple):
     """``asyncrl_attn_forward``: causal attention over a packed row's segments."""
     attn_backward: Callable[..., int]
     """``asyncrl_attn_backward``: its backward."""
+    shares_threads: bool
+    """Whether the training passes share their work between torch's threads (the library
+    built with OpenMP); each runs on the calling thread otherwise."""
 
 
 _lock = threading.Lock()
@@ -1062,12 +1254,15 @@ def _build() -> Path:
         source = Path(tmp) / "cpu_linear.c"
         source.write_text(SOURCE)
         built = Path(tmp) / target.name
-        done = subprocess.run(
-            [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(built), str(source)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(built)]
+        # with OpenMP the training passes share their work with torch's threads (the
+        # same libgomp, loaded with torch); without it they run on the calling thread
+        for flags in (["-fopenmp"], []):
+            done = subprocess.run(
+                [*command, *flags, str(source)], capture_output=True, text=True, timeout=120
+            )
+            if done.returncode == 0:
+                break
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(built, target)  # whole or not at all, for another process reading it
@@ -1106,26 +1301,34 @@ def kernel() -> Kernel | None:
                     i64,
                     ctypes.c_float,
                 ]
-                f32 = ctypes.c_float
+                f32, c_int = ctypes.c_float, ctypes.c_int
                 trains = {
-                    "rms_forward": [ptr, i64, i64, ptr, f32, ptr, ptr],
-                    "rms_backward": [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr],
-                    "swiglu_forward": [ptr, ptr, i64, ptr],
-                    "swiglu_backward": [ptr, ptr, ptr, i64, ptr, ptr],
-                    "rope": [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int],
+                    # each takes the threads to share its work as its last argument
+                    "rms_forward": [ptr, i64, i64, ptr, f32, ptr, ptr, c_int],
+                    "rms_backward": [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, c_int],
+                    "swiglu_forward": [ptr, ptr, i64, ptr, c_int],
+                    "swiglu_backward": [ptr, ptr, ptr, i64, ptr, ptr, c_int],
+                    "rope": [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int, c_int],
                     # q, its row stride, keys transposed or values and their strides, heads,
                     # key heads, head dim, tokens, segments; cu_q, cu_k, key index, scale,
                     # then the outputs (and for the backward the saved tensors)
                     "attn_forward": [ptr, i64, ptr, i64, ptr, i64, *[i64] * 5, *[ptr] * 3, f32]
-                    + [ptr] * 2,
+                    + [ptr] * 2
+                    + [c_int],
                     "attn_backward": [ptr, i64, ptr, i64, ptr, ptr, *[i64] * 6, *[ptr] * 3, f32]
-                    + [ptr] * 6,
+                    + [ptr] * 6
+                    + [c_int],
                 }
                 for name, argtypes in trains.items():
                     entry = getattr(lib, f"asyncrl_{name}")
                     entry.restype, entry.argtypes = ctypes.c_int, argtypes
                 fn = Kernel(
-                    packed, rows, packer, layer, **{n: getattr(lib, f"asyncrl_{n}") for n in trains}
+                    packed,
+                    rows,
+                    packer,
+                    layer,
+                    **{n: getattr(lib, f"asyncrl_{n}") for n in trains},
+                    shares_threads=bool(lib.asyncrl_shares_threads()),
                 )
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.warning(

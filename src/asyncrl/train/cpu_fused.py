@@ -29,9 +29,17 @@ the kernel takes the whole row in one call each way, reads a group's prompt keys
 are (no gather) and adds their gradients up there: ~6 ms (bench/README, "The trainer's
 attention in C").
 
+Each pass shares its work between torch's threads (the library's OpenMP region runs on the
+pool torch's own operations use): the rows, tokens or (for attention) segments are cut into
+tasks and each thread takes the next when it is free, so a thread slowed by another
+process on its core (generation beside the trainer on two cores) takes fewer tasks instead
+of holding the others at the end of a fixed share. A task writes only its own rows, and
+attention's backward gives each group's prompt keys to one task a key head, so a pass
+gives the same bits on any number of threads.
+
 The trainer installs them where it computes in float32 on the CPU and does not compile its
 layers (``trainer.cpu_fused``); a call takes them while torch runs on at most
-:data:`MAX_THREADS` threads (each pass is one thread's).
+:data:`MAX_THREADS` threads.
 """
 
 from __future__ import annotations
@@ -51,15 +59,19 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 MAX_THREADS = 2
-"""The C passes run on the calling thread alone, torch's operations on all of its threads:
-with more than this many torch threads a call goes through the module's own forward. A
-trainer step of SmolLM2-135M gained 1.09-1.15x on one thread and nothing on two (alone,
-bench/trainer.py --modes fused); on more, torch's parallel operations would be faster."""
+"""With more than this many torch threads a call goes through the module's own forward: the
+C passes are measured on one and two threads only (bench/trainer.py --modes fused; two
+cores are all the machines they were written on have)."""
 
 
 MAX_HEADS_PER_KEY_HEAD = 64
 """The attention kernel takes up to this many query heads a key head (it scores a block's
 rows of all of them together); a model with more goes through the registered function."""
+
+
+def _threads() -> int:
+    """The threads a C pass shares its work between: torch's, on the calling thread."""
+    return torch.get_num_threads()
 
 
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:
@@ -83,7 +95,9 @@ class RMSNormFn(torch.autograd.Function):
         out = torch.empty_like(x)
         rstd = torch.empty(rows, dtype=torch.float32)
         w = weight.contiguous()
-        fn.rms_forward(_ptr(x), rows, d, _ptr(w), ctypes.c_float(eps), _ptr(out), _ptr(rstd))
+        fn.rms_forward(
+            _ptr(x), rows, d, _ptr(w), ctypes.c_float(eps), _ptr(out), _ptr(rstd), _threads()
+        )
         ctx.save_for_backward(x, w, rstd)
         return out
 
@@ -97,8 +111,9 @@ class RMSNormFn(torch.autograd.Function):
         dx = torch.empty_like(x)
         dw = torch.zeros(d, dtype=torch.float32)
         fn.rms_backward(
-            _ptr(x), _ptr(grad), x.numel() // d, d, _ptr(w), _ptr(rstd), _ptr(dx), _ptr(dw)
-        )
+            _ptr(x), _ptr(grad), x.numel() // d, d, _ptr(w), _ptr(rstd), _ptr(dx), _ptr(dw),
+            _threads(),
+        )  # fmt: skip
         return dx, (dw if ctx.needs_input_grad[1] else None), None
 
 
@@ -111,7 +126,7 @@ class SwiGLUFn(torch.autograd.Function):
         assert fn is not None
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
-        fn.swiglu_forward(_ptr(gate), _ptr(up), gate.numel(), _ptr(out))
+        fn.swiglu_forward(_ptr(gate), _ptr(up), gate.numel(), _ptr(out), _threads())
         ctx.save_for_backward(gate, up)
         return out
 
@@ -122,7 +137,9 @@ class SwiGLUFn(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad = grad.contiguous()
         d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
-        fn.swiglu_backward(_ptr(gate), _ptr(up), _ptr(grad), gate.numel(), _ptr(d_gate), _ptr(d_up))
+        fn.swiglu_backward(
+            _ptr(gate), _ptr(up), _ptr(grad), gate.numel(), _ptr(d_gate), _ptr(d_up), _threads()
+        )
         return d_gate, d_up
 
 
@@ -137,8 +154,9 @@ def _rope(fn: Any, x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b
         xb = x_BTHD[b]
         cb, sb = cos[b if cos.shape[0] > 1 else 0], sin[b if sin.shape[0] > 1 else 0]
         code = fn.rope(
-            _ptr(xb), T, H, D, xb.stride(0), xb.stride(1), _ptr(cb), _ptr(sb), _ptr(out[b]), back
-        )
+            _ptr(xb), T, H, D, xb.stride(0), xb.stride(1), _ptr(cb), _ptr(sb), _ptr(out[b]), back,
+            _threads(),
+        )  # fmt: skip
         if code:
             raise RuntimeError(f"the rotary kernel declined a head dim of {D} (code {code})")
     return out
@@ -198,7 +216,7 @@ class AttentionFn(torch.autograd.Function):
         lse = torch.empty((T, H), dtype=torch.float32)
         code = fn.attn_forward(
             _ptr(q), q.stride(1), _ptr(kt), kt.shape[2], _ptr(v), v.stride(1),
-            *_segment_args(q, k, cu_q, cu_k, key_index, scale), _ptr(out), _ptr(lse),
+            *_segment_args(q, k, cu_q, cu_k, key_index, scale), _ptr(out), _ptr(lse), _threads(),
         )  # fmt: skip
         if code:
             raise RuntimeError(f"the attention kernel declined the call (code {code})")
@@ -220,7 +238,7 @@ class AttentionFn(torch.autograd.Function):
         code = fn.attn_backward(
             _ptr(q), q.stride(1), _ptr(k), k.stride(1), _ptr(kt), _ptr(vt), kt.shape[2],
             *_segment_args(q, k, cu_q, cu_k, key_index, scale),
-            _ptr(out), _ptr(grad), _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv),
+            _ptr(out), _ptr(grad), _ptr(lse), _ptr(dq), _ptr(dk), _ptr(dv), _threads(),
         )  # fmt: skip
         if code:
             raise RuntimeError(f"the attention kernel declined the backward (code {code})")
