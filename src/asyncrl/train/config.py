@@ -205,8 +205,8 @@ class TrainerConfig(Placement):
     instead of a torch call per segment (:mod:`asyncrl.train.cpu_fused`): the same values
     within float32 rounding (``bench/trainer.py --modes fused``, ``bench/attention.py``).
     For llama and qwen2 models where the kernel library compiles (AVX-512); elsewhere, in
-    other dtypes, on a GPU, with more than two torch threads (each pass is one thread's)
-    and with ``compile`` (which fuses them its own way) the layers run as transformers
+    other dtypes, on a GPU, with more than two torch threads (the passes share their work
+    between torch's threads, measured on one and two) and with ``compile`` (which fuses them its own way) the layers run as transformers
     writes them. False: as transformers writes them everywhere."""
     allocator: Literal["auto", "system"] = "auto"
     """Memory allocator of a trainer process on the CPU: ``auto`` runs it with mimalloc
