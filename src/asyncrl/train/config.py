@@ -206,8 +206,9 @@ class TrainerConfig(Placement):
     within float32 rounding (``bench/trainer.py --modes fused``, ``bench/attention.py``).
     For llama and qwen2 models where the kernel library compiles (AVX-512); elsewhere, in
     other dtypes, on a GPU, with more than two torch threads (the passes share their work
-    between torch's threads, measured on one and two) and with ``compile`` (which fuses them its own way) the layers run as transformers
-    writes them. False: as transformers writes them everywhere."""
+    between torch's threads, measured on one and two) and with ``compile`` (which fuses
+    them its own way) the layers run as transformers writes them. False: as transformers
+    writes them everywhere."""
     allocator: Literal["auto", "system"] = "auto"
     """Memory allocator of a trainer process on the CPU: ``auto`` runs it with mimalloc
     (the ``cmeel-mimalloc`` wheel, Linux), which keeps freed memory for the next step
