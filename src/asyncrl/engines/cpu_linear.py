@@ -1130,54 +1130,9 @@ int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk
     return jb.err ? -2 : 0;
 }
 #else
+/* without AVX-512 no other kernel is built: kernel() stops at this 0 before it looks up
+   any other entry point */
 int asyncrl_cpu_linear_lanes(void) { return 0; }
-int asyncrl_decode_layer(const void *L, float *x, int64_t rows, int64_t d, int64_t heads,
-                         int64_t kv_heads, int64_t hd, const float *cos, const float *sin,
-                         const uint8_t *mask, int64_t cols, float scale) {
-    return -3;
-}
-void asyncrl_cpu_pack(const float *w, int64_t N, int64_t K, int64_t ws, float *wp) {}
-int asyncrl_cpu_linear_rows(const float *x, int64_t M, int64_t K, int64_t xs, const float *w,
-                            int64_t N, int64_t ws, const float *bias, float *out, int64_t os) {
-    return -3;
-}
-int asyncrl_cpu_linear_packed(const float *x, int64_t M, int64_t K, int64_t xs, const float *wp,
-                              int64_t N, const float *bias, float *out, int64_t os) {
-    return -3;
-}
-int asyncrl_rms_forward(const float *x, int64_t rows, int64_t d, const float *w, float eps,
-                        float *y, float *rstd, int threads) {
-    return -3;
-}
-int asyncrl_rms_backward(const float *x, const float *g, int64_t rows, int64_t d,
-                         const float *w, const float *rstd, float *dx, float *dw, int threads) {
-    return -3;
-}
-int asyncrl_swiglu_forward(const float *a, const float *b, int64_t n, float *out, int threads) {
-    return -3;
-}
-int asyncrl_swiglu_backward(const float *a, const float *b, const float *g, int64_t n, float *da,
-                            float *db, int threads) {
-    return -3;
-}
-int asyncrl_rope(const float *x, int64_t tokens, int64_t heads, int64_t hd, int64_t st, int64_t sh,
-                 const float *cos, const float *sin, float *out, int back, int threads) {
-    return -3;
-}
-int asyncrl_attn_forward(const float *q, int64_t sq, const float *kt, int64_t ldt,
-                         const float *v, int64_t sv, int64_t H, int64_t G, int64_t D,
-                         int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
-                         const int64_t *kidx, float scale, float *out, float *lse, int threads) {
-    return -3;
-}
-int asyncrl_attn_backward(const float *q, int64_t sq, const float *k, int64_t sk,
-                          const float *kt, const float *vt, int64_t ldt, int64_t H, int64_t G,
-                          int64_t D, int64_t T, int64_t nseg, const int64_t *cu_q, const int64_t *cu_k,
-                          const int64_t *kidx, float scale, const float *out,
-                          const float *dout, const float *lse, float *dq, float *dk,
-                          float *dv, int threads) {
-    return -3;
-}
 #endif
 """
 
